@@ -1,0 +1,327 @@
+"""Find the transformer structure of a captured ViT by analysing its graph.
+
+No class or attribute names are consulted. The analysis reads only the dataflow and the shapes
+recorded on an example input:
+
+- attention cores: a fused SDPA call, a softmax whose logits come from a matmul/einsum, or a
+  kept-whole ``nn.MultiheadAttention``;
+- residual adds: ``add(skip, branch)`` of two (B, N, C) tensors where ``skip`` is an ancestor of
+  ``branch``; a block is an attention residual followed by the MLP residual built on its output;
+- stages: runs of blocks chained output-to-input; a stage's prefix tokens are the operands of the
+  token ``cat`` that do not derive from the image, its grid the last (B, C, H, W) tensor upstream;
+- grid ops: convs and pools inside a block whose input is tokens reshaped to a 2-D grid.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from vitcompress.graph import ops
+from vitcompress.graph.capture import CapturedGraph
+from vitcompress.graph.model_map import AttentionCore, Block, GridOp, ModelMap, Stage
+
+
+class MappingError(Exception):
+    """The graph does not look like a ViT this tool can rewrite; says what was found and missing."""
+
+
+@dataclass
+class _Residual:
+    add: fx.Node
+    skip: fx.Node
+    branch: fx.Node
+    nodes: list[fx.Node]  # nodes strictly inside the residual branch, in graph order
+
+
+class _Ancestry:
+    """Data ancestors of every node as integer bitsets (graphs have a few thousand nodes).
+
+    Only edges that carry tensors count: ``cls_token.expand(x.shape[0], -1, -1)`` reads the image
+    batch's size but none of its data, so the cls token does not derive from the image.
+    """
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.nodes = list(graph.nodes)
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+        self.bits: dict[fx.Node, int] = {}
+        for n in self.nodes:
+            acc = 0
+            for parent in n.all_input_nodes:
+                if parent.meta.get("carries_tensor", True):
+                    acc |= self.bits[parent] | (1 << self.index[parent])
+            self.bits[n] = acc
+
+    def is_ancestor(self, a: fx.Node, b: fx.Node) -> bool:
+        return bool(self.bits[b] >> self.index[a] & 1)
+
+    def between(self, start: fx.Node, end: fx.Node) -> list[fx.Node]:
+        """Nodes that depend on ``start`` and that ``end`` depends on (both excluded)."""
+        lo, hi = self.index[start], self.index[end]
+        return [
+            n
+            for n in self.nodes[lo + 1 : hi]
+            if self.is_ancestor(start, n) and self.is_ancestor(n, end)
+        ]
+
+
+def _find_attention_cores(gm: fx.GraphModule) -> list[AttentionCore]:
+    cores: list[AttentionCore] = []
+    for node in gm.graph.nodes:
+        if ops.is_sdpa(node):
+            q, k = node.args[0], node.args[1]
+            q_shape, k_shape = ops.shape(q), ops.shape(k)
+            if q_shape is None or len(q_shape) != 4:
+                continue
+            cores.append(
+                AttentionCore("sdpa", node.name, q_shape[1], ops.module_path(node),
+                              query_tokens=q_shape[2], key_tokens=k_shape[2])
+            )
+        elif ops.is_softmax(node):
+            logits = node.args[0]
+            logits_shape = ops.shape(logits)
+            if logits_shape is None or len(logits_shape) != 4:
+                continue
+            product = ops.walk_back(logits, lambda n: ops.is_matmul(n) or ops.is_einsum(n), 8)
+            if product is None:
+                continue
+            kind = "einsum_softmax" if ops.is_einsum(product) else "matmul_softmax"
+            cores.append(
+                AttentionCore(kind, node.name, logits_shape[1], ops.module_path(node),
+                              logits_node=product.name, query_tokens=logits_shape[2],
+                              key_tokens=logits_shape[3])
+            )
+        elif ops.is_multihead_attention(gm, node):
+            mha = gm.get_submodule(node.target)
+            tokens_shape = ops.shape(node.args[0])
+            n_tokens = None
+            if tokens_shape is not None:
+                n_tokens = tokens_shape[1] if mha.batch_first else tokens_shape[0]
+            cores.append(
+                AttentionCore("multihead_attention", node.name, mha.num_heads, str(node.target),
+                              query_tokens=n_tokens, key_tokens=n_tokens)
+            )
+    return cores
+
+
+def _find_residuals(gm: fx.GraphModule, anc: _Ancestry) -> list[_Residual]:
+    residuals = []
+    for node in gm.graph.nodes:
+        if not ops.is_add(node):
+            continue
+        out = ops.shape(node)
+        args = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        if out is None or len(out) != 3 or len(args) != 2:
+            continue
+        a, b = args
+        if ops.shape(a) != out or ops.shape(b) != out:
+            continue
+        if anc.is_ancestor(a, b):
+            skip, branch = a, b
+        elif anc.is_ancestor(b, a):
+            skip, branch = b, a
+        else:
+            continue
+        inner = anc.between(skip, node)
+        residuals.append(_Residual(node, skip, branch, inner))
+    return residuals
+
+
+def _placeholder(gm: fx.GraphModule) -> fx.Node:
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            return node
+    raise MappingError("the graph has no input")
+
+
+def _grid_from(node: fx.Node, patch_tokens: int) -> tuple[int, int] | None:
+    shape = ops.shape(node)
+    if shape is None or len(shape) != 4:
+        return None
+    if shape[2] * shape[3] == patch_tokens:  # channels first (B, C, H, W)
+        return (shape[2], shape[3])
+    if shape[1] * shape[2] == patch_tokens:  # channels last (B, H, W, C)
+        return (shape[1], shape[2])
+    return None
+
+
+def _analyse_entry(
+    entry: fx.Node, image: fx.Node, anc: _Ancestry
+) -> tuple[int, tuple[int, int], fx.Node, fx.Node | None]:
+    """Prefix-token count, patch grid, patch-token node and grid node of a stage's entry."""
+    tokens = ops.shape(entry)[1]
+    prefix = 0
+    node = entry
+    patch_node = entry
+    for _ in range(256):
+        if ops.is_cat(node):
+            operands = node.args[0] if node.args else node.kwargs.get("tensors")
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+            out_shape = ops.shape(node)
+            if out_shape is not None and len(out_shape) == 3 and dim in (1, -2):
+                from_image = [o for o in operands if anc.is_ancestor(image, o)]
+                from_params = [o for o in operands if o not in from_image]
+                if len(from_image) != 1:
+                    raise MappingError(
+                        f"token concatenation {node.name} joins {len(from_image)} image-derived "
+                        "token sets; expected one patch-token set plus prefix tokens"
+                    )
+                patch = from_image[0]
+                if operands.index(patch) != len(operands) - 1:
+                    raise MappingError(
+                        f"tokens made from parameters are appended after the patch tokens at "
+                        f"{node.name}; only prefix tokens (before the patches) are supported"
+                    )
+                prefix += sum(ops.shape(o)[1] for o in from_params)
+                node = patch
+                patch_node = patch
+                continue
+        grid = _grid_from(node, tokens - prefix)
+        if grid is not None:
+            return prefix, grid, patch_node, node
+        candidates = [
+            n for n in node.all_input_nodes
+            if ops.shape(n) is not None and (n is image or anc.is_ancestor(image, n))
+        ]
+        if not candidates or node is image:
+            break
+        node = candidates[0]
+    patch_tokens = tokens - prefix
+    side = math.isqrt(patch_tokens)
+    if side * side != patch_tokens:
+        raise MappingError(
+            f"found {tokens} tokens entering the blocks ({prefix} prefix) but no 2-D patch grid "
+            "upstream and the patch count is not square"
+        )
+    return prefix, (side, side), patch_node, None
+
+
+def _grid_ops(
+    gm: fx.GraphModule, attn: _Residual, mlp: _Residual, anc: _Ancestry
+) -> list[GridOp]:
+    found = []
+    for branch_name, residual in (("attention", attn), ("mlp", mlp)):
+        for node in residual.nodes:
+            kind = ops.grid_op_kind(gm, node)
+            if kind is None:
+                continue
+            in_shape = ops.shape(node.args[0])
+            if in_shape is None or len(in_shape) != 4:
+                continue
+            # Walk back through the reshapes to the 3-D tokens that were laid out as a grid.
+            to_grid = node.args[0]
+            walker = to_grid
+            tokens_node = None
+            for _ in range(16):
+                parents = [p for p in walker.all_input_nodes if ops.shape(p) is not None]
+                if not parents:
+                    break
+                parent = parents[0]
+                if len(ops.shape(parent)) == 3:
+                    tokens_node, to_grid = parent, walker
+                    break
+                walker = parent
+            if tokens_node is None:
+                continue
+            grid = (in_shape[2], in_shape[3])
+            from_grid = _flatten_back(node, grid[0] * grid[1])
+            found.append(
+                GridOp(
+                    path=ops.module_path(node) if node.op == "call_module" else node.name,
+                    kind=kind,
+                    branch=branch_name,
+                    grid=grid,
+                    to_grid_node=to_grid.name,
+                    tokens_node=tokens_node.name,
+                    op_node=node.name,
+                    from_grid_node=from_grid.name if from_grid is not None else None,
+                )
+            )
+    return found
+
+
+def _flatten_back(op: fx.Node, grid_tokens: int) -> fx.Node | None:
+    """Follow single-user 4-D ops after a grid op to the 3-D tokens it flattens back to."""
+    node = op
+    for _ in range(16):
+        if len(node.users) != 1:
+            return None
+        node = next(iter(node.users))
+        shape = ops.shape(node)
+        if shape is None:
+            return None
+        if len(shape) == 3:
+            return node if grid_tokens in (shape[1], shape[2]) and shape[1] == grid_tokens else None
+    return None
+
+
+def analyse(captured: CapturedGraph) -> ModelMap:
+    """Build the model map of a captured graph, or raise :class:`MappingError`."""
+    gm = captured.module
+    anc = _Ancestry(gm.graph)
+    cores = _find_attention_cores(gm)
+    residuals = _find_residuals(gm, anc)
+    core_nodes = {c.node: c for c in cores}
+    by_name = {n.name: n for n in gm.graph.nodes}
+
+    def cores_in(residual: _Residual) -> list[AttentionCore]:
+        return [core_nodes[n.name] for n in residual.nodes if n.name in core_nodes]
+
+    attn_residuals = [r for r in residuals if cores_in(r)]
+    other_residuals = {r.skip: r for r in residuals if not cores_in(r)}
+    blocks: list[Block] = []
+    pairs: list[tuple[_Residual, _Residual, AttentionCore]] = []
+    for attn in attn_residuals:
+        mlp = other_residuals.get(attn.add)
+        inner = cores_in(attn)
+        if mlp is None or len(inner) != 1:
+            continue
+        pairs.append((attn, mlp, inner[0]))
+
+    if not pairs:
+        raise MappingError(
+            f"no transformer block found: {len(cores)} attention core(s) "
+            f"({', '.join(sorted({c.kind for c in cores})) or 'none'}), {len(residuals)} residual "
+            f"add(s) on (B, N, C) tokens ({len(attn_residuals)} around attention); a block needs "
+            "an attention residual followed by an MLP residual on its output"
+            + (f"; modules kept whole by the tracer: {', '.join(captured.leaves)}"
+               if captured.leaves else "")
+        )
+
+    image = _placeholder(gm)
+    stages: list[Stage] = []
+    for attn, mlp, core in pairs:
+        entry = attn.skip
+        tokens, dim = ops.shape(entry)[1], ops.shape(entry)[2]
+        new_stage = not blocks or by_name[blocks[-1].output_node] is not entry
+        if new_stage:
+            prefix, grid, patch_node, grid_node = _analyse_entry(entry, image, anc)
+            stages.append(
+                Stage(index=len(stages), grid=grid, prefix_tokens=prefix, blocks=[],
+                      entry_node=entry.name, embed_node=patch_node.name,
+                      patch_grid_node=grid_node.name if grid_node is not None else None)
+            )
+        stage = stages[-1]
+        paths = [ops.module_path(n) for n in attn.nodes + mlp.nodes + [attn.add, mlp.add]]
+        path = ops.common_path([p for p in paths if p])
+        index = len(blocks)
+        stage.blocks.append(index)
+        blocks.append(
+            Block(
+                index=index, path=path, tokens=tokens, dim=dim, heads=core.heads,
+                attention=core, stage=stage.index, grid=stage.grid,
+                prefix_tokens=stage.prefix_tokens, input_node=entry.name,
+                attn_add_node=attn.add.name, output_node=mlp.add.name,
+                grid_ops=_grid_ops(gm, attn, mlp, anc),
+            )
+        )
+    input_shape = ops.shape(image)
+    return ModelMap(
+        capture=captured.method,
+        input_size=tuple(input_shape[1:]) if input_shape else (),
+        stages=stages,
+        blocks=blocks,
+        leaves=list(captured.leaves),
+    )

@@ -1,0 +1,122 @@
+"""The model map: what graph analysis found in a ViT, as plain data.
+
+Everything here is derived from a captured graph (see ``analyse.py``); nothing is looked up by class
+or attribute name. Node names refer to nodes of the captured ``torch.fx.GraphModule`` so that the
+rewriter can find the places again without re-running the analysis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ATTENTION_KINDS = ("sdpa", "matmul_softmax", "einsum_softmax", "multihead_attention")
+
+
+@dataclass
+class GridOp:
+    """An op inside a block that needs the full 2-D token grid (conv or pool on reshaped tokens)."""
+
+    path: str  # module path of the conv/pool, or the node name for a functional op
+    kind: str  # "conv" or "pool"
+    branch: str  # "attention" or "mlp"
+    grid: tuple[int, int]  # (H, W) the tokens are reshaped to
+    to_grid_node: str  # node that turns (B, N, C) tokens into (B, C, H, W)
+    tokens_node: str  # the 3-D token tensor that feeds ``to_grid_node``
+    op_node: str  # the conv/pool node itself
+    from_grid_node: str | None = None  # a flatten back to tokens at the same resolution, if any
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "kind": self.kind, "branch": self.branch, "grid": list(self.grid)}
+
+
+@dataclass
+class AttentionCore:
+    kind: str  # one of ATTENTION_KINDS
+    node: str  # sdpa / softmax / MultiheadAttention node
+    heads: int
+    path: str  # module path of the attention (e.g. ``blocks.3.attn``)
+    # For "matmul_softmax"/"einsum_softmax": the query-key product node that feeds the softmax.
+    logits_node: str | None = None
+    query_tokens: int | None = None
+    key_tokens: int | None = None
+
+
+@dataclass
+class Block:
+    index: int
+    path: str
+    tokens: int  # tokens (prefix included) the block sees in the base model
+    dim: int
+    heads: int
+    attention: AttentionCore
+    stage: int
+    grid: tuple[int, int]  # patch grid of the block's stage
+    prefix_tokens: int
+    input_node: str  # residual stream value entering the block
+    attn_add_node: str  # residual add closing the attention branch
+    output_node: str  # residual add closing the MLP branch
+    grid_ops: list[GridOp] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "path": self.path,
+            "tokens": self.tokens,
+            "dim": self.dim,
+            "heads": self.heads,
+            "attention": self.attention.kind,
+            "stage": self.stage,
+            "grid": list(self.grid),
+            "prefix_tokens": self.prefix_tokens,
+            "grid_ops": [op.to_json() for op in self.grid_ops],
+        }
+
+
+@dataclass
+class Stage:
+    index: int
+    grid: tuple[int, int]
+    prefix_tokens: int
+    blocks: list[int]  # block indices
+    entry_node: str  # token stream value as it enters the stage's first block
+    embed_node: str  # the (B, HW, C) patch tokens before prefix tokens are concatenated
+    # Node that flattens the (B, C, H, W) patch grid into tokens; absent when the model starts
+    # from tokens.
+    patch_grid_node: str | None = None
+
+
+@dataclass
+class ModelMap:
+    capture: str  # "symbolic_trace" or "export"
+    input_size: tuple[int, int, int]
+    stages: list[Stage]
+    blocks: list[Block]
+    leaves: list[str] = field(default_factory=list)  # modules kept whole by the tracer
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self.stages[0].prefix_tokens
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.stages[0].grid
+
+    @property
+    def is_hybrid(self) -> bool:
+        return len(self.stages) > 1 or any(b.grid_ops for b in self.blocks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "capture": self.capture,
+            "input_size": list(self.input_size),
+            "prefix_tokens": self.prefix_tokens,
+            "grid": list(self.grid),
+            "stages": [
+                {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(s).items()
+                 if not k.endswith("_node")}
+                for s in self.stages
+            ],
+            "blocks": [b.to_json() for b in self.blocks],
+            "leaves": self.leaves,
+        }

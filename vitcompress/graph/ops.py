@@ -1,0 +1,152 @@
+"""What a graph node does, for both torch-level (symbolic trace) and aten-level (export) graphs."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+
+def _aten(name: str) -> set:
+    """All overloads of ``torch.ops.aten.<name>`` that exist in this torch."""
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None:
+        return set()
+    return {packet} | {getattr(packet, o) for o in packet.overloads()}
+
+
+def _module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
+    if node.op != "call_module":
+        return None
+    try:
+        return gm.get_submodule(node.target)
+    except AttributeError:
+        return None
+
+
+def _is_call(node: fx.Node, functions: set, methods: set[str]) -> bool:
+    if node.op == "call_function":
+        return node.target in functions
+    if node.op == "call_method":
+        return node.target in methods
+    return False
+
+
+_ADD_FUNCS = {operator.add, operator.iadd, torch.add} | _aten("add")
+_SDPA_FUNCS = {F.scaled_dot_product_attention} | _aten("scaled_dot_product_attention")
+_SOFTMAX_FUNCS = {F.softmax, torch.softmax} | _aten("softmax") | _aten("_softmax")
+_MATMUL_FUNCS = {operator.matmul, torch.matmul, torch.bmm} | _aten("matmul") | _aten("bmm")
+_EINSUM_FUNCS = {torch.einsum} | _aten("einsum")
+_CAT_FUNCS = {torch.cat, torch.concat, torch.concatenate} | _aten("cat")
+_CONV_FUNCS = {F.conv1d, F.conv2d} | _aten("conv2d") | _aten("convolution")
+_POOL_FUNCS = (
+    {F.avg_pool2d, F.max_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d}
+    | _aten("avg_pool2d")
+    | _aten("max_pool2d")
+    | _aten("adaptive_avg_pool2d")
+)
+_POOL_MODULES = (
+    nn.AvgPool2d,
+    nn.MaxPool2d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveMaxPool2d,
+)
+
+
+def is_add(node: fx.Node) -> bool:
+    return _is_call(node, _ADD_FUNCS, {"add", "add_"})
+
+
+def is_sdpa(node: fx.Node) -> bool:
+    return _is_call(node, _SDPA_FUNCS, set())
+
+
+def is_softmax(node: fx.Node) -> bool:
+    return _is_call(node, _SOFTMAX_FUNCS, {"softmax"})
+
+
+def is_matmul(node: fx.Node) -> bool:
+    return _is_call(node, _MATMUL_FUNCS, {"matmul", "bmm", "__matmul__"})
+
+
+def is_einsum(node: fx.Node) -> bool:
+    return _is_call(node, _EINSUM_FUNCS, set())
+
+
+def is_cat(node: fx.Node) -> bool:
+    return _is_call(node, _CAT_FUNCS, {"cat"})
+
+
+def is_multihead_attention(gm: fx.GraphModule, node: fx.Node) -> bool:
+    return isinstance(_module(gm, node), nn.MultiheadAttention)
+
+
+def grid_op_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """``"conv"`` or ``"pool"`` for an op that works on a spatial grid, else ``None``."""
+    module = _module(gm, node)
+    if isinstance(module, nn.Conv2d) or _is_call(node, _CONV_FUNCS, set()):
+        return "conv"
+    if isinstance(module, _POOL_MODULES) or _is_call(node, _POOL_FUNCS, set()):
+        return "pool"
+    return None
+
+
+def shape(node: fx.Node) -> tuple | None:
+    """The tensor shape recorded for ``node``, or ``None`` for non-tensors and tuples."""
+    value = node.meta.get("shape")
+    if node.meta.get("is_tensor") and isinstance(value, tuple):
+        return value
+    return None
+
+
+def input_nodes(node: fx.Node) -> list[fx.Node]:
+    return list(node.all_input_nodes)
+
+
+def module_path(node: fx.Node) -> str:
+    """The innermost module the node was traced in (``""`` at the top level)."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1]
+    # nn_module_stack values are (qualified path, type); export prefixes some paths with "L__self__".
+    path = path[0] if isinstance(path, tuple) else str(path)
+    return _clean_path(path)
+
+
+def _clean_path(path: str) -> str:
+    for prefix in ("L['self'].", "L__self__."):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    return path
+
+
+def common_path(paths: list[str]) -> str:
+    parts = [p.split(".") for p in paths if p]
+    if not parts:
+        return ""
+    common: list[str] = []
+    for items in zip(*parts, strict=False):
+        if len(set(items)) != 1:
+            break
+        common.append(items[0])
+    return ".".join(common)
+
+
+def walk_back(node: fx.Node, stop: Callable[[fx.Node], bool], limit: int = 64) -> fx.Node | None:
+    """Follow first tensor inputs backwards until ``stop`` holds; ``None`` if it never does."""
+    current: fx.Node | None = node
+    for _ in range(limit):
+        if current is None:
+            return None
+        if stop(current):
+            return current
+        tensors = [n for n in current.all_input_nodes if shape(n) is not None]
+        current = tensors[0] if tensors else None
+    return None

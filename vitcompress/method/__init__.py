@@ -1,0 +1,42 @@
+"""The method: small pure tensor functions (score, select, match, fuse, mask).
+
+Nothing here knows about graphs, modules or the command line. Shapes follow one convention:
+tokens are ``(B, N, C)``, per-token scores and masks are ``(B, N)``, indices are ``(B, k)`` and
+refer to positions along ``N``.
+"""
+
+from vitcompress.method.attention import masked_attention, masked_softmax
+from vitcompress.method.score import (
+    cls_attention_score,
+    received_attention_score,
+    score_from_probs,
+)
+from vitcompress.method.select import gather_tokens, keep_count, scatter_tokens, split_by_score
+from vitcompress.method.squeeze import (
+    cosine_similarity,
+    evit_fuse,
+    fuse_into_hosts,
+    match_hosts,
+    squeeze,
+    squeeze_dense,
+    squeeze_masked,
+)
+
+__all__ = [
+    "cls_attention_score",
+    "cosine_similarity",
+    "evit_fuse",
+    "fuse_into_hosts",
+    "gather_tokens",
+    "keep_count",
+    "masked_attention",
+    "masked_softmax",
+    "match_hosts",
+    "received_attention_score",
+    "scatter_tokens",
+    "score_from_probs",
+    "split_by_score",
+    "squeeze",
+    "squeeze_dense",
+    "squeeze_masked",
+]

@@ -1,0 +1,41 @@
+"""Token scores from attention: the cls row (EViT/eTPS) or the attention each token receives."""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+
+def cls_attention_score(
+    q: Tensor, k: Tensor, prefix_tokens: int, scale: float | None = None
+) -> Tensor:
+    """Head-mean attention from the cls query (position 0) to every non-prefix key.
+
+    ``q`` and ``k`` are ``(B, H, N, D)``. Only the cls row is computed, so a fused attention kernel
+    never has to materialise the ``N x N`` matrix just to score tokens.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    logits = (q[:, :, :1].float() @ k.float().transpose(-2, -1)) * scale  # (B, H, 1, N)
+    probs = logits.softmax(dim=-1)
+    return probs[:, :, 0, prefix_tokens:].mean(dim=1).to(q.dtype)
+
+
+def received_attention_score(
+    q: Tensor, k: Tensor, prefix_tokens: int, scale: float | None = None
+) -> Tensor:
+    """Mean attention each non-prefix key receives, over heads and queries (models without cls)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    probs = ((q.float() @ k.float().transpose(-2, -1)) * scale).softmax(dim=-1)
+    return score_from_probs(probs, prefix_tokens, has_cls=False).to(q.dtype)
+
+
+def score_from_probs(probs: Tensor, prefix_tokens: int, has_cls: bool) -> Tensor:
+    """Score non-prefix keys from post-softmax attention ``(B, H, Nq, Nk)``.
+
+    With a cls token: its row, averaged over heads. Without: the attention each key receives,
+    averaged over heads and queries.
+    """
+    if has_cls:
+        return probs[:, :, 0, prefix_tokens:].mean(dim=1)
+    return probs[..., prefix_tokens:].mean(dim=(1, 2))

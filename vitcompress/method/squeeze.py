@@ -1,0 +1,99 @@
+"""Token squeezing (TPS): match each pruned token (donor) to its most similar kept token (host)
+and fuse the donors into their hosts with exp-similarity weights.
+
+Paper, Sec. 3.3: ``y_j = (e x_j + sum_i exp(c_ij) m_ij x_i) / (e + sum_i exp(c_ij) m_ij)``, where
+``c`` is the cosine similarity, ``m_ij = 1`` iff host(i) = j, and ``e = exp(1)`` is the host's
+weight on itself (its similarity to itself is 1). Hosts without donors are unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+SELF_WEIGHT = math.e  # exp(1): a token's similarity to itself is 1
+_NORM_EPS = 1e-6
+
+
+def cosine_similarity(donors: Tensor, hosts: Tensor) -> Tensor:
+    """Cosine similarity ``(B, Np, Nr)`` of raw token features, computed in float32.
+
+    The ``+ eps`` on the norm (not a clamp) follows the reference code; an all-zero token gets
+    similarity 0 to everything.
+    """
+    d = donors.float()
+    h = hosts.float()
+    d = d / (d.norm(dim=-1, keepdim=True) + _NORM_EPS)
+    h = h / (h.norm(dim=-1, keepdim=True) + _NORM_EPS)
+    return d @ h.transpose(-2, -1)
+
+
+def match_hosts(similarity: Tensor) -> tuple[Tensor, Tensor]:
+    """For each donor row of ``(B, Np, Nr)``: the index of its host and the similarity to it."""
+    host_similarity, host_index = similarity.max(dim=-1)
+    return host_index, host_similarity
+
+
+def fuse_into_hosts(
+    hosts: Tensor, donors: Tensor, host_index: Tensor, host_similarity: Tensor
+) -> Tensor:
+    """Fuse donors into hosts by index scatter: O(Np * C) instead of the dense O(Np * Nr * C)."""
+    out_dtype = hosts.dtype
+    weight = host_similarity.float().exp()  # (B, Np)
+    numerator = hosts.float() * SELF_WEIGHT
+    numerator = numerator.scatter_add(
+        1,
+        host_index.unsqueeze(-1).expand(-1, -1, hosts.shape[-1]),
+        donors.float() * weight.unsqueeze(-1),
+    )
+    denominator = torch.full(
+        hosts.shape[:2], SELF_WEIGHT, dtype=torch.float32, device=hosts.device
+    ).scatter_add(1, host_index, weight)
+    return (numerator / denominator.unsqueeze(-1)).to(out_dtype)
+
+
+def squeeze(hosts: Tensor, donors: Tensor) -> Tensor:
+    """TPS at inference: squeeze ``(B, Np, C)`` donors into ``(B, Nr, C)`` hosts."""
+    if donors.shape[1] == 0:
+        return hosts
+    host_index, host_similarity = match_hosts(cosine_similarity(donors, hosts))
+    return fuse_into_hosts(hosts, donors, host_index, host_similarity)
+
+
+def squeeze_dense(hosts: Tensor, donors: Tensor) -> Tensor:
+    """The paper's dense form with the matching mask ``M`` (Np x Nr); equal to :func:`squeeze`."""
+    similarity = cosine_similarity(donors, hosts)
+    host_index, _ = match_hosts(similarity)
+    match = torch.nn.functional.one_hot(host_index, hosts.shape[1]).float()  # (B, Np, Nr)
+    weight = similarity.exp() * match
+    numerator = SELF_WEIGHT * hosts.float() + weight.transpose(1, 2) @ donors.float()
+    denominator = SELF_WEIGHT + weight.sum(dim=1)  # (B, Nr)
+    return (numerator / denominator.unsqueeze(-1)).to(hosts.dtype)
+
+
+def squeeze_masked(x: Tensor, host_mask: Tensor, donor_mask: Tensor) -> Tensor:
+    """TPS in training: nothing is dropped; masks over all N tokens say who hosts and who donates.
+
+    ``host_mask`` (B, N): tokens kept at this location; ``donor_mask`` (B, N): tokens pruned AT this
+    location (earlier-dropped tokens are neither). Masks may carry straight-through gradients:
+    the argmax uses their hard values, the weights use the masks themselves, so gradient reaches
+    the predictor. Returns ``x`` with hosts replaced by their fused value; other tokens unchanged.
+    """
+    similarity = cosine_similarity(x, x)  # (B, N donors, N hosts)
+    can_host = host_mask.detach().unsqueeze(1) > 0.5
+    host_index = similarity.masked_fill(~can_host, float("-inf")).argmax(dim=-1)  # (B, N)
+    match = torch.nn.functional.one_hot(host_index, x.shape[1]).float()
+    match = match * donor_mask.float().unsqueeze(-1) * host_mask.float().unsqueeze(1)
+    weight = similarity.exp() * match  # (B, N, N): donor i -> host j
+    numerator = SELF_WEIGHT * x.float() + weight.transpose(1, 2) @ x.float()
+    denominator = SELF_WEIGHT + weight.sum(dim=1)
+    fused = numerator / denominator.unsqueeze(-1)
+    keep = host_mask.float().unsqueeze(-1)
+    return (keep * fused + (1.0 - keep) * x.float()).to(x.dtype)
+
+
+def evit_fuse(donors: Tensor, donor_scores: Tensor) -> Tensor:
+    """EViT: all pruned tokens become one token ``sum_i a_i x_i`` (``a`` not renormalised)."""
+    return (donors * donor_scores.unsqueeze(-1).to(donors.dtype)).sum(dim=1, keepdim=True)
