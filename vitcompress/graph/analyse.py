@@ -15,6 +15,7 @@ recorded on an example input:
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -318,10 +319,28 @@ def analyse(captured: CapturedGraph) -> ModelMap:
             )
         )
     input_shape = ops.shape(image)
+    last = by_name[blocks[-1].output_node]
+    cls_token = stages[-1].prefix_tokens > 0 and _reads_first_token(last, anc)
     return ModelMap(
         capture=captured.method,
         input_size=tuple(input_shape[1:]) if input_shape else (),
         stages=stages,
         blocks=blocks,
         leaves=list(captured.leaves),
+        cls_token=cls_token,
     )
+
+
+def _reads_first_token(stream: fx.Node, anc: _Ancestry) -> bool:
+    """Whether something after the last block takes token 0 alone (``x[:, 0]``): a cls head."""
+    for node in anc.nodes[anc.index[stream]:]:
+        if node is not stream and not anc.is_ancestor(stream, node):
+            continue
+        if node.op == "call_function" and node.target is operator.getitem:
+            index = node.args[1]
+            if isinstance(index, tuple) and len(index) >= 2 and index[1] == 0 \
+                    and index[0] == slice(None):
+                return True
+        if ops.is_select_first_token(node):
+            return True
+    return False

@@ -93,6 +93,9 @@ class ModelMap:
     stages: list[Stage]
     blocks: list[Block]
     leaves: list[str] = field(default_factory=list)  # modules kept whole by the tracer
+    # The head reads token 0 of the last stage: its first prefix token is a cls token. Without
+    # one (global pooling, registers only), eTPS/EViT score by the attention a token receives.
+    cls_token: bool = False
 
     @property
     def prefix_tokens(self) -> int:
@@ -111,6 +114,7 @@ class ModelMap:
             "capture": self.capture,
             "input_size": list(self.input_size),
             "prefix_tokens": self.prefix_tokens,
+            "cls_token": self.cls_token,
             "grid": list(self.grid),
             "stages": [
                 {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(s).items()

@@ -150,3 +150,10 @@ def walk_back(node: fx.Node, stop: Callable[[fx.Node], bool], limit: int = 64) -
         tensors = [n for n in current.all_input_nodes if shape(n) is not None]
         current = tensors[0] if tensors else None
     return None
+
+
+def is_select_first_token(node: fx.Node) -> bool:
+    """``aten.select(x, 1, 0)`` as an exported graph writes ``x[:, 0]``."""
+    if node.op != "call_function" or node.target not in _aten("select"):
+        return False
+    return tuple(node.args[1:3]) == (1, 0)

@@ -1,0 +1,182 @@
+"""Rewrite a captured graph to carry out a compression plan.
+
+Three kinds of edits, all on the graph the analysis mapped:
+- a reducer module on the residual stream: before a block (predictor variants) or after its
+  attention residual add (attention variants); it returns ``(tokens, keep_mask, positions)``;
+- the attention core of a block replaced by a hook that masks dropped keys while training a
+  predictor variant, and returns the token score where an attention variant prunes;
+- around every grid op that follows a reduction (hybrids): tokens scattered back into a zero grid
+  at their original positions before the op (or zeroed by the keep mask in training), and the
+  kept positions gathered again after a flatten at the same resolution.
+Shapes are read at run time in the captured code, so blocks after a reducer accept fewer tokens.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from vitcompress.graph.model_map import Block, ModelMap
+from vitcompress.modules import (
+    AttentionReducer,
+    MHAHook,
+    PredictorReducer,
+    SDPAHook,
+    SoftmaxHook,
+)
+from vitcompress.modules.grid import GridGather, GridPad
+from vitcompress.plan import Plan
+
+REDUCER_PREFIX = "tps"
+HOOK_PREFIX = "tps_hooks"
+
+
+class RewriteError(Exception):
+    """The plan cannot be carried out on this graph."""
+
+
+def _getitems(graph: fx.Graph, node: fx.Node, count: int) -> list[fx.Node]:
+    items = []
+    with graph.inserting_after(node):
+        for i in reversed(range(count)):
+            items.append(graph.call_function(operator.getitem, (node, i)))
+    return list(reversed(items))
+
+
+def _replace_uses(old: fx.Node, new: fx.Node, keep: set[fx.Node]) -> None:
+    old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in keep)
+
+
+class _Rewriter:
+    def __init__(self, gm: fx.GraphModule, model_map: ModelMap, plan: Plan) -> None:
+        self.gm = gm
+        self.graph = gm.graph
+        self.map = model_map
+        self.plan = plan
+        self.nodes = {n.name: n for n in gm.graph.nodes}
+        # Registered up front: fx checks that a call_module target exists when it is created.
+        self.hooks = nn.Module()
+        self.reducers = nn.Module()
+        gm.add_module(REDUCER_PREFIX, self.reducers)
+        gm.add_module(HOOK_PREFIX, self.hooks)
+
+    def _add_hook(self, name: str, module: nn.Module) -> str:
+        self.hooks.add_module(name, module)
+        return f"{HOOK_PREFIX}.{name}"
+
+    def run(self) -> fx.GraphModule:
+        by_block = {loc.block: (i, loc) for i, loc in enumerate(self.plan.locations)}
+        keep_mask: Any = None
+        positions: Any = None
+        stage = -1
+        for block in self.map.blocks:
+            if block.stage != stage:
+                stage = block.stage
+                keep_mask, positions = None, None
+            located = by_block.get(block.index)
+            if located is not None and self.plan.scorer == "predictor":
+                keep_mask, positions = self._insert_predictor(block, *located, keep_mask, positions)
+            scoring = located is not None and self.plan.scorer == "attention"
+            score = self._hook_attention(block, keep_mask, scoring)
+            if keep_mask is not None or positions is not None:
+                self._wrap_grid_ops(block, keep_mask, positions)
+            if scoring:
+                positions = self._insert_attention_reducer(block, *located, score, positions)
+        self.graph.lint()
+        self.gm.recompile()
+        return self.gm
+
+    def _insert_predictor(self, block: Block, index: int, loc, keep_mask, positions):
+        stream = self.nodes[block.input_node]
+        self.reducers.add_module(str(index), PredictorReducer(
+            dim=block.dim, prefix_tokens=block.prefix_tokens, keep_tokens=loc.keep_tokens,
+            keep_ratio=loc.cumulative_keep, squeeze=self.plan.fuse == "squeeze",
+            policy=self.plan.policy))
+        with self.graph.inserting_after(stream):
+            reducer = self.graph.call_module(f"{REDUCER_PREFIX}.{index}",
+                                             (stream, keep_mask, positions))
+        tokens, new_mask, new_positions = _getitems(self.graph, reducer, 3)
+        _replace_uses(stream, tokens, {reducer})
+        return new_mask, new_positions
+
+    def _insert_attention_reducer(self, block: Block, index: int, loc, score, positions):
+        stream = self.nodes[block.attn_add_node]
+        self.reducers.add_module(str(index), AttentionReducer(
+            prefix_tokens=block.prefix_tokens, keep_ratio=loc.keep, fuse=self.plan.fuse,
+            policy=self.plan.policy))
+        with self.graph.inserting_after(stream):
+            reducer = self.graph.call_module(f"{REDUCER_PREFIX}.{index}",
+                                             (stream, score, None, positions))
+        tokens, _, new_positions = _getitems(self.graph, reducer, 3)
+        _replace_uses(stream, tokens, {reducer})
+        return new_positions
+
+    def _hook_attention(self, block: Block, keep_mask, scoring: bool) -> fx.Node | None:
+        """Replace the block's attention core when it must mask keys or score tokens."""
+        if keep_mask is None and not scoring:
+            return None
+        core = block.attention
+        node = self.nodes[core.node]
+        has_cls = self.map.cls_token and block.prefix_tokens > 0
+        options = dict(prefix_tokens=block.prefix_tokens, has_cls=has_cls, score=scoring)
+        name = f"attn{block.index}"
+        if core.kind == "sdpa":
+            target = self._add_hook(name, SDPAHook(**options))
+            args = (*node.args[:3], keep_mask, *node.args[3:])
+            kwargs = dict(node.kwargs)
+        elif core.kind in ("matmul_softmax", "einsum_softmax"):
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+            if dim not in (-1, 3):
+                raise RewriteError(f"softmax over dim {dim} in {core.path}; expected the key dim")
+            target = self._add_hook(name, SoftmaxHook(**options))
+            args, kwargs = (node.args[0], keep_mask), {}
+        else:  # a kept-whole nn.MultiheadAttention
+            target = self._add_hook(name, MHAHook(**options))
+            with self.graph.inserting_before(node):
+                module = self.graph.get_attr(str(node.target))
+            args = (module, *node.args[:3], keep_mask)
+            kwargs = dict(node.kwargs)
+        with self.graph.inserting_after(node):
+            hook = self.graph.call_module(target, args, kwargs)
+        if not scoring:
+            node.replace_all_uses_with(hook)
+            self.graph.erase_node(node)
+            return None
+        if core.kind == "multihead_attention":
+            out, weights, score = _getitems(self.graph, hook, 3)
+            # Users index the original (output, weights) tuple; give them the same tuple back.
+            with self.graph.inserting_after(weights):
+                pair = self.graph.call_function(tuple, ([out, weights],))
+            node.replace_all_uses_with(pair)
+        else:
+            out, score = _getitems(self.graph, hook, 2)
+            node.replace_all_uses_with(out)
+        self.graph.erase_node(node)
+        return score
+
+    def _wrap_grid_ops(self, block: Block, keep_mask, positions) -> None:
+        """Give every grid op of a reduced block its full grid back (pad or mask), then gather."""
+        for op in block.grid_ops:
+            tokens = self.nodes[op.tokens_node]
+            to_grid = self.nodes[op.to_grid_node]
+            name = f"pad{block.index}_{op.op_node}"
+            self.hooks.add_module(name, GridPad(grid=op.grid))
+            with self.graph.inserting_before(to_grid):
+                padded = self.graph.call_module(f"{HOOK_PREFIX}.{name}",
+                                                (tokens, keep_mask, positions))
+            to_grid.replace_input_with(tokens, padded)
+            if op.from_grid_node is not None:
+                flat = self.nodes[op.from_grid_node]
+                name = f"gather{block.index}_{op.op_node}"
+                self.hooks.add_module(name, GridGather(grid=op.grid))
+                with self.graph.inserting_after(flat):
+                    gathered = self.graph.call_module(f"{HOOK_PREFIX}.{name}", (flat, positions))
+                _replace_uses(flat, gathered, {gathered})
+
+
+def rewrite(gm: fx.GraphModule, model_map: ModelMap, plan: Plan) -> fx.GraphModule:
+    """Apply ``plan`` to ``gm`` in place and return it."""
+    return _Rewriter(gm, model_map, plan).run()

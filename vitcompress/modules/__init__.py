@@ -1,0 +1,14 @@
+"""The modules a compression plan inserts into a captured graph."""
+
+from vitcompress.modules.attention import MHAHook, SDPAHook, SoftmaxHook
+from vitcompress.modules.predictor import ScorePredictor
+from vitcompress.modules.reducers import AttentionReducer, PredictorReducer
+
+__all__ = [
+    "AttentionReducer",
+    "MHAHook",
+    "PredictorReducer",
+    "SDPAHook",
+    "ScorePredictor",
+    "SoftmaxHook",
+]

@@ -1,0 +1,117 @@
+"""Replacements for attention cores found in the graph.
+
+Each hook does what the original node did, plus, when asked:
+- ``keep_mask``: mask dropped keys (training of predictor-based variants, DynamicViT's form);
+  applied only where the keys are the block's own tokens (a spatial-reduction attention attends
+  to pooled keys, whose masking happens on the grid before the reduction);
+- ``score=True``: also return a per-token score for eTPS/EViT: the cls row, head-mean, or without
+  a cls token the mean attention each token receives.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vitcompress.method import (
+    cls_attention_score,
+    masked_attention,
+    masked_softmax,
+    received_attention_score,
+    score_from_probs,
+)
+
+
+class _ScoringHook(nn.Module):
+    def __init__(self, prefix_tokens: int, has_cls: bool, score: bool) -> None:
+        super().__init__()
+        self.prefix_tokens = prefix_tokens
+        self.has_cls = has_cls
+        self.score = score
+
+    def extra_repr(self) -> str:
+        return f"prefix_tokens={self.prefix_tokens}, has_cls={self.has_cls}, score={self.score}"
+
+    def _score_qk(self, q: Tensor, k: Tensor, scale: float | None) -> Tensor:
+        if self.has_cls:
+            return cls_attention_score(q, k, self.prefix_tokens, scale)
+        return received_attention_score(q, k, self.prefix_tokens, scale)
+
+
+def _applies(keep_mask: Tensor | None, key_tokens: int) -> bool:
+    return keep_mask is not None and keep_mask.shape[1] == key_tokens
+
+
+class SDPAHook(_ScoringHook):
+    """Stands in for ``F.scaled_dot_product_attention(q, k, v, ...)`` on (B, H, N, D) tensors."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, keep_mask: Tensor | None = None,
+                attn_mask: Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                scale: float | None = None, **kwargs) -> Tensor | tuple[Tensor, Tensor]:
+        if _applies(keep_mask, k.shape[-2]):
+            if attn_mask is not None or is_causal:
+                raise NotImplementedError("a key mask combined with an attention mask")
+            out, probs = masked_attention(q, k, v, keep_mask, scale)
+            if dropout_p > 0.0:
+                out = F.dropout(probs, dropout_p, self.training) @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                 is_causal=is_causal, scale=scale, **kwargs)
+        if not self.score:
+            return out
+        return out, self._score_qk(q, k, scale)
+
+
+class SoftmaxHook(_ScoringHook):
+    """Stands in for the softmax of an explicit ``q @ k^T`` (or einsum) attention."""
+
+    def forward(self, logits: Tensor, keep_mask: Tensor | None = None, *args,
+                **kwargs) -> Tensor | tuple[Tensor, Tensor]:
+        if _applies(keep_mask, logits.shape[-1]):
+            probs = masked_softmax(logits, keep_mask)
+        else:
+            probs = logits.softmax(dim=-1)
+        if not self.score:
+            return probs
+        return probs, score_from_probs(probs, self.prefix_tokens, self.has_cls)
+
+
+class MHAHook(_ScoringHook):
+    """Stands in for a call of an ``nn.MultiheadAttention`` module, which hides its attention
+    weights: with a mask or a score requested it recomputes attention from the module's own
+    projections. The module is passed in (not owned) so its state-dict keys stay where they were.
+    """
+
+    def forward(self, mha: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor,
+                keep_mask: Tensor | None = None, **kwargs):
+        if keep_mask is None and not self.score:
+            return mha(query, key, value, **kwargs)
+        if (not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn
+                or kwargs.get("attn_mask") is not None
+                or kwargs.get("key_padding_mask") is not None):
+            raise NotImplementedError(
+                "nn.MultiheadAttention with separate k/v dims, bias_k, zero attention or masks"
+            )
+        if not mha.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        b, n, c = query.shape
+        heads = mha.num_heads
+        w_q, w_k, w_v = mha.in_proj_weight.chunk(3)
+        b_q, b_k, b_v = (mha.in_proj_bias.chunk(3) if mha.in_proj_bias is not None
+                         else (None, None, None))
+        q = F.linear(query, w_q, b_q).reshape(b, n, heads, c // heads).transpose(1, 2)
+        k = F.linear(key, w_k, b_k).reshape(b, -1, heads, c // heads).transpose(1, 2)
+        v = F.linear(value, w_v, b_v).reshape(b, -1, heads, c // heads).transpose(1, 2)
+        if _applies(keep_mask, k.shape[-2]):
+            y, probs = masked_attention(q, k, v, keep_mask)
+            if mha.dropout > 0.0 and self.training:
+                y = F.dropout(probs, mha.dropout) @ v
+        else:
+            dropout = mha.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
+        out = mha.out_proj(y.transpose(1, 2).reshape(b, n, c))
+        if not mha.batch_first:
+            out = out.transpose(0, 1)
+        if not self.score:
+            return out, None
+        return out, None, self._score_qk(q, k, None)

@@ -1,0 +1,139 @@
+"""Token reducers inserted on the residual stream.
+
+Both return ``(tokens, keep_mask, positions)``:
+
+- ``keep_mask`` (B, P + N0), float, prefix tokens 1: which tokens are still kept while TRAINING a
+  predictor-based variant (nothing is dropped then); ``None`` whenever tokens are dropped.
+- ``positions`` (B, n) long: the original grid index of every non-prefix token present, -1 for a
+  token that is not on the grid (EViT's fused token); ``None`` means "all of them, in grid order".
+  Grid ops pad by it; visualisation reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vitcompress.method import (
+    evit_fuse,
+    gather_tokens,
+    keep_count,
+    split_by_score,
+    squeeze,
+    squeeze_masked,
+)
+from vitcompress.modules.predictor import ScorePredictor
+
+POLICIES = ("score", "random")
+
+
+def _positions(positions: Tensor | None, patches: Tensor) -> Tensor:
+    if positions is not None:
+        return positions
+    b, n = patches.shape[:2]
+    return torch.arange(n, device=patches.device).unsqueeze(0).expand(b, n)
+
+
+class PredictorReducer(nn.Module):
+    """dTPS (``squeeze=True``) and DynamicViT (``squeeze=False``), placed BEFORE a block.
+
+    Inference keeps ``keep_tokens`` patch tokens (``int(N0 * rho**s)``, fixed, so shapes are
+    constant) by the predictor's keep log-probability and, for dTPS, squeezes the rest into their
+    hosts. Training samples a hard straight-through Gumbel mask over all N0 tokens instead.
+    """
+
+    def __init__(self, dim: int, prefix_tokens: int, keep_tokens: int, keep_ratio: float,
+                 squeeze: bool = True, policy: str = "score") -> None:
+        super().__init__()
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.prefix_tokens = prefix_tokens
+        self.keep_tokens = keep_tokens
+        self.keep_ratio = keep_ratio  # target fraction of N0 kept after this location (ratio loss)
+        self.squeeze = squeeze
+        self.policy = policy
+        self.predictor = ScorePredictor(dim)
+
+    def extra_repr(self) -> str:
+        return (f"prefix_tokens={self.prefix_tokens}, keep_tokens={self.keep_tokens}, "
+                f"squeeze={self.squeeze}, policy={self.policy!r}")
+
+    def forward(self, x: Tensor, keep_mask: Tensor | None = None,
+                positions: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        p = self.prefix_tokens
+        prefix, patches = x[:, :p], x[:, p:]
+        if self.training:
+            return self._train(prefix, patches, keep_mask, positions)
+        if self.policy == "random":
+            scores = torch.rand(patches.shape[:2], device=x.device)
+        else:
+            scores = self.predictor(patches)[..., 0]
+        keep_index, prune_index = split_by_score(scores, min(self.keep_tokens, patches.shape[1]))
+        kept = gather_tokens(patches, keep_index)
+        if self.squeeze:
+            kept = squeeze(kept, gather_tokens(patches, prune_index))
+        positions = torch.gather(_positions(positions, patches), 1, keep_index)
+        return torch.cat([prefix, kept], dim=1), None, positions
+
+    def _train(self, prefix: Tensor, patches: Tensor, keep_mask: Tensor | None,
+               positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        b, n = patches.shape[:2]
+        previous = (keep_mask[:, self.prefix_tokens:] if keep_mask is not None
+                    else patches.new_ones(b, n))
+        if self.policy == "random":
+            # Exactly keep_tokens of the tokens still kept, chosen uniformly.
+            noise = torch.rand(b, n, device=patches.device) + previous
+            keep_index, _ = split_by_score(noise, min(self.keep_tokens, n))
+            hard = torch.zeros_like(previous).scatter(1, keep_index, 1.0) * previous
+        else:
+            log_probs = self.predictor(patches, previous)
+            hard = F.gumbel_softmax(log_probs, hard=True)[..., 0] * previous
+        if self.squeeze:
+            patches = squeeze_masked(patches, host_mask=hard, donor_mask=(1.0 - hard) * previous)
+        mask = torch.cat([hard.new_ones(b, self.prefix_tokens), hard], dim=1)
+        return torch.cat([prefix, patches], dim=1), mask, positions
+
+
+class AttentionReducer(nn.Module):
+    """eTPS (``fuse="squeeze"``) and EViT (``fuse="evit"``), placed INSIDE a block after the
+    attention residual add, scored by that block's attention. Drops tokens in training too.
+
+    Keeps ``ceil(rho * n)`` of the ``n`` non-prefix tokens present (EViT's fused token counts).
+    """
+
+    def __init__(self, prefix_tokens: int, keep_ratio: float, fuse: str = "squeeze",
+                 policy: str = "score") -> None:
+        super().__init__()
+        if fuse not in ("squeeze", "evit"):
+            raise ValueError(f"fuse must be 'squeeze' or 'evit', got {fuse!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.prefix_tokens = prefix_tokens
+        self.keep_ratio = keep_ratio
+        self.fuse = fuse
+        self.policy = policy
+
+    def extra_repr(self) -> str:
+        return (f"prefix_tokens={self.prefix_tokens}, keep_ratio={self.keep_ratio}, "
+                f"fuse={self.fuse!r}, policy={self.policy!r}")
+
+    def forward(self, x: Tensor, scores: Tensor, keep_mask: Tensor | None = None,
+                positions: Tensor | None = None) -> tuple[Tensor, None, Tensor | None]:
+        p = self.prefix_tokens
+        prefix, patches = x[:, :p], x[:, p:]
+        n = patches.shape[1]
+        k = keep_count(n, self.keep_ratio, "ceil")
+        if k >= n:  # nothing to prune: EViT adds no fused token either
+            return x, None, positions
+        # A random policy only changes who is kept; EViT still weights its fused token by attention.
+        order = torch.rand_like(scores) if self.policy == "random" else scores
+        keep_index, prune_index = split_by_score(order, k)
+        kept = gather_tokens(patches, keep_index)
+        pruned = gather_tokens(patches, prune_index)
+        positions = torch.gather(_positions(positions, patches), 1, keep_index)
+        if self.fuse == "squeeze":
+            return torch.cat([prefix, squeeze(kept, pruned)], dim=1), None, positions
+        extra = evit_fuse(pruned, torch.gather(scores, 1, prune_index))
+        positions = torch.cat([positions, positions.new_full((x.shape[0], 1), -1)], dim=1)
+        return torch.cat([prefix, kept, extra], dim=1), None, positions

@@ -1,0 +1,133 @@
+"""A compression plan: which variant, at which blocks, keeping how much. Derived from a model map."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from vitcompress.graph.model_map import ModelMap
+from vitcompress.method import keep_count
+
+# variant -> (where it scores, how pruned tokens are kept)
+VARIANTS: dict[str, tuple[str, str]] = {
+    "dtps": ("predictor", "squeeze"),
+    "dynamicvit": ("predictor", "drop"),
+    "etps": ("attention", "squeeze"),
+    "evit": ("attention", "evit"),
+}
+POLICIES = ("score", "random")
+
+
+class PlanError(ValueError):
+    """A plan that cannot be applied to this model; the message is one line for the user."""
+
+
+@dataclass
+class Location:
+    block: int  # 0-based block index
+    stage: int
+    step: int  # s = 1, 2, ... counted within the stage
+    keep: float  # this location's keep ratio rho
+    cumulative_keep: float  # product of the stage's keep ratios so far (rho**s when uniform)
+    patch_tokens: int  # N0 of the stage (predictor variants keep a fraction of it)
+    keep_tokens: int | None  # predictor variants: the static count kept at inference
+
+
+@dataclass
+class Plan:
+    variant: str
+    policy: str
+    locations: list[Location]
+
+    @property
+    def scorer(self) -> str:
+        return VARIANTS[self.variant][0]
+
+    @property
+    def fuse(self) -> str:
+        return VARIANTS[self.variant][1]
+
+    @property
+    def locs(self) -> list[int]:
+        return [loc.block for loc in self.locations]
+
+    @property
+    def keep(self) -> list[float]:
+        return [loc.keep for loc in self.locations]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"variant": self.variant, "policy": self.policy, "locs": self.locs,
+                "keep": self.keep, "locations": [asdict(loc) for loc in self.locations]}
+
+
+def default_locs(model_map: ModelMap) -> list[int]:
+    """The paper's placements: blocks at 1/4, 1/2 and 3/4 of the depth (3, 6, 9 of 12) for a
+    single-stage ViT; the first block of every stage but the first for a pyramid (PVT)."""
+    if len(model_map.stages) > 1:
+        return [stage.blocks[0] for stage in model_map.stages[1:]]
+    depth = len(model_map.blocks)
+    locs = sorted({depth * i // 4 for i in (1, 2, 3)} - {0})
+    return locs or [0]
+
+
+def parse_floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise PlanError(f"{what} must be a number or a comma list of numbers, got {text!r}") from None
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise PlanError(f"{what} must be a comma list of integers, got {text!r}") from None
+
+
+def make_plan(model_map: ModelMap, variant: str, keep: float | list[float] | str,
+              locs: list[int] | str | None = None, policy: str = "score") -> Plan:
+    if variant not in VARIANTS:
+        raise PlanError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    if policy not in POLICIES:
+        raise PlanError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    depth = len(model_map.blocks)
+    if isinstance(locs, str):
+        locs = parse_ints(locs, "--locs")
+    locs = list(default_locs(model_map) if locs is None else locs)
+    if not locs:
+        raise PlanError("--locs is empty")
+    for loc in locs:
+        if not 0 <= loc < depth:
+            raise PlanError(f"--locs {loc} is out of range: the model has {depth} blocks (0..{depth - 1})")
+    if sorted(set(locs)) != locs:
+        raise PlanError(f"--locs must be strictly increasing without duplicates, got {locs}")
+    if isinstance(keep, str):
+        keep = parse_floats(keep, "--keep")
+    keeps = [float(keep)] * len(locs) if isinstance(keep, (int, float)) else list(keep)
+    if len(keeps) == 1 and len(locs) > 1:
+        keeps = keeps * len(locs)
+    if len(keeps) != len(locs):
+        raise PlanError(f"--keep has {len(keeps)} values for {len(locs)} locations")
+    for rho in keeps:
+        if not (0.0 < rho <= 1.0) or math.isnan(rho):
+            raise PlanError(f"--keep must be in (0, 1], got {rho}")
+    scorer = VARIANTS[variant][0]
+    locations: list[Location] = []
+    for block_index, rho in zip(locs, keeps, strict=True):
+        block = model_map.blocks[block_index]
+        stage = model_map.stages[block.stage]
+        earlier = [loc for loc in locations if loc.stage == block.stage]
+        cumulative = (rho ** (len(earlier) + 1) if all(loc.keep == rho for loc in earlier)
+                      else math.prod([loc.keep for loc in earlier] + [rho]))
+        patch_tokens = stage.grid[0] * stage.grid[1]
+        keep_tokens = keep_count(patch_tokens, cumulative, "floor") if scorer == "predictor" else None
+        locations.append(Location(block=block_index, stage=block.stage, step=len(earlier) + 1,
+                                  keep=rho, cumulative_keep=cumulative,
+                                  patch_tokens=patch_tokens, keep_tokens=keep_tokens))
+    return Plan(variant=variant, policy=policy, locations=locations)
+
+
+def plan_from_json(data: dict[str, Any]) -> Plan:
+    return Plan(variant=data["variant"], policy=data["policy"],
+                locations=[Location(**loc) for loc in data["locations"]])

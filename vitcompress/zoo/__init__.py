@@ -1,0 +1,12 @@
+"""Hybrid (convolution + attention) ViTs that timm does not ship, registered in timm's registry.
+
+Importing this package registers ``pvt_tiny``, ``pvt_small``, ``pvt_medium``, ``pvt_large``,
+``cvt_13``, ``cvt_21`` and ``cvt_w24`` so that ``timm.create_model(name, ...)`` builds them. See
+``docs/zoo.md`` for sizes, costs and how to load the authors' checkpoints.
+"""
+
+from . import cvt, pvt  # noqa: F401  (imported for the registration side effect)
+from .cvt import ConvolutionalVisionTransformer
+from .pvt import PyramidVisionTransformer
+
+__all__ = ["ConvolutionalVisionTransformer", "PyramidVisionTransformer", "cvt", "pvt"]

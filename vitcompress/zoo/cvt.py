@@ -1,0 +1,436 @@
+"""CvT: Convolutional vision Transformer (Wu et al., ICCV 2021, arXiv:2103.15808).
+
+Three stages; each starts with an overlapping strided conv ("convolutional token embedding") and runs
+transformer blocks whose q/k/v come from a *convolutional projection*: tokens are put back on their
+grid, passed through a depthwise 3x3 conv + BatchNorm ("dw_bn"; stride 1 for q, 2 for k and v), then
+through a linear layer. There are no position embeddings. The class token exists in the last stage
+only; it bypasses the convolutional projection and is concatenated back in front of q, k and v.
+
+Parameter names follow ``lib/models/cls_cvt.py`` of github.com/microsoft/CvT exactly, so the released
+checkpoints load with ``strict=True`` (see ``docs/zoo.md``).
+
+Written for graph rewriting: the model is ``torch.fx.symbolic_trace``-able, every token grid size is
+read from tensor shapes at run time (never from config integers), and attention is an explicit
+``q @ k^T -> softmax -> @ v`` so both graph analysis and ``FlopCounterMode`` see it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, QuickGELU, trunc_normal_
+from timm.models import (
+    build_model_with_cfg,
+    generate_default_cfgs,
+    register_model,
+    resolve_pretrained_cfg,
+)
+from torch import nn
+
+__all__ = ["ConvolutionalVisionTransformer"]
+
+NormLayer = Callable[[int], nn.Module]
+ActLayer = Callable[[], nn.Module]
+
+
+class Mlp(nn.Module):
+    """Two-layer MLP; attribute names match the original (``fc1``/``fc2``)."""
+
+    def __init__(self, dim: int, hidden_dim: int, act_layer: ActLayer, drop: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = act_layer()
+        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.act(self.fc1(x)))
+        return self.drop(self.fc2(x))
+
+
+class ConvProjection(nn.Module):
+    """The original "dw_bn" projection: depthwise conv + BatchNorm on the grid, back to tokens.
+
+    Submodule names ``conv``/``bn`` give the checkpoint keys ``conv_proj_q.conv.weight`` etc. (the
+    original's third entry, an einops ``Rearrange``, has no parameters and is done in ``forward``).
+    """
+
+    def __init__(self, dim: int, kernel_size: int, stride: int, padding: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(
+            dim, dim, kernel_size, stride=stride, padding=padding, bias=False, groups=dim
+        )
+        self.bn = nn.BatchNorm2d(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x)).flatten(2).transpose(1, 2)
+
+
+class ConvAttention(nn.Module):
+    """Multi-head attention with convolutional q/k/v projections (keys/values on a strided grid)."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        qkv_bias: bool = True,
+        with_cls_token: bool = False,
+        kernel_size: int = 3,
+        stride_q: int = 1,
+        stride_kv: int = 2,
+        padding_q: int = 1,
+        padding_kv: int = 1,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        # The original scales by the *full* width (``dim_out ** -0.5``), not the head width; the
+        # released weights were trained that way, so it is kept.
+        self.scale = dim**-0.5
+        self.with_cls_token = with_cls_token
+
+        self.conv_proj_q = ConvProjection(dim, kernel_size, stride_q, padding_q)
+        self.conv_proj_k = ConvProjection(dim, kernel_size, stride_kv, padding_kv)
+        self.conv_proj_v = ConvProjection(dim, kernel_size, stride_kv, padding_kv)
+        self.proj_q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.proj_k = nn.Linear(dim, dim, bias=qkv_bias)
+        self.proj_v = nn.Linear(dim, dim, bias=qkv_bias)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        return x.reshape(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:
+        B, N, C = x.shape
+        if self.with_cls_token:
+            # The class token has no grid position: split it off, convolve the patch tokens only,
+            # and put it back in front of q, k and v (as the original ``forward_conv`` does).
+            cls_token, x = x[:, :1], x[:, 1:]
+        grid = x.transpose(1, 2).reshape(B, C, H, W)
+        q = self.conv_proj_q(grid)
+        k = self.conv_proj_k(grid)
+        v = self.conv_proj_v(grid)
+        if self.with_cls_token:
+            q = torch.cat((cls_token, q), dim=1)
+            k = torch.cat((cls_token, k), dim=1)
+            v = torch.cat((cls_token, v), dim=1)
+
+        q = self._heads(self.proj_q(q))
+        k = self._heads(self.proj_k(k))
+        v = self._heads(self.proj_v(v))
+
+        attn = q @ k.transpose(-2, -1) * self.scale
+        attn = attn.softmax(dim=-1)
+        attn = self.attn_drop(attn)
+        x = (attn @ v).transpose(1, 2).reshape(B, -1, C)
+        return self.proj_drop(self.proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float,
+        qkv_bias: bool,
+        with_cls_token: bool,
+        drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        act_layer: ActLayer = QuickGELU,
+        norm_layer: NormLayer = nn.LayerNorm,
+    ) -> None:
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        self.attn = ConvAttention(
+            dim,
+            num_heads,
+            qkv_bias=qkv_bias,
+            with_cls_token=with_cls_token,
+            attn_drop=attn_drop,
+            proj_drop=drop,
+        )
+        self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm2 = norm_layer(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer, drop)
+
+    def forward(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x), H, W))
+        x = x + self.drop_path(self.mlp(self.norm2(x)))
+        return x
+
+
+class ConvEmbed(nn.Module):
+    """Overlapping strided conv + LayerNorm. Returns tokens and the grid read off the conv output."""
+
+    def __init__(
+        self, patch_size: int, stride: int, padding: int, in_chans: int, embed_dim: int, norm_layer: NormLayer
+    ) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=stride, padding=padding)
+        self.norm = norm_layer(embed_dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        x = self.proj(x)
+        B, C, H, W = x.shape
+        x = self.norm(x.flatten(2).transpose(1, 2))
+        return x, H, W
+
+
+class CvTStage(nn.Module):
+    """One stage (the original's per-stage ``VisionTransformer``): conv embedding + blocks."""
+
+    def __init__(
+        self,
+        in_chans: int,
+        embed_dim: int,
+        depth: int,
+        num_heads: int,
+        patch_size: int,
+        patch_stride: int,
+        patch_padding: int,
+        with_cls_token: bool,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: Sequence[float] = (),
+        act_layer: ActLayer = QuickGELU,
+        norm_layer: NormLayer = nn.LayerNorm,
+    ) -> None:
+        super().__init__()
+        self.patch_embed = ConvEmbed(patch_size, patch_stride, patch_padding, in_chans, embed_dim, norm_layer)
+        if with_cls_token:
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+            trunc_normal_(self.cls_token, std=0.02)
+        else:
+            self.register_parameter("cls_token", None)
+        self.pos_drop = nn.Dropout(drop)
+        dpr = list(drop_path) or [0.0] * depth
+        self.blocks = nn.ModuleList(
+            Block(
+                embed_dim,
+                num_heads,
+                mlp_ratio,
+                qkv_bias,
+                with_cls_token,
+                drop=drop,
+                attn_drop=attn_drop,
+                drop_path=dpr[j],
+                act_layer=act_layer,
+                norm_layer=norm_layer,
+            )
+            for j in range(depth)
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        x, H, W = self.patch_embed(x)
+        if self.cls_token is not None:
+            x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        x = self.pos_drop(x)
+        for blk in self.blocks:
+            x = blk(x, H, W)
+        return x, H, W
+
+
+class ConvolutionalVisionTransformer(nn.Module):
+    """CvT classifier: three stages, classification on the last stage's class token."""
+
+    def __init__(
+        self,
+        img_size: int | tuple[int, int] = 224,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dims: Sequence[int] = (64, 192, 384),
+        depths: Sequence[int] = (1, 2, 10),
+        num_heads: Sequence[int] = (1, 3, 6),
+        patch_sizes: Sequence[int] = (7, 3, 3),
+        patch_strides: Sequence[int] = (4, 2, 2),
+        patch_paddings: Sequence[int] = (2, 1, 1),
+        cls_tokens: Sequence[bool] = (False, False, True),
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        act_layer: ActLayer | None = None,
+        norm_layer: NormLayer | None = None,
+    ) -> None:
+        super().__init__()
+        # No position embeddings, so the model itself does not depend on ``img_size``; it is accepted
+        # so that timm's ``img_size=`` keyword works the same as for other models.
+        del img_size
+        # QuickGELU (x * sigmoid(1.702 x)) is what the original builds its released models with.
+        act_layer = act_layer or QuickGELU
+        norm_layer = norm_layer or partial(nn.LayerNorm, eps=1e-5)
+        self.num_classes = num_classes
+        self.num_stages = len(depths)
+        self.num_features = self.embed_dim = embed_dims[-1]
+        self.use_cls_token = bool(cls_tokens[-1])
+        self.num_prefix_tokens = 1 if self.use_cls_token else 0
+
+        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()  # stochastic depth decay
+        cur = 0
+        for i in range(self.num_stages):
+            stage = CvTStage(
+                in_chans if i == 0 else embed_dims[i - 1],
+                embed_dims[i],
+                depths[i],
+                num_heads[i],
+                patch_sizes[i],
+                patch_strides[i],
+                patch_paddings[i],
+                bool(cls_tokens[i]),
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                drop=drop_rate,
+                attn_drop=attn_drop_rate,
+                drop_path=dpr[cur : cur + depths[i]],
+                act_layer=act_layer,
+                norm_layer=norm_layer,
+            )
+            setattr(self, f"stage{i}", stage)
+            cur += depths[i]
+
+        self.norm = norm_layer(embed_dims[-1])
+        self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
+        self.apply(_init_weights)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return {f"stage{i}.cls_token" for i in range(self.num_stages)}
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        B = x.shape[0]
+        last = self.num_stages - 1
+        for i in range(self.num_stages):
+            stage = getattr(self, f"stage{i}")
+            x, H, W = stage(x)
+            if i != last:
+                if stage.cls_token is not None:
+                    x = x[:, 1:]  # a non-final class token is dropped, as in the original
+                # Tokens back to an image grid for the next stage's conv embedding.
+                x = x.transpose(1, 2).reshape(B, -1, H, W)
+        # LayerNorm is per token, so normalising all tokens and then taking the class token equals
+        # the original's ``norm(cls_token)``.
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = x[:, 0] if self.use_cls_token else x.mean(dim=1)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def _init_weights(m: nn.Module) -> None:
+    # The original's "trunc_norm" init: truncated normal linears, unit norms, default convs.
+    if isinstance(m, nn.Linear):
+        trunc_normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, (nn.LayerNorm, nn.BatchNorm2d)):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)
+
+
+def _require_weight_source(variant: str, pretrained: bool, kwargs: dict[str, Any]) -> None:
+    # The registry carries no download location, so ``pretrained=True`` only makes sense with a
+    # local file or an in-memory state dict; say so instead of timm's generic "no weights" error.
+    if not pretrained:
+        return
+    cfg = resolve_pretrained_cfg(
+        variant,
+        pretrained_cfg=kwargs.get("pretrained_cfg"),
+        pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"),
+    )
+    if not (cfg.has_weights or cfg.state_dict is not None):
+        raise RuntimeError(
+            f"{variant}: no pretrained weights are registered (nothing is downloaded). Load the "
+            f"official checkpoint from disk with timm.create_model('{variant}', pretrained=True, "
+            f"pretrained_cfg_overlay=dict(file='/path/to/checkpoint.pth'))."
+        )
+
+
+def _cfg(**kwargs: Any) -> dict[str, Any]:
+    return {
+        # No url/hf_hub_id on purpose: nothing is downloaded. Official weights load from a local
+        # file via ``pretrained_cfg_overlay=dict(file=...)``.
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": None,
+        "crop_pct": 0.875,  # the original test pipeline: resize to 224 / 0.875, centre crop 224
+        "interpolation": "bicubic",
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "stage0.patch_embed.proj",
+        "classifier": "head",
+        "license": "mit",
+        "origin_url": "https://github.com/microsoft/CvT",
+        "paper_ids": "arXiv:2103.15808",
+        "paper_name": "CvT: Introducing Convolutions to Vision Transformers",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs(
+    {
+        "cvt_13": _cfg(),
+        "cvt_21": _cfg(),
+        # CvT-W24 exists only as an ImageNet-22k model fine-tuned at 384 px, evaluated on the
+        # whole resized image (no centre crop).
+        "cvt_w24": _cfg(input_size=(3, 384, 384), crop_pct=1.0),
+    }
+)
+
+
+def _create_cvt(variant: str, pretrained: bool, **kwargs: Any) -> ConvolutionalVisionTransformer:
+    _require_weight_source(variant, pretrained, kwargs)
+    return build_model_with_cfg(ConvolutionalVisionTransformer, variant, pretrained, **kwargs)
+
+
+@register_model
+def cvt_13(pretrained: bool = False, **kwargs: Any) -> ConvolutionalVisionTransformer:
+    """CvT-13: dims (64, 192, 384), depths (1, 2, 10), heads (1, 3, 6); 20.0 M params."""
+    model_args: dict[str, Any] = {"embed_dims": (64, 192, 384), "depths": (1, 2, 10), "num_heads": (1, 3, 6)}
+    return _create_cvt("cvt_13", pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def cvt_21(pretrained: bool = False, **kwargs: Any) -> ConvolutionalVisionTransformer:
+    """CvT-21: dims (64, 192, 384), depths (1, 4, 16), heads (1, 3, 6); 31.6 M params."""
+    model_args: dict[str, Any] = {"embed_dims": (64, 192, 384), "depths": (1, 4, 16), "num_heads": (1, 3, 6)}
+    return _create_cvt("cvt_21", pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def cvt_w24(pretrained: bool = False, **kwargs: Any) -> ConvolutionalVisionTransformer:
+    """CvT-W24 (wide): dims (192, 768, 1024), depths (2, 2, 20), heads (3, 12, 16); 384 px default."""
+    model_args: dict[str, Any] = {
+        "img_size": 384,
+        "embed_dims": (192, 768, 1024),
+        "depths": (2, 2, 20),
+        "num_heads": (3, 12, 16),
+    }
+    return _create_cvt("cvt_w24", pretrained, **dict(model_args, **kwargs))

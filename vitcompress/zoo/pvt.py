@@ -1,0 +1,414 @@
+"""PVT v1: Pyramid Vision Transformer (Wang et al., ICCV 2021, arXiv:2102.12122).
+
+Four stages of transformer blocks on a shrinking patch grid (stride 4, 8, 16, 32). Attention is
+*spatial-reduction attention*: queries are all tokens of the stage, keys/values come from the token
+grid downsampled by a strided conv (``sr``, stride ``sr_ratio``) followed by a LayerNorm. The class
+token only exists in the last stage.
+
+Parameter names follow ``classification/pvt.py`` of github.com/whai362/PVT exactly, so the released
+checkpoints load with ``strict=True`` (see ``docs/zoo.md``).
+
+Written for graph rewriting: the model is ``torch.fx.symbolic_trace``-able, every token grid size is
+read from tensor shapes at run time (never from config integers), and attention is an explicit
+``q @ k^T -> softmax -> @ v`` so both graph analysis and ``FlopCounterMode`` see it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, to_2tuple, trunc_normal_
+from timm.models import (
+    build_model_with_cfg,
+    generate_default_cfgs,
+    register_model,
+    resolve_pretrained_cfg,
+)
+from torch import nn
+
+__all__ = ["PyramidVisionTransformer", "checkpoint_filter_fn"]
+
+NormLayer = Callable[[int], nn.Module]
+
+
+class Mlp(nn.Module):
+    """Two-layer GELU MLP; attribute names match the original (``fc1``/``fc2``)."""
+
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.act(self.fc1(x)))
+        return self.drop(self.fc2(x))
+
+
+class SpatialReductionAttention(nn.Module):
+    """Multi-head attention whose keys/values come from a ``sr_ratio``-times coarser token grid."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        qkv_bias: bool = True,
+        sr_ratio: int = 1,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        norm_layer: NormLayer = nn.LayerNorm,
+    ) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim**-0.5
+        self.sr_ratio = sr_ratio
+
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        # The original only creates ``sr``/``norm`` when there is a reduction; keeping that makes the
+        # last stage's keys (no ``block4.*.attn.sr``) match the checkpoints.
+        self.sr: nn.Conv2d | None = None
+        self.norm: nn.Module | None = None
+        if sr_ratio > 1:
+            self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)
+            self.norm = norm_layer(dim)
+
+    def forward(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:
+        B, N, C = x.shape
+        q = self.q(x).reshape(B, N, self.num_heads, self.head_dim).permute(0, 2, 1, 3)
+
+        kv_in = x
+        if self.sr is not None and self.norm is not None:
+            # Keys/values see the full grid of this stage; H and W come from the patch embedding's
+            # output shape so that the grid follows whatever resolution is fed in.
+            grid = x.transpose(1, 2).reshape(B, C, H, W)
+            kv_in = self.norm(self.sr(grid).flatten(2).transpose(1, 2))
+        kv = self.kv(kv_in).reshape(B, -1, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        k, v = kv[0], kv[1]
+
+        attn = q @ k.transpose(-2, -1) * self.scale
+        attn = attn.softmax(dim=-1)
+        attn = self.attn_drop(attn)
+        x = (attn @ v).transpose(1, 2).reshape(B, N, C)
+        return self.proj_drop(self.proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float,
+        qkv_bias: bool,
+        sr_ratio: int,
+        drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        norm_layer: NormLayer = nn.LayerNorm,
+    ) -> None:
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        self.attn = SpatialReductionAttention(
+            dim, num_heads, qkv_bias, sr_ratio, attn_drop, drop, norm_layer=norm_layer
+        )
+        self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm2 = norm_layer(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
+
+    def forward(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x), H, W))
+        x = x + self.drop_path(self.mlp(self.norm2(x)))
+        return x
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patch conv + LayerNorm. Returns tokens and the grid read off the conv output."""
+
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, norm_layer: NormLayer) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+        self.norm = norm_layer(embed_dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        x = self.proj(x)
+        B, C, H, W = x.shape
+        x = self.norm(x.flatten(2).transpose(1, 2))
+        return x, H, W
+
+
+class PyramidVisionTransformer(nn.Module):
+    """PVT v1 classifier (four stages, class token in the last stage, classification on it)."""
+
+    def __init__(
+        self,
+        img_size: int | tuple[int, int] = 224,
+        patch_size: int = 4,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dims: Sequence[int] = (64, 128, 320, 512),
+        num_heads: Sequence[int] = (1, 2, 5, 8),
+        mlp_ratios: Sequence[float] = (8, 8, 4, 4),
+        qkv_bias: bool = True,
+        depths: Sequence[int] = (2, 2, 2, 2),
+        sr_ratios: Sequence[int] = (8, 4, 2, 1),
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        norm_layer: NormLayer | None = None,
+    ) -> None:
+        super().__init__()
+        norm_layer = norm_layer or partial(nn.LayerNorm, eps=1e-6)
+        self.num_classes = num_classes
+        self.num_stages = len(depths)
+        self.num_features = self.embed_dim = embed_dims[-1]
+        self.num_prefix_tokens = 1
+
+        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()  # stochastic depth decay
+        size = to_2tuple(img_size)
+        # Build-time grid of each stage's position embedding. Only the *parameter layout* depends on
+        # it; at run time the grid is read from the patch embedding output and the embedding is
+        # resampled to it.
+        self.pos_grids: list[tuple[int, int]] = []
+        self.sr_ratios: list[int] = []
+        cur = 0
+        for i in range(self.num_stages):
+            patch = patch_size if i == 0 else 2
+            # Below 32 px input the original patch/reduction sizes no longer fit the grid; shrink
+            # them to the grid there (those layers then have non-original shapes). At 32 px and up
+            # every size is the original one.
+            patch = max(1, min(patch, *size))
+            size = (size[0] // patch, size[1] // patch)
+            sr = max(1, min(sr_ratios[i], *size))
+            self.pos_grids.append(size)
+            self.sr_ratios.append(sr)
+
+            num_pos = size[0] * size[1] + (1 if i == self.num_stages - 1 else 0)
+            setattr(
+                self,
+                f"patch_embed{i + 1}",
+                PatchEmbed(patch, in_chans if i == 0 else embed_dims[i - 1], embed_dims[i], norm_layer),
+            )
+            setattr(self, f"pos_embed{i + 1}", nn.Parameter(torch.zeros(1, num_pos, embed_dims[i])))
+            setattr(self, f"pos_drop{i + 1}", nn.Dropout(drop_rate))
+            blocks = nn.ModuleList(
+                Block(
+                    embed_dims[i],
+                    num_heads[i],
+                    mlp_ratios[i],
+                    qkv_bias,
+                    sr,
+                    drop=drop_rate,
+                    attn_drop=attn_drop_rate,
+                    drop_path=dpr[cur + j],
+                    norm_layer=norm_layer,
+                )
+                for j in range(depths[i])
+            )
+            setattr(self, f"block{i + 1}", blocks)
+            cur += depths[i]
+
+        self.norm = norm_layer(embed_dims[-1])
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dims[-1]))
+        self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
+
+        for i in range(self.num_stages):
+            trunc_normal_(getattr(self, f"pos_embed{i + 1}"), std=0.02)
+        trunc_normal_(self.cls_token, std=0.02)
+        self.apply(_init_weights)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return {"cls_token"}
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+    def _resize_pos_embed(self, pos_embed: torch.Tensor, stage: int, H: int, W: int) -> torch.Tensor:
+        # Always resample instead of branching on ``H * W == num_patches``: a branch on a run-time
+        # shape is not fx-traceable, and bilinear resampling to the same size is an exact identity.
+        gh, gw = self.pos_grids[stage]
+        grid = pos_embed.reshape(1, gh, gw, -1).permute(0, 3, 1, 2)
+        grid = F.interpolate(grid, size=(H, W), mode="bilinear", align_corners=False)
+        return grid.flatten(2).transpose(1, 2)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        B = x.shape[0]
+        last = self.num_stages - 1
+        for i in range(self.num_stages):
+            x, H, W = getattr(self, f"patch_embed{i + 1}")(x)
+            pos_embed = getattr(self, f"pos_embed{i + 1}")
+            if i == last:
+                # The class token joins only in the last stage; its position entry is not resampled.
+                x = torch.cat((self.cls_token.expand(B, -1, -1), x), dim=1)
+                pos_embed = torch.cat(
+                    (pos_embed[:, :1], self._resize_pos_embed(pos_embed[:, 1:], i, H, W)), dim=1
+                )
+            else:
+                pos_embed = self._resize_pos_embed(pos_embed, i, H, W)
+            x = getattr(self, f"pos_drop{i + 1}")(x + pos_embed)
+            for blk in getattr(self, f"block{i + 1}"):
+                x = blk(x, H, W)
+            if i != last:
+                # Tokens back to an image grid for the next stage's patch conv.
+                x = x.transpose(1, 2).reshape(B, -1, H, W)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = x[:, 0]
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def _require_weight_source(variant: str, pretrained: bool, kwargs: dict[str, Any]) -> None:
+    # The registry carries no download location, so ``pretrained=True`` only makes sense with a
+    # local file or an in-memory state dict; say so instead of timm's generic "no weights" error.
+    if not pretrained:
+        return
+    cfg = resolve_pretrained_cfg(
+        variant,
+        pretrained_cfg=kwargs.get("pretrained_cfg"),
+        pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"),
+    )
+    if not (cfg.has_weights or cfg.state_dict is not None):
+        raise RuntimeError(
+            f"{variant}: no pretrained weights are registered (nothing is downloaded). Load the "
+            f"official checkpoint from disk with timm.create_model('{variant}', pretrained=True, "
+            f"pretrained_cfg_overlay=dict(file='/path/to/checkpoint.pth'))."
+        )
+
+
+def _init_weights(m: nn.Module) -> None:
+    # Same init as the original: truncated normal linears, unit LayerNorms, default convs.
+    if isinstance(m, nn.Linear):
+        trunc_normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)
+
+
+def _resample_grid(pos: torch.Tensor, new_grid: tuple[int, int]) -> torch.Tensor:
+    old = int(round(pos.shape[1] ** 0.5))  # released checkpoints are square (224 px)
+    if old * old != pos.shape[1]:
+        raise ValueError(f"cannot infer the grid of a position embedding with {pos.shape[1]} entries")
+    grid = pos.reshape(1, old, old, -1).permute(0, 3, 1, 2)
+    grid = F.interpolate(grid, size=new_grid, mode="bilinear", align_corners=False)
+    return grid.flatten(2).transpose(1, 2)
+
+
+def checkpoint_filter_fn(
+    state_dict: dict[str, torch.Tensor], model: PyramidVisionTransformer
+) -> dict[str, torch.Tensor]:
+    """Adapt an official PVT checkpoint to ``model``: resample position embeddings to its grid.
+
+    Keys are not renamed: the model uses the original names. Everything else is left to a strict
+    ``load_state_dict`` so that a mismatching checkpoint fails loudly.
+    """
+    if "model" in state_dict and isinstance(state_dict["model"], dict):  # training checkpoint
+        state_dict = state_dict["model"]
+    out = dict(state_dict)
+    for i in range(model.num_stages):
+        key = f"pos_embed{i + 1}"
+        target = getattr(model, key)
+        if key not in out or out[key].shape == target.shape:
+            continue
+        pos = out[key]
+        if i == model.num_stages - 1:
+            out[key] = torch.cat((pos[:, :1], _resample_grid(pos[:, 1:], model.pos_grids[i])), dim=1)
+        else:
+            out[key] = _resample_grid(pos, model.pos_grids[i])
+    return out
+
+
+def _cfg(**kwargs: Any) -> dict[str, Any]:
+    return {
+        # No url/hf_hub_id on purpose: nothing is downloaded. Official weights load from a local
+        # file via ``pretrained_cfg_overlay=dict(file=...)``.
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": None,
+        "crop_pct": 0.875,  # DeiT evaluation pipeline used by the PVT repo: resize 256, crop 224
+        "interpolation": "bicubic",
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "patch_embed1.proj",
+        "classifier": "head",
+        "license": "apache-2.0",
+        "origin_url": "https://github.com/whai362/PVT",
+        "paper_ids": "arXiv:2102.12122",
+        "paper_name": "Pyramid Vision Transformer: A Versatile Backbone for Dense Prediction without Convolutions",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs(
+    {name: _cfg() for name in ("pvt_tiny", "pvt_small", "pvt_medium", "pvt_large")}
+)
+
+# Shared by all four sizes; only the depths differ (Table 1 of the paper).
+_PVT_ARGS: dict[str, Any] = {
+    "patch_size": 4,
+    "embed_dims": (64, 128, 320, 512),
+    "num_heads": (1, 2, 5, 8),
+    "mlp_ratios": (8, 8, 4, 4),
+    "qkv_bias": True,
+    "sr_ratios": (8, 4, 2, 1),
+}
+
+
+def _create_pvt(variant: str, pretrained: bool, depths: tuple[int, ...], **kwargs: Any) -> PyramidVisionTransformer:
+    _require_weight_source(variant, pretrained, kwargs)
+    model_args = {**_PVT_ARGS, "depths": depths}
+    return build_model_with_cfg(
+        PyramidVisionTransformer,
+        variant,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        **dict(model_args, **kwargs),
+    )
+
+
+@register_model
+def pvt_tiny(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
+    """PVT-Tiny: depths (2, 2, 2, 2), 13.2 M params."""
+    return _create_pvt("pvt_tiny", pretrained, (2, 2, 2, 2), **kwargs)
+
+
+@register_model
+def pvt_small(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
+    """PVT-Small: depths (3, 4, 6, 3), 24.5 M params."""
+    return _create_pvt("pvt_small", pretrained, (3, 4, 6, 3), **kwargs)
+
+
+@register_model
+def pvt_medium(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
+    """PVT-Medium: depths (3, 4, 18, 3), 44.2 M params."""
+    return _create_pvt("pvt_medium", pretrained, (3, 4, 18, 3), **kwargs)
+
+
+@register_model
+def pvt_large(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
+    """PVT-Large: depths (3, 8, 27, 3), 61.4 M params."""
+    return _create_pvt("pvt_large", pretrained, (3, 8, 27, 3), **kwargs)
