@@ -1,3 +1,7 @@
 """vitcompress: compress any Vision Transformer by joint Token Pruning & Squeezing (TPS)."""
 
 __version__ = "0.1.0"
+
+from vitcompress.api import compress, load, map_model, save  # noqa: E402
+
+__all__ = ["__version__", "compress", "load", "map_model", "save"]

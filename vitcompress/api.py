@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -9,7 +11,8 @@ from vitcompress.graph.analyse import analyse
 from vitcompress.graph.capture import capture
 from vitcompress.graph.model_map import ModelMap
 from vitcompress.graph.rewrite import rewrite
-from vitcompress.plan import Plan, make_plan
+from vitcompress.loading import LoadedModel, ModelSource
+from vitcompress.plan import make_plan
 
 EXAMPLE_BATCH = 2  # batch 1 would hide which dimension is the batch
 
@@ -48,13 +51,39 @@ def compress(model: nn.Module, variant: str = "etps", keep: float | list[float] 
     captured = capture(model, example_input(size))
     model_map = analyse(captured)
     plan = make_plan(model_map, variant, keep, locs, policy)
-    compressed = apply_plan(captured.module, model_map, plan)
+    compressed = rewrite(captured.module, model_map, plan)
+    compressed.vitcompress_plan = plan.to_json()
+    compressed.vitcompress_map = model_map.to_json()
+    compressed.vitcompress_input_size = size
+    # The attention residual add keeps the token count the block was entered with.
+    compressed.vitcompress_block_nodes = [b.attn_add_node for b in model_map.blocks]
+    cfg = getattr(model, "pretrained_cfg", None)
+    if isinstance(cfg, dict) and cfg.get("architecture"):
+        compressed.vitcompress_base_cfg = {"architecture": cfg["architecture"],
+                                           "num_classes": getattr(model, "num_classes", None)}
     compressed.train(model.training)
     return compressed
 
 
-def apply_plan(gm, model_map: ModelMap, plan: Plan) -> nn.Module:
-    compressed = rewrite(gm, model_map, plan)
-    compressed.vitcompress_plan = plan.to_json()
-    compressed.vitcompress_map = model_map.to_json()
-    return compressed
+def compress_loaded(loaded: LoadedModel, variant: str = "etps", keep: float | list[float] = 0.7,
+                    locs: list[int] | None = None, policy: str = "score") -> LoadedModel:
+    """``compress`` for a model from :func:`vitcompress.loading.load_model`, keeping its source
+    so the result can be saved and rebuilt."""
+    model = compress(loaded.model, variant, keep, locs, loaded.input_size, policy)
+    model.vitcompress_source = loaded.source
+    return LoadedModel(model=model, source=loaded.source, input_size=loaded.input_size)
+
+
+def save(model: nn.Module, directory: str | Path, source: str | ModelSource | None = None,
+         input_size: tuple[int, int, int] | None = None) -> Path:
+    """Write a compressed model as an artifact directory (safetensors weights + JSON plan)."""
+    from vitcompress.artifact import save_artifact
+
+    return save_artifact(model, directory, source=source, input_size=input_size)
+
+
+def load(directory: str | Path) -> nn.Module:
+    """Rebuild a compressed model saved with :func:`save` (in eval mode)."""
+    from vitcompress.artifact import load_artifact
+
+    return load_artifact(directory).model

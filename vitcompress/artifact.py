@@ -1,0 +1,136 @@
+"""Compressed artifacts on disk: ``vitcompress.json`` (base model source + plan) and
+``model.safetensors`` (the compressed model's weights).
+
+Loading rebuilds the base model from its source, applies the plan to a fresh capture and loads
+the weights, so no code or pickle is ever read from the artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+from torch import nn
+
+from vitcompress import __version__
+from vitcompress.loading import ARTIFACT_MARKER, LoadedModel, ModelLoadError, ModelSource
+from vitcompress.plan import plan_from_json
+
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+
+
+class ArtifactError(ModelLoadError):
+    """An artifact that cannot be written or read; one line for the user."""
+
+
+def _infer_source(model: nn.Module) -> ModelSource | None:
+    """A timm model records its architecture; enough to rebuild it with the same head size."""
+    cfg = getattr(model, "vitcompress_base_cfg", None)
+    if cfg and cfg.get("architecture"):
+        import timm
+
+        if timm.is_model(cfg["architecture"]):
+            args = {"num_classes": cfg["num_classes"]} if cfg.get("num_classes") else {}
+            return ModelSource(spec=cfg["architecture"], model_args=args)
+    return None
+
+
+def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource | str | None = None,
+                  input_size: tuple[int, int, int] | None = None,
+                  extra: dict[str, Any] | None = None) -> Path:
+    """Write ``model`` (a result of ``compress``) to ``directory``, replacing it atomically: the
+    new artifact is written beside it and renamed into place, so a failure leaves the old one."""
+    plan = getattr(model, "vitcompress_plan", None)
+    if plan is None:
+        raise ArtifactError("only a model returned by vitcompress.compress can be saved")
+    if isinstance(source, str):
+        source = ModelSource(spec=source)
+    source = source or getattr(model, "vitcompress_source", None) or _infer_source(model)
+    if source is None:
+        raise ArtifactError(
+            "cannot tell how to rebuild the base model; pass source='timm_name' or "
+            "'path/to/file.py:factory' to save()"
+        )
+    size = input_size or getattr(model, "vitcompress_input_size", None)
+    if size is None:
+        raise ArtifactError("cannot tell the model's input size; pass input_size=(C, H, W)")
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "format": FORMAT_VERSION,
+        "vitcompress_version": __version__,
+        "source": {**source.to_json(), "checkpoint": None, "pretrained": False},
+        "base_weights": source.checkpoint or ("timm pretrained" if source.pretrained else None),
+        "input_size": list(size),
+        "plan": plan,
+        **(extra or {}),
+    }
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        safetensors.torch.save_model(model, str(staging / WEIGHTS_FILE))
+        with open(staging / ARTIFACT_MARKER, "w") as f:
+            json.dump(meta, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        _swap_into_place(staging, directory)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ArtifactError(f"could not write {directory}: {e.strerror or e}") from e
+    return directory
+
+
+def _swap_into_place(staging: Path, directory: Path) -> None:
+    if not directory.exists():
+        staging.rename(directory)
+        return
+    if not (directory / ARTIFACT_MARKER).is_file() and any(directory.iterdir()):
+        raise ArtifactError(f"{directory} exists and is not a compressed model; not overwriting it")
+    old = directory.with_name(f".{directory.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    directory.rename(old)
+    staging.rename(directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_meta(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / ARTIFACT_MARKER
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"cannot read {path}: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "plan" not in meta:
+        raise ArtifactError(f"{path} is not a vitcompress artifact of format {FORMAT_VERSION}")
+    return meta
+
+
+def load_artifact(directory: str | Path) -> LoadedModel:
+    """Rebuild the compressed model saved in ``directory``."""
+    from vitcompress.api import compress_loaded
+    from vitcompress.loading import load_model
+
+    meta = read_meta(directory)
+    source = ModelSource.from_json(meta["source"])
+    size = tuple(meta["input_size"])
+    base = load_model(source.spec, source.model_args, input_size=size)
+    plan = plan_from_json(meta["plan"])
+    model = compress_loaded(base, variant=plan.variant, keep=plan.keep, locs=plan.locs,
+                            policy=plan.policy).model
+    weights = Path(directory) / WEIGHTS_FILE
+    try:
+        missing, unexpected = safetensors.torch.load_model(model, str(weights), strict=False)
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for bad files
+        raise ArtifactError(f"cannot read weights {weights}: {str(e).splitlines()[0]}") from e
+    if missing or unexpected:
+        raise ArtifactError(
+            f"weights in {weights} do not fit the rebuilt model: missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}"
+        )
+    model.eval()
+    model.vitcompress_artifact = str(Path(directory).resolve())
+    return LoadedModel(model=model, source=source, input_size=size)

@@ -1,0 +1,67 @@
+"""Options shared by every command, and turning them into a loaded model."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import click
+
+from vitcompress.loading import LoadedModel, load_model, parse_input_size, parse_model_args
+from vitcompress.workflows.measure_models import TimingOptions
+
+
+def model_options(command: Callable) -> Callable:
+    """``--model``, ``--model-arg``, ``--checkpoint``, ``--pretrained``, ``--input-size``."""
+    decorators = [
+        click.option("--model", "model_spec", required=True, metavar="SPEC",
+                     help="timm name, path/to/file.py:factory, package.module:factory, or a "
+                          "compressed model directory."),
+        click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE",
+                     help="Keyword argument for the model factory (Python literal); repeatable."),
+        click.option("--checkpoint", type=click.Path(dir_okay=False), default=None,
+                     help="Weights: .safetensors, or a torch file (loaded with weights_only)."),
+        click.option("--pretrained", is_flag=True, help="timm's hub weights (needs network)."),
+        click.option("--input-size", default=None, metavar="C,H,W",
+                     help="Input size; default: what the model's config says."),
+    ]
+    for decorator in reversed(decorators):
+        command = decorator(command)
+    return command
+
+
+def load_from_options(model_spec: str, model_args: tuple[str, ...], checkpoint: str | None,
+                      pretrained: bool, input_size: str | None) -> LoadedModel:
+    return load_model(
+        model_spec,
+        parse_model_args(model_args),
+        checkpoint=checkpoint,
+        pretrained=pretrained,
+        input_size=parse_input_size(input_size) if input_size else None,
+    )
+
+
+def timing_options(command: Callable) -> Callable:
+    decorators = [
+        click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1)),
+        click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1 ..."),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+                     default="float32", show_default=True),
+        click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0)),
+        click.option("--runs", default=10, show_default=True, type=click.IntRange(min=1)),
+        click.option("--compile", "use_compile", is_flag=True, help="torch.compile the models."),
+        click.option("--amp", is_flag=True, help="Autocast (GPU only) in --dtype."),
+        click.option("--no-throughput", is_flag=True, help="Skip timing; count params and MACs."),
+    ]
+    for decorator in reversed(decorators):
+        command = decorator(command)
+
+    @functools.wraps(command)
+    def wrapper(*args, batch_size, device, dtype, warmup, runs, use_compile, amp, no_throughput,
+                **kwargs):
+        timing = None if no_throughput else TimingOptions(
+            batch_size=batch_size, device=device, dtype=dtype, warmup=warmup, runs=runs,
+            compile=use_compile, amp=amp)
+        return command(*args, timing=timing, **kwargs)
+
+    return wrapper

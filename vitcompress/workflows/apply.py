@@ -1,0 +1,68 @@
+"""``apply``: compress a loaded model, measure base and compressed side by side, save."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vitcompress.api import compress_loaded
+from vitcompress.artifact import save_artifact
+from vitcompress.loading import LoadedModel
+from vitcompress.workflows.measure_models import (
+    Measurement,
+    TimingOptions,
+    measure_models,
+    tokens_per_block,
+)
+
+
+@dataclass
+class ApplyResult:
+    base: Measurement
+    compressed: Measurement
+    tokens_per_block: list[int]
+    base_tokens_per_block: list[int]
+    plan: dict[str, Any]
+    environment: dict[str, Any]
+    out: Path | None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.base.throughput and self.compressed.throughput:
+            return self.compressed.throughput / self.base.throughput
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "base": self.base.to_json(),
+            "compressed": self.compressed.to_json(),
+            "speedup": self.speedup,
+            "macs_ratio": self.compressed.macs / self.base.macs,
+            "tokens_per_block": self.tokens_per_block,
+            "base_tokens_per_block": self.base_tokens_per_block,
+            "plan": self.plan,
+            "environment": self.environment,
+            "out": str(self.out) if self.out is not None else None,
+        }
+
+
+def apply(loaded: LoadedModel, variant: str, keep: float | list[float] | str,
+          locs: list[int] | str | None = None, policy: str = "score",
+          out: str | Path | None = None, timing: TimingOptions | None = None) -> ApplyResult:
+    compressed = compress_loaded(loaded, variant=variant, keep=keep, locs=locs, policy=policy)
+    model = compressed.model.eval()
+    measured, environment = measure_models(
+        {"base": loaded.model.eval(), "compressed": model}, loaded.input_size, timing)
+    blocks = model.vitcompress_map["blocks"]
+    saved = save_artifact(model, out, source=loaded.source,
+                          input_size=loaded.input_size) if out is not None else None
+    return ApplyResult(
+        base=measured["base"],
+        compressed=measured["compressed"],
+        tokens_per_block=tokens_per_block(model, loaded.input_size),
+        base_tokens_per_block=[b["tokens"] for b in blocks],
+        plan=model.vitcompress_plan,
+        environment=environment,
+        out=saved,
+    )

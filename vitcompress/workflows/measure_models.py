@@ -1,0 +1,73 @@
+"""Measure one model, or a base and a compressed model side by side in one process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitcompress.graph.capture import annotate_shapes
+from vitcompress.measure import count_macs, count_params, measure_throughput
+
+
+@dataclass
+class TimingOptions:
+    batch_size: int = 32
+    device: str = "cpu"
+    dtype: str = "float32"
+    warmup: int = 3
+    runs: int = 10
+    compile: bool = False
+    amp: bool = False
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}[self.dtype]
+
+
+@dataclass
+class Measurement:
+    params: int
+    macs: int
+    throughput: float | None = None
+    samples: list[float] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"params": self.params, "macs": self.macs, "gmacs": self.macs / 1e9,
+                "throughput": self.throughput}
+
+
+def measure_models(models: dict[str, nn.Module], input_size: tuple[int, int, int],
+                   timing: TimingOptions | None) -> tuple[dict[str, Measurement], dict[str, Any]]:
+    """Params and MACs of each model; throughput of all of them interleaved in this process."""
+    results = {name: Measurement(count_params(m), count_macs(m, input_size))
+               for name, m in models.items()}
+    environment: dict[str, Any] = {}
+    if timing is not None:
+        report = measure_throughput(
+            models, input_size, batch_size=timing.batch_size, device=timing.device,
+            dtype=timing.torch_dtype, warmup=timing.warmup, runs=timing.runs,
+            compile=timing.compile, amp=timing.amp)
+        for name in models:
+            results[name].throughput = report.results[name].median
+            results[name].samples = list(report.results[name].samples)
+        environment = report.to_json().get("environment", {})
+    return results, environment
+
+
+def tokens_per_block(model: nn.Module, input_size: tuple[int, int, int]) -> list[int]:
+    """Tokens entering each block of a compressed model, read off a run in eval mode."""
+    block_nodes = getattr(model, "vitcompress_block_nodes", None)
+    if block_nodes is None:
+        raise ValueError("not a compressed model")
+    was_training = model.training
+    model.eval()
+    try:
+        annotate_shapes(model, torch.zeros(1, *input_size))
+    finally:
+        model.train(was_training)
+    nodes = {n.name: n for n in model.graph.nodes}
+    return [nodes[name].meta["shape"][1] for name in block_nodes]
