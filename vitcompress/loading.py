@@ -6,7 +6,7 @@ A spec is one of:
   timm's registry and timm's own ``hf-hub:`` / ``local-dir:`` prefixes;
 * ``path/to/file.py:factory`` -- a Python file of the user's, imported by path;
 * ``package.module:factory`` -- an importable module;
-* a directory holding ``vitcompress.json`` -- a compressed artifact written by this tool.
+* a directory holding ``vitcompress.json`` -- a compressed model saved by ``vitcompress``.
 
 Every failure the user can cause is raised as :class:`ModelLoadError` with a one-line message; the
 CLI prints it and exits with status 2 instead of showing a traceback.
@@ -14,6 +14,7 @@ CLI prints it and exits with status 2 instead of showing a traceback.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import difflib
@@ -22,7 +23,9 @@ import importlib.util
 import inspect
 import itertools
 import math
+import numbers
 import os
+import pickle
 import re
 import socket
 import sys
@@ -74,7 +77,7 @@ class ModelLoadError(Exception):
 
     def __init__(self, message: str) -> None:
         # Messages embed text from other libraries that may span lines; the CLI promises one line.
-        super().__init__(" ".join(str(message).split("\n")))
+        super().__init__(" ".join(str(message).splitlines()))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,7 +226,10 @@ def _as_size(value: Any) -> tuple[int, int, int] | None:
         return None
     if len(value) != 3:
         return None
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+    # Integral rather than int: numpy integers from a config are fine, True is not a size.
+    if not all(
+        isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0 for v in value
+    ):
         return None
     return (int(value[0]), int(value[1]), int(value[2]))
 
@@ -241,6 +247,8 @@ def load_model(
     input_size: Sequence[int] | None = None,
 ) -> LoadedModel:
     """Build the model named by ``spec``, load its weights, and return it in eval mode."""
+    if not spec or not spec.strip():
+        raise ModelLoadError("no model given")
     args = dict(model_args or {})
     size: tuple[int, int, int] | None = None
     if input_size is not None:
@@ -338,8 +346,6 @@ def _load_artifact(
 
 def _parse_spec(spec: str) -> tuple[str, str, str]:
     """Split a spec into (kind, target, factory) with kind "file", "module" or "timm"."""
-    if not spec or not spec.strip():
-        raise ModelLoadError("no model given")
     head, sep, _ = spec.partition(":")
     if sep and head.lower() in _TIMM_SOURCES:
         return "timm", spec, ""
@@ -492,7 +498,9 @@ def _create_timm(name: str, args: dict[str, Any], pretrained: bool) -> nn.Module
         if not timm.is_model(name):
             raise ModelLoadError(_unknown_model_message(name, timm.list_models()))
 
-    unreachable = _weights_host_unreachable(name, prefixed) if pretrained else None
+    # An "hf-hub:" name fetches its configuration from the hub even without pretrained weights.
+    from_hub = prefixed and head.lower() in ("hf-hub", "hf_hub")
+    unreachable = _weights_host_unreachable(name, prefixed) if pretrained or from_hub else None
     try:
         if unreachable is None:
             return timm.create_model(name, pretrained=pretrained, **args)
@@ -503,17 +511,22 @@ def _create_timm(name: str, args: dict[str, Any], pretrained: bool) -> nn.Module
     except TypeError as exc:  # unknown or ill-typed keyword arguments
         raise ModelLoadError(f"could not build timm model '{name}': {_one_line(exc)}") from exc
     except Exception as exc:
-        if not pretrained:
+        if not (pretrained or from_hub):
             raise ModelLoadError(f"could not build timm model '{name}': {_one_line(exc)}") from exc
         if unreachable is not None:
-            reason = f"{unreachable} and the weights are not in the local cache"
+            reason = f"{unreachable} and the files are not in the local cache"
         elif _hub_is_offline():
-            reason = "HF_HUB_OFFLINE is set and the weights are not in the local cache"
+            reason = "HF_HUB_OFFLINE is set and the files are not in the local cache"
         else:
             reason = _one_line(exc)
         verb = "download" if unreachable is not None or _is_network_error(exc) else "load"
+        if pretrained:
+            raise ModelLoadError(
+                f"could not {verb} pretrained weights for {name}: {reason}; "
+                "use --checkpoint FILE to load local weights"
+            ) from exc
         raise ModelLoadError(
-            f"could not {verb} pretrained weights for {name}: {reason}; "
+            f"could not {verb} model {name}: {reason}; name the timm architecture instead and "
             "use --checkpoint FILE to load local weights"
         ) from exc
 
@@ -525,11 +538,13 @@ def _unknown_model_message(name: str, known: Sequence[str]) -> str:
     prefixed = sorted((n for n in known if n.startswith(wanted)), key=lambda n: (len(n), n))
     close = difflib.get_close_matches(wanted, known, n=_SHOW_KEYS)
     suggestions = list(dict.fromkeys(prefixed + close))[:_SHOW_KEYS]
+    # timm refuses "owner/name" without a source prefix; say how to write a Hub model.
+    hub = f"; for a Hugging Face Hub model write hf-hub:{name}" if "/" in name else ""
     if suggestions:
-        return f"unknown model '{name}'; closest: {', '.join(suggestions)}"
+        return f"unknown model '{name}'; closest: {', '.join(suggestions)}{hub}"
     return (
         f"unknown model '{name}': not a timm model name (see timm.list_models()); for your own "
-        "model write path/to/file.py:factory"
+        f"model write path/to/file.py:factory{hub}"
     )
 
 
@@ -650,29 +665,28 @@ def _read_checkpoint(path: Path) -> Any:
                 f"checkpoint {path} is truncated or not a safetensors file: {_one_line(exc)}"
             ) from exc
 
-    import pickle
-
+    # argparse.Namespace is allowed because timm's training script stores its arguments as one next
+    # to the weights; it only holds attributes and runs no code when unpickled. (torch < 2.5 has no
+    # safe_globals; such checkpoints are then refused like any other pickled object.)
     safe_globals = getattr(torch.serialization, "safe_globals", None)
+    allow = safe_globals([argparse.Namespace]) if safe_globals else contextlib.nullcontext()
     try:
-        # argparse.Namespace is allowed because timm's training script stores its arguments as one
-        # next to the weights; it only holds attributes and runs no code when unpickled.
-        import argparse
-
-        allow = safe_globals([argparse.Namespace]) if safe_globals else contextlib.nullcontext()
         with allow:
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         text = _ANSI.sub("", str(exc))
-        if "Weights only load failed" in text:
-            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-            what = f" ({found.group(1)})" if found else ""
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        if found:
             raise ModelLoadError(
-                f"checkpoint {path} contains pickled Python objects{what}, which are not loaded "
-                "because unpickling can run arbitrary code; save plain weights instead: "
+                f"checkpoint {path} contains pickled Python objects ({found.group(1)}), which are "
+                "not loaded because unpickling can run arbitrary code; save plain weights instead: "
                 "torch.save(model.state_dict(), FILE) or a .safetensors file"
             ) from exc
+        # Otherwise the pickle stream itself is broken (e.g. "Unsupported operand").
+        found = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+        reason = " ".join(found.group(1).split()) if found else _one_line(exc)
         raise ModelLoadError(
-            f"checkpoint {path} is truncated or corrupt: {_one_line(exc)}"
+            f"checkpoint {path} is truncated or corrupt (not a PyTorch weights file): {reason}"
         ) from exc
     except Exception as exc:  # torch reports corruption as RuntimeError, EOFError, KeyError, ...
         raise ModelLoadError(
@@ -700,8 +714,8 @@ def _unwrap_state_dict(obj: Any, path: Path) -> dict[str, torch.Tensor]:
         if key is None:
             keys = ", ".join(_first(list(map(str, obj))))
             raise ModelLoadError(
-                f"checkpoint {path} holds no weights: a dict with keys {keys or '(none)'} and none of "
-                f"{', '.join(_WRAPPER_KEYS)}"
+                f"checkpoint {path} holds no weights: a dict with keys {keys or '(none)'} "
+                f"and none of {', '.join(_WRAPPER_KEYS)}"
             )
         obj = obj[key]
     raise ModelLoadError(
@@ -754,26 +768,21 @@ def _first(items: list[str]) -> list[str]:
 def default_input_size(model: nn.Module) -> tuple[int, int, int] | None:
     """The (C, H, W) input the model expects, if the model says so; None if it cannot be told.
 
-    Looked up in timm's ``pretrained_cfg`` (or ``default_cfg``), then in a ``default_input_size``
-    or ``input_size`` attribute. A patch embedding built for a fixed image size (timm's
-    ``patch_embed.img_size``) has the last word: timm keeps the weights' config when a model is
-    created with another ``img_size``, and such a model rejects the config's size.
+    In order: timm's ``pretrained_cfg`` (or ``default_cfg``); a ``default_input_size`` or
+    ``input_size`` attribute; the image size a timm-style ``patch_embed`` was built for.
     """
-    size: tuple[int, int, int] | None = None
     for attr in ("pretrained_cfg", "default_cfg"):
         cfg = getattr(model, attr, None)
-        if isinstance(cfg, Mapping):
-            size = _as_size(cfg.get("input_size"))
+        size = _as_size(cfg.get("input_size")) if isinstance(cfg, Mapping) else None
         if size is not None:
-            break
-    if size is None:
-        for attr in ("default_input_size", "input_size"):
-            size = _as_size(getattr(model, attr, None))
-            if size is not None:
-                break
-
-    built = _patch_embed_size(model, channels=size[0] if size else None)
-    return built if built is not None else size
+            # timm keeps the weights' config when a model is created with another img_size (or
+            # in_chans), and such a model rejects the config's size: what it was built for wins.
+            return _patch_embed_size(model, channels=size[0]) or size
+    for attr in ("default_input_size", "input_size"):
+        size = _as_size(getattr(model, attr, None))
+        if size is not None:
+            return size
+    return _patch_embed_size(model, channels=None)
 
 
 def _patch_embed_size(model: nn.Module, channels: int | None) -> tuple[int, int, int] | None:

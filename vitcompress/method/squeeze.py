@@ -39,19 +39,22 @@ def match_hosts(similarity: Tensor) -> tuple[Tensor, Tensor]:
 def fuse_into_hosts(
     hosts: Tensor, donors: Tensor, host_index: Tensor, host_similarity: Tensor
 ) -> Tensor:
-    """Fuse donors into hosts by index scatter: O(Np * C) instead of the dense O(Np * Nr * C)."""
+    """Fuse donors into hosts by index scatter: O(Np * C) instead of the dense O(Np * Nr * C).
+
+    Written as ``y_j = x_j + sum_i w_i (x_i - x_j) / (e + sum_i w_i)``, algebraically the paper's
+    form, so that a host without donors comes out bit-identical rather than ``e * x / e``.
+    """
     out_dtype = hosts.dtype
+    x = hosts.float()
     weight = host_similarity.float().exp()  # (B, Np)
-    numerator = hosts.float() * SELF_WEIGHT
-    numerator = numerator.scatter_add(
+    pulled = torch.zeros_like(x).scatter_add(
         1,
         host_index.unsqueeze(-1).expand(-1, -1, hosts.shape[-1]),
         donors.float() * weight.unsqueeze(-1),
     )
-    denominator = torch.full(
-        hosts.shape[:2], SELF_WEIGHT, dtype=torch.float32, device=hosts.device
-    ).scatter_add(1, host_index, weight)
-    return (numerator / denominator.unsqueeze(-1)).to(out_dtype)
+    total = torch.zeros(hosts.shape[:2], dtype=torch.float32, device=hosts.device)
+    total = total.scatter_add(1, host_index, weight).unsqueeze(-1)
+    return (x + (pulled - x * total) / (SELF_WEIGHT + total)).to(out_dtype)
 
 
 def squeeze(hosts: Tensor, donors: Tensor) -> Tensor:

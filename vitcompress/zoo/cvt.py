@@ -1,13 +1,13 @@
 """CvT: Convolutional vision Transformer (Wu et al., ICCV 2021, arXiv:2103.15808).
 
-Three stages; each starts with an overlapping strided conv ("convolutional token embedding") and runs
-transformer blocks whose q/k/v come from a *convolutional projection*: tokens are put back on their
-grid, passed through a depthwise 3x3 conv + BatchNorm ("dw_bn"; stride 1 for q, 2 for k and v), then
-through a linear layer. There are no position embeddings. The class token exists in the last stage
+Three stages; each starts with an overlapping strided conv ("convolutional token embedding") and
+runs transformer blocks whose q/k/v come from a *convolutional projection*: tokens are put back on
+their grid, passed through a depthwise 3x3 conv + BatchNorm ("dw_bn"; stride 1 for q, 2 for k and
+v), then through a linear layer. There are no position embeddings. The class token exists in the last stage
 only; it bypasses the convolutional projection and is concatenated back in front of q, k and v.
 
-Parameter names follow ``lib/models/cls_cvt.py`` of github.com/microsoft/CvT exactly, so the released
-checkpoints load with ``strict=True`` (see ``docs/zoo.md``).
+Parameter names follow ``lib/models/cls_cvt.py`` of github.com/microsoft/CvT exactly, so the
+released checkpoints load with ``strict=True`` (see ``docs/zoo.md``).
 
 Written for graph rewriting: the model is ``torch.fx.symbolic_trace``-able, every token grid size is
 read from tensor shapes at run time (never from config integers), and attention is an explicit
@@ -174,13 +174,21 @@ class Block(nn.Module):
 
 
 class ConvEmbed(nn.Module):
-    """Overlapping strided conv + LayerNorm. Returns tokens and the grid read off the conv output."""
+    """Overlapping strided conv + LayerNorm; returns tokens and the grid read off the conv output."""
 
     def __init__(
-        self, patch_size: int, stride: int, padding: int, in_chans: int, embed_dim: int, norm_layer: NormLayer
+        self,
+        patch_size: int,
+        stride: int,
+        padding: int,
+        in_chans: int,
+        embed_dim: int,
+        norm_layer: NormLayer,
     ) -> None:
         super().__init__()
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=stride, padding=padding)
+        self.proj = nn.Conv2d(
+            in_chans, embed_dim, kernel_size=patch_size, stride=stride, padding=padding
+        )
         self.norm = norm_layer(embed_dim)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -212,7 +220,9 @@ class CvTStage(nn.Module):
         norm_layer: NormLayer = nn.LayerNorm,
     ) -> None:
         super().__init__()
-        self.patch_embed = ConvEmbed(patch_size, patch_stride, patch_padding, in_chans, embed_dim, norm_layer)
+        self.patch_embed = ConvEmbed(
+            patch_size, patch_stride, patch_padding, in_chans, embed_dim, norm_layer
+        )
         if with_cls_token:
             self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
             trunc_normal_(self.cls_token, std=0.02)
@@ -270,8 +280,8 @@ class ConvolutionalVisionTransformer(nn.Module):
         norm_layer: NormLayer | None = None,
     ) -> None:
         super().__init__()
-        # No position embeddings, so the model itself does not depend on ``img_size``; it is accepted
-        # so that timm's ``img_size=`` keyword works the same as for other models.
+        # No position embeddings, so the model itself does not depend on ``img_size``; it is
+        # accepted so that timm's ``img_size=`` keyword works the same as for other models.
         del img_size
         # QuickGELU (x * sigmoid(1.702 x)) is what the original builds its released models with.
         act_layer = act_layer or QuickGELU
@@ -282,7 +292,10 @@ class ConvolutionalVisionTransformer(nn.Module):
         self.use_cls_token = bool(cls_tokens[-1])
         self.num_prefix_tokens = 1 if self.use_cls_token else 0
 
-        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()  # stochastic depth decay
+        # Stochastic depth rate grows linearly over all blocks (plain Python so that building on
+        # the meta device works).
+        total = sum(depths)
+        dpr = [drop_path_rate * j / max(total - 1, 1) for j in range(total)]
         cur = 0
         for i in range(self.num_stages):
             stage = CvTStage(
@@ -413,20 +426,28 @@ def _create_cvt(variant: str, pretrained: bool, **kwargs: Any) -> ConvolutionalV
 @register_model
 def cvt_13(pretrained: bool = False, **kwargs: Any) -> ConvolutionalVisionTransformer:
     """CvT-13: dims (64, 192, 384), depths (1, 2, 10), heads (1, 3, 6); 20.0 M params."""
-    model_args: dict[str, Any] = {"embed_dims": (64, 192, 384), "depths": (1, 2, 10), "num_heads": (1, 3, 6)}
+    model_args: dict[str, Any] = {
+        "embed_dims": (64, 192, 384),
+        "depths": (1, 2, 10),
+        "num_heads": (1, 3, 6),
+    }
     return _create_cvt("cvt_13", pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def cvt_21(pretrained: bool = False, **kwargs: Any) -> ConvolutionalVisionTransformer:
     """CvT-21: dims (64, 192, 384), depths (1, 4, 16), heads (1, 3, 6); 31.6 M params."""
-    model_args: dict[str, Any] = {"embed_dims": (64, 192, 384), "depths": (1, 4, 16), "num_heads": (1, 3, 6)}
+    model_args: dict[str, Any] = {
+        "embed_dims": (64, 192, 384),
+        "depths": (1, 4, 16),
+        "num_heads": (1, 3, 6),
+    }
     return _create_cvt("cvt_21", pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
 def cvt_w24(pretrained: bool = False, **kwargs: Any) -> ConvolutionalVisionTransformer:
-    """CvT-W24 (wide): dims (192, 768, 1024), depths (2, 2, 20), heads (3, 12, 16); 384 px default."""
+    """CvT-W24: dims (192, 768, 1024), depths (2, 2, 20), heads (3, 12, 16); 384 px default."""
     model_args: dict[str, Any] = {
         "img_size": 384,
         "embed_dims": (192, 768, 1024),

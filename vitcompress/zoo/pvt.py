@@ -62,7 +62,6 @@ class SpatialReductionAttention(nn.Module):
         sr_ratio: int = 1,
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
-        norm_layer: NormLayer = nn.LayerNorm,
     ) -> None:
         super().__init__()
         if dim % num_heads:
@@ -77,13 +76,14 @@ class SpatialReductionAttention(nn.Module):
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
-        # The original only creates ``sr``/``norm`` when there is a reduction; keeping that makes the
-        # last stage's keys (no ``block4.*.attn.sr``) match the checkpoints.
+        # The original only creates ``sr``/``norm`` when there is a reduction; keeping that makes
+        # the last stage's keys (no ``block4.*.attn.sr``) match the checkpoints.
         self.sr: nn.Conv2d | None = None
         self.norm: nn.Module | None = None
         if sr_ratio > 1:
             self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)
-            self.norm = norm_layer(dim)
+            # A plain ``nn.LayerNorm`` (eps 1e-5) as in the original, not the model's eps-1e-6 norm.
+            self.norm = nn.LayerNorm(dim)
 
     def forward(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:
         B, N, C = x.shape
@@ -122,9 +122,7 @@ class Block(nn.Module):
     ) -> None:
         super().__init__()
         self.norm1 = norm_layer(dim)
-        self.attn = SpatialReductionAttention(
-            dim, num_heads, qkv_bias, sr_ratio, attn_drop, drop, norm_layer=norm_layer
-        )
+        self.attn = SpatialReductionAttention(dim, num_heads, qkv_bias, sr_ratio, attn_drop, drop)
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
@@ -136,12 +134,14 @@ class Block(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """Non-overlapping patch conv + LayerNorm. Returns tokens and the grid read off the conv output."""
+    """Non-overlapping patch conv + LayerNorm; returns tokens and the grid read off its output."""
 
-    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, norm_layer: NormLayer) -> None:
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int) -> None:
         super().__init__()
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
-        self.norm = norm_layer(embed_dim)
+        # Plain ``nn.LayerNorm`` (eps 1e-5) as in the original; only the blocks and the final norm
+        # use the model's eps-1e-6 ``norm_layer``.
+        self.norm = nn.LayerNorm(embed_dim)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         x = self.proj(x)
@@ -177,7 +177,10 @@ class PyramidVisionTransformer(nn.Module):
         self.num_features = self.embed_dim = embed_dims[-1]
         self.num_prefix_tokens = 1
 
-        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()  # stochastic depth decay
+        # Stochastic depth rate grows linearly over all blocks (plain Python so that building on
+        # the meta device works).
+        total = sum(depths)
+        dpr = [drop_path_rate * j / max(total - 1, 1) for j in range(total)]
         size = to_2tuple(img_size)
         # Build-time grid of each stage's position embedding. Only the *parameter layout* depends on
         # it; at run time the grid is read from the patch embedding output and the embedding is
@@ -200,7 +203,7 @@ class PyramidVisionTransformer(nn.Module):
             setattr(
                 self,
                 f"patch_embed{i + 1}",
-                PatchEmbed(patch, in_chans if i == 0 else embed_dims[i - 1], embed_dims[i], norm_layer),
+                PatchEmbed(patch, in_chans if i == 0 else embed_dims[i - 1], embed_dims[i]),
             )
             setattr(self, f"pos_embed{i + 1}", nn.Parameter(torch.zeros(1, num_pos, embed_dims[i])))
             setattr(self, f"pos_drop{i + 1}", nn.Dropout(drop_rate))
@@ -242,7 +245,9 @@ class PyramidVisionTransformer(nn.Module):
         self.num_classes = num_classes
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
 
-    def _resize_pos_embed(self, pos_embed: torch.Tensor, stage: int, H: int, W: int) -> torch.Tensor:
+    def _resize_pos_embed(
+        self, pos_embed: torch.Tensor, stage: int, H: int, W: int
+    ) -> torch.Tensor:
         # Always resample instead of branching on ``H * W == num_patches``: a branch on a run-time
         # shape is not fx-traceable, and bilinear resampling to the same size is an exact identity.
         gh, gw = self.pos_grids[stage]
@@ -312,7 +317,9 @@ def _init_weights(m: nn.Module) -> None:
 def _resample_grid(pos: torch.Tensor, new_grid: tuple[int, int]) -> torch.Tensor:
     old = int(round(pos.shape[1] ** 0.5))  # released checkpoints are square (224 px)
     if old * old != pos.shape[1]:
-        raise ValueError(f"cannot infer the grid of a position embedding with {pos.shape[1]} entries")
+        raise ValueError(
+            f"cannot infer the grid of a position embedding with {pos.shape[1]} entries"
+        )
     grid = pos.reshape(1, old, old, -1).permute(0, 3, 1, 2)
     grid = F.interpolate(grid, size=new_grid, mode="bilinear", align_corners=False)
     return grid.flatten(2).transpose(1, 2)
@@ -336,7 +343,9 @@ def checkpoint_filter_fn(
             continue
         pos = out[key]
         if i == model.num_stages - 1:
-            out[key] = torch.cat((pos[:, :1], _resample_grid(pos[:, 1:], model.pos_grids[i])), dim=1)
+            out[key] = torch.cat(
+                (pos[:, :1], _resample_grid(pos[:, 1:], model.pos_grids[i])), dim=1
+            )
         else:
             out[key] = _resample_grid(pos, model.pos_grids[i])
     return out
@@ -358,7 +367,10 @@ def _cfg(**kwargs: Any) -> dict[str, Any]:
         "license": "apache-2.0",
         "origin_url": "https://github.com/whai362/PVT",
         "paper_ids": "arXiv:2102.12122",
-        "paper_name": "Pyramid Vision Transformer: A Versatile Backbone for Dense Prediction without Convolutions",
+        "paper_name": (
+            "Pyramid Vision Transformer: A Versatile Backbone for Dense Prediction "
+            "without Convolutions"
+        ),
         **kwargs,
     }
 
@@ -378,7 +390,9 @@ _PVT_ARGS: dict[str, Any] = {
 }
 
 
-def _create_pvt(variant: str, pretrained: bool, depths: tuple[int, ...], **kwargs: Any) -> PyramidVisionTransformer:
+def _create_pvt(
+    variant: str, pretrained: bool, depths: tuple[int, ...], **kwargs: Any
+) -> PyramidVisionTransformer:
     _require_weight_source(variant, pretrained, kwargs)
     model_args = {**_PVT_ARGS, "depths": depths}
     return build_model_with_cfg(

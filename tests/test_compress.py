@@ -1,0 +1,196 @@
+"""compress(): the rewritten models behave like the method says, on every vanilla family."""
+
+import copy
+
+import pytest
+import timm
+import torch
+
+import vitcompress
+from tests.models import VANILLA, timm_small
+from vitcompress.measure import count_macs, count_params
+from vitcompress.plan import PlanError
+from vitcompress.workflows.measure_models import tokens_per_block
+
+VARIANTS = ["dtps", "dynamicvit", "etps", "evit"]
+
+
+def _build(name):
+    torch.manual_seed(0)
+    factory, size, _, _ = VANILLA[name]
+    return factory().eval(), size
+
+
+@pytest.mark.parametrize("name", list(VANILLA))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_keep_one_gives_the_base_logits(name, variant):
+    model, size = _build(name)
+    x = torch.randn(3, *size)
+    compressed = vitcompress.compress(model, variant, keep=1.0, locs=[1, 2], input_size=size)
+    with torch.no_grad():
+        torch.testing.assert_close(compressed.eval()(x), model(x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(VANILLA))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_inference_drops_tokens_and_each_image_is_independent(name, variant):
+    model, size = _build(name)
+    _, _, prefix, _ = VANILLA[name]
+    compressed = vitcompress.compress(model, variant, keep=0.5, locs=[1, 3], input_size=size).eval()
+    x = torch.randn(4, *size)
+    with torch.no_grad():
+        together = compressed(x)
+        alone = torch.cat([compressed(x[i : i + 1]) for i in range(4)])
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-4)
+    tokens = tokens_per_block(compressed, size)
+    n0 = 64
+    if variant in ("dtps", "dynamicvit"):
+        expected = [prefix + n0] + [prefix + 32] * 2 + [prefix + 16]
+    else:  # ceil(0.5 * n) of the tokens present, EViT adds its fused token
+        extra = 1 if variant == "evit" else 0
+        after_first = 32 + extra
+        expected = [prefix + n0] * 2 + [prefix + after_first] * 2
+    assert tokens == expected
+    with torch.no_grad():  # (deit3's layer scale starts at 1e-5: differences are small there)
+        assert not torch.equal(compressed(x), model(x))
+
+
+def test_compress_leaves_the_model_unchanged():
+    model, size = _build("vit")
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(2, *size)
+    with torch.no_grad():
+        out_before = model(x)
+    compressed = vitcompress.compress(model, "dtps", keep=0.5, input_size=size)
+    compressed.train()
+    compressed(x).sum().backward()
+    assert type(model).__name__ == "VisionTransformer"
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    with torch.no_grad():
+        assert torch.equal(model(x), out_before)
+
+
+@pytest.mark.parametrize("name", ["vit", "inhouse_mha", "inhouse_einsum", "inhouse_registers"])
+@pytest.mark.parametrize("variant", ["dtps", "dynamicvit"])
+def test_predictor_training_path_masks_instead_of_dropping(name, variant):
+    model, size = _build(name)
+    compressed = vitcompress.compress(model, variant, keep=0.5, locs=[1, 2], input_size=size)
+    compressed.train()
+    masks = []
+    handles = [module.register_forward_hook(lambda m, i, o: masks.append(o[1]))
+               for module in compressed.tps.children()]
+    x = torch.randn(3, *size)
+    out = compressed(x)
+    out.logsumexp(-1).sum().backward()
+    for handle in handles:
+        handle.remove()
+    prefix = VANILLA[name][2]
+    assert [tuple(m.shape) for m in masks] == [(3, prefix + 64)] * 2  # nothing dropped
+    assert torch.all(masks[1] <= masks[0])  # once dropped, stays dropped
+    assert torch.all(masks[0][:, :prefix] == 1)
+    for param_name, param in compressed.named_parameters():
+        if param_name.startswith("tps."):
+            assert param.grad is not None and param.grad.abs().sum() > 0, param_name
+
+
+def test_training_masks_change_the_later_blocks():
+    """The key mask must reach the attention of later blocks: dropping tokens changes logits."""
+    model, size = _build("vit")
+    compressed = vitcompress.compress(model, "dynamicvit", keep=0.3, locs=[1], input_size=size)
+    compressed.train()
+    x = torch.randn(2, *size)
+    torch.manual_seed(0)
+    masked = compressed(x)
+    compressed.tps.get_submodule("0").keep_ratio = 1.0
+    with torch.no_grad():
+        assert not torch.allclose(masked, model(x), atol=1e-3)
+
+
+def test_paper_parameter_counts():
+    for name, expected in (("deit_small_patch16_224", 22.77e6), ("deit_tiny_patch16_224", 5.90e6)):
+        model = timm.create_model(name)
+        compressed = vitcompress.compress(model, "dtps", keep=0.7, locs=[3, 6, 9])
+        assert count_params(compressed) == pytest.approx(expected, abs=0.005e6), name
+
+
+def _block_macs(n: int, c: int, mlp_ratio: int = 4) -> int:
+    return (
+        n * c * 3 * c  # qkv
+        + 2 * n * n * c  # q @ k^T and attn @ v
+        + n * c * c  # proj
+        + 2 * n * c * mlp_ratio * c  # fc1, fc2
+        + 2 * 5 * n * c  # two LayerNorms, counted as fvcore does
+    )
+
+
+def _vit_macs(tokens: list[int], c: int, patch_tokens: int, patch: int, classes: int) -> int:
+    stem = patch_tokens * c * 3 * patch * patch
+    return stem + sum(_block_macs(n, c) for n in tokens) + 5 * tokens[-1] * c + c * classes
+
+
+def test_reported_macs_equal_an_analytic_count():
+    model, size = _build("vit")  # 64 patches of 4x4, 1 cls token, dim 64, 4 blocks
+    c = 64
+    base = _vit_macs([65] * 4, c, 64, 4, 10)
+    assert count_macs(model, size) == base
+
+    # dtps at block 2, keep 0.5: predictor on 64 tokens, cosine of 32 donors x 32 hosts.
+    compressed = vitcompress.compress(model, "dtps", keep=0.5, locs=[2], input_size=size)
+    predictor = 5 * 64 * c + 64 * c * c + 64 * (c * c // 2 + c // 2 * c // 4 + c // 4 * 2)
+    squeeze = 32 * 32 * c
+    expected = _vit_macs([65, 65, 33, 33], c, 64, 4, 10) + predictor + squeeze
+    assert count_macs(compressed, size) == expected
+
+    # etps at block 2: the cls row (1 x 65 keys) is recomputed for the score, the MLP of block 2
+    # already sees 33 tokens.
+    compressed = vitcompress.compress(model, "etps", keep=0.5, locs=[2], input_size=size)
+    n_full, n_kept = 65, 33
+    block2 = (n_full * c * 3 * c + 2 * n_full * n_full * c + n_full * c * c + 5 * n_full * c
+              + 2 * n_kept * c * 4 * c + 5 * n_kept * c)
+    score = n_full * c
+    expected = (_vit_macs([65, 65, 33, 33], c, 64, 4, 10) - _block_macs(33, c) + block2 + score
+                + 32 * 32 * c)
+    assert count_macs(compressed, size) == expected
+
+
+def test_random_policy_selects_differently():
+    model, size = _build("vit")
+    x = torch.randn(2, *size)
+    scored = vitcompress.compress(model, "etps", keep=0.5, locs=[1], input_size=size).eval()
+    rand = vitcompress.compress(model, "etps", keep=0.5, locs=[1], input_size=size,
+                                policy="random").eval()
+    with torch.no_grad():
+        assert not torch.allclose(scored(x), rand(x))
+
+
+@pytest.mark.parametrize(
+    "keep, locs, message",
+    [(1.5, [1], "--keep must be in"), (0.0, [1], "--keep must be in"),
+     (0.5, [4], "out of range"), (0.5, [2, 1], "strictly increasing"),
+     (0.5, [1, 1], "strictly increasing"), ([0.5, 0.5], [1], "2 values for 1")],
+)
+def test_bad_plans_are_refused(keep, locs, message):
+    model, size = _build("vit")
+    with pytest.raises(PlanError, match=message):
+        vitcompress.compress(model, "dtps", keep=keep, locs=locs, input_size=size)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = timm_small("vit_small_patch16_224").eval()
+    compressed = vitcompress.compress(model, "dtps", keep=0.5, locs=[1, 2], input_size=(3, 32, 32))
+    with torch.no_grad():
+        for p in compressed.tps.parameters():  # weights that differ from a fresh build
+            p.add_(0.1)
+    vitcompress.save(compressed, tmp_path / "art", source=_source_of_small_vit())
+    again = vitcompress.load(tmp_path / "art")
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), compressed.eval()(x))
+
+
+def _source_of_small_vit():
+    from tests.models import SMALL
+    from vitcompress.loading import ModelSource
+
+    return ModelSource(spec="vit_small_patch16_224", model_args=dict(SMALL))

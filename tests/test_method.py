@@ -1,0 +1,136 @@
+"""The method's pure tensor functions against hand computation and the paper's equations."""
+
+import math
+
+import pytest
+import torch
+
+from vitcompress.method import (
+    cls_attention_score,
+    evit_fuse,
+    gather_tokens,
+    keep_count,
+    masked_softmax,
+    scatter_tokens,
+    split_by_score,
+    squeeze,
+    squeeze_dense,
+    squeeze_masked,
+)
+
+
+def test_squeeze_hand_computed():
+    # Two hosts on the axes; donors (2, 1) and (3, 1) both lie closer to host 0, (0, 5) to host 1.
+    hosts = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]]])
+    donors = torch.tensor([[[2.0, 1.0], [3.0, 1.0], [0.0, 5.0]]])
+    c_a, c_b, c_c = 2 / math.sqrt(5), 3 / math.sqrt(10), 1.0
+    w_a, w_b, w_c = math.exp(c_a), math.exp(c_b), math.exp(c_c)
+    e = math.e
+    host0 = [(e * 1 + w_a * 2 + w_b * 3) / (e + w_a + w_b), (w_a * 1 + w_b * 1) / (e + w_a + w_b)]
+    host1 = [0.0, (e * 1 + w_c * 5) / (e + w_c)]
+    expected = torch.tensor([[host0, host1, [-1.0, 0.0]]])  # host 2 has no donor: unchanged
+    torch.testing.assert_close(squeeze(hosts, donors), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(squeeze_dense(hosts, donors), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_hosts_without_donors_are_unchanged_bitwise():
+    torch.manual_seed(0)
+    hosts = torch.randn(2, 10, 16)
+    donors = hosts[:, :3] * 2.0  # every donor is parallel to one of the first three hosts
+    out = squeeze(hosts, donors)
+    assert torch.equal(out[:, 3:], hosts[:, 3:])
+    assert not torch.allclose(out[:, :3], hosts[:, :3])
+
+
+def test_scatter_and_dense_squeeze_agree_on_random_batches():
+    torch.manual_seed(1)
+    hosts, donors = torch.randn(4, 30, 24), torch.randn(4, 20, 24)
+    torch.testing.assert_close(squeeze(hosts, donors), squeeze_dense(hosts, donors))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_squeeze_low_precision_matches_float32(dtype):
+    torch.manual_seed(2)
+    hosts, donors = torch.randn(2, 12, 32), torch.randn(2, 8, 32)
+    low = squeeze(hosts.to(dtype), donors.to(dtype))
+    assert low.dtype == dtype
+    torch.testing.assert_close(low.float(), squeeze(hosts, donors), atol=3e-2, rtol=3e-2)
+
+
+def test_squeeze_masked_equals_physical_squeeze_and_leaves_others():
+    torch.manual_seed(3)
+    x = torch.randn(3, 16, 8)
+    previous = torch.ones(3, 16)
+    previous[:, 12:] = 0.0  # dropped at an earlier location: neither host nor donor
+    kept = (torch.rand(3, 16) > 0.5).float() * previous
+    kept[:, 0] = 1.0
+    donors = (1.0 - kept) * previous
+    out = squeeze_masked(x, kept, donors)
+    for b in range(3):
+        host_idx = kept[b].bool()
+        donor_idx = donors[b].bool()
+        expected = squeeze(x[b : b + 1, host_idx], x[b : b + 1, donor_idx])[0]
+        torch.testing.assert_close(out[b, host_idx], expected)
+        torch.testing.assert_close(out[b, ~host_idx], x[b, ~host_idx])
+
+
+def test_squeeze_masked_gradient_reaches_masks():
+    torch.manual_seed(4)
+    x = torch.randn(2, 10, 8)
+    logits = torch.randn(2, 10, requires_grad=True)
+    hard = (logits > 0).float() + torch.sigmoid(logits) - torch.sigmoid(logits).detach()
+    out = squeeze_masked(x, hard, 1.0 - hard)
+    out.sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_keep_counts_follow_the_reference_code():
+    assert [keep_count(196, 0.7**s, "floor") for s in (1, 2, 3)] == [137, 96, 67]
+    n, counts = 196, []
+    for _ in range(3):
+        n = keep_count(n, 0.7, "ceil")
+        counts.append(n)
+    assert counts == [138, 97, 68]
+    assert keep_count(10, 0.01, "floor") == 1  # never zero tokens
+
+
+def test_split_keeps_original_indices_in_score_order():
+    scores = torch.tensor([[0.1, 0.9, 0.5, 0.7]])
+    keep, prune = split_by_score(scores, 2)
+    assert keep.tolist() == [[1, 3]] and prune.tolist() == [[2, 0]]
+
+
+def test_scatter_then_gather_returns_kept_tokens_and_zero_elsewhere():
+    torch.manual_seed(5)
+    tokens = torch.randn(2, 5, 4)
+    index = torch.stack([torch.randperm(9)[:5] for _ in range(2)])
+    grid = scatter_tokens(tokens, index, 9)
+    assert torch.equal(gather_tokens(grid, index), tokens)
+    dropped = torch.ones(2, 9, dtype=torch.bool).scatter(1, index, False)
+    assert torch.count_nonzero(grid[dropped]) == 0
+
+
+def test_cls_attention_score_is_the_head_mean_cls_row():
+    torch.manual_seed(6)
+    q, k = torch.randn(2, 3, 7, 4), torch.randn(2, 3, 7, 4)
+    probs = (q @ k.transpose(-2, -1) / 2.0).softmax(-1)
+    expected = probs[:, :, 0, 2:].mean(1)
+    torch.testing.assert_close(cls_attention_score(q, k, prefix_tokens=2), expected)
+
+
+def test_masked_softmax_gives_dropped_keys_no_weight_but_keeps_diagonal():
+    torch.manual_seed(7)
+    logits = torch.randn(1, 2, 5, 5)
+    keep = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0]])
+    probs = masked_softmax(logits, keep)
+    assert probs[0, :, [0, 1, 3], 2].max() < 1e-5  # nobody but itself attends to a dropped key
+    assert probs[0, :, 2, 2].min() > 1e-3  # a dropped token still attends to itself
+    torch.testing.assert_close(probs.sum(-1), torch.ones(1, 2, 5), atol=1e-5, rtol=0)
+    full = masked_softmax(logits, torch.ones(1, 5))
+    torch.testing.assert_close(full, logits.softmax(-1), atol=1e-5, rtol=1e-5)
+
+
+def test_evit_fuse_is_the_attention_weighted_sum():
+    donors = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])
+    scores = torch.tensor([[0.25, 0.5]])
+    torch.testing.assert_close(evit_fuse(donors, scores), torch.tensor([[[1.75, 2.5]]]))
