@@ -33,13 +33,6 @@ def _params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _gmacs(model: nn.Module, size: int) -> float:
-    # FlopCounterMode counts 2 flops per multiply-accumulate.
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(torch.randn(1, 3, size, size))
-    return counter.get_total_flops() / 2e9
-
-
 def _randomize_norms(model: nn.Module) -> nn.Module:
     # Non-trivial norm/BN statistics so that comparisons cannot pass by accident.
     gen = torch.Generator().manual_seed(0)
@@ -96,22 +89,36 @@ def small() -> dict[str, nn.Module]:
     }
 
 
-@pytest.mark.parametrize("name", ["pvt_tiny", "cvt_13"])
-def test_macs_at_224(name: str, full: dict[str, nn.Module]) -> None:
-    assert _gmacs(full[name], 224) == pytest.approx(REFERENCE[name][1], rel=5e-3)
+@pytest.fixture(scope="module")
+def run_224(full: dict[str, nn.Module]) -> dict[str, tuple[torch.Tensor, float]]:
+    """One counted 224 px forward per model: (logits, GMACs). Cold CPU forwards are the expensive
+    part of this file (kernel set-up per new shape), so shapes are shared between tests."""
+    out = {}
+    for name, model in full.items():
+        # FlopCounterMode counts 2 flops per multiply-accumulate.
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            logits = model(torch.randn(1, 3, 224, 224))
+        out[name] = (logits, counter.get_total_flops() / 2e9)
+    return out
 
 
 @pytest.mark.parametrize("name", ["pvt_tiny", "cvt_13"])
-def test_forward_224(name: str, full: dict[str, nn.Module]) -> None:
-    with torch.no_grad():
-        assert full[name](torch.randn(1, 3, 224, 224)).shape == (1, 1000)
+def test_macs_at_224(name: str, run_224: dict[str, tuple[torch.Tensor, float]]) -> None:
+    assert run_224[name][1] == pytest.approx(REFERENCE[name][1], rel=5e-3)
+
+
+@pytest.mark.parametrize("name", ["pvt_tiny", "cvt_13"])
+def test_forward_224(name: str, run_224: dict[str, tuple[torch.Tensor, float]]) -> None:
+    logits = run_224[name][0]
+    assert logits.shape == (1, 1000)
+    assert torch.isfinite(logits).all()
 
 
 @pytest.mark.parametrize("name", ["pvt_tiny", "cvt_13"])
 def test_forward_small_inputs(name: str, small: dict[str, nn.Module]) -> None:
     model = small[name]
     with torch.no_grad():
-        assert model(torch.randn(2, 3, 64, 64)).shape == (2, 10)
+        assert model(torch.randn(1, 3, 64, 64)).shape == (1, 10)
         # The grid is read at run time, so other resolutions (down to 32 px, where every original
         # patch and reduction size still fits) work without rebuilding.
         assert model(torch.randn(2, 3, 96, 128)).shape == (2, 10)
@@ -131,11 +138,11 @@ def test_fx_trace_matches_eager(name: str, small: dict[str, nn.Module]) -> None:
     model = small[name]
     traced = torch.fx.symbolic_trace(model)
     with torch.no_grad():
-        for batch in (1, 3):
+        for batch in (1, 2):
             x = torch.randn(batch, 3, 64, 64)
             torch.testing.assert_close(traced(x), model(x), atol=1e-5, rtol=0)
         # Grid sizes are graph values, not constants baked in at trace time.
-        x = torch.randn(2, 3, 96, 96)
+        x = torch.randn(2, 3, 96, 128)
         torch.testing.assert_close(traced(x), model(x), atol=1e-5, rtol=0)
     # The attention is an explicit matmul -> softmax -> matmul, visible to graph analysis.
     softmaxes = [n for n in traced.graph.nodes if n.op == "call_method" and n.target == "softmax"]

@@ -1,0 +1,116 @@
+"""Every command through click's CliRunner, and the console script once as a real subprocess."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from tests.models import FIXTURES
+from vitcompress.cli.main import cli
+
+MHA = f"{FIXTURES}:mha_vit"
+EINSUM = f"{FIXTURES}:einsum_vit"
+FAST = ["--batch-size", "4", "--warmup", "1", "--runs", "2"]
+
+
+def run(*args):
+    result = CliRunner().invoke(cli, list(args))
+    return result
+
+
+def test_inspect_json_on_an_inhouse_model():
+    result = run("inspect", "--model", EINSUM, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["prefix_tokens"] == 0 and data["grid"] == [8, 8]
+    assert [b["attention"] for b in data["blocks"]] == ["einsum_softmax"] * 4
+    assert {"index", "path", "tokens", "dim", "heads", "attention", "grid_ops"} <= set(
+        data["blocks"][0])
+
+
+def test_inspect_table_and_model_args():
+    result = run("inspect", "--model", MHA, "--model-arg", "depth=2", "--model-arg", "dim=32")
+    assert result.exit_code == 0, result.output
+    assert "multihead_attention" in result.output and "layers.1" in result.output
+    assert "layers.2" not in result.output
+
+
+def test_bench_json():
+    result = run("bench", "--model", MHA, *FAST, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["params"] == sum(p.numel() for p in __import__("tests.fixtures.inhouse",
+                                 fromlist=["x"]).mha_vit().parameters())
+    assert data["macs"] > 0 and data["throughput"] > 0
+    assert data["environment"]["batch_size"] == 4
+
+
+def test_apply_writes_an_artifact_every_command_loads(tmp_path):
+    out = tmp_path / "mha_dtps"
+    result = run("apply", "--model", MHA, "--variant", "dtps", "--keep", "0.5", "--locs", "1,2",
+                 "--out", str(out), *FAST, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["tokens_per_block"] == [65, 33, 17, 17]
+    assert data["compressed"]["macs"] < data["base"]["macs"]
+    assert data["compressed"]["params"] > data["base"]["params"]  # the predictors
+    assert data["base"]["throughput"] > 0 and data["compressed"]["throughput"] > 0
+    assert (out / "model.safetensors").is_file() and (out / "vitcompress.json").is_file()
+
+    bench = run("bench", "--model", str(out), "--no-throughput", "--json")
+    assert bench.exit_code == 0, bench.output
+    assert json.loads(bench.output)["macs"] == data["compressed"]["macs"]
+    inspect = run("inspect", "--model", str(out), "--json")
+    assert inspect.exit_code == 0, inspect.output
+
+
+def test_apply_table_output():
+    result = run("apply", "--model", EINSUM, "--variant", "evit", "--keep", "0.5",
+                 "--no-throughput")
+    assert result.exit_code == 0, result.output
+    # default locations 1, 2, 3; EViT keeps ceil(0.5 n) and adds its fused token
+    text = " ".join(result.output.split())
+    assert "tokens per block: 64 64 64->33 64->18" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["inspect", "--model", "deit_smal"], "closest: deit_small_patch16_224"),
+    (["apply", "--model", MHA, "--keep", "1.5", "--no-throughput"], "--keep must be in (0, 1]"),
+    (["apply", "--model", MHA, "--keep", "abc", "--no-throughput"], "--keep must be a number"),
+    (["apply", "--model", MHA, "--locs", "9", "--no-throughput"], "out of range"),
+    (["apply", "--model", MHA, "--locs", "2,1", "--no-throughput"], "strictly increasing"),
+    (["apply", "--model", MHA, "--locs", "1,1", "--no-throughput"], "strictly increasing"),
+    (["inspect", "--model", f"{FIXTURES}:nope"], "nope"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert message in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_a_checkpoint_for_another_model_fails_cleanly(tmp_path):
+    from tests.fixtures.inhouse import einsum_vit
+
+    path = tmp_path / "other.pt"
+    torch.save(einsum_vit().state_dict(), path)
+    result = run("inspect", "--model", MHA, "--checkpoint", str(path))
+    assert result.exit_code == 2
+    assert "does not fit" in result.output and "Traceback" not in result.output
+
+
+def test_console_script_runs_as_a_subprocess():
+    proc = subprocess.run(
+        [sys.executable, "-m", "vitcompress.cli.main", "inspect", "--model", EINSUM, "--json"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["blocks"][0]["attention"] == "einsum_softmax"
+    bad = subprocess.run([sys.executable, "-m", "vitcompress.cli.main", "inspect", "--model",
+                          "deit_smal"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown model")
+    assert "Traceback" not in bad.stderr

@@ -1,0 +1,103 @@
+"""The model map is found from the graph, for timm families and in-house models alike."""
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+from tests.fixtures import inhouse
+from tests.models import VANILLA
+from vitcompress import map_model
+from vitcompress.graph.analyse import MappingError
+
+
+@pytest.mark.parametrize("name", list(VANILLA))
+def test_vanilla_maps(name):
+    factory, size, prefix, kind = VANILLA[name]
+    model_map = map_model(factory(), size).to_json()
+    assert model_map["prefix_tokens"] == prefix
+    assert model_map["grid"] == [8, 8]
+    assert len(model_map["blocks"]) == 4
+    for i, block in enumerate(model_map["blocks"]):
+        assert block["index"] == i
+        assert block["tokens"] == prefix + 64
+        assert block["dim"] == 64
+        assert block["attention"] == kind
+        assert block["grid_ops"] == []
+    assert model_map["blocks"][0]["heads"] == (4 if name.startswith("inhouse") else 2)
+
+
+def test_block_paths_and_cls_detection():
+    assert map_model(VANILLA["vit"][0](), (3, 32, 32)).blocks[2].path == "blocks.2"
+    assert map_model(inhouse.mha_vit(), (3, 32, 32)).blocks[1].path == "layers.1"
+    assert map_model(inhouse.register_vit(), (3, 32, 32)).blocks[3].path == "body.3"
+    assert map_model(VANILLA["vit"][0](), (3, 32, 32)).cls_token
+    assert map_model(inhouse.register_vit(), (3, 32, 32)).cls_token  # cls + 3 registers
+    assert not map_model(VANILLA["vit_registers"][0](), (3, 32, 32)).cls_token  # registers, GAP
+    assert not map_model(inhouse.einsum_vit(), (3, 32, 32)).cls_token
+
+
+@pytest.mark.parametrize("name, prefix, heads", [
+    ("deit_small_patch16_224", 1, 6),
+    ("deit_tiny_distilled_patch16_224", 2, 3),
+    ("deit3_small_patch16_224", 1, 6),
+    ("vit_base_patch16_224", 1, 12),
+])
+def test_full_size_timm_vits(name, prefix, heads):
+    model_map = map_model(timm.create_model(name)).to_json()
+    assert model_map["prefix_tokens"] == prefix and model_map["grid"] == [14, 14]
+    assert len(model_map["blocks"]) == 12
+    assert {b["tokens"] for b in model_map["blocks"]} == {196 + prefix}
+    assert {b["heads"] for b in model_map["blocks"]} == {heads}
+
+
+def test_pvt_v2_stages_and_grid_ops():
+    model_map = map_model(timm.create_model("pvt_v2_b0")).to_json()
+    assert [s["grid"] for s in model_map["stages"]] == [[56, 56], [28, 28], [14, 14], [7, 7]]
+    assert [b["tokens"] for b in model_map["blocks"]] == [3136] * 2 + [784] * 2 + [196] * 2 + [49] * 2
+    first = model_map["blocks"][0]["grid_ops"]
+    assert [(op["path"], op["branch"], op["grid"]) for op in first] == [
+        ("stages.0.blocks.0.attn.sr", "attention", [56, 56]),
+        ("stages.0.blocks.0.mlp.dwconv", "mlp", [56, 56]),
+    ]
+    last = model_map["blocks"][-1]["grid_ops"]  # no spatial reduction in the last stage
+    assert [op["path"] for op in last] == ["stages.3.blocks.1.mlp.dwconv"]
+
+
+def test_inhouse_pyramid():
+    model_map = map_model(inhouse.tiny_pyramid()).to_json()
+    assert [s["grid"] for s in model_map["stages"]] == [[16, 16], [8, 8], [4, 4]]
+    assert [len(s["blocks"]) for s in model_map["stages"]] == [1, 2, 2]
+    kinds = [[op["path"].split(".")[-1] for op in b["grid_ops"]] for b in model_map["blocks"]]
+    assert kinds == [["reduce", "mix"], ["reduce", "mix"], ["reduce", "mix"], ["mix"], ["mix"]]
+
+
+def test_a_model_without_attention_says_what_is_missing():
+    cnn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(8, 2))
+    with pytest.raises(MappingError, match="no transformer block found: 0 attention core"):
+        map_model(cnn, (3, 16, 16))
+
+
+def test_untraceable_submodule_is_kept_whole():
+    class Stubborn(nn.Module):  # control flow on a tensor value: symbolic tracing fails here
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+
+        def forward(self, x):
+            if x.sum() > 1e9:
+                return x
+            return self.fc(x)
+
+    model = inhouse.einsum_vit()
+    model.trunk[1].ffn = Stubborn()
+    model_map = map_model(model, (3, 32, 32))
+    assert model_map.leaves == ["trunk.1.ffn"]
+    assert len(model_map.blocks) == 4
+    x = torch.randn(2, 3, 32, 32)
+    import vitcompress
+
+    compressed = vitcompress.compress(model, "etps", keep=1.0, locs=[1], input_size=(3, 32, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(compressed.eval()(x), model.eval()(x))
