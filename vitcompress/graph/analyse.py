@@ -211,22 +211,11 @@ def _grid_ops(
             in_shape = ops.shape(node.args[0])
             if in_shape is None or len(in_shape) != 4:
                 continue
-            # Walk back through the reshapes to the 3-D tokens that were laid out as a grid.
-            to_grid = node.args[0]
-            walker = to_grid
-            tokens_node = None
-            for _ in range(16):
-                parents = [p for p in walker.all_input_nodes if ops.shape(p) is not None]
-                if not parents:
-                    break
-                parent = parents[0]
-                if len(ops.shape(parent)) == 3:
-                    tokens_node, to_grid = parent, walker
-                    break
-                walker = parent
-            if tokens_node is None:
-                continue
             grid = (in_shape[2], in_shape[3])
+            found_tokens = _tokens_before_grid(node.args[0], grid[0] * grid[1])
+            if found_tokens is None:
+                continue
+            tokens_node, to_grid = found_tokens
             from_grid = _flatten_back(node, grid[0] * grid[1])
             found.append(
                 GridOp(
@@ -243,19 +232,52 @@ def _grid_ops(
     return found
 
 
-def _flatten_back(op: fx.Node, grid_tokens: int) -> fx.Node | None:
-    """Follow single-user 4-D ops after a grid op to the 3-D tokens it flattens back to."""
-    node = op
+def _tokens_before_grid(grid_node: fx.Node, cells: int) -> tuple[fx.Node, fx.Node] | None:
+    """Walk back from a (B, C, H, W) tensor through layout ops to the (B, H*W, C) tokens it was
+    made from; return them and the node on the path that consumes them.
+
+    Of the 3-D tensors on the way, the earliest with H*W in dim 1 wins, so (B, C, N) tensors
+    whose C happens to equal H*W are passed over.
+    """
+    child, node = grid_node, grid_node
+    found: tuple[fx.Node, fx.Node] | None = None
+    for _ in range(16):
+        shape = ops.shape(node)
+        if shape is not None and len(shape) == 3:
+            if shape[1] == cells:
+                found = (node, child)
+            if not ops.is_layout(node):
+                return found
+        elif found is not None:
+            return found
+        parents = [p for p in node.all_input_nodes if ops.shape(p) is not None]
+        if not parents:
+            return found
+        child, node = node, parents[0]
+    return found
+
+
+def _flatten_back(op: fx.Node, cells: int) -> fx.Node | None:
+    """Follow the single-user chain after a grid op through 4-D ops and layout ops to the
+    (B, H*W, C) tokens it flattens back to: the last such tensor before real compute resumes."""
+    out_shape = ops.shape(op)
+    if out_shape is None or len(out_shape) != 4 or out_shape[2] * out_shape[3] != cells:
+        return None  # a strided conv or a pool changes the resolution: nothing to gather
+    node, found = op, None
     for _ in range(16):
         if len(node.users) != 1:
-            return None
+            break
         node = next(iter(node.users))
         shape = ops.shape(node)
         if shape is None:
-            return None
-        if len(shape) == 3:
-            return node if grid_tokens in (shape[1], shape[2]) and shape[1] == grid_tokens else None
-    return None
+            break
+        if not ops.is_layout(node) and len(shape) == 3:
+            break
+        if len(shape) == 3 and shape[1] == cells:
+            found = node
+        elif len(shape) != 4 and len(shape) != 3:
+            break
+    return found
 
 
 def analyse(captured: CapturedGraph) -> ModelMap:
@@ -318,6 +340,9 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 grid_ops=_grid_ops(gm, attn, mlp, anc),
             )
         )
+    for stage, following in zip(stages, stages[1:] + [None], strict=True):
+        end = by_name[following.entry_node] if following is not None else None
+        _find_stage_exit(stage, by_name[blocks[stage.blocks[-1]].output_node], end, anc)
     input_shape = ops.shape(image)
     last = by_name[blocks[-1].output_node]
     cls_token = stages[-1].prefix_tokens > 0 and _reads_first_token(last, anc)
@@ -329,6 +354,21 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         leaves=list(captured.leaves),
         cls_token=cls_token,
     )
+
+
+def _find_stage_exit(stage: Stage, out: fx.Node, end: fx.Node | None, anc: _Ancestry) -> None:
+    """The first place after a stage where its output tokens become a (B, C, H, W) grid."""
+    cells = stage.grid[0] * stage.grid[1]
+    stop = anc.index[end] if end is not None else len(anc.nodes)
+    for node in anc.nodes[anc.index[out] + 1 : stop]:
+        shape = ops.shape(node)
+        if shape is None or len(shape) != 4 or not anc.is_ancestor(out, node):
+            continue
+        if _grid_from(node, cells) is not None:
+            found = _tokens_before_grid(node, cells)
+            if found is not None and (found[0] is out or anc.is_ancestor(out, found[0])):
+                stage.exit_tokens_node, stage.exit_grid_node = found[0].name, found[1].name
+        return
 
 
 def _reads_first_token(stream: fx.Node, anc: _Ancestry) -> bool:

@@ -84,6 +84,11 @@ class Stage:
     # Node that flattens the (B, C, H, W) patch grid into tokens; absent when the model starts
     # from tokens.
     patch_grid_node: str | None = None
+    # Where the stage's output tokens are laid out as a grid again (a pyramid's next patch
+    # embedding, or a pooled head): (3-D tokens node, first 4-D node). Reduced tokens are padded
+    # back to the full grid here.
+    exit_tokens_node: str | None = None
+    exit_grid_node: str | None = None
 
 
 @dataclass

@@ -157,3 +157,16 @@ def is_select_first_token(node: fx.Node) -> bool:
     if node.op != "call_function" or node.target not in _aten("select"):
         return False
     return tuple(node.args[1:3]) == (1, 0)
+
+
+_LAYOUT_METHODS = {"transpose", "permute", "reshape", "view", "contiguous", "flatten", "unflatten"}
+_LAYOUT_FUNCS = (
+    {torch.transpose, torch.permute, torch.reshape, torch.flatten}
+    | _aten("transpose") | _aten("permute") | _aten("reshape") | _aten("view")
+    | _aten("flatten") | _aten("clone") | _aten("contiguous")
+)
+
+
+def is_layout(node: fx.Node) -> bool:
+    """An op that only rearranges elements (transpose, permute, reshape, flatten ...)."""
+    return _is_call(node, _LAYOUT_FUNCS, _LAYOUT_METHODS)

@@ -74,20 +74,36 @@ class _Rewriter:
         stage = -1
         for block in self.map.blocks:
             if block.stage != stage:
+                if stage >= 0:
+                    self._pad_stage_exit(self.map.stages[stage], keep_mask, positions)
                 stage = block.stage
                 keep_mask, positions = None, None
             located = by_block.get(block.index)
             if located is not None and self.plan.scorer == "predictor":
                 keep_mask, positions = self._insert_predictor(block, *located, keep_mask, positions)
             scoring = located is not None and self.plan.scorer == "attention"
-            score = self._hook_attention(block, keep_mask, scoring)
-            if keep_mask is not None or positions is not None:
-                self._wrap_grid_ops(block, keep_mask, positions)
-            if scoring:
+            score = self._hook_attention(block, keep_mask, scoring, positions)
+            self._wrap_grid_ops(block, "attention", keep_mask, positions)
+            if scoring:  # the block's MLP already sees the reduced tokens
                 positions = self._insert_attention_reducer(block, *located, score, positions)
+            self._wrap_grid_ops(block, "mlp", keep_mask, positions)
+        self._pad_stage_exit(self.map.stages[stage], keep_mask, positions)
         self.graph.lint()
         self.gm.recompile()
         return self.gm
+
+    def _pad_stage_exit(self, stage, keep_mask, positions) -> None:
+        """Tokens leaving a reduced stage as a grid (next patch embedding, pooled head) get the
+        full grid back: padded with zeros in inference, dropped ones zeroed in training."""
+        if (keep_mask is None and positions is None) or stage.exit_grid_node is None:
+            return
+        tokens = self.nodes[stage.exit_tokens_node]
+        to_grid = self.nodes[stage.exit_grid_node]
+        name = f"exit{stage.index}"
+        self.hooks.add_module(name, GridPad(grid=stage.grid))
+        with self.graph.inserting_before(to_grid):
+            padded = self.graph.call_module(f"{HOOK_PREFIX}.{name}", (tokens, keep_mask, positions))
+        to_grid.replace_input_with(tokens, padded)
 
     def _insert_predictor(self, block: Block, index: int, loc, keep_mask, positions):
         stream = self.nodes[block.input_node]
@@ -114,31 +130,33 @@ class _Rewriter:
         _replace_uses(stream, tokens, {reducer})
         return new_positions
 
-    def _hook_attention(self, block: Block, keep_mask, scoring: bool) -> fx.Node | None:
+    def _hook_attention(self, block: Block, keep_mask, scoring: bool,
+                        positions) -> fx.Node | None:
         """Replace the block's attention core when it must mask keys or score tokens."""
         if keep_mask is None and not scoring:
             return None
         core = block.attention
         node = self.nodes[core.node]
         has_cls = self.map.cls_token and block.prefix_tokens > 0
-        options = dict(prefix_tokens=block.prefix_tokens, has_cls=has_cls, score=scoring)
+        options = dict(prefix_tokens=block.prefix_tokens, has_cls=has_cls, score=scoring,
+                       grid=block.grid)
         name = f"attn{block.index}"
         if core.kind == "sdpa":
             target = self._add_hook(name, SDPAHook(**options))
             args = (*node.args[:3], keep_mask, *node.args[3:])
-            kwargs = dict(node.kwargs)
+            kwargs = {**node.kwargs, "positions": positions}
         elif core.kind in ("matmul_softmax", "einsum_softmax"):
             dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
             if dim not in (-1, 3):
                 raise RewriteError(f"softmax over dim {dim} in {core.path}; expected the key dim")
             target = self._add_hook(name, SoftmaxHook(**options))
-            args, kwargs = (node.args[0], keep_mask), {}
+            args, kwargs = (node.args[0], keep_mask, positions), {}
         else:  # a kept-whole nn.MultiheadAttention
             target = self._add_hook(name, MHAHook(**options))
             with self.graph.inserting_before(node):
                 module = self.graph.get_attr(str(node.target))
             args = (module, *node.args[:3], keep_mask)
-            kwargs = dict(node.kwargs)
+            kwargs = {**node.kwargs, "positions": positions}
         with self.graph.inserting_after(node):
             hook = self.graph.call_module(target, args, kwargs)
         if not scoring:
@@ -157,9 +175,13 @@ class _Rewriter:
         self.graph.erase_node(node)
         return score
 
-    def _wrap_grid_ops(self, block: Block, keep_mask, positions) -> None:
+    def _wrap_grid_ops(self, block: Block, branch: str, keep_mask, positions) -> None:
         """Give every grid op of a reduced block its full grid back (pad or mask), then gather."""
+        if keep_mask is None and positions is None:
+            return
         for op in block.grid_ops:
+            if op.branch != branch:
+                continue
             tokens = self.nodes[op.tokens_node]
             to_grid = self.nodes[op.to_grid_node]
             name = f"pad{block.index}_{op.op_node}"

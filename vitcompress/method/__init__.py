@@ -8,6 +8,7 @@ refer to positions along ``N``.
 from vitcompress.method.attention import masked_attention, masked_softmax
 from vitcompress.method.score import (
     cls_attention_score,
+    key_scores_to_tokens,
     received_attention_score,
     score_from_probs,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "fuse_into_hosts",
     "gather_tokens",
     "keep_count",
+    "key_scores_to_tokens",
     "masked_attention",
     "masked_softmax",
     "match_hosts",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -39,3 +41,23 @@ def score_from_probs(probs: Tensor, prefix_tokens: int, has_cls: bool) -> Tensor
     if has_cls:
         return probs[:, :, 0, prefix_tokens:].mean(dim=1)
     return probs[..., prefix_tokens:].mean(dim=(1, 2))
+
+
+def key_scores_to_tokens(scores: Tensor, grid: tuple[int, int],
+                         positions: Tensor | None = None) -> Tensor:
+    """Scores of pooled keys (spatial-reduction attention: one key per cell of a coarser grid)
+    spread to the tokens each cell covers, then taken at the tokens present (``positions``).
+
+    A token's score is the attention received by the pooled key whose cell contains it.
+    """
+    b, cells = scores.shape
+    height, width = grid
+    h = max(1, round(math.sqrt(cells * height / width)))
+    w = cells // h
+    if h * w != cells:
+        raise ValueError(f"{cells} pooled keys do not form a grid like {height}x{width}")
+    full = F.interpolate(scores.reshape(b, 1, h, w).float(), size=(height, width), mode="nearest")
+    full = full.reshape(b, height * width).to(scores.dtype)
+    if positions is None:
+        return full
+    return torch.gather(full, 1, positions.clamp(min=0))

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from vitcompress.method import (
     cls_attention_score,
+    key_scores_to_tokens,
     masked_attention,
     masked_softmax,
     received_attention_score,
@@ -23,19 +24,30 @@ from vitcompress.method import (
 
 
 class _ScoringHook(nn.Module):
-    def __init__(self, prefix_tokens: int, has_cls: bool, score: bool) -> None:
+    def __init__(self, prefix_tokens: int, has_cls: bool, score: bool,
+                 grid: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.prefix_tokens = prefix_tokens
         self.has_cls = has_cls
         self.score = score
+        self.grid = tuple(grid) if grid is not None else None
 
     def extra_repr(self) -> str:
         return f"prefix_tokens={self.prefix_tokens}, has_cls={self.has_cls}, score={self.score}"
 
-    def _score_qk(self, q: Tensor, k: Tensor, scale: float | None) -> Tensor:
+    def _score_qk(self, q: Tensor, k: Tensor, scale: float | None,
+                  positions: Tensor | None = None) -> Tensor:
         if self.has_cls:
-            return cls_attention_score(q, k, self.prefix_tokens, scale)
-        return received_attention_score(q, k, self.prefix_tokens, scale)
+            scores = cls_attention_score(q, k, self.prefix_tokens, scale)
+        else:
+            scores = received_attention_score(q, k, self.prefix_tokens, scale)
+        return self._per_token(scores, q.shape[-2], positions)
+
+    def _per_token(self, scores: Tensor, query_tokens: int, positions: Tensor | None) -> Tensor:
+        """Pooled keys (spatial-reduction attention) score the cells they cover."""
+        if scores.shape[1] == query_tokens - self.prefix_tokens or self.grid is None:
+            return scores
+        return key_scores_to_tokens(scores, self.grid, positions)
 
 
 def _applies(keep_mask: Tensor | None, key_tokens: int) -> bool:
@@ -47,7 +59,8 @@ class SDPAHook(_ScoringHook):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, keep_mask: Tensor | None = None,
                 attn_mask: Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-                scale: float | None = None, **kwargs) -> Tensor | tuple[Tensor, Tensor]:
+                scale: float | None = None, positions: Tensor | None = None,
+                **kwargs) -> Tensor | tuple[Tensor, Tensor]:
         if _applies(keep_mask, k.shape[-2]):
             if attn_mask is not None or is_causal:
                 raise NotImplementedError("a key mask combined with an attention mask")
@@ -59,21 +72,22 @@ class SDPAHook(_ScoringHook):
                                                  is_causal=is_causal, scale=scale, **kwargs)
         if not self.score:
             return out
-        return out, self._score_qk(q, k, scale)
+        return out, self._score_qk(q, k, scale, positions)
 
 
 class SoftmaxHook(_ScoringHook):
     """Stands in for the softmax of an explicit ``q @ k^T`` (or einsum) attention."""
 
-    def forward(self, logits: Tensor, keep_mask: Tensor | None = None, *args,
-                **kwargs) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, logits: Tensor, keep_mask: Tensor | None = None,
+                positions: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         if _applies(keep_mask, logits.shape[-1]):
             probs = masked_softmax(logits, keep_mask)
         else:
             probs = logits.softmax(dim=-1)
         if not self.score:
             return probs
-        return probs, score_from_probs(probs, self.prefix_tokens, self.has_cls)
+        scores = score_from_probs(probs, self.prefix_tokens, self.has_cls)
+        return probs, self._per_token(scores, logits.shape[-2], positions)
 
 
 class MHAHook(_ScoringHook):
@@ -83,7 +97,7 @@ class MHAHook(_ScoringHook):
     """
 
     def forward(self, mha: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor,
-                keep_mask: Tensor | None = None, **kwargs):
+                keep_mask: Tensor | None = None, positions: Tensor | None = None, **kwargs):
         if keep_mask is None and not self.score:
             return mha(query, key, value, **kwargs)
         if (not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn
@@ -114,4 +128,4 @@ class MHAHook(_ScoringHook):
             out = out.transpose(0, 1)
         if not self.score:
             return out, None
-        return out, None, self._score_qk(q, k, None)
+        return out, None, self._score_qk(q, k, None, positions)
