@@ -39,7 +39,7 @@ def map_model(model: nn.Module, input_size: tuple[int, int, int] | None = None) 
     return analyse(capture(model, example_input(resolve_input_size(model, input_size))))
 
 
-def compress(model: nn.Module, variant: str = "etps", keep: float | list[float] = 0.7,
+def compress(model: nn.Module, variant: str = "etps", keep: float | list[float] | None = None,
              locs: list[int] | None = None, input_size: tuple[int, int, int] | None = None,
              policy: str = "score") -> nn.Module:
     """Return a compressed copy of ``model`` (left unchanged): an ordinary ``nn.Module`` whose
@@ -65,7 +65,7 @@ def compress(model: nn.Module, variant: str = "etps", keep: float | list[float] 
     return compressed
 
 
-def compress_loaded(loaded: LoadedModel, variant: str = "etps", keep: float | list[float] = 0.7,
+def compress_loaded(loaded: LoadedModel, variant: str = "etps", keep: float | list[float] | None = None,
                     locs: list[int] | None = None, policy: str = "score") -> LoadedModel:
     """``compress`` for a model from :func:`vitcompress.loading.load_model`, keeping its source
     so the result can be saved and rebuilt."""

@@ -61,9 +61,26 @@ class Plan:
                 "keep": self.keep, "locations": [asdict(loc) for loc in self.locations]}
 
 
+def _dominant_last_stage(model_map: ModelMap) -> bool:
+    """CvT-like: several stages, but the last holds at least two thirds of the blocks."""
+    last = model_map.stages[-1]
+    return len(model_map.stages) > 1 and 3 * len(last.blocks) >= 2 * len(model_map.blocks)
+
+
+def default_keep(model_map: ModelMap) -> float:
+    """The paper's keep ratios: 0.5 for CvT-like models, 0.7 otherwise."""
+    return 0.5 if _dominant_last_stage(model_map) else 0.7
+
+
 def default_locs(model_map: ModelMap) -> list[int]:
     """The paper's placements: blocks at 1/4, 1/2 and 3/4 of the depth (3, 6, 9 of 12) for a
-    single-stage ViT; the first block of every stage but the first for a pyramid (PVT)."""
+    single-stage ViT; for a CvT-like model three blocks of the last stage from its first, spaced
+    ceil(L/4) (3, 6, 9 for CvT-13, 5, 9, 13 for CvT-21); for a pyramid (PVT) the first block of
+    every stage but the first."""
+    if _dominant_last_stage(model_map):
+        blocks = model_map.stages[-1].blocks
+        step = math.ceil(len(blocks) / 4)
+        return [blocks[k * step] for k in range(3) if k * step < len(blocks)]
     if len(model_map.stages) > 1:
         return [stage.blocks[0] for stage in model_map.stages[1:]]
     depth = len(model_map.blocks)
@@ -85,7 +102,7 @@ def parse_ints(text: str, what: str) -> list[int]:
         raise PlanError(f"{what} must be a comma list of integers, got {text!r}") from None
 
 
-def make_plan(model_map: ModelMap, variant: str, keep: float | list[float] | str,
+def make_plan(model_map: ModelMap, variant: str, keep: float | list[float] | str | None,
               locs: list[int] | str | None = None, policy: str = "score") -> Plan:
     if variant not in VARIANTS:
         raise PlanError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
@@ -102,6 +119,8 @@ def make_plan(model_map: ModelMap, variant: str, keep: float | list[float] | str
             raise PlanError(f"--locs {loc} is out of range: the model has {depth} blocks (0..{depth - 1})")
     if sorted(set(locs)) != locs:
         raise PlanError(f"--locs must be strictly increasing without duplicates, got {locs}")
+    if keep is None:
+        keep = default_keep(model_map)
     if isinstance(keep, str):
         keep = parse_floats(keep, "--keep")
     keeps = [float(keep)] * len(locs) if isinstance(keep, (int, float)) else list(keep)

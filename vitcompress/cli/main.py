@@ -134,10 +134,11 @@ def _print_environment(environment: dict[str, Any]) -> None:
 @cli.command()
 @model_options
 @click.option("--variant", type=click.Choice(list(VARIANTS)), default="etps", show_default=True)
-@click.option("--keep", default="0.7", show_default=True,
-              help="Keep ratio per location, or a comma list with one per location.")
+@click.option("--keep", default=None,
+              help="Keep ratio per location, or a comma list with one per location (default: "
+                   "0.7; 0.5 for CvT-like models, as in the paper).")
 @click.option("--locs", default=None, help="0-based block indices, e.g. 3,6,9 (default: "
-              "1/4, 1/2, 3/4 of the depth; stage starts for pyramids).")
+              "1/4, 1/2, 3/4 of the depth; stage starts for pyramids; stage 3 for CvT).")
 @click.option("--policy", type=click.Choice(["score", "random"]), default="score",
               show_default=True, help="random: select tokens at random (robustness analysis).")
 @click.option("--out", type=click.Path(file_okay=False), default=None,

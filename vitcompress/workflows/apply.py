@@ -47,7 +47,7 @@ class ApplyResult:
         }
 
 
-def apply(loaded: LoadedModel, variant: str, keep: float | list[float] | str,
+def apply(loaded: LoadedModel, variant: str, keep: float | list[float] | str | None,
           locs: list[int] | str | None = None, policy: str = "score",
           out: str | Path | None = None, timing: TimingOptions | None = None) -> ApplyResult:
     compressed = compress_loaded(loaded, variant=variant, keep=keep, locs=locs, policy=policy)

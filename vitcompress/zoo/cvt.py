@@ -3,8 +3,9 @@
 Three stages; each starts with an overlapping strided conv ("convolutional token embedding") and
 runs transformer blocks whose q/k/v come from a *convolutional projection*: tokens are put back on
 their grid, passed through a depthwise 3x3 conv + BatchNorm ("dw_bn"; stride 1 for q, 2 for k and
-v), then through a linear layer. There are no position embeddings. The class token exists in the last stage
-only; it bypasses the convolutional projection and is concatenated back in front of q, k and v.
+v), then through a linear layer. There are no position embeddings. The class token exists in the
+last stage only; it bypasses the convolutional projection and is concatenated back in front of q,
+k and v.
 
 Parameter names follow ``lib/models/cls_cvt.py`` of github.com/microsoft/CvT exactly, so the
 released checkpoints load with ``strict=True`` (see ``docs/zoo.md``).
@@ -174,7 +175,7 @@ class Block(nn.Module):
 
 
 class ConvEmbed(nn.Module):
-    """Overlapping strided conv + LayerNorm; returns tokens and the grid read off the conv output."""
+    """Overlapping strided conv + LayerNorm; returns tokens and the grid read off its output."""
 
     def __init__(
         self,
