@@ -1,4 +1,5 @@
-"""Model zoo: PVT v1 and CvT registered in timm, sized like the papers, traceable, checkpoint-compatible.
+"""Model zoo: PVT v1 and CvT in timm's registry, sized like the papers, fx-traceable, and
+loading the authors' checkpoint layouts.
 
 Kept CPU-cheap: large variants are built on the meta device (shapes only), forward passes use the
 small variants at 64 px unless the test is about 224 px.
@@ -27,6 +28,16 @@ REFERENCE = {
     "cvt_13": (20.00, 4.58),
     "cvt_21": (31.62, 7.21),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # These models are small at the sizes used here; one intra-op thread avoids the large
+    # slow-downs of spinning OpenMP threads when the (2-core) machine is shared with other work.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def _params(model: nn.Module) -> int:
