@@ -1,0 +1,384 @@
+"""Throughput benchmarks for token pruning & squeezing (TPS).
+
+Two parts, each timed with ``vitcompress.measure.measure_throughput`` (all models of a part
+interleaved round-robin in this one process, so machine noise hits them alike):
+
+``--part overhead``
+    deit_small_patch16_224, locations 3,6,9, keep 0.7. For each variant (dtps, etps, dynamicvit,
+    evit) the compressed model is timed against an *idealised* model that only slices the
+    residual stream to the same token counts at the same places: no scoring, no predictor, no
+    matching, no fusing. Their ratio is the throughput the selection + squeezing machinery keeps;
+    the target is >= 0.95 for every variant.
+
+``--part headline``
+    dtps on deit_small at blocks 2,4,6,8 with keep 0.5 against plain deit_tiny_patch16_224
+    (paper, RTX 2080Ti: 1745 vs 1686 img/s), with plain deit_small for reference.
+
+Random-initialised weights are used (no download): throughput does not depend on the weights.
+
+Examples::
+
+    python benchmarks/tps_speed.py --part overhead --json-out overhead.json
+    python benchmarks/tps_speed.py --part headline --rounds 3 --runs 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import timm
+import torch
+from torch import nn
+
+import vitcompress
+from vitcompress.measure import count_macs, count_params, measure_throughput
+
+INPUT_SIZE = (3, 224, 224)
+VARIANTS = ("dtps", "etps", "dynamicvit", "evit")
+PREDICTOR_VARIANTS = ("dtps", "dynamicvit")  # drop before the block, int(N0 * rho**s) kept
+TARGET = 0.95
+
+
+# --------------------------------------------------------------------------------------------------
+# The idealised model: plain slicing of the residual stream
+# --------------------------------------------------------------------------------------------------
+
+
+def keep_first(x: torch.Tensor, prefix: int, tokens: int) -> torch.Tensor:
+    """The prefix tokens and the first ``tokens`` non-prefix tokens of ``x`` (B, N, C)."""
+    return torch.cat([x[:, :prefix], x[:, prefix:prefix + tokens]], dim=1)
+
+
+class SlicedBlock(nn.Module):
+    """A timm ``Block`` that slices tokens before it (``before``) or after its attention residual
+    add (``after_attn``), i.e. where dTPS/DynamicViT and eTPS/EViT reduce tokens."""
+
+    def __init__(self, block: nn.Module, prefix: int, before: int | None = None,
+                 after_attn: int | None = None) -> None:
+        super().__init__()
+        self.block = block
+        self.prefix = prefix
+        self.before = before
+        self.after_attn = after_attn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.block
+        if self.before is not None:
+            x = keep_first(x, self.prefix, self.before)
+        x = x + b.drop_path1(b.ls1(b.attn(b.norm1(x))))
+        if self.after_attn is not None:
+            x = keep_first(x, self.prefix, self.after_attn)
+        return x + b.drop_path2(b.ls2(b.mlp(b.norm2(x))))
+
+
+def token_schedule(variant: str, patch_tokens: int, keep: float, locs: Sequence[int]) -> list[int]:
+    """Non-prefix tokens present after each location, by the rules of the variants.
+
+    dTPS/DynamicViT: ``int(N0 * rho**s)``. eTPS/EViT: ``ceil(rho * n)`` of the ``n`` tokens present;
+    EViT adds one fused token whenever something was pruned.
+    """
+    counts: list[int] = []
+    n = patch_tokens
+    for step in range(1, len(locs) + 1):
+        if variant in PREDICTOR_VARIANTS:
+            n = max(1, min(patch_tokens, int(patch_tokens * keep**step)))
+        else:
+            k = max(1, min(n, math.ceil(keep * n)))
+            n = k + 1 if variant == "evit" and k < n else k
+        counts.append(n)
+    return counts
+
+
+def idealised(base: nn.Module, variant: str, keep: float, locs: Sequence[int]) -> nn.Module:
+    """A copy of ``base`` whose blocks at ``locs`` merely slice to the variant's token counts."""
+    model = copy.deepcopy(base)
+    prefix = model.num_prefix_tokens
+    patch_tokens = model.patch_embed.num_patches
+    for block_index, count in zip(locs, token_schedule(variant, patch_tokens, keep, locs),
+                                  strict=True):
+        where = "before" if variant in PREDICTOR_VARIANTS else "after_attn"
+        model.blocks[block_index] = SlicedBlock(model.blocks[block_index], prefix,
+                                                **{where: count})
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------------
+
+
+def _block(model: nn.Module, index: int) -> nn.Module:
+    block = model.get_submodule(f"blocks.{index}")
+    return block.block if isinstance(block, SlicedBlock) else block
+
+
+def tokens_per_block(model: nn.Module, depth: int) -> list[tuple[int, int]]:
+    """(tokens entering attention, tokens entering the MLP) of every block, on a batch of 2.
+
+    Read from forward pre-hooks on ``attn.qkv`` and ``mlp.fc1``, which are real submodule calls in
+    both the eager timm model and the compressed ``GraphModule``.
+    """
+    seen: dict[str, int] = {}
+    handles = []
+    for i in range(depth):
+        for name in (f"blocks.{i}.attn.qkv", f"blocks.{i}.mlp.fc1"):
+            module = _block(model, i).get_submodule(name.split(".", 2)[2])
+
+            def hook(_module: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
+                seen[name] = args[0].shape[1]
+
+            handles.append(module.register_forward_pre_hook(hook))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            model(torch.randn(2, *INPUT_SIZE))
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    return [(seen[f"blocks.{i}.attn.qkv"], seen[f"blocks.{i}.mlp.fc1"]) for i in range(depth)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------------
+
+
+def timed_rounds(models: dict[str, nn.Module], args: argparse.Namespace,
+                 log: Callable[[str], None]) -> tuple[dict[str, list[float]], list[dict]]:
+    """``args.rounds`` calls of ``measure_throughput`` over all models, the order rotated each
+    round. Returns the pooled samples per model and the per-round reports."""
+    names = list(models)
+    pooled: dict[str, list[float]] = {name: [] for name in names}
+    reports = []
+    for r in range(args.rounds):
+        load_before = os.getloadavg()[0]
+        order = names[r % len(names):] + names[:r % len(names)]
+        report = measure_throughput({name: models[name] for name in order}, INPUT_SIZE,
+                                    batch_size=args.batch_size, warmup=args.warmup, runs=args.runs)
+        for name in names:
+            pooled[name].extend(report.results[name].samples)
+        reports.append(report.to_json() | {"loadavg_1min": [load_before, os.getloadavg()[0]]})
+        log(f"  round {r + 1}/{args.rounds} (1-min load {load_before:.1f} -> "
+            f"{os.getloadavg()[0]:.1f}): "
+            + ", ".join(f"{name} {report.results[name].median:.2f}" for name in names)
+            + " img/s")
+    return pooled, reports
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def round_ratios(reports: list[dict], a: str, b: str) -> list[float]:
+    return [rep["results"][a]["median"] / rep["results"][b]["median"] for rep in reports]
+
+
+def machine_line(env: dict[str, Any]) -> str:
+    return (f"{env['device_name']} ({env['device']}), {env['threads']} threads "
+            f"({env['cpu_count']} CPUs), torch {env['torch']}, batch {env['batch_size']}, "
+            f"{env['dtype']}, warmup {env['warmup']} + {env['runs']} runs per round")
+
+
+def gmacs(model: nn.Module) -> float:
+    return count_macs(model, INPUT_SIZE) / 1e9
+
+
+# --------------------------------------------------------------------------------------------------
+# Parts
+# --------------------------------------------------------------------------------------------------
+
+
+def part_overhead(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    locs = args.locs
+    base = timm.create_model(args.model, pretrained=False).eval()
+    depth = len(base.blocks)
+    models: dict[str, nn.Module] = {}
+    info: dict[str, dict[str, Any]] = {}
+    if args.with_base:
+        models[args.model] = base
+    for variant in args.variants:
+        compressed = vitcompress.compress(base, variant=variant, keep=args.keep, locs=locs,
+                                          input_size=INPUT_SIZE).eval()
+        ideal = idealised(base, variant, args.keep, locs)
+        got, want = tokens_per_block(compressed, depth), tokens_per_block(ideal, depth)
+        if got != want:
+            raise SystemExit(f"{variant}: token counts differ from the idealised model:\n"
+                             f"  compressed {got}\n  idealised  {want}")
+        plan_tokens = [loc["keep_tokens"] for loc in compressed.vitcompress_plan["locations"]]
+        if variant in PREDICTOR_VARIANTS:
+            schedule = token_schedule(variant, base.patch_embed.num_patches, args.keep, locs)
+            assert plan_tokens == schedule, (plan_tokens, schedule)
+        macs_c, macs_i = gmacs(compressed), gmacs(ideal)
+        info[variant] = {
+            "tokens_per_block": [list(t) for t in got],
+            "gmacs_compressed": macs_c,
+            "gmacs_idealised": macs_i,
+            "params_compressed": count_params(compressed),
+            "params_idealised": count_params(ideal),
+        }
+        log(f"{variant}: tokens (attn, mlp) per block {got} - same in both; GMACs compressed "
+            f"{macs_c:.4f} vs idealised {macs_i:.4f} (+{100 * (macs_c / macs_i - 1):.2f}%)")
+        models[variant] = compressed
+        models[f"{variant}-ideal"] = ideal
+
+    pooled, reports = timed_rounds(models, args, log)
+    env = reports[-1]["environment"]
+    rows = []
+    for variant in args.variants:
+        c, i = median(pooled[variant]), median(pooled[f"{variant}-ideal"])
+        per_round = round_ratios(reports, variant, f"{variant}-ideal")
+        rows.append({"variant": variant, "compressed": c, "idealised": i, "ratio": c / i,
+                     "round_ratios": per_round, "meets_target": c / i >= TARGET,
+                     **info[variant]})
+    base_row = median(pooled[args.model]) if args.with_base else None
+
+    print(f"\n### TPS overhead vs idealised slicing ({args.model}, locs "
+          f"{','.join(map(str, locs))}, keep {args.keep})\n")
+    print(f"Machine: {machine_line(env)}; {args.rounds} rounds, medians over all "
+          f"{args.rounds * args.runs} timed batches per model.\n")
+    print("| variant | GMACs compressed | GMACs idealised | compressed img/s | idealised img/s "
+          f"| ratio | per-round ratios | >= {TARGET:.0%} |")
+    print("|---|---:|---:|---:|---:|---:|---|:---:|")
+    for row in rows:
+        print(f"| {row['variant']} | {row['gmacs_compressed']:.3f} | {row['gmacs_idealised']:.3f} "
+              f"| {row['compressed']:.2f} | {row['idealised']:.2f} | {row['ratio']:.3f} "
+              f"| {', '.join(f'{r:.3f}' for r in row['round_ratios'])} "
+              f"| {'yes' if row['meets_target'] else 'no'} |")
+    if base_row is not None:
+        print(f"\nUncompressed {args.model}: {gmacs(base):.3f} GMACs, {base_row:.2f} img/s.")
+    return {"model": args.model, "locs": locs, "keep": args.keep, "target": TARGET,
+            "rows": rows, "base_img_s": base_row, "environment": env, "rounds": reports}
+
+
+def part_headline(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    small = timm.create_model("deit_small_patch16_224", pretrained=False).eval()
+    tiny = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
+    dtps = vitcompress.compress(small, variant="dtps", keep=args.headline_keep,
+                                locs=args.headline_locs, input_size=INPUT_SIZE).eval()
+    names = {"deit_small+dtps": dtps, "deit_tiny": tiny, "deit_small": small}
+    macs = {name: gmacs(model) for name, model in names.items()}
+    keep_tokens = [loc["keep_tokens"] for loc in dtps.vitcompress_plan["locations"]]
+    log(f"dtps keep_tokens per location: {keep_tokens}; GMACs: "
+        + ", ".join(f"{name} {value:.3f}" for name, value in macs.items())
+        + f"; dtps/deit_small = {macs['deit_small+dtps'] / macs['deit_small']:.1%}")
+
+    pooled, reports = timed_rounds(names, args, log)
+    env = reports[-1]["environment"]
+    med = {name: median(values) for name, values in pooled.items()}
+    ratio = med["deit_small+dtps"] / med["deit_tiny"]
+    per_round = round_ratios(reports, "deit_small+dtps", "deit_tiny")
+
+    print(f"\n### Headline: DeiT-S + dTPS (locs {','.join(map(str, args.headline_locs))}, keep "
+          f"{args.headline_keep}) vs DeiT-T\n")
+    print(f"Machine: {machine_line(env)}; {args.rounds} rounds, medians over all "
+          f"{args.rounds * args.runs} timed batches per model.\n")
+    print("| model | GMACs | params (M) | img/s | vs deit_tiny |")
+    print("|---|---:|---:|---:|---:|")
+    for name, model in names.items():
+        print(f"| {name} | {macs[name]:.3f} | {count_params(model) / 1e6:.2f} | {med[name]:.2f} "
+              f"| {med[name] / med['deit_tiny']:.3f} |")
+    print(f"\ndeit_small+dtps / deit_tiny = {ratio:.3f} (per round: "
+          f"{', '.join(f'{r:.3f}' for r in per_round)}); paper (RTX 2080Ti): 1745 / 1686 = 1.035. "
+          f"dtps GMACs = {macs['deit_small+dtps'] / macs['deit_small']:.1%} of deit_small.")
+    return {"locs": args.headline_locs, "keep": args.headline_keep, "keep_tokens": keep_tokens,
+            "gmacs": macs, "img_s": med, "ratio_dtps_vs_tiny": ratio,
+            "round_ratios": per_round, "environment": env, "rounds": reports}
+
+
+def profile(args: argparse.Namespace, variant: str) -> None:
+    """Top ops by self CPU time of one variant's compressed and idealised model."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    base = timm.create_model(args.model, pretrained=False).eval()
+    models = {
+        variant: vitcompress.compress(base, variant=variant, keep=args.keep, locs=args.locs,
+                                      input_size=INPUT_SIZE).eval(),
+        f"{variant}-ideal": idealised(base, variant, args.keep, args.locs),
+    }
+    x = torch.randn(args.batch_size, *INPUT_SIZE)
+    for name, model in models.items():
+        with torch.inference_mode():
+            for _ in range(args.warmup):
+                model(x)
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(args.runs):
+                    model(x)
+        print(f"\n### profile: {name} ({args.runs} batches of {args.batch_size})\n")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--part", choices=("overhead", "headline", "all"), default="all")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=2, help="warm-up batches per model per round")
+    p.add_argument("--runs", type=int, default=7, help="timed batches per model per round")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="measure_throughput calls per part (model order rotated each round)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--model", default="deit_small_patch16_224", help="overhead part: base model")
+    p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
+                   help="overhead part: comma list of variants")
+    p.add_argument("--locs", type=ints, default=[3, 6, 9], help="overhead part: locations")
+    p.add_argument("--keep", type=float, default=0.7, help="overhead part: keep ratio")
+    p.add_argument("--no-base", dest="with_base", action="store_false",
+                   help="overhead part: do not time the uncompressed model for reference")
+    p.add_argument("--headline-locs", type=ints, default=[2, 4, 6, 8])
+    p.add_argument("--headline-keep", type=float, default=0.5)
+    p.add_argument("--profile", metavar="VARIANT", choices=VARIANTS, default=None,
+                   help="instead of timing, profile VARIANT's compressed and idealised models "
+                        "(overhead settings) with torch.profiler")
+    p.add_argument("--json-out", default=None, help="write all numbers and samples as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    args = p.parse_args(argv)
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    def log(message: str) -> None:
+        if not args.quiet:
+            print(message, file=sys.stderr, flush=True)
+
+    if args.profile:
+        profile(args, args.profile)
+        return 0
+    out: dict[str, Any] = {"command": " ".join(sys.argv)}
+    if args.part in ("overhead", "all"):
+        out["overhead"] = part_overhead(args, log)
+    if args.part in ("headline", "all"):
+        out["headline"] = part_headline(args, log)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(out, f, indent=2)
+        log(f"wrote {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
