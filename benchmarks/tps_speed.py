@@ -31,6 +31,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -295,8 +296,40 @@ def part_headline(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
             "round_ratios": per_round, "environment": env, "rounds": reports}
 
 
+def reducer_time_share(model: nn.Module, x: torch.Tensor, runs: int) -> dict[str, float]:
+    """Wall time per batch (ms) of the whole forward and of every token reducer (``tps.*``) and
+    its predictor, measured with forward hooks over ``runs`` batches (no profiler attached)."""
+    spent: dict[str, float] = {}
+    started: dict[str, float] = {}
+    handles = []
+    tps = getattr(model, "tps", None)
+    watched = [] if tps is None else [
+        (f"tps.{n}", m) for n, m in tps.named_modules()
+        if n and ("." not in n or n.endswith(".predictor"))  # the reducers and their predictors
+    ]
+    for name, module in watched:
+        def pre(_m: nn.Module, _a: Any, name: str = name) -> None:
+            started[name] = time.perf_counter()
+
+        def post(_m: nn.Module, _a: Any, _o: Any, name: str = name) -> None:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - started[name]
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            for _ in range(runs):
+                model(x)
+            total = time.perf_counter() - start
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {"forward": 1e3 * total / runs} | {k: 1e3 * v / runs for k, v in spent.items()}
+
+
 def profile(args: argparse.Namespace, variant: str) -> None:
-    """Top ops by self CPU time of one variant's compressed and idealised model."""
+    """Where one variant's compressed model spends time that its idealised model does not: wall
+    time inside the token reducers, then the top ops by self CPU time of both (torch.profiler)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -307,15 +340,22 @@ def profile(args: argparse.Namespace, variant: str) -> None:
         f"{variant}-ideal": idealised(base, variant, args.keep, args.locs),
     }
     x = torch.randn(args.batch_size, *INPUT_SIZE)
-    for name, model in models.items():
-        with torch.inference_mode():
-            for _ in range(args.warmup):
+    with torch.inference_mode():
+        for _ in range(args.warmup):
+            for model in models.values():
                 model(x)
-            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(args.runs):
-                    model(x)
+    times = {name: reducer_time_share(model, x, args.runs) for name, model in models.items()}
+    print(f"\n### {variant}: wall time per batch of {args.batch_size} (ms, mean of {args.runs})\n")
+    for name, parts in times.items():
+        total = parts.pop("forward")
+        print(f"{name}: forward {total:.1f} ms"
+              + "".join(f"; {k} {v:.2f} ms ({v / total:.1%})" for k, v in parts.items()))
+    for name, model in models.items():
+        with torch.inference_mode(), torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.runs):
+                model(x)
         print(f"\n### profile: {name} ({args.runs} batches of {args.batch_size})\n")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -340,13 +380,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="overhead part: comma list of variants")
     p.add_argument("--locs", type=ints, default=[3, 6, 9], help="overhead part: locations")
     p.add_argument("--keep", type=float, default=0.7, help="overhead part: keep ratio")
-    p.add_argument("--no-base", dest="with_base", action="store_false",
-                   help="overhead part: do not time the uncompressed model for reference")
+    p.add_argument("--base", dest="with_base", action=argparse.BooleanOptionalAction,
+                   default=True, help="overhead part: also time the uncompressed model")
     p.add_argument("--headline-locs", type=ints, default=[2, 4, 6, 8])
     p.add_argument("--headline-keep", type=float, default=0.5)
     p.add_argument("--profile", metavar="VARIANT", choices=VARIANTS, default=None,
                    help="instead of timing, profile VARIANT's compressed and idealised models "
                         "(overhead settings) with torch.profiler")
+    p.add_argument("--top", type=int, default=25, help="--profile: ops listed per model")
     p.add_argument("--json-out", default=None, help="write all numbers and samples as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = p.parse_args(argv)
