@@ -135,9 +135,12 @@ def test_reported_macs_equal_an_analytic_count():
     base = _vit_macs([65] * 4, c, 64, 4, 10)
     assert count_macs(model, size) == base
 
-    # dtps at block 2, keep 0.5: predictor on 64 tokens, cosine of 32 donors x 32 hosts.
+    # dtps at block 2, keep 0.5: predictor on 64 tokens (its first out Linear splits into a
+    # per-token local half and one global row per image), cosine of 32 donors x 32 hosts.
     compressed = vitcompress.compress(model, "dtps", keep=0.5, locs=[2], input_size=size)
-    predictor = 5 * 64 * c + 64 * c * c + 64 * (c * c // 2 + c // 2 * c // 4 + c // 4 * 2)
+    half = c // 2
+    predictor = (5 * 64 * c + 64 * c * c + 64 * half * half + half * half
+                 + 64 * (half * c // 4 + c // 4 * 2))
     squeeze = 32 * 32 * c
     expected = _vit_macs([65, 65, 33, 33], c, 64, 4, 10) + predictor + squeeze
     assert count_macs(compressed, size) == expected

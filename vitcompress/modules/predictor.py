@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -27,16 +27,30 @@ class ScorePredictor(nn.Module):
             nn.LogSoftmax(dim=-1),
         )
 
-    def forward(self, tokens: Tensor, keep_mask: Tensor | None = None) -> Tensor:
+    def logits(self, tokens: Tensor, keep_mask: Tensor | None = None) -> Tensor:
+        """Unnormalised (keep, drop) logits, ``(B, N, 2)``."""
         x = self.in_conv(tokens)
-        b, n, c = x.shape
-        local = x[:, :, : c // 2]
+        half = x.shape[-1] // 2
+        local, rest = x[..., :half], x[..., half:]
         if keep_mask is None:
-            global_ = x[:, :, c // 2 :].mean(dim=1, keepdim=True)
+            global_ = rest.mean(dim=1, keepdim=True)
         else:
             weight = keep_mask.unsqueeze(-1).to(x.dtype)
-            global_ = (x[:, :, c // 2 :] * weight).sum(dim=1, keepdim=True) / weight.sum(
-                dim=1, keepdim=True
-            )
-        x = torch.cat([local, global_.expand(b, n, c // 2)], dim=-1)
-        return self.out_conv(x)
+            global_ = (rest * weight).sum(dim=1, keepdim=True) / weight.sum(dim=1, keepdim=True)
+        # out_conv[0] applied to cat([local, global broadcast]) without building the concatenation:
+        # the global half is one row per image, so its product is computed once, not per token.
+        first = self.out_conv[0]
+        hidden = F.linear(local, first.weight[:, :half], first.bias) + F.linear(
+            global_, first.weight[:, half:])
+        for layer in list(self.out_conv)[1:-1]:  # everything between the first Linear and softmax
+            hidden = layer(hidden)
+        return hidden
+
+    def keep_score(self, tokens: Tensor) -> Tensor:
+        """A score that orders tokens as the keep log-probability does (inference)."""
+        logits = self.logits(tokens)
+        return logits[..., 0] - logits[..., 1]  # log p_keep = -softplus(l_drop - l_keep): monotone
+
+    def forward(self, tokens: Tensor, keep_mask: Tensor | None = None) -> Tensor:
+        """Log-probabilities ``(B, N, 2)``; column 0 is "keep"."""
+        return self.out_conv[-1](self.logits(tokens, keep_mask))

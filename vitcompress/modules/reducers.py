@@ -68,7 +68,7 @@ class PredictorReducer(nn.Module):
         if self.policy == "random":
             scores = torch.rand(patches.shape[:2], device=x.device)
         else:
-            scores = self.predictor(patches)[..., 0]
+            scores = self.predictor.keep_score(patches)
         keep_index, prune_index = split_by_score(scores, min(self.keep_tokens, patches.shape[1]))
         kept = gather_tokens(patches, keep_index)
         if self.squeeze:
