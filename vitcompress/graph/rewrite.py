@@ -105,29 +105,29 @@ class _Rewriter:
             padded = self.graph.call_module(f"{HOOK_PREFIX}.{name}", (tokens, keep_mask, positions))
         to_grid.replace_input_with(tokens, padded)
 
-    def _insert_predictor(self, block: Block, index: int, loc, keep_mask, positions):
-        stream = self.nodes[block.input_node]
-        self.reducers.add_module(str(index), PredictorReducer(
-            dim=block.dim, prefix_tokens=block.prefix_tokens, keep_tokens=loc.keep_tokens,
-            keep_ratio=loc.cumulative_keep, squeeze=self.plan.fuse == "squeeze",
-            policy=self.plan.policy))
+    def _insert_reducer(self, stream_name: str, index: int, module: nn.Module, args: tuple):
+        """Put ``module`` on the residual stream after ``stream_name``; everything that read the
+        stream reads the reducer's tokens instead. Returns its (keep_mask, positions) outputs."""
+        stream = self.nodes[stream_name]
+        self.reducers.add_module(str(index), module)
         with self.graph.inserting_after(stream):
-            reducer = self.graph.call_module(f"{REDUCER_PREFIX}.{index}",
-                                             (stream, keep_mask, positions))
+            reducer = self.graph.call_module(f"{REDUCER_PREFIX}.{index}", (stream, *args))
         tokens, new_mask, new_positions = _getitems(self.graph, reducer, 3)
         _replace_uses(stream, tokens, {reducer})
         return new_mask, new_positions
 
+    def _insert_predictor(self, block: Block, index: int, loc, keep_mask, positions):
+        module = PredictorReducer(
+            dim=block.dim, prefix_tokens=block.prefix_tokens, keep_tokens=loc.keep_tokens,
+            keep_ratio=loc.cumulative_keep, squeeze=self.plan.fuse == "squeeze",
+            policy=self.plan.policy)
+        return self._insert_reducer(block.input_node, index, module, (keep_mask, positions))
+
     def _insert_attention_reducer(self, block: Block, index: int, loc, score, positions):
-        stream = self.nodes[block.attn_add_node]
-        self.reducers.add_module(str(index), AttentionReducer(
-            prefix_tokens=block.prefix_tokens, keep_ratio=loc.keep, fuse=self.plan.fuse,
-            policy=self.plan.policy))
-        with self.graph.inserting_after(stream):
-            reducer = self.graph.call_module(f"{REDUCER_PREFIX}.{index}",
-                                             (stream, score, None, positions))
-        tokens, _, new_positions = _getitems(self.graph, reducer, 3)
-        _replace_uses(stream, tokens, {reducer})
+        module = AttentionReducer(prefix_tokens=block.prefix_tokens, keep_ratio=loc.keep,
+                                  fuse=self.plan.fuse, policy=self.plan.policy)
+        _, new_positions = self._insert_reducer(block.attn_add_node, index, module,
+                                                (score, None, positions))
         return new_positions
 
     def _hook_attention(self, block: Block, keep_mask, scoring: bool,
