@@ -1,0 +1,264 @@
+"""Fine-tuning: losses, optimizer groups, a full run, exact resume, divergence, DDP, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import vitcompress
+from vitcompress.api import compress_loaded
+from vitcompress.cli.main import cli
+from vitcompress.loading import load_model
+from vitcompress.training.checkpoint import find_latest, load_checkpoint
+from vitcompress.training.losses import kl_distillation, ratio_loss, token_distillation
+from vitcompress.training.optim import cosine_with_warmup, default_lr, param_groups
+from vitcompress.workflows.finetune import FinetuneConfig, TrainingDiverged, finetune
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "vit_small_patch16_224"
+TINY_ARGS = dict(img_size=32, patch_size=8, depth=4, embed_dim=32, num_heads=2, num_classes=2)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Accelerate keeps process-wide singletons; each run here starts from a clean one."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _models(variant: str = "dtps"):
+    torch.manual_seed(0)
+    base = load_model(TINY, TINY_ARGS)
+    return compress_loaded(base, variant, keep=0.5, locs=[1, 2]), base.model
+
+
+def _data(n: int = 16) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, 32, 32, generator=generator)
+    y = (x[:, 0].mean((1, 2)) > 0).long()
+    return TensorDataset(x, y)
+
+
+def _config(**kwargs) -> FinetuneConfig:
+    defaults = dict(epochs=2, batch_size=4, lr=1e-3, warmup_epochs=1, log_every=1,
+                    mixup=dict(mixup_alpha=0.8, cutmix_alpha=1.0, num_classes=2,
+                               label_smoothing=0.1))
+    return FinetuneConfig(**{**defaults, **kwargs})
+
+
+# --------------------------------------------------------------------------------------------
+# Losses and optimizer
+
+
+def test_ratio_loss_matches_hand_computation():
+    # Two locations, batch 2, one prefix column, N0 = 4.
+    m1 = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.float)
+    m2 = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.float)
+    # location 1 (rho .5): shares .5, 1 -> (0^2 + .5^2)/2 = .125
+    # location 2 (rho .25): shares .25, .5 -> (0 + .25^2)/2 = .03125
+    expected = (0.125 + 0.03125) / 2
+    assert ratio_loss([m1, m2], [0.5, 0.25], [1, 1]).item() == pytest.approx(expected)
+
+
+def test_kl_and_token_distillation_match_hand_computation():
+    student = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    teacher = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
+    p, q = teacher.softmax(-1), student.softmax(-1)
+    expected = (p * (p.log() - q.log())).sum() / 2  # KL(teacher || student), batchmean
+    assert kl_distillation(student, teacher).item() == pytest.approx(expected.item(), rel=1e-6)
+
+    s = torch.zeros(1, 3, 2)
+    t = torch.tensor([[[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]])
+    keep = torch.tensor([[True, False, True]])
+    assert token_distillation(s, t, keep).item() == pytest.approx((1 + 1 + 9 + 9) / 4)
+
+
+def test_no_weight_decay_on_norms_biases_positions_and_prefix_tokens():
+    student, _ = _models()
+    decay, no_decay = param_groups(student.model, 0.05)
+    names = {id(p): n for n, p in student.model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    skipped = {names[id(p)] for p in no_decay["params"]}
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+    assert {"pos_embed", "cls_token", "norm.weight", "norm.bias", "head.bias"} <= skipped
+    assert "head.weight" in decayed and "blocks.0.attn.qkv.weight" in decayed
+    assert all(student.model.get_parameter(n).ndim >= 2 for n in decayed)
+    assert default_lr(256, accumulation=2, world_size=2) == pytest.approx(2.5e-4)
+    assert cosine_with_warmup(0, 10, 2) == 0.5 and cosine_with_warmup(9, 10, 2) > 0
+
+
+# --------------------------------------------------------------------------------------------
+# Runs
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_two_epoch_run_writes_a_loadable_artifact(tmp_path):
+    student, teacher = _models()
+    before = _state(student.model)
+    result = finetune(student, teacher, _data(), _data(8), tmp_path / "run", _config())
+    assert result["steps"] == 8 and len(result["history"]) == 2
+    loaded = vitcompress.load(tmp_path / "run")
+    after = loaded.state_dict()
+    assert set(after) == set(before)
+    assert any(not torch.equal(after[k], before[k]) for k in before)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+             .splitlines()]
+    steps = [r for r in lines if r["type"] == "step"]
+    assert len(steps) == 8 and {"ce", "ratio", "distill", "token_distill"} <= set(steps[0])
+    assert [r["epoch"] for r in lines if r["type"] == "epoch"] == [0, 1]
+    meta = json.loads((tmp_path / "run" / "vitcompress.json").read_text())
+    assert meta["finetune"]["steps"] == 8
+    assert not hasattr(student.model, "vitcompress_token_tap")  # the tap is taken out again
+
+
+def test_resume_mid_epoch_gives_the_same_weights(tmp_path):
+    student, teacher = _models()
+    finetune(student, teacher, _data(), None, tmp_path / "a", _config(accum=2, epochs=3))
+    uninterrupted = _state(student.model)
+
+    student, teacher = _models()
+
+    def stop(step: int, model: nn.Module) -> None:
+        if step == 3:  # mid-way through the second epoch (2 steps per epoch)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        finetune(student, teacher, _data(), None, tmp_path / "b", _config(accum=2, epochs=3),
+                 on_step=stop)
+    assert load_checkpoint(find_latest(tmp_path / "b" / "checkpoints"))["global_step"] == 3
+    student, teacher = _models()
+    finetune(student, teacher, _data(), None, tmp_path / "b", _config(accum=2, epochs=3,
+                                                                    resume=True))
+    resumed = vitcompress.load(tmp_path / "b").state_dict()
+    for key, value in uninterrupted.items():
+        assert torch.equal(resumed[key], value), key
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
+    student, teacher = _models()
+
+    def poison(step: int, model: nn.Module) -> None:
+        if step == 2:
+            with torch.no_grad():
+                model.get_parameter("head.weight").fill_(math.inf)
+
+    with pytest.raises(TrainingDiverged, match="step 3"):
+        finetune(student, teacher, _data(), None, tmp_path / "run",
+                 _config(save_every=1), on_step=poison)
+    latest = find_latest(tmp_path / "run" / "checkpoints")
+    state = load_checkpoint(latest)
+    assert state["global_step"] == 2
+    # The checkpoint was written before the poisoning callback ran, so its weights are finite.
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    assert not (tmp_path / "run" / "vitcompress.json").exists()
+
+
+DDP_SCRIPT = """
+import os, sys, torch
+sys.path.insert(0, {root!r})
+from tests.test_finetune import _models, _data, _config
+from vitcompress.workflows.finetune import finetune
+out = sys.argv[1]
+student, teacher = _models()
+finetune(student, teacher, _data(), _data(8), out, _config(epochs=1))
+torch.save(student.model.state_dict(), os.path.join(out + "-dump", f"rank{{os.environ['RANK']}}.pt"))
+"""
+
+
+def test_two_processes_end_with_identical_weights(tmp_path):
+    script = tmp_path / "ddp_run.py"
+    script.write_text(DDP_SCRIPT.format(root=str(ROOT)))
+    (tmp_path / "out-dump").mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "ACCELERATE_USE_CPU": "true"}
+    # torchrun sets RANK/WORLD_SIZE/MASTER_* and ACCELERATE_USE_CPU selects gloo, as
+    # `accelerate launch` does on GPUs; `accelerate launch --cpu` would need MPI for two ranks.
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_addr", "127.0.0.1", "--master_port", "29561", str(script),
+         str(tmp_path / "out")],
+        env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0 = torch.load(tmp_path / "out-dump" / "rank0.pt", weights_only=True)
+    rank1 = torch.load(tmp_path / "out-dump" / "rank1.pt", weights_only=True)
+    for key in rank0:
+        assert torch.equal(rank0[key], rank1[key]), key
+    meta = json.loads((tmp_path / "out" / "vitcompress.json").read_text())
+    assert meta["finetune"]["processes"] == 2 and meta["finetune"]["steps"] == 2
+    saved = vitcompress.load(tmp_path / "out").state_dict()
+    assert all(torch.equal(saved[k], rank0[k]) for k in rank0)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+
+def _image_folder(root: Path) -> Path:
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(0)
+    for split, count in (("train", 4), ("val", 2)):
+        for label in ("a", "b"):
+            folder = root / split / label
+            folder.mkdir(parents=True)
+            for i in range(count):
+                pixels = (torch.rand(32, 32, 3, generator=generator) * 255).to(torch.uint8)
+                Image.fromarray(pixels.numpy()).save(folder / f"{i}.png")
+    return root
+
+
+def test_cli_with_a_recipe_and_an_override(tmp_path):
+    data = _image_folder(tmp_path / "data")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(textwrap.dedent(f"""\
+        model: {TINY}
+        model_arg: {{img_size: 32, patch_size: 8, depth: 4, embed_dim: 32, num_heads: 2,
+                    num_classes: 2}}
+        variant: dtps
+        keep: 0.5
+        locs: [1, 2]
+        data: {data}
+        augment: none
+        epochs: 3
+        batch_size: 4
+        lr: 0.001
+        warmup_epochs: 0
+        """))
+    out = tmp_path / "run"
+    result = CliRunner().invoke(cli, ["finetune", "--recipe", str(recipe), "--epochs", "1",
+                                      "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output[result.output.index("{"):])
+    assert summary["epochs"] == 1  # the command line wins over the recipe
+    assert summary["steps"] == 2 and summary["variant"] == "dtps" and summary["locs"] == [1, 2]
+    assert "epochs" not in summary["from_recipe"] and "batch_size" in summary["from_recipe"]
+    model = vitcompress.load(out)
+    assert model.vitcompress_plan["keep"] == [0.5, 0.5]
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 32, 32)).shape == (1, 2)
+
+    # Fine-tuning the artifact again: the teacher comes from the artifact's base source.
+    again = CliRunner().invoke(cli, ["finetune", "--model", str(out), "--data", str(data),
+                                     "--augment", "none", "--epochs", "1", "--batch-size", "4",
+                                     "--out", str(tmp_path / "again"), "--json"])
+    assert again.exit_code == 0, again.output
+    # An output that holds checkpoints is not overwritten without --resume.
+    refused = CliRunner().invoke(cli, ["finetune", "--recipe", str(recipe), "--out", str(out)])
+    assert refused.exit_code == 2 and "--resume" in refused.output

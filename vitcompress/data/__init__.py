@@ -1,0 +1,6 @@
+"""Data for evaluation and fine-tuning: ImageNet-layout folders and Fashion-MNIST."""
+
+from vitcompress.data.datasets import build_dataset, num_classes
+from vitcompress.data.transforms import AugmentConfig, DataError
+
+__all__ = ["AugmentConfig", "DataError", "build_dataset", "num_classes"]

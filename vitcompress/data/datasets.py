@@ -1,0 +1,243 @@
+"""Datasets: an ImageNet-layout folder tree, or Fashion-MNIST read from its IDX files."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import struct
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset
+from torchvision.datasets import ImageFolder
+
+from vitcompress.data.transforms import (
+    AugmentConfig,
+    DataError,
+    build_transform,
+    check_input_size,
+    normalisation,
+)
+
+FASHION_MNIST = "fashion-mnist"
+FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                         "Sneaker", "Bag", "Ankle boot"]
+# Where the Debian/Ubuntu package `dataset-fashion-mnist` installs the (gzipped) IDX files.
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+CACHE_DIR = Path("~/.cache/vitcompress").expanduser()
+SPLITS = ("train", "val")
+_IDX_PREFIX = {"train": "train", "val": "t10k"}  # Fashion-MNIST's test set is our val split
+_IDX_UBYTE = 0x08  # element type code for unsigned bytes in the IDX header
+
+
+def build_dataset(data: str, split: str, input_size: tuple[int, int, int],
+                  augment: AugmentConfig | None = None, data_dir: str | None = None,
+                  mean: Sequence[float] | None = None,
+                  std: Sequence[float] | None = None) -> Dataset:
+    """A dataset of ``(normalised float tensor (C, H, W), int label)`` with ``.classes``.
+
+    ``data`` is an ImageFolder tree with ``train/`` and ``val/`` or the word ``fashion-mnist``.
+    ``augment`` only applies to the train split; None means the data's default preset
+    (``light()`` for Fashion-MNIST, ``deit()`` for folders). A preset with nothing random
+    (``none()``) gives the train split the deterministic evaluation transform.
+    """
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}: expected one of {', '.join(SPLITS)}")
+    size = check_input_size(input_size)
+    mean_t, std_t = normalisation(size[0], mean, std)
+    train = split == "train"
+    if data.strip().lower() in (FASHION_MNIST, "fashion_mnist", "fashionmnist"):
+        augment = augment or AugmentConfig.light()
+        images, labels = load_fashion_mnist(split, data_dir)
+        # The images (28 px) are never larger than the model's input: crop nothing away.
+        transform = build_transform(size, train, augment, mean_t, std_t, crop_pct=1.0)
+        return IdxDataset(images, labels, FASHION_MNIST_CLASSES, transform, channels=size[0])
+    augment = augment or AugmentConfig.deit()
+    return _image_folder(data, split, size, train, augment, mean_t, std_t)
+
+
+def num_classes(dataset: Dataset) -> int:
+    """Number of classes of a dataset from ``build_dataset`` (also through a ``Subset``)."""
+    while not hasattr(dataset, "classes") and hasattr(dataset, "dataset"):
+        dataset = dataset.dataset
+    classes = getattr(dataset, "classes", None)
+    if classes is None:
+        raise DataError(f"{type(dataset).__name__} has no .classes: cannot tell its class count")
+    return len(classes)
+
+
+# ---------------------------------------------------------------------------------------------
+# ImageFolder
+
+
+def _image_folder(data: str, split: str, size: tuple[int, int, int], train: bool,
+                  augment: AugmentConfig, mean: tuple[float, ...],
+                  std: tuple[float, ...]) -> Dataset:
+    root = Path(data).expanduser()
+    expected = "expected an ImageNet-style folder with train/ and val/, or 'fashion-mnist'"
+    if not root.exists():
+        raise DataError(f"data folder {data} does not exist ({expected})")
+    if not root.is_dir():
+        raise DataError(f"data {data} is a file, not a folder ({expected})")
+    split_dir = root / split
+    if not split_dir.is_dir():
+        found = sorted(p.name for p in root.iterdir() if p.is_dir())[:5]
+        raise DataError(f"data folder {data} has no {split}/ folder ({expected}; "
+                        f"found {', '.join(found) + '/' if found else 'no subfolders'})")
+    mode = "RGB" if size[0] == 3 else "L"
+    # Probe one image: small images (CIFAR-sized folders) must not lose a border to the
+    # center crop that suits ImageNet photos.
+    crop_pct = _crop_pct_for(split_dir, size)
+    transform = build_transform(size, train, augment, mean, std, crop_pct=crop_pct)
+    try:
+        dataset = ImageFolder(str(split_dir), transform=transform,
+                              loader=_ImageLoader(mode))
+    except FileNotFoundError as e:
+        # torchvision says "Couldn't find any class folder" or "Found no valid file".
+        raise DataError(f"{split_dir}: no images in class folders ({expected}: "
+                        f"{split}/<class>/<image>; torchvision: {str(e).splitlines()[0]})") from e
+    return dataset
+
+
+class _ImageLoader:
+    """PIL loader into the model's mode; a file PIL cannot read is a DataError naming it.
+
+    A class, not a closure, so DataLoader workers can pickle it.
+    """
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def __call__(self, path: str) -> Image.Image:
+        try:
+            with Image.open(path) as img:
+                return img.convert(self.mode)
+        except (UnidentifiedImageError, OSError) as e:
+            raise DataError(f"cannot read image {path}: {e}") from e
+
+
+def _crop_pct_for(split_dir: Path, size: tuple[int, int, int]) -> float | None:
+    for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
+        for file in sorted(class_dir.iterdir()):
+            try:
+                with Image.open(file) as img:  # reads the header only
+                    width, height = img.size
+            except (UnidentifiedImageError, OSError):
+                continue
+            return 1.0 if width < size[2] or height < size[1] else None
+    return None  # no readable image; ImageFolder reports the folder
+
+
+# ---------------------------------------------------------------------------------------------
+# Fashion-MNIST
+
+
+class IdxDataset(Dataset):
+    """Grayscale uint8 images held in memory (60000x28x28 is 47 MB) with their labels."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, classes: list[str],
+                 transform: Callable[[Image.Image], torch.Tensor], channels: int) -> None:
+        self.images = images
+        self.targets = labels.astype(np.int64)
+        self.classes = list(classes)
+        self.transform = transform
+        self.channels = channels
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image = Image.fromarray(self.images[index])  # uint8 (H, W): mode "L"
+        if self.channels == 3:
+            image = image.convert("RGB")  # repeat the gray channel for RGB models
+        return self.transform(image), int(self.targets[index])
+
+
+def load_fashion_mnist(split: str, data_dir: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(images uint8 (N, 28, 28), labels uint8 (N,)) of one split.
+
+    From ``data_dir`` when given (nothing else is tried: the user said where), else from the
+    Debian package's folder, else from torchvision's download into ~/.cache/vitcompress.
+    """
+    prefix = _IDX_PREFIX[split]
+    if data_dir is not None:
+        folder = Path(data_dir).expanduser()
+        if not folder.is_dir():
+            raise DataError(f"--data-dir {data_dir} is not a folder (expected the Fashion-MNIST "
+                            f"IDX files {prefix}-images-idx3-ubyte[.gz] and "
+                            f"{prefix}-labels-idx1-ubyte[.gz])")
+        return _read_split(folder, prefix)
+    cached = CACHE_DIR / "FashionMNIST" / "raw"
+    for folder in (DEBIAN_FASHION_MNIST, cached):
+        if _find_idx(folder, f"{prefix}-images-idx3-ubyte") is not None:
+            return _read_split(folder, prefix)
+    _download(cached.parent.parent)
+    return _read_split(cached, prefix)
+
+
+def _download(root: Path) -> None:
+    try:
+        from torchvision.datasets import FashionMNIST
+
+        for train in (True, False):
+            FashionMNIST(str(root), train=train, download=True)
+    except Exception as e:  # any network or filesystem failure means the same to the user
+        raise DataError(
+            f"Fashion-MNIST not found in {DEBIAN_FASHION_MNIST} or {root} and the download "
+            f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); install "
+            f"the package dataset-fashion-mnist or pass --data-dir with the IDX files") from e
+
+
+def _read_split(folder: Path, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+    images_name, labels_name = f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte"
+    images_path, labels_path = _find_idx(folder, images_name), _find_idx(folder, labels_name)
+    for name, path in ((images_name, images_path), (labels_name, labels_path)):
+        if path is None:
+            raise DataError(f"Fashion-MNIST file {name} (or {name}.gz) missing in {folder}")
+    images = read_idx(images_path, ndim=3)  # type: ignore[arg-type]
+    labels = read_idx(labels_path, ndim=1)  # type: ignore[arg-type]
+    if len(images) != len(labels):
+        raise DataError(f"{images_path} has {len(images)} images but {labels_path} has "
+                        f"{len(labels)} labels")
+    if labels.size and int(labels.max()) >= len(FASHION_MNIST_CLASSES):
+        raise DataError(f"{labels_path}: label {int(labels.max())} is not a Fashion-MNIST class "
+                        f"(expected 0-{len(FASHION_MNIST_CLASSES) - 1})")
+    return images, labels
+
+
+def _find_idx(folder: Path, name: str) -> Path | None:
+    for candidate in (folder / name, folder / f"{name}.gz"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def read_idx(path: str | os.PathLike, ndim: int) -> np.ndarray:
+    """An IDX file of unsigned bytes (plain or gzipped) with ``ndim`` dimensions, validated."""
+    path = Path(path)
+    try:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:  # includes gzip.BadGzipFile and truncated archives
+        raise DataError(f"cannot read IDX file {path}: {e}") from e
+    # Header: two zero bytes, the element type, the number of dimensions, then each size as a
+    # big-endian uint32 (http://yann.lecun.com/exdb/mnist/).
+    if len(raw) < 4:
+        raise DataError(f"IDX file {path} is truncated ({len(raw)} bytes)")
+    zero, dtype, dims = struct.unpack(">HBB", raw[:4])
+    if zero != 0 or dtype != _IDX_UBYTE or dims != ndim:
+        raise DataError(f"IDX file {path} has magic number 0x{struct.unpack('>I', raw[:4])[0]:08x}"
+                        f", expected 0x{0x800 + ndim:08x} (unsigned bytes, {ndim} dimensions)")
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DataError(f"IDX file {path} is truncated (header incomplete)")
+    shape = struct.unpack(f">{ndim}I", raw[4:header])
+    expected = int(np.prod(shape)) + header
+    if len(raw) != expected:
+        raise DataError(f"IDX file {path} has {len(raw)} bytes, expected {expected} for shape "
+                        f"{'x'.join(map(str, shape))}")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)

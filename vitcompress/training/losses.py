@@ -1,0 +1,243 @@
+"""The fine-tuning loss (docs/finetune.md):
+
+    L = CE(soft targets) + ratio_weight * ratio + distill_weight * KL(teacher || student)
+        + token_distill_weight * token distillation
+
+``ratio`` and the token mask come from the keep masks that the learned reducers (dTPS, DynamicViT)
+return in training; forward hooks read them so the compressed graph needs no extra outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+# Variants whose reducers learn a keep mask; only they get the ratio loss.
+LEARNED_VARIANTS = ("dtps", "dynamicvit")
+
+
+@dataclass
+class LossWeights:
+    ratio: float = 2.0
+    distill: float = 0.5
+    token_distill: float = 0.5
+
+
+def ratio_loss(masks: list[Tensor], keep_ratios: list[float], prefix_tokens: list[int]) -> Tensor:
+    """Mean over locations s of mean over the batch of (mean over N0 of D_s - rho_s)^2."""
+    terms = []
+    for mask, rho, prefix in zip(masks, keep_ratios, prefix_tokens, strict=True):
+        kept_share = mask[:, prefix:].float().mean(dim=1)
+        terms.append(((kept_share - rho) ** 2).mean())
+    return torch.stack(terms).mean()
+
+
+def kl_distillation(student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
+    """KL(teacher || student) on logits, temperature 1, summed over classes, averaged over images."""
+    return F.kl_div(F.log_softmax(student_logits.float(), dim=-1),
+                    F.log_softmax(teacher_logits.float(), dim=-1),
+                    reduction="batchmean", log_target=True)
+
+
+def token_distillation(student_tokens: Tensor, teacher_tokens: Tensor, keep: Tensor | None) -> Tensor:
+    """MSE between patch tokens at the positions kept at the end (``keep``: (B, N) bool), averaged
+    over the kept tokens and channels; DynamicViT's token distillation."""
+    diff = (student_tokens.float() - teacher_tokens.float()) ** 2
+    if keep is None:
+        return diff.mean()
+    weight = keep.unsqueeze(-1).to(diff.dtype)
+    denominator = weight.sum() * diff.shape[-1]
+    if denominator == 0:  # nothing kept anywhere: no signal, but keep the graph connected
+        return diff.sum() * 0.0
+    return (diff * weight).sum() / denominator
+
+
+def find_final_norm(model: nn.Module, block_paths: list[str]) -> str | None:
+    """Path of the norm applied to the token stream after the last block, or None.
+
+    timm calls it ``norm``; in-house models name it as they like, so take the last norm-like
+    module (in registration order) outside the blocks. ``nn.Identity`` does not count: such models
+    (global pooling with ``fc_norm``) have no final-norm token stream to distil.
+    """
+    candidates = []
+    for name, module in model.named_modules():
+        if not name or any(name == p or name.startswith(p + ".") for p in block_paths):
+            continue
+        if name.startswith("tps.") or name == "tps":
+            continue
+        if isinstance(module, nn.LayerNorm | nn.RMSNorm) or (
+                "norm" in type(module).__name__.lower() and not isinstance(module, nn.Identity)
+                and not list(module.children())):
+            candidates.append(name)
+    if "norm" in candidates:
+        return "norm"
+    candidates = [c for c in candidates if "fc_norm" not in c and "head" not in c]
+    return candidates[-1] if candidates else None
+
+
+@dataclass
+class _Captured:
+    masks: list[Tensor | None] = field(default_factory=list)
+    student_tokens: Tensor | None = None
+    teacher_tokens: Tensor | None = None
+
+
+class DistillationTaps:
+    """Forward hooks that record the reducers' keep masks and both models' final-norm tokens."""
+
+    def __init__(self, student: nn.Module, teacher: nn.Module | None, token_distill: bool) -> None:
+        self.captured = _Captured()
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        plan = getattr(student, "vitcompress_plan", None) or {}
+        self.variant: str = plan.get("variant", "")
+        tps = student.get_submodule("tps") if hasattr(student, "tps") else None
+        self.reducers = list(tps.children()) if tps is not None else []
+        self.learned = self.variant in LEARNED_VARIANTS and all(
+            hasattr(r, "keep_ratio") for r in self.reducers) and bool(self.reducers)
+        self.captured.masks = [None] * len(self.reducers)
+        if self.learned:
+            for i, reducer in enumerate(self.reducers):
+                self.handles.append(reducer.register_forward_hook(self._mask_hook(i)))
+        self.norm_path: str | None = None
+        self.token_distill = False
+        self._graph_tap: tuple | None = None
+        if token_distill and teacher is not None:
+            self._tap_tokens(student, teacher)
+
+    def _mask_hook(self, i: int):
+        def hook(module: nn.Module, inputs: tuple, output: tuple) -> None:
+            self.captured.masks[i] = output[1]
+        return hook
+
+    def _tap_tokens(self, student: nn.Module, teacher: nn.Module) -> None:
+        model_map = getattr(student, "vitcompress_map", None) or {}
+        blocks = [b["path"] for b in model_map.get("blocks", [])]
+        path = find_final_norm(teacher, blocks)
+        student_tap = _graph_tap(student, path) if path else None
+        if student_tap is None:
+            log.warning("token distillation disabled: the final norm feeding the head was not "
+                        "found in both models")
+            return
+        self.norm_path = path
+        self.token_distill = True
+        self._graph_tap = student_tap
+
+        def save(attr: str):
+            def hook(module: nn.Module, inputs: tuple, output: Tensor) -> None:
+                setattr(self.captured, attr, output if isinstance(output, Tensor) else None)
+            return hook
+
+        self.handles.append(student_tap[0].register_forward_hook(save("student_tokens")))
+        self.handles.append(teacher.get_submodule(path).register_forward_hook(save("teacher_tokens")))
+
+    def reset(self) -> None:
+        self.captured.masks = [None] * len(self.reducers)
+        self.captured.student_tokens = None
+        self.captured.teacher_tokens = None
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        if self._graph_tap is not None and self._graph_tap[1] is not None:
+            _remove_graph_tap(*self._graph_tap[1])
+        self._graph_tap = None
+
+
+TAP_NAME = "vitcompress_token_tap"
+
+
+def _graph_tap(model: nn.Module, path: str) -> tuple[nn.Module, tuple | None] | None:
+    """A module whose forward hook sees the output of the norm at ``path`` in ``model``.
+
+    A plain module: the norm itself. A captured graph traces a LayerNorm into a ``layer_norm``
+    call on ``get_attr`` weights, so there is no module call to hook; an ``nn.Identity`` call is
+    inserted after that node instead (no parameters, so the state dict is unchanged) and taken out
+    again by ``DistillationTaps.remove``.
+    """
+    graph = getattr(model, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        try:
+            return model.get_submodule(path), None
+        except AttributeError:
+            return None
+    found = None
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target == path:
+            found = node
+        elif node.op in ("call_function", "call_method", "call_module"):
+            inputs = [a for a in node.all_input_nodes if a.op == "get_attr"]
+            if any(a.target in (f"{path}.weight", f"{path}.bias") for a in inputs):
+                found = node
+    if found is None:
+        return None
+    if found.op == "call_module":
+        return model.get_submodule(path), None
+    tap = nn.Identity()
+    model.add_module(TAP_NAME, tap)
+    with graph.inserting_after(found):
+        tap_node = graph.call_module(TAP_NAME, (found,))
+    found.replace_all_uses_with(tap_node, delete_user_cb=lambda user: user is not tap_node)
+    model.recompile()
+    return tap, (model, found, tap_node)
+
+
+def _remove_graph_tap(model: nn.Module, found: torch.fx.Node, tap_node: torch.fx.Node) -> None:
+    tap_node.replace_all_uses_with(found)
+    model.graph.erase_node(tap_node)
+    delattr(model, TAP_NAME)
+    model.recompile()
+
+
+class FinetuneLoss:
+    """Computes the total loss and its parts from the outputs and what the taps recorded."""
+
+    def __init__(self, taps: DistillationTaps, weights: LossWeights, mixup: bool,
+                 smoothing: float) -> None:
+        self.taps = taps
+        self.weights = weights
+        if mixup:
+            self.base: nn.Module = SoftTargetCrossEntropy()
+        elif smoothing > 0:
+            self.base = LabelSmoothingCrossEntropy(smoothing=smoothing)
+        else:
+            self.base = nn.CrossEntropyLoss()
+        self._warned_tokens = False
+
+    def __call__(self, logits: Tensor, target: Tensor,
+                 teacher_logits: Tensor | None) -> tuple[Tensor, dict[str, float]]:
+        parts: dict[str, Tensor] = {"ce": self.base(logits.float(), target)}
+        taps, captured = self.taps, self.taps.captured
+        masks = [m for m in captured.masks if m is not None]
+        if self.weights.ratio and taps.learned and len(masks) == len(taps.reducers):
+            parts["ratio"] = self.weights.ratio * ratio_loss(
+                masks, [r.keep_ratio for r in taps.reducers],
+                [r.prefix_tokens for r in taps.reducers])
+        if self.weights.distill and teacher_logits is not None:
+            parts["distill"] = self.weights.distill * kl_distillation(logits, teacher_logits)
+        if self.weights.token_distill and taps.token_distill:
+            term = self._token_term(masks)
+            if term is not None:
+                parts["token_distill"] = self.weights.token_distill * term
+        total = torch.stack(list(parts.values())).sum()
+        return total, {k: float(v.detach()) for k, v in parts.items()}
+
+    def _token_term(self, masks: list[Tensor]) -> Tensor | None:
+        student, teacher = self.taps.captured.student_tokens, self.taps.captured.teacher_tokens
+        if (student is None or teacher is None or student.dim() != 3
+                or student.shape != teacher.shape):
+            # eTPS/EViT drop tokens in training too, so the token counts differ: nothing to pair.
+            if not self._warned_tokens:
+                log.warning("token distillation skipped: student and teacher token counts differ")
+                self._warned_tokens = True
+            return None
+        prefix = self.taps.reducers[-1].prefix_tokens if self.taps.reducers else 0
+        keep = masks[-1][:, prefix:] > 0.5 if masks else None
+        return token_distillation(student[:, prefix:], teacher[:, prefix:].detach(), keep)

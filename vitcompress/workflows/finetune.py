@@ -1,0 +1,522 @@
+"""Fine-tune a compressed model with the paper's losses (docs/finetune.md).
+
+One Accelerate loop: the same code runs on one CPU, one GPU, or several processes started by
+``accelerate launch`` (DDP; FSDP/DeepSpeed through ``accelerate config``). On CPU a run is
+deterministic for a given seed, and a run resumed from a checkpoint ends with the same weights
+as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from vitcompress.loading import LoadedModel
+from vitcompress.training.checkpoint import (
+    find_latest,
+    list_checkpoints,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from vitcompress.training.losses import DistillationTaps, FinetuneLoss, LossWeights
+from vitcompress.training.optim import build_optimizer, build_scheduler, default_lr
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+EMA_DIR = "ema"
+
+
+class FinetuneError(Exception):
+    """A run that cannot start or continue as asked (one line for the user)."""
+
+
+class TrainingDiverged(FinetuneError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+@dataclass
+class FinetuneConfig:
+    epochs: int = 30
+    batch_size: int = 128  # per process
+    accum: int = 1
+    lr: float | None = None  # None: batch x accum x processes / 1024 x 2.5e-4
+    warmup_epochs: float = 5.0
+    weight_decay: float = 0.05
+    ratio_weight: float = 2.0
+    distill_weight: float = 0.5
+    token_distill_weight: float = 0.5
+    ema_decay: float | None = None
+    amp: str | None = None  # None, "bf16" or "fp16"
+    save_every: int = 0  # optimizer steps; 0: only at the end of each epoch
+    keep_checkpoints: int = 2
+    resume: bool = False
+    seed: int = 0
+    num_workers: int = 0
+    log_every: int = 10
+    mixup: dict[str, Any] | None = None  # keyword arguments of timm.data.Mixup
+    smoothing: float = 0.0
+    progress: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # recorded in the artifact's summary
+
+
+class EpochSampler(Sampler[int]):
+    """A shuffle that depends only on (seed, epoch), so a resumed run sees the same order.
+
+    The epoch is set with ``start_epoch`` rather than ``set_epoch`` on purpose: Accelerate calls
+    ``set_epoch`` with its own iteration counter, which restarts at 0 after a resume.
+    """
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size = size
+        self.seed = seed
+        self.epoch = 0
+
+    def start_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.size
+
+
+@dataclass
+class _Position:
+    epoch: int = 0
+    batches_done: int = 0  # batches of this process finished in ``epoch`` (at a step boundary)
+    global_step: int = 0
+
+
+def _prepare_out(out: Path, resume: bool) -> Path | None:
+    """Check ``out`` and return the checkpoint to resume from."""
+    ckpt_dir = out / CHECKPOINTS
+    latest = find_latest(ckpt_dir)
+    if resume:
+        if latest is None:
+            raise FinetuneError(f"--resume: no checkpoint in {ckpt_dir}")
+        return latest
+    if latest is not None:
+        raise FinetuneError(f"{out} already holds checkpoints; pass --resume to continue that run "
+                            "or choose another --out")
+    if out.exists() and any(out.iterdir()) and not (out / "vitcompress.json").is_file() \
+            and not (out / METRICS).is_file():
+        raise FinetuneError(f"{out} exists and is not a fine-tuning output; not writing into it")
+    return None
+
+
+def _write_artifact(model: nn.Module, out: Path, source: Any, input_size: tuple[int, int, int],
+                    extra: dict[str, Any]) -> None:
+    """Write the artifact's two files into ``out`` beside checkpoints/ and metrics.jsonl.
+
+    ``save_artifact`` replaces a whole directory, which would delete the checkpoints; so it
+    writes into a hidden folder and the files are renamed into ``out`` (weights first, the JSON
+    that marks the folder as a model last, each rename atomic).
+    """
+    import shutil
+
+    from vitcompress.artifact import WEIGHTS_FILE, save_artifact
+    from vitcompress.loading import ARTIFACT_MARKER
+
+    staging = out / ".artifact.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    save_artifact(model, staging, source=source, input_size=input_size, extra=extra)
+    os.replace(staging / WEIGHTS_FILE, out / WEIGHTS_FILE)
+    os.replace(staging / ARTIFACT_MARKER, out / ARTIFACT_MARKER)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+class _MetricsLog:
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path = path
+        self.enabled = enabled
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _unwrap_logits(output: Any) -> torch.Tensor:
+    # Some heads return (logits, distillation logits) in training; the first is the class head.
+    return output[0] if isinstance(output, tuple | list) else output
+
+
+@torch.no_grad()
+def evaluate_top1(model: nn.Module, loader: DataLoader, accelerator: Any) -> float:
+    """Top-1 accuracy on ``loader`` (inference path), gathered over processes."""
+    was_training = model.training
+    model.eval()
+    correct = total = 0
+    for images, labels in loader:
+        with accelerator.autocast():
+            logits = _unwrap_logits(model(images))
+        predictions, labels = accelerator.gather_for_metrics((logits.argmax(-1), labels))
+        correct += int((predictions == labels).sum())
+        total += int(labels.numel())
+    model.train(was_training)
+    return correct / max(total, 1)
+
+
+def _top1(model: nn.Module, dataset: Dataset, loader: DataLoader, accelerator: Any,
+          config: FinetuneConfig) -> float:
+    """Top-1 as a fraction. One process: the project's ``evaluate`` (same numbers as the ``eval``
+    command); several: a loop that gathers predictions from every process."""
+    if accelerator.num_processes == 1:
+        try:
+            from vitcompress.workflows.evaluate import evaluate
+        except ImportError:
+            evaluate = None
+        if evaluate is not None:
+            result = evaluate(accelerator.unwrap_model(model), dataset,
+                              batch_size=config.batch_size, device=str(accelerator.device),
+                              num_workers=config.num_workers)
+            return result["top1"] / 100
+    return evaluate_top1(model, loader, accelerator)
+
+
+StepCallback = Callable[[int, nn.Module], None]
+
+
+def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset,
+             val_set: Dataset | None, out: str | Path, config: FinetuneConfig,
+             on_step: StepCallback | None = None) -> dict[str, Any]:
+    """Fine-tune ``student.model`` (a compressed model) and write ``out`` as its artifact.
+
+    ``teacher`` is the uncompressed model (frozen; None disables both distillation terms).
+    ``on_step(global_step, model)`` runs after every optimizer step (progress hooks, tests); a
+    ``KeyboardInterrupt`` raised there or by Ctrl-C writes a checkpoint at the last finished
+    step before it propagates. Returns the summary recorded in the artifact.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object, set_seed
+
+    out = Path(out)
+    resume_from = _prepare_out(out, config.resume)
+    accelerator = Accelerator(gradient_accumulation_steps=config.accum,
+                              mixed_precision=config.amp or "no")
+    main = accelerator.is_main_process
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    # device_specific: each process draws different Gumbel/mixup noise; the sampler's seed
+    # stays shared so the processes split one permutation.
+    set_seed(config.seed, device_specific=True)
+
+    model = student.model
+    model.train()
+    if teacher is not None:
+        teacher = teacher.to(accelerator.device).eval().requires_grad_(False)
+
+    sampler = EpochSampler(len(train_set), config.seed)
+    train_loader = DataLoader(train_set, batch_size=config.batch_size, sampler=sampler,
+                              num_workers=config.num_workers, drop_last=True,
+                              generator=torch.Generator().manual_seed(config.seed))
+    if len(train_loader) == 0:
+        raise FinetuneError(f"the training set ({len(train_set)} images) is smaller than one "
+                            f"batch ({config.batch_size})")
+    val_loader = (DataLoader(val_set, batch_size=config.batch_size, shuffle=False,
+                             num_workers=config.num_workers) if val_set is not None else None)
+
+    lr = config.lr if config.lr is not None else default_lr(
+        config.batch_size, config.accum, accelerator.num_processes)
+    optimizer = build_optimizer(model, lr, config.weight_decay)
+    # The EMA copy is made before the loss taps put hooks on the model (a deepcopy would keep them).
+    ema = None
+    if config.ema_decay:
+        from timm.utils import ModelEmaV3
+
+        ema = ModelEmaV3(model, decay=config.ema_decay)
+        ema.module.to(accelerator.device)
+    # The taps go in before prepare: the token tap may add a node to the student's graph.
+    taps = DistillationTaps(model, teacher, token_distill=config.token_distill_weight > 0)
+    if val_loader is not None:
+        model, optimizer, train_loader, val_loader = accelerator.prepare(
+            model, optimizer, train_loader, val_loader)
+    else:
+        model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    raw_model = accelerator.unwrap_model(model)
+
+    # The scheduler is stepped here once per optimizer step rather than prepared: a prepared
+    # scheduler advances once per process per step, which would shorten the schedule under DDP.
+    steps_per_epoch = math.ceil(len(train_loader) / config.accum)
+    total_steps = steps_per_epoch * config.epochs
+    warmup_steps = round(config.warmup_epochs * steps_per_epoch)
+    scheduler = build_scheduler(getattr(optimizer, "optimizer", optimizer), total_steps,
+                                warmup_steps)
+
+    weights = LossWeights(config.ratio_weight, config.distill_weight, config.token_distill_weight)
+    mixup_fn = None
+    if config.mixup:
+        from timm.data import Mixup
+
+        mixup_fn = Mixup(**config.mixup)
+    criterion = FinetuneLoss(taps, weights, mixup=mixup_fn is not None,
+                             smoothing=config.smoothing)
+
+    position = _Position()
+    if resume_from is not None:
+        state = load_checkpoint(resume_from)
+        raw_model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler") is not None and accelerator.scaler is not None:
+            accelerator.scaler.load_state_dict(state["scaler"])
+        if ema is not None and state.get("ema") is not None:
+            ema.load_state_dict(state["ema"])
+        rngs = state["rng"]
+        set_rng_state(rngs[accelerator.process_index % len(rngs)])
+        position = _Position(state["epoch"], state["batches_done"], state["global_step"])
+        if main:
+            log.info("resuming from %s (epoch %d, step %d)", resume_from, position.epoch,
+                     position.global_step)
+
+    metrics = _MetricsLog(out / METRICS, main)
+
+    def checkpoint(pos: _Position, rng: dict[str, Any]) -> None:
+        # gather_object is collective: every process calls this, only the first one writes.
+        rngs = gather_object([rng])
+        if main:
+            state = {
+                "model": raw_model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": accelerator.scaler.state_dict() if accelerator.scaler else None,
+                "ema": ema.state_dict() if ema is not None else None,
+                "rng": rngs,
+                "epoch": pos.epoch,
+                "batches_done": pos.batches_done,
+                "global_step": pos.global_step,
+            }
+            save_checkpoint(state, out / CHECKPOINTS, pos.global_step, config.keep_checkpoints)
+        accelerator.wait_for_everyone()
+
+    progress = _Progress(config.progress and main, config.epochs, steps_per_epoch)
+    boundary = _Position(position.epoch, position.batches_done, position.global_step)
+    boundary_rng = rng_state()
+    updating = False
+    history: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    try:
+        with progress:
+            for epoch in range(position.epoch, config.epochs):
+                sampler.start_epoch(epoch)
+                skip = position.batches_done if epoch == position.epoch else 0
+                loader = (accelerator.skip_first_batches(train_loader, skip) if skip
+                          else train_loader)
+                batch_index = skip
+                progress.start_epoch(epoch, skip // config.accum)
+                epoch_loss, epoch_batches = 0.0, 0
+                window_images, window_start = 0, time.perf_counter()
+                model.train()
+                for images, labels in loader:
+                    targets = labels
+                    if mixup_fn is not None:
+                        images, targets = mixup_fn(images, labels)
+                    with accelerator.accumulate(model):
+                        updating = accelerator.sync_gradients
+                        taps.reset()
+                        with accelerator.autocast():
+                            logits = _unwrap_logits(model(images))
+                            teacher_logits = None
+                            if teacher is not None and (weights.distill or taps.token_distill):
+                                with torch.no_grad():
+                                    teacher_logits = _unwrap_logits(teacher(images))
+                        loss, parts = criterion(logits, targets, teacher_logits)
+                        _check_finite(loss, accelerator, boundary.global_step + 1)
+                        accelerator.backward(loss)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    batch_index += 1
+                    epoch_loss += float(loss.detach())
+                    epoch_batches += 1
+                    window_images += images.shape[0] * accelerator.num_processes
+                    if not accelerator.sync_gradients:
+                        continue
+                    if not accelerator.optimizer_step_was_skipped:
+                        scheduler.step()
+                    if ema is not None:
+                        ema.update(raw_model, step=boundary.global_step + 1)
+                    boundary = _Position(epoch, batch_index, boundary.global_step + 1)
+                    boundary_rng = rng_state()
+                    updating = False
+                    step = boundary.global_step
+                    elapsed = time.perf_counter() - window_start
+                    record = {"type": "step", "epoch": epoch, "step": step,
+                              "loss": float(loss.detach()), **parts,
+                              "lr": optimizer.param_groups[0]["lr"],
+                              "img_per_s": window_images / elapsed if elapsed > 0 else None}
+                    if step % max(1, config.log_every) == 0 or step == 1:
+                        metrics.write(record)
+                    window_images, window_start = 0, time.perf_counter()
+                    progress.advance(record)
+                    if config.save_every and step % config.save_every == 0:
+                        checkpoint(boundary, boundary_rng)
+                    if on_step is not None:
+                        on_step(step, raw_model)
+                summary = {"type": "epoch", "epoch": epoch, "step": boundary.global_step,
+                           "train_loss": epoch_loss / max(1, epoch_batches)}
+                if val_loader is not None:
+                    summary["val_top1"] = _top1(model, val_set, val_loader, accelerator, config)
+                    if ema is not None:
+                        summary["val_top1_ema"] = _top1(ema.module, val_set, val_loader,
+                                                        accelerator, config)
+                metrics.write(summary)
+                history.append(summary)
+                progress.epoch_done(summary)
+                boundary = _Position(epoch + 1, 0, boundary.global_step)
+                boundary_rng = rng_state()
+                checkpoint(boundary, boundary_rng)
+    except KeyboardInterrupt:
+        # Save where the last optimizer step left things (the batches of an unfinished
+        # accumulation are redone on resume). Not during an update, whose state would be torn,
+        # and not with several processes, whose collective save could hang.
+        if not updating and accelerator.num_processes == 1:
+            checkpoint(boundary, boundary_rng)
+            log.warning("interrupted: checkpoint written at step %d", boundary.global_step)
+        raise
+    finally:
+        taps.remove()
+
+    result = {
+        "epochs": config.epochs,
+        "steps": boundary.global_step,
+        "lr": lr,
+        "effective_batch": config.batch_size * config.accum * accelerator.num_processes,
+        "processes": accelerator.num_processes,
+        "seed": config.seed,
+        "loss_weights": asdict(weights),
+        "ema_decay": config.ema_decay,
+        "amp": config.amp,
+        "history": history,
+        "val_top1": history[-1].get("val_top1") if history else None,
+        "seconds": time.perf_counter() - started,
+        **config.extra,
+    }
+    accelerator.wait_for_everyone()
+    if main:
+        raw_model.eval()
+        _write_artifact(raw_model, out, student.source, student.input_size,
+                        {"finetune": result})
+        if ema is not None:
+            _write_artifact(ema.module, out / EMA_DIR, student.source, student.input_size,
+                            {"finetune": {**result, "weights": "ema"}})
+    accelerator.wait_for_everyone()
+    result["out"] = str(out)
+    result["checkpoints"] = [str(p) for p in list_checkpoints(out / CHECKPOINTS)]
+    return result
+
+
+def _check_finite(loss: torch.Tensor, accelerator: Any, step: int) -> None:
+    finite = torch.isfinite(loss.detach()).float()
+    if accelerator.num_processes > 1:
+        # Every process must stop together, or the others wait forever in the next all-reduce.
+        finite = accelerator.reduce(finite.reshape(1).to(accelerator.device), reduction="mean")
+    if float(finite.min()) < 1:
+        raise TrainingDiverged(
+            f"loss is not finite at step {step} (value {float(loss.detach())}); stopped, the last "
+            "good checkpoint is kept")
+
+
+class _Progress:
+    """A rich progress bar (epoch, step, loss, lr, img/s, ETA), or nothing."""
+
+    def __init__(self, enabled: bool, epochs: int, steps_per_epoch: int) -> None:
+        self.enabled = enabled and sys.stdout.isatty()
+        self.epochs = epochs
+        self.steps_per_epoch = steps_per_epoch
+        self.bar = None
+        self.task = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                                MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                                TimeRemainingColumn())
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def start_epoch(self, epoch: int, done: int) -> None:
+        if self.bar is None:
+            return
+        if self.task is not None:
+            self.bar.remove_task(self.task)
+        self.task = self.bar.add_task(f"epoch {epoch + 1}/{self.epochs}",
+                                      total=self.steps_per_epoch, completed=done, info="")
+
+    def advance(self, record: dict[str, Any]) -> None:
+        if self.bar is None:
+            return
+        speed = record.get("img_per_s")
+        info = (f"step {record['step']} loss {record['loss']:.4f} lr {record['lr']:.2e}"
+                + (f" {speed:.0f} img/s" if speed else ""))
+        self.bar.update(self.task, advance=1, info=info)
+
+    def epoch_done(self, summary: dict[str, Any]) -> None:
+        if self.bar is not None and summary.get("val_top1") is not None:
+            self.bar.console.print(f"epoch {summary['epoch'] + 1}: train loss "
+                                   f"{summary['train_loss']:.4f}, val top-1 "
+                                   f"{100 * summary['val_top1']:.2f}%")
+
+
+def student_and_teacher(loaded: LoadedModel, variant: str, keep: Any, locs: Any,
+                        policy: str) -> tuple[LoadedModel, nn.Module, bool]:
+    """The compressed student and the uncompressed teacher for ``loaded``.
+
+    A compressed artifact is fine-tuned as it is (the plan arguments do not apply); its teacher
+    is rebuilt from the base source the artifact records, with the base weights it names.
+    Returns ``(student, teacher, from_artifact)``.
+    """
+    from vitcompress.api import compress_loaded
+
+    artifact = getattr(loaded.model, "vitcompress_artifact", None)
+    if getattr(loaded.model, "vitcompress_plan", None) is None or artifact is None:
+        student = compress_loaded(loaded, variant=variant, keep=keep, locs=locs, policy=policy)
+        return student, loaded.model, False
+    from vitcompress.artifact import read_meta
+    from vitcompress.loading import ModelSource, load_model
+
+    meta = read_meta(artifact)
+    source = ModelSource.from_json(meta["source"])
+    base_weights = meta.get("base_weights")
+    pretrained = base_weights == "timm pretrained"
+    checkpoint = base_weights if base_weights and not pretrained else None
+    if checkpoint is not None and not Path(checkpoint).is_file():
+        log.warning("the teacher's weights %s are not there; the teacher keeps its initial "
+                    "weights", checkpoint)
+        checkpoint = None
+    if base_weights is None:
+        log.warning("the artifact names no base weights: the teacher is the base model with its "
+                    "initial weights")
+    teacher = load_model(source.spec, source.model_args, checkpoint=checkpoint,
+                         pretrained=pretrained, input_size=loaded.input_size).model
+    return loaded, teacher, True
