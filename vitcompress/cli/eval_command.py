@@ -1,0 +1,92 @@
+"""``eval``: accuracy of a model, optionally against its base."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from rich.table import Table
+
+from vitcompress.cli.app import (
+    cli,
+    console,
+    emit_json,
+    fmt_throughput,
+    print_environment,
+)
+from vitcompress.cli.options import load_from_options, model_options, timing_options
+
+
+@cli.command(name="eval")
+@model_options
+@click.option("--data", required=True, metavar="DATA",
+              help="ImageNet-style folder with train/ and val/, or 'fashion-mnist'.")
+@click.option("--data-dir", default=None, type=click.Path(file_okay=False),
+              help="Folder with the Fashion-MNIST IDX files (plain or .gz).")
+@click.option("--split", type=click.Choice(["val", "train"]), default="val", show_default=True,
+              help="Split to evaluate (train is read without augmentation).")
+@click.option("--base", "base_spec", default=None, metavar="SPEC",
+              help="A second model (e.g. the uncompressed one): report both, the accuracy delta, "
+                   "and GMACs and throughput timed in this process.")
+@click.option("--workers", default=0, show_default=True, type=click.IntRange(min=0),
+              help="DataLoader worker processes.")
+@timing_options
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@click.pass_context
+def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrained, input_size,
+                 data, data_dir, split, base_spec, workers, timing, as_json) -> None:
+    """Top-1/top-5 accuracy on a dataset; with --base, against a second model."""
+    from vitcompress.data import AugmentConfig, build_dataset
+    from vitcompress.loading import load_model
+    from vitcompress.workflows.evaluate import evaluate
+    from vitcompress.workflows.measure_models import measure_models
+
+    # --batch-size and --device belong to timing_options, which folds them into `timing` (None
+    # with --no-throughput); read them from the parsed parameters so evaluation always has them.
+    batch_size, device = ctx.params["batch_size"], ctx.params["device"]
+    loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
+    dataset = build_dataset(data, split, loaded.input_size, augment=AugmentConfig.none(),
+                            data_dir=data_dir)
+    models = {"model": loaded.model}
+    if base_spec:
+        models = {"base": load_model(base_spec, input_size=loaded.input_size).model, **models}
+    accuracy = {name: evaluate(m, dataset, batch_size=batch_size, device=device,
+                               num_workers=workers) for name, m in models.items()}
+    result: dict[str, Any] = {"model": model_spec, "data": data, "split": split,
+                              "input_size": list(loaded.input_size),
+                              "images": accuracy["model"]["images"],
+                              "top1": accuracy["model"]["top1"], "top5": accuracy["model"]["top5"]}
+    if base_spec:
+        measured, environment = measure_models(models, loaded.input_size, timing)
+        for name, key in (("base", "base"), ("model", "compressed")):
+            result[key] = {"top1": accuracy[name]["top1"], "top5": accuracy[name]["top5"],
+                           **measured[name].to_json()}
+        result["base"]["spec"] = base_spec
+        result["delta_top1"] = result["top1"] - result["base"]["top1"]
+        result["delta_top5"] = result["top5"] - result["base"]["top5"]
+        result["environment"] = environment
+    if as_json:
+        emit_json(result)
+        return
+    console.print(f"[bold]{model_spec}[/] on {data} ({split}, {result['images']} images, input "
+                  f"{tuple(loaded.input_size)})")
+    table = Table(show_edge=False)
+    if not base_spec:
+        for column in ("top-1 (%)", "top-5 (%)"):
+            table.add_column(column, justify="right")
+        table.add_row(f"{result['top1']:.2f}", f"{result['top5']:.2f}")
+        console.print(table)
+        return
+    for column in ("", "top-1 (%)", "top-5 (%)", "params (M)", "GMACs", "throughput (img/s)"):
+        table.add_column(column, justify="left" if not column else "right")
+    for key, label in (("base", f"base {base_spec}"), ("compressed", model_spec)):
+        row = result[key]
+        table.add_row(label, f"{row['top1']:.2f}", f"{row['top5']:.2f}",
+                      f"{row['params'] / 1e6:.2f}", f"{row['gmacs']:.3f}",
+                      fmt_throughput(row["throughput"]))
+    table.add_row("delta", f"{result['delta_top1']:+.2f}", f"{result['delta_top5']:+.2f}",
+                  "", "", "")
+    console.print(table)
+    print_environment(result["environment"])
+
+

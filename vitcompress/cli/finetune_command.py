@@ -1,0 +1,162 @@
+"""``finetune``: recover accuracy with distillation, on Accelerate."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.table import Table
+
+from vitcompress.cli.app import (
+    EXIT_USAGE,
+    cli,
+    console,
+    emit_json,
+    err_console,
+)
+from vitcompress.cli.options import load_from_options, model_options
+from vitcompress.data import DataError
+from vitcompress.plan import VARIANTS
+
+
+def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--recipe FILE``: its values become the command's defaults, so flags given on the
+    command line still win (click's default_map)."""
+    if not value:
+        return value
+    import yaml
+
+    try:
+        with open(value) as f:
+            recipe = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise click.BadParameter(f"cannot read {value}: {e}", ctx=ctx, param=param) from e
+    if not isinstance(recipe, dict):
+        raise click.BadParameter(f"{value} is not a mapping of option: value", ctx=ctx,
+                                 param=param)
+    names = {p.name for p in ctx.command.params}
+    aliases = {"model": "model_spec", "model_arg": "model_args", "json": "as_json"}
+    defaults = {}
+    for key, item in recipe.items():
+        name = aliases.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
+        if name not in names or name == "recipe":
+            raise click.BadParameter(f"{value}: unknown option {key!r}", ctx=ctx, param=param)
+        if isinstance(item, list) and name in ("keep", "locs", "input_size"):
+            item = ",".join(str(v) for v in item)
+        if name == "model_args" and isinstance(item, dict):
+            item = [f"{k}={v!r}" for k, v in item.items()]
+        defaults[name] = item
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+@cli.command()
+@click.option("--recipe", type=click.Path(dir_okay=False, exists=True), is_eager=True,
+              expose_value=True, callback=_load_recipe,
+              help="YAML file of option values; options given on the command line override it.")
+@model_options
+@click.option("--variant", type=click.Choice(list(VARIANTS)), default="dtps", show_default=True)
+@click.option("--keep", default=None, help="Keep ratio per location, or a comma list.")
+@click.option("--locs", default=None, help="0-based block indices, e.g. 3,6,9.")
+@click.option("--policy", type=click.Choice(["score", "random"]), default="score",
+              show_default=True)
+@click.option("--data", default=None, help="ImageFolder root (train/, val/) or fashion-mnist.")
+@click.option("--data-dir", default=None, help="Where a named dataset's files are.")
+@click.option("--epochs", default=30, show_default=True, type=click.IntRange(min=1))
+@click.option("--batch-size", default=128, show_default=True, type=click.IntRange(min=1),
+              help="Images per process and step.")
+@click.option("--accum", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Gradient accumulation steps.")
+@click.option("--lr", default=None, type=float,
+              help="Default: batch x accum x processes / 1024 x 2.5e-4.")
+@click.option("--warmup-epochs", default=5.0, show_default=True, type=click.FloatRange(min=0))
+@click.option("--weight-decay", default=0.05, show_default=True, type=click.FloatRange(min=0))
+@click.option("--augment", type=click.Choice(["deit", "light", "none"]), default=None,
+              help="Augmentation preset (default: light for fashion-mnist, deit otherwise).")
+@click.option("--ratio-weight", default=2.0, show_default=True, type=float)
+@click.option("--distill-weight", default=0.5, show_default=True, type=float)
+@click.option("--token-distill-weight", default=0.5, show_default=True, type=float)
+@click.option("--ema-decay", default=None, type=click.FloatRange(0, 1, max_open=True),
+              help="Keep an EMA of the weights (also written to OUT/ema).")
+@click.option("--amp", type=click.Choice(["bf16", "fp16"]), default=None)
+@click.option("--save-every", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Also checkpoint every N optimizer steps (0: each epoch only).")
+@click.option("--keep-checkpoints", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in OUT.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--num-workers", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--out", type=click.Path(file_okay=False), required=True,
+              help="Output folder: the fine-tuned artifact, checkpoints/, metrics.jsonl.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.pass_context
+def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pretrained,
+             input_size, variant, keep, locs, policy, data, data_dir, epochs, batch_size, accum,
+             lr, warmup_epochs, weight_decay, augment, ratio_weight, distill_weight,
+             token_distill_weight, ema_decay, amp, save_every, keep_checkpoints, resume, seed,
+             num_workers, out, as_json) -> None:
+    """Fine-tune a compressed model with the paper's losses; OUT becomes a compressed model."""
+    from vitcompress.data import AugmentConfig, build_dataset, num_classes
+    from vitcompress.workflows.finetune import (
+        FinetuneConfig,
+        FinetuneError,
+        TrainingDiverged,
+        student_and_teacher,
+    )
+    from vitcompress.workflows.finetune import finetune as run_finetune
+
+    if not data:
+        raise click.UsageError("--data is required (on the command line or in the recipe)")
+    from_recipe = sorted(name for name in ctx.params
+                         if ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT_MAP)
+    loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
+    student, teacher, from_artifact = student_and_teacher(loaded, variant, keep, locs, policy)
+    if from_artifact and any(ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT
+                             for n in ("variant", "keep", "locs", "policy")):
+        err_console.print("[yellow]warning:[/] --model is a compressed model: its own plan is "
+                          "used, --variant/--keep/--locs/--policy are ignored")
+    preset = {"deit": AugmentConfig.deit, "light": AugmentConfig.light,
+              "none": AugmentConfig.none}[augment]() if augment else None
+    try:
+        train_set = build_dataset(data, "train", student.input_size, augment=preset,
+                                  data_dir=data_dir)
+        val_set = build_dataset(data, "val", student.input_size, data_dir=data_dir)
+        classes = num_classes(train_set)
+    except DataError as e:
+        raise click.UsageError(str(e)) from e
+    if preset is None:
+        preset = AugmentConfig.light() if "mnist" in data.lower() else AugmentConfig.deit()
+    plan = student.model.vitcompress_plan
+    config = FinetuneConfig(
+        epochs=epochs, batch_size=batch_size, accum=accum, lr=lr, warmup_epochs=warmup_epochs,
+        weight_decay=weight_decay, ratio_weight=ratio_weight, distill_weight=distill_weight,
+        token_distill_weight=token_distill_weight, ema_decay=ema_decay, amp=amp,
+        save_every=save_every, keep_checkpoints=keep_checkpoints, resume=resume, seed=seed,
+        num_workers=num_workers, mixup=preset.mixup_args(classes), smoothing=preset.smoothing,
+        progress=not as_json and sys.stdout.isatty(),
+        extra={"data": data, "augment": augment, "recipe": recipe, "from_recipe": from_recipe,
+               "variant": plan["variant"], "keep": plan["keep"], "locs": plan["locs"]})
+    try:
+        result = run_finetune(student, teacher, train_set, val_set, out, config)
+    except TrainingDiverged as e:
+        click.echo(f"error: {e}", err=True)
+        ctx.exit(1)
+    except FinetuneError as e:
+        click.echo(f"error: {e}", err=True)
+        ctx.exit(EXIT_USAGE)
+    if as_json:
+        emit_json(result)
+        return
+    table = Table(show_edge=False)
+    for column in ("epoch", "step", "train loss", "val top-1 (%)"):
+        table.add_column(column)
+    for row in result["history"]:
+        top1 = row.get("val_top1")
+        table.add_row(str(row["epoch"] + 1), str(row["step"]), f"{row['train_loss']:.4f}",
+                      f"{100 * top1:.2f}" if top1 is not None else "-")
+    console.print(table)
+    console.print(f"{plan['variant']} keep {plan['keep']} at blocks {plan['locs']}; "
+                  f"{result['steps']} steps, lr {result['lr']:.3g}, effective batch "
+                  f"{result['effective_batch']}, {result['seconds']:.0f} s")
+    console.print(f"saved to {out} (load with --model {out})")
+
+

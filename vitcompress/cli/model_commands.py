@@ -1,0 +1,123 @@
+"""``inspect``, ``bench`` and ``apply``: commands on one model."""
+
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from vitcompress.cli.app import (
+    cli,
+    console,
+    emit_json,
+    fmt_throughput,
+    print_environment,
+)
+from vitcompress.cli.options import load_from_options, model_options, timing_options
+from vitcompress.plan import VARIANTS
+
+
+@cli.command()
+@model_options
+@click.option("--json", "as_json", is_flag=True, help="Print the model map as JSON.")
+def inspect(model_spec, model_args, checkpoint, pretrained, input_size, as_json) -> None:
+    """Print the model map: stages, blocks, attention cores, prefix tokens and grid ops."""
+    from vitcompress.api import map_model
+
+    loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
+    model_map = map_model(loaded.model, loaded.input_size).to_json()
+    if as_json:
+        emit_json(model_map)
+        return
+    console.print(
+        f"[bold]{model_spec}[/]  input {tuple(model_map['input_size'])}  captured by "
+        f"{model_map['capture']}  prefix tokens {model_map['prefix_tokens']} "
+        f"({'cls' if model_map['cls_token'] else 'no cls'})  grid {tuple(model_map['grid'])}"
+    )
+    table = Table(show_edge=False)
+    for column in ("#", "path", "stage", "tokens", "dim", "heads", "attention", "grid ops"):
+        table.add_column(column, justify="right" if column in ("#", "tokens", "dim", "heads")
+                         else "left")
+    for block in model_map["blocks"]:
+        ops = ", ".join(f"{op['kind']} {op['path']} {op['grid'][0]}x{op['grid'][1]}"
+                        for op in block["grid_ops"]) or "-"
+        table.add_row(str(block["index"]), block["path"] or "<root>", str(block["stage"]),
+                      str(block["tokens"]), str(block["dim"]), str(block["heads"]),
+                      block["attention"], ops)
+    console.print(table)
+    if model_map["leaves"]:
+        console.print(f"kept whole by the tracer: {', '.join(model_map['leaves'])}")
+
+
+@cli.command()
+@model_options
+@timing_options
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def bench(model_spec, model_args, checkpoint, pretrained, input_size, timing, as_json) -> None:
+    """Count parameters and MACs and time the model's throughput."""
+    from vitcompress.workflows.measure_models import measure_models
+
+    loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
+    measured, environment = measure_models({"model": loaded.model}, loaded.input_size, timing)
+    result = {**measured["model"].to_json(), "input_size": list(loaded.input_size),
+              "environment": environment}
+    if as_json:
+        emit_json(result)
+        return
+    table = Table(show_edge=False)
+    for column in ("model", "params (M)", "GMACs", "throughput (img/s)"):
+        table.add_column(column)
+    table.add_row(model_spec, f"{result['params'] / 1e6:.2f}", f"{result['gmacs']:.3f}",
+                  fmt_throughput(result["throughput"]))
+    console.print(table)
+    print_environment(environment)
+
+
+
+@cli.command()
+@model_options
+@click.option("--variant", type=click.Choice(list(VARIANTS)), default="etps", show_default=True)
+@click.option("--keep", default=None,
+              help="Keep ratio per location, or a comma list with one per location (default: "
+                   "0.7; 0.5 for CvT-like models, as in the paper).")
+@click.option("--locs", default=None, help="0-based block indices, e.g. 3,6,9 (default: "
+              "1/4, 1/2, 3/4 of the depth; stage starts for pyramids; stage 3 for CvT).")
+@click.option("--policy", type=click.Choice(["score", "random"]), default="score",
+              show_default=True, help="random: select tokens at random (robustness analysis).")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Write the compressed model here (safetensors + vitcompress.json).")
+@timing_options
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def apply(model_spec, model_args, checkpoint, pretrained, input_size, variant, keep, locs,
+          policy, out, timing, as_json) -> None:
+    """Compress a model and report params, GMACs and throughput, before and after."""
+    from vitcompress.workflows.apply import apply as run_apply
+
+    loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
+    result = run_apply(loaded, variant=variant, keep=keep, locs=locs, policy=policy, out=out,
+                       timing=timing)
+    data = result.to_json()
+    if as_json:
+        emit_json(data)
+        return
+    plan = data["plan"]
+    console.print(f"[bold]{model_spec}[/] + {variant} at blocks {plan['locs']} keep "
+                  f"{plan['keep']} (policy {policy})")
+    table = Table(show_edge=False)
+    for column in ("", "params (M)", "GMACs", "throughput (img/s)"):
+        table.add_column(column)
+    for name in ("base", "compressed"):
+        row = data[name]
+        table.add_row(name, f"{row['params'] / 1e6:.2f}", f"{row['gmacs']:.3f}",
+                      fmt_throughput(row["throughput"]))
+    ratio_tp = f"{data['speedup']:.2f}x" if data["speedup"] else "-"
+    table.add_row("ratio", f"{data['compressed']['params'] / data['base']['params']:.3f}",
+                  f"{data['macs_ratio']:.3f}", ratio_tp)
+    console.print(table)
+    console.print("tokens per block: " + " ".join(
+        f"{b}->{c}" if b != c else str(b)
+        for b, c in zip(data["base_tokens_per_block"], data["tokens_per_block"], strict=True)))
+    print_environment(data["environment"])
+    if data["out"]:
+        console.print(f"saved to {data['out']}")
+
+
