@@ -61,7 +61,6 @@ def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource |
     if size is None:
         raise ArtifactError("cannot tell the model's input size; pass input_size=(C, H, W)")
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "format": FORMAT_VERSION,
         "vitcompress_version": __version__,
@@ -71,8 +70,10 @@ def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource |
         "plan": plan,
         **(extra or {}),
     }
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    staging: Path | None = None
     try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         safetensors.torch.save_model(model, str(staging / WEIGHTS_FILE))
         with open(staging / ARTIFACT_MARKER, "w") as f:
             json.dump(meta, f, indent=2)
@@ -80,21 +81,33 @@ def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource |
             os.fsync(f.fileno())
         _swap_into_place(staging, directory)
     except OSError as e:
-        shutil.rmtree(staging, ignore_errors=True)
         raise ArtifactError(f"could not write {directory}: {e.strerror or e}") from e
+    finally:  # after a failure or Ctrl-C, nothing half-written is left beside the artifact
+        if staging is not None and staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
     return directory
 
 
 def _swap_into_place(staging: Path, directory: Path) -> None:
+    """Rename ``staging`` to ``directory``; an artifact already there is moved aside first and
+    moved back if the second rename fails, so ``directory`` always holds a complete artifact."""
     if not directory.exists():
-        staging.rename(directory)
+        os.replace(staging, directory)
         return
     if not (directory / ARTIFACT_MARKER).is_file() and any(directory.iterdir()):
         raise ArtifactError(f"{directory} exists and is not a compressed model; not overwriting it")
     old = directory.with_name(f".{directory.name}.old")
     shutil.rmtree(old, ignore_errors=True)
-    directory.rename(old)
-    staging.rename(directory)
+    os.rename(directory, old)
+    try:
+        os.replace(staging, directory)
+    except BaseException:
+        try:
+            os.rename(old, directory)
+        except OSError as e:
+            raise ArtifactError(f"could not write {directory}; the previous artifact is kept "
+                                f"in {old}: {e.strerror or e}") from e
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -16,11 +16,17 @@ from vitcompress.graph.capture import CaptureError
 from vitcompress.graph.rewrite import RewriteError
 from vitcompress.loading import ModelLoadError
 from vitcompress.plan import PlanError
+from vitcompress.workflows.gates import GateError, GateResult, failed
 
 # Errors that are the user's input, not a bug: one line on stderr, exit code 2.
-USER_ERRORS = (ModelLoadError, PlanError, MappingError, CaptureError, RewriteError, DataError)
+USER_ERRORS = (ModelLoadError, PlanError, MappingError, CaptureError, RewriteError, DataError,
+               GateError)
+EXIT_BUG = 1
 EXIT_USAGE = 2
+EXIT_GATE = 3
 EXIT_INTERRUPTED = 130
+# click's own control flow (ctx.exit, usage errors, abort) passes through the handlers below.
+_CLICK_FLOW = (click.exceptions.Exit, click.ClickException, click.exceptions.Abort)
 
 console = Console()
 err_console = Console(stderr=True)
@@ -32,18 +38,32 @@ class VitcompressGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except _CLICK_FLOW:
+            raise
         except USER_ERRORS as e:
             self._fail(ctx, e, EXIT_USAGE)
         except KeyboardInterrupt as e:
             self._fail(ctx, e, EXIT_INTERRUPTED, "interrupted")
+        except Exception as e:  # noqa: BLE001 - a bug still gets one line, not a traceback
+            text = f"{type(e).__name__}: {_first_line(e)} (rerun with --debug for the traceback)"
+            self._fail(ctx, e, EXIT_BUG, text)
 
     @staticmethod
     def _fail(ctx: click.Context, error: BaseException, code: int, text: str | None = None):
         if ctx.obj and ctx.obj.get("debug"):
             traceback.print_exception(error)
-        message = text or str(error).splitlines()[0] if str(error) else type(error).__name__
+        message = text or _first_line(error) or type(error).__name__
         click.echo(f"error: {message}", err=True)
         ctx.exit(code)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[1].startswith("Original Traceback"):
+        # Re-raised from a DataLoader worker: "Caught X in DataLoader worker process 0.", the
+        # worker's traceback, then "module.X: message"; the message is what the user needs.
+        return lines[-1].split(": ", 1)[-1]
+    return lines[0] if lines else ""
 
 
 @click.group(cls=VitcompressGroup)
@@ -72,3 +92,16 @@ def print_environment(environment: dict[str, Any]) -> None:
             f"{environment.get('batch_size')}, torch {environment.get('torch')}[/]"
         )
 
+
+
+def finish_gates(results: list[GateResult], as_json: bool) -> None:
+    """After the report: list the gates (table mode), then exit 3 with one line per missed bound."""
+    if not as_json:
+        for result in results:
+            state = "[green]passed[/]" if result.passed else "[red]FAILED[/]"
+            console.print(f"gate {state}: {result.message()}", highlight=False)
+    missed = failed(results)
+    for result in missed:
+        click.echo(f"gate failed: {result.message()}", err=True)
+    if missed:
+        click.get_current_context().exit(EXIT_GATE)

@@ -11,10 +11,17 @@ from vitcompress.cli.app import (
     cli,
     console,
     emit_json,
+    finish_gates,
     fmt_throughput,
     print_environment,
 )
-from vitcompress.cli.options import load_from_options, model_options, timing_options
+from vitcompress.cli.options import (
+    gate_options,
+    load_from_options,
+    model_options,
+    timing_options,
+)
+from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, check_gates, require
 
 
 @cli.command(name="eval")
@@ -31,10 +38,12 @@ from vitcompress.cli.options import load_from_options, model_options, timing_opt
 @click.option("--workers", default=0, show_default=True, type=click.IntRange(min=0),
               help="DataLoader worker processes.")
 @timing_options
+@gate_options
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.pass_context
 def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrained, input_size,
-                 data, data_dir, split, base_spec, workers, timing, as_json) -> None:
+                 data, data_dir, split, base_spec, workers, timing, bounds: Bounds,
+                 as_json) -> None:
     """Top-1/top-5 accuracy on a dataset; with --base, against a second model."""
     from vitcompress.data import AugmentConfig, build_dataset
     from vitcompress.loading import load_model
@@ -44,6 +53,13 @@ def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrai
     # --batch-size and --device belong to timing_options, which folds them into `timing` (None
     # with --no-throughput); read them from the parsed parameters so evaluation always has them.
     batch_size, device = ctx.params["batch_size"], ctx.params["device"]
+    unavailable = {} if base_spec else {
+        "max_acc_drop": "needs --base to compare against",
+        "min_speedup": "needs --base to compare against",
+    }
+    if timing is None:
+        unavailable.setdefault("min_speedup", NO_THROUGHPUT)
+    require(bounds, unavailable)
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
     dataset = build_dataset(data, split, loaded.input_size, augment=AugmentConfig.none(),
                             data_dir=data_dir)
@@ -65,8 +81,13 @@ def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrai
         result["delta_top1"] = result["top1"] - result["base"]["top1"]
         result["delta_top5"] = result["top5"] - result["base"]["top5"]
         result["environment"] = environment
+    elif bounds.max_gmacs is not None:  # only the gate needs the MACs of a lone model
+        result["gmacs"] = measure_models(models, loaded.input_size, None)[0]["model"].macs / 1e9
+    gates = check_gates(bounds, _gate_values(result))
+    result["gates"] = [g.to_json() for g in gates]
     if as_json:
         emit_json(result)
+        finish_gates(gates, as_json)
         return
     console.print(f"[bold]{model_spec}[/] on {data} ({split}, {result['images']} images, input "
                   f"{tuple(loaded.input_size)})")
@@ -76,6 +97,7 @@ def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrai
             table.add_column(column, justify="right")
         table.add_row(f"{result['top1']:.2f}", f"{result['top5']:.2f}")
         console.print(table)
+        finish_gates(gates, as_json)
         return
     for column in ("", "top-1 (%)", "top-5 (%)", "params (M)", "GMACs", "throughput (img/s)"):
         table.add_column(column, justify="left" if not column else "right")
@@ -88,5 +110,17 @@ def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrai
                   "", "", "")
     console.print(table)
     print_environment(result["environment"])
+    finish_gates(gates, as_json)
 
 
+
+def _gate_values(result: dict[str, Any]) -> dict[str, float | None]:
+    """What the gates compare: top-1 points lost against the base, model/base throughput, and
+    the model's GMACs."""
+    if "base" not in result:
+        return {"gmacs": result.get("gmacs")}
+    base, model = result["base"], result["compressed"]
+    speedup = (model["throughput"] / base["throughput"]
+               if model["throughput"] and base["throughput"] else None)
+    return {"acc_drop": base["top1"] - model["top1"], "speedup": speedup,
+            "gmacs": model["gmacs"]}

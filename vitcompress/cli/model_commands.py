@@ -9,11 +9,18 @@ from vitcompress.cli.app import (
     cli,
     console,
     emit_json,
+    finish_gates,
     fmt_throughput,
     print_environment,
 )
-from vitcompress.cli.options import load_from_options, model_options, timing_options
+from vitcompress.cli.options import (
+    gate_options,
+    load_from_options,
+    model_options,
+    timing_options,
+)
 from vitcompress.plan import VARIANTS
+from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, check_gates, require
 
 
 @cli.command()
@@ -51,17 +58,27 @@ def inspect(model_spec, model_args, checkpoint, pretrained, input_size, as_json)
 @cli.command()
 @model_options
 @timing_options
+@gate_options
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def bench(model_spec, model_args, checkpoint, pretrained, input_size, timing, as_json) -> None:
+def bench(model_spec, model_args, checkpoint, pretrained, input_size, timing, bounds: Bounds,
+          as_json) -> None:
     """Count parameters and MACs and time the model's throughput."""
     from vitcompress.workflows.measure_models import measure_models
 
+    require(bounds, {
+        "max_acc_drop": "bench measures no accuracy; use eval --base",
+        "min_speedup": "bench times one model, so there is no speedup to check; use apply or "
+                       "eval --base",
+    })
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
     measured, environment = measure_models({"model": loaded.model}, loaded.input_size, timing)
     result = {**measured["model"].to_json(), "input_size": list(loaded.input_size),
               "environment": environment}
+    gates = check_gates(bounds, {"gmacs": result["gmacs"]})
+    result["gates"] = [g.to_json() for g in gates]
     if as_json:
         emit_json(result)
+        finish_gates(gates, as_json)
         return
     table = Table(show_edge=False)
     for column in ("model", "params (M)", "GMACs", "throughput (img/s)"):
@@ -70,7 +87,7 @@ def bench(model_spec, model_args, checkpoint, pretrained, input_size, timing, as
                   fmt_throughput(result["throughput"]))
     console.print(table)
     print_environment(environment)
-
+    finish_gates(gates, as_json)
 
 
 @cli.command()
@@ -86,18 +103,28 @@ def bench(model_spec, model_args, checkpoint, pretrained, input_size, timing, as
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Write the compressed model here (safetensors + vitcompress.json).")
 @timing_options
+@gate_options
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def apply(model_spec, model_args, checkpoint, pretrained, input_size, variant, keep, locs,
-          policy, out, timing, as_json) -> None:
+          policy, out, timing, bounds: Bounds, as_json) -> None:
     """Compress a model and report params, GMACs and throughput, before and after."""
     from vitcompress.workflows.apply import apply as run_apply
 
+    unavailable = {"max_acc_drop": "apply measures no accuracy; gate the saved model with "
+                                   "eval --base"}
+    if timing is None:
+        unavailable["min_speedup"] = NO_THROUGHPUT
+    require(bounds, unavailable)
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
     result = run_apply(loaded, variant=variant, keep=keep, locs=locs, policy=policy, out=out,
                        timing=timing)
     data = result.to_json()
+    gates = check_gates(bounds, {"speedup": data["speedup"],
+                                 "gmacs": data["compressed"]["gmacs"]})
+    data["gates"] = [g.to_json() for g in gates]
     if as_json:
         emit_json(data)
+        finish_gates(gates, as_json)
         return
     plan = data["plan"]
     console.print(f"[bold]{model_spec}[/] + {variant} at blocks {plan['locs']} keep "
@@ -119,5 +146,4 @@ def apply(model_spec, model_args, checkpoint, pretrained, input_size, variant, k
     print_environment(data["environment"])
     if data["out"]:
         console.print(f"saved to {data['out']}")
-
-
+    finish_gates(gates, as_json)

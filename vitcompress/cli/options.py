@@ -8,6 +8,7 @@ from collections.abc import Callable
 import click
 
 from vitcompress.loading import LoadedModel, load_model, parse_input_size, parse_model_args
+from vitcompress.workflows.gates import Bounds
 from vitcompress.workflows.measure_models import TimingOptions
 
 
@@ -63,5 +64,33 @@ def timing_options(command: Callable) -> Callable:
             batch_size=batch_size, device=device, dtype=dtype, warmup=warmup, runs=runs,
             compile=use_compile, amp=amp)
         return command(*args, timing=timing, **kwargs)
+
+    return wrapper
+
+
+def gate_options(command: Callable) -> Callable:
+    """``--max-acc-drop``, ``--min-speedup``, ``--max-gmacs``, folded into ``bounds: Bounds``.
+
+    A missed bound makes the command exit 3 after its report (docs/ci.md).
+    """
+    positive = click.FloatRange(min=0, min_open=True)
+    decorators = [
+        click.option("--max-acc-drop", type=float, default=None, metavar="POINTS",
+                     help="CI gate: fail (exit 3) if top-1 drops by more than this many points "
+                          "against the base (eval --base only)."),
+        click.option("--min-speedup", type=positive, default=None, metavar="X",
+                     help="CI gate: fail (exit 3) if throughput / base throughput is below X "
+                          "(apply, eval --base)."),
+        click.option("--max-gmacs", type=positive, default=None, metavar="G",
+                     help="CI gate: fail (exit 3) if the (compressed) model needs more than G "
+                          "GMACs per image."),
+    ]
+    for decorator in reversed(decorators):
+        command = decorator(command)
+
+    @functools.wraps(command)
+    def wrapper(*args, max_acc_drop, min_speedup, max_gmacs, **kwargs):
+        bounds = Bounds(max_acc_drop=max_acc_drop, min_speedup=min_speedup, max_gmacs=max_gmacs)
+        return command(*args, bounds=bounds, **kwargs)
 
     return wrapper
