@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import sys
 
-from vitcompress.cli import eval_command, finetune_command, model_commands  # noqa: F401 - register
+from vitcompress.cli import (  # noqa: F401 - importing a module registers its commands
+    eval_command,
+    finetune_command,
+    model_commands,
+    report_command,
+)
 from vitcompress.cli.app import EXIT_INTERRUPTED, EXIT_USAGE, USER_ERRORS, cli
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "USER_ERRORS", "cli", "main"]

@@ -1,0 +1,278 @@
+"""Which tokens a compressed model keeps, and where TPS squeezes the pruned ones.
+
+One image goes through the model's inference path once. A forward hook on every reducer
+(``model.tps.<i>``) reads the grid positions present before and after its location. For the TPS
+variants the host of every pruned token is recomputed from the reducer's input tokens with the same
+functions the reducer uses (cosine similarity of the raw features, argmax over the kept tokens), so
+the picture is the matching the model made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from vitcompress.method import cosine_similarity, match_hosts
+from vitcompress.modules.reducers import AttentionReducer, PredictorReducer
+from vitcompress.workflows.report import ReportError, import_pyplot
+
+__all__ = [
+    "LocationRecord",
+    "VisualizeError",
+    "draw_locations",
+    "load_image",
+    "record_locations",
+]
+
+
+class VisualizeError(ReportError):
+    """An image or model the visualisation cannot use; one line for the user."""
+
+
+@dataclass
+class LocationRecord:
+    """What happened at one location, for the first image of the batch."""
+
+    index: int
+    block: int
+    stage: int
+    grid: tuple[int, int]
+    variant: str
+    present: list[int]  # grid positions entering the location
+    kept: list[int]  # grid positions leaving it (EViT's fused token left out)
+    pruned: list[int]
+    fused_token: bool = False  # EViT: an extra token off the grid after this location
+    hosts: dict[int, list[int]] = field(default_factory=dict)  # TPS: host -> its donors
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "block": self.block, "stage": self.stage,
+                "grid": list(self.grid), "variant": self.variant, "present": self.present,
+                "kept": self.kept, "pruned": self.pruned, "fused_token": self.fused_token,
+                "hosts": {str(k): v for k, v in self.hosts.items()}}
+
+
+# --------------------------------------------------------------------------------------------------
+# Input
+# --------------------------------------------------------------------------------------------------
+
+
+def load_image(path: str | Path, input_size: Sequence[int]) -> tuple[Any, Tensor]:
+    """The image resized to the model's input (PIL, for drawing) and as a normalised (1, C, H, W)
+    tensor, normalised as ``eval`` does (ImageNet mean/std)."""
+    from PIL import Image, UnidentifiedImageError
+
+    from vitcompress.data.transforms import normalisation
+
+    channels, height, width = (int(v) for v in input_size)
+    try:
+        with Image.open(path) as opened:
+            opened.load()
+            image = opened.convert("RGB")
+    except FileNotFoundError as e:
+        raise VisualizeError(f"cannot read image {path}: no such file") from e
+    except (OSError, UnidentifiedImageError, ValueError) as e:
+        raise VisualizeError(f"cannot read image {path}: {e}") from e
+    image = image.resize((width, height), Image.Resampling.BICUBIC)
+    model_image = image if channels == 3 else image.convert("L")
+    if channels not in (1, 3):
+        raise VisualizeError(f"the model takes {channels} channels; only 1 and 3 can be read "
+                             f"from an image")
+    pixels = torch.frombuffer(bytearray(model_image.tobytes()), dtype=torch.uint8)
+    tensor = pixels.reshape(height, width, channels).permute(2, 0, 1).float() / 255.0
+    mean, std = normalisation(channels, None, None)
+    tensor = (tensor - torch.tensor(mean).view(-1, 1, 1)) / torch.tensor(std).view(-1, 1, 1)
+    return image, tensor.unsqueeze(0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Recording
+# --------------------------------------------------------------------------------------------------
+
+
+def _reducers(model: nn.Module) -> list[nn.Module]:
+    plan = getattr(model, "vitcompress_plan", None)
+    tps = getattr(model, "tps", None)
+    if not plan or tps is None:
+        raise VisualizeError("the model is not compressed (no TPS plan); compress it with "
+                             "`vitcompress apply --out DIR` and pass that directory")
+    reducers = [tps.get_submodule(str(i)) for i in range(len(plan["locations"]))]
+    for r in reducers:
+        if not isinstance(r, PredictorReducer | AttentionReducer):
+            raise VisualizeError(f"unknown reducer {type(r).__name__} in model.tps")
+    return reducers
+
+
+def _location_grid(model: nn.Module, location: dict[str, Any]) -> tuple[int, int]:
+    model_map = getattr(model, "vitcompress_map", None) or {}
+    stages = model_map.get("stages") or []
+    stage = int(location.get("stage", 0))
+    if stage < len(stages) and stages[stage].get("grid"):
+        h, w = stages[stage]["grid"]
+    else:
+        h, w = model_map["grid"]
+    return int(h), int(w)
+
+
+def _input_positions(reducer: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+    """``positions`` is the reducer's 3rd (predictor) or 4th (attention) argument."""
+    slot = 3 if isinstance(reducer, AttentionReducer) else 2
+    return kwargs.get("positions", args[slot] if len(args) > slot else None)
+
+
+def _is_tps(reducer: nn.Module) -> bool:
+    if isinstance(reducer, PredictorReducer):
+        return bool(reducer.squeeze)
+    return getattr(reducer, "fuse", None) == "squeeze"
+
+
+def _hosts(reducer: nn.Module, x: Tensor, present: list[int], kept: list[int]
+           ) -> dict[int, list[int]]:
+    """Recompute the matching the reducer made: donors (present, not kept) to kept hosts."""
+    local = {pos: i for i, pos in enumerate(present)}
+    kept_set = set(kept)
+    pruned = [pos for pos in present if pos not in kept_set]
+    hosts: dict[int, list[int]] = {pos: [] for pos in kept}
+    if not pruned:
+        return hosts
+    patches = x[:1, reducer.prefix_tokens:]
+    kept_tokens = patches[:, [local[pos] for pos in kept]]
+    pruned_tokens = patches[:, [local[pos] for pos in pruned]]
+    host_index, _ = match_hosts(cosine_similarity(pruned_tokens, kept_tokens))
+    for donor, host in zip(pruned, host_index[0].tolist(), strict=True):
+        hosts[kept[host]].append(donor)
+    return hosts
+
+
+@torch.no_grad()
+def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationRecord], Tensor]:
+    """Run ``image`` (1, C, H, W) through the model in eval mode; one record per location, and
+    the logits. The model's mode is restored afterwards."""
+    plan = getattr(model, "vitcompress_plan", None) or {}
+    reducers = _reducers(model)
+    records: list[LocationRecord] = []
+    failures: list[BaseException] = []
+
+    def make_hook(i: int) -> Callable[..., None]:
+        location = plan["locations"][i]
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            try:
+                x = args[0] if args else kwargs["x"]
+                n = x.shape[1] - module.prefix_tokens
+                given = _input_positions(module, args, kwargs)
+                present = (list(range(n)) if given is None else given[0].tolist())
+                after = output[2]
+                out_positions = list(range(n)) if after is None else after[0].tolist()
+                kept = [p for p in out_positions if p >= 0]
+                kept_set = set(kept)
+                record = LocationRecord(
+                    index=i, block=int(location["block"]), stage=int(location.get("stage", 0)),
+                    grid=_location_grid(model, location), variant=str(plan["variant"]),
+                    present=[p for p in present if p >= 0], kept=kept,
+                    pruned=[p for p in present if p >= 0 and p not in kept_set],
+                    # EViT appends a fused token whenever it prunes (it returns x unchanged
+                    # when there is nothing to prune)
+                    fused_token=getattr(module, "fuse", None) == "evit" and output[0] is not x)
+                if _is_tps(module):
+                    record.hosts = _hosts(module, x, present, kept)
+                records.append(record)
+            except Exception as e:  # noqa: BLE001 - re-raised after the forward pass
+                failures.append(e)
+
+        return hook
+
+    handles = [r.register_forward_hook(make_hook(i), with_kwargs=True)
+               for i, r in enumerate(reducers)]
+    was_training = model.training
+    try:
+        model.eval()
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        logits = model(image.to(device))
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    if failures:
+        raise failures[0]
+    records.sort(key=lambda r: r.index)
+    if len(records) != len(reducers):
+        raise VisualizeError(f"only {len(records)} of {len(reducers)} locations ran")
+    return records, logits
+
+
+# --------------------------------------------------------------------------------------------------
+# Drawing
+# --------------------------------------------------------------------------------------------------
+
+
+def _cell_boxes(grid: tuple[int, int], size: tuple[int, int]
+                ) -> Callable[[int], tuple[float, float, float, float]]:
+    """Pixel box (x0, y0, w, h) of each grid position on an image of (width, height)."""
+    gh, gw = grid
+    width, height = size
+    ch, cw = height / gh, width / gw
+    # imshow puts pixel centres on integers: the image spans -0.5 .. size - 0.5
+    return lambda pos: ((pos % gw) * cw - 0.5, (pos // gw) * ch - 0.5, cw, ch)
+
+
+def draw_locations(image: Any, records: Sequence[LocationRecord], out: str | Path,
+                   title: str | None = None) -> Path:
+    """The input image, then one panel per location: pruned cells blanked (DynamicViT/EViT), or
+    each host and its donors in one colour (TPS; hosts outlined)."""
+    plt = import_pyplot()
+    from matplotlib.patches import Rectangle
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    panels = len(records) + 1
+    fig, axes = plt.subplots(1, panels, figsize=(3.2 * panels, 3.6), squeeze=False,
+                             constrained_layout=True)
+    axes = axes[0]
+    axes[0].imshow(image)
+    axes[0].set_title("input")
+    palette = plt.get_cmap("tab20").colors
+    # TPS panels on a grey copy so the group colours read clearly.
+    grey = image.convert("L")
+    for ax, record in zip(axes[1:], records, strict=True):
+        if record.hosts:
+            ax.imshow(grey, cmap="gray", vmin=0, vmax=255)
+        else:
+            ax.imshow(image)
+        box = _cell_boxes(record.grid, image.size)
+        gh, gw = record.grid
+        present = set(record.present)
+        kept = set(record.kept)
+        for pos in range(gh * gw):
+            if pos not in present or (pos not in kept and not record.hosts):
+                x0, y0, w, h = box(pos)
+                ax.add_patch(Rectangle((x0, y0), w, h, facecolor="white", edgecolor="none",
+                                       alpha=0.92 if pos in present else 1.0))
+        groups = [(host, donors) for host, donors in record.hosts.items() if donors]
+        for k, (host, donors) in enumerate(groups):
+            colour = palette[k % len(palette)]
+            for pos in donors:
+                x0, y0, w, h = box(pos)
+                ax.add_patch(Rectangle((x0, y0), w, h, facecolor=colour, edgecolor="none",
+                                       alpha=0.55))
+            x0, y0, w, h = box(host)
+            ax.add_patch(Rectangle((x0, y0), w, h, facecolor=colour, edgecolor="black",
+                                   linewidth=1.0, alpha=0.8))
+        n0 = gh * gw
+        what = (f"{len(groups)} hosts take {len(record.pruned)}" if record.hosts
+                else f"{len(record.pruned)} pruned")
+        extra = " +1 fused" if record.fused_token else ""
+        ax.set_title(f"block {record.block} (stage {record.stage}): "
+                     f"{len(record.kept)}/{n0} kept{extra}\n{what}", fontsize=9)
+    for ax in axes:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
