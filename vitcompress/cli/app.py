@@ -16,11 +16,14 @@ from vitcompress.graph.capture import CaptureError
 from vitcompress.graph.rewrite import RewriteError
 from vitcompress.loading import ModelLoadError
 from vitcompress.plan import PlanError
+from vitcompress.workflows.export import ExportError
 from vitcompress.workflows.gates import GateError, GateResult, failed
+from vitcompress.workflows.report import ReportError
+from vitcompress.workflows.visualize import VisualizeError
 
 # Errors that are the user's input, not a bug: one line on stderr, exit code 2.
 USER_ERRORS = (ModelLoadError, PlanError, MappingError, CaptureError, RewriteError, DataError,
-               GateError)
+               GateError, ExportError, ReportError, VisualizeError)
 EXIT_BUG = 1
 EXIT_USAGE = 2
 EXIT_GATE = 3

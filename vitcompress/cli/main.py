@@ -6,6 +6,7 @@ import sys
 
 from vitcompress.cli import (  # noqa: F401 - importing a module registers its commands
     eval_command,
+    export_command,
     finetune_command,
     model_commands,
     report_command,
