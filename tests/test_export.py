@@ -1,8 +1,8 @@
 """Export (ONNX, TorchScript, ExportedProgram) and ``torch.compile(fullgraph=True)`` of compressed
 models: a compatibility matrix over families x variants x formats, and the ``export`` command.
 
-``VITCOMPRESS_WRITE_MATRIX=1 pytest tests/test_export.py`` rewrites the table in docs/export.md
-from the results of a full run.
+``VITCOMPRESS_WRITE_MATRIX=1 pytest tests/test_export.py -m 'slow or not slow'`` rewrites the table in
+docs/export.md from the results of a full run (the default run skips the slow families).
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import timm
 import torch
 from click.testing import CliRunner
 from torch import nn
 
 import vitcompress
 import vitcompress.cli.export_command  # noqa: F401 - registers ``export`` on the group
+import vitcompress.zoo  # noqa: F401 - registers pvt_* and cvt_*
 from tests.fixtures import inhouse
 from tests.models import SMALL, timm_small
 from vitcompress.cli.app import cli
@@ -42,7 +44,18 @@ BATCH = 2
 FAMILIES: dict[str, tuple[Callable[[], nn.Module], tuple[int, int, int]]] = {
     "timm vit (32px, depth 4)": (lambda: timm_small("vit_small_patch16_224"), (3, 32, 32)),
     "in-house pyramid (64px)": (inhouse.tiny_pyramid, (3, 64, 64)),
+    "timm deit distilled (32px, depth 4)": (
+        lambda: timm_small("deit_tiny_distilled_patch16_224"), (3, 32, 32)),
+    "in-house nn.MultiheadAttention vit": (inhouse.mha_vit, (3, 32, 32)),
+    "timm pvt_v2_b0 (64px)": (lambda: timm.create_model("pvt_v2_b0", num_classes=10),
+                              (3, 64, 64)),
+    "zoo pvt_tiny (64px)": (lambda: timm.create_model("pvt_tiny", num_classes=10, img_size=64),
+                            (3, 64, 64)),
+    "zoo cvt_13 (64px)": (lambda: timm.create_model("cvt_13", num_classes=10, img_size=64),
+                          (3, 64, 64)),
 }
+# The first two run in every test run; the rest complete the matrix with `pytest -m slow`.
+FAST_FAMILIES = ("timm vit (32px, depth 4)", "in-house pyramid (64px)")
 VARIANTS = ("dtps", "etps", "dynamicvit", "evit")
 CHECKS = (*FORMATS, "compile")
 # (family, variant, check) -> why it cannot work yet. Empty: every combination passes.
@@ -64,8 +77,11 @@ def _cases() -> Iterator[pytest.param]:
             for check in CHECKS:
                 reason = XFAIL.get((family, variant, check))
                 marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+                if family not in FAST_FAMILIES:
+                    marks.append(pytest.mark.slow)
+                key = family.split("(")[0].strip().replace(" ", "_")
                 yield pytest.param(family, variant, check, marks=marks,
-                                   id=f"{family.split()[1]}-{variant}-{check}")
+                                   id=f"{key}-{variant}-{check}")
 
 
 @pytest.fixture(scope="module", autouse=True)
