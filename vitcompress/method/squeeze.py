@@ -54,7 +54,9 @@ def fuse_into_hosts(
     )
     total = torch.zeros(hosts.shape[:2], dtype=torch.float32, device=hosts.device)
     total = total.scatter_add(1, host_index, weight).unsqueeze(-1)
-    return (x + (pulled - x * total) / (SELF_WEIGHT + total)).to(out_dtype)
+    # pulled - x * total, divided by (e + total), plus x: in place on the fresh ``pulled`` buffer.
+    delta = torch.addcmul(pulled, x, total, value=-1.0).div_(total + SELF_WEIGHT)
+    return (delta.add_(x) if delta.dtype == out_dtype else (x + delta).to(out_dtype))
 
 
 def squeeze(hosts: Tensor, donors: Tensor) -> Tensor:

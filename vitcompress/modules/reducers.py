@@ -69,10 +69,14 @@ class PredictorReducer(nn.Module):
             scores = torch.rand(patches.shape[:2], device=x.device)
         else:
             scores = self.predictor.keep_score(patches)
-        keep_index, prune_index = split_by_score(scores, min(self.keep_tokens, patches.shape[1]))
-        kept = gather_tokens(patches, keep_index)
-        if self.squeeze:
-            kept = squeeze(kept, gather_tokens(patches, prune_index))
+        k = min(self.keep_tokens, patches.shape[1])
+        order, _ = split_by_score(scores, patches.shape[1])
+        keep_index = order[:, :k]
+        if self.squeeze:  # one gather in score order; kept and pruned are two views of it
+            ordered = gather_tokens(patches, order)
+            kept = squeeze(ordered[:, :k], ordered[:, k:])
+        else:
+            kept = gather_tokens(patches, keep_index)
         positions = torch.gather(_positions(positions, patches), 1, keep_index)
         return torch.cat([prefix, kept], dim=1), None, positions
 
