@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from vitcompress.cli.app import EXIT_USAGE, VitcompressGroup, cli, console, emit_json
+from vitcompress.cli.app import cli, console, emit_json
 from vitcompress.cli.options import load_from_options, model_options
 from vitcompress.workflows.export import DEFAULT_OPSET, FORMATS
 
@@ -26,15 +26,12 @@ from vitcompress.workflows.export import DEFAULT_OPSET, FORMATS
 def export(ctx: click.Context, model_spec, model_args, checkpoint, pretrained, input_size, fmt,
            out, batch_size, opset, no_check, as_json) -> None:
     """Export the model's inference path (eval: tokens dropped, constant shapes) and check it."""
-    from vitcompress.workflows.export import ExportError, export_model
+    from vitcompress.workflows.export import export_model
 
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
-    try:
-        result = export_model(loaded.model, loaded.input_size, fmt, out, batch_size=batch_size,
-                              opset=opset, check=not no_check)
-    except ExportError as e:  # the user's request: one line, exit code 2
-        VitcompressGroup._fail(ctx, e, EXIT_USAGE)
-        return
+    # ExportError is one of the group's user errors: one line, exit code 2.
+    result = export_model(loaded.model, loaded.input_size, fmt, out, batch_size=batch_size,
+                          opset=opset, check=not no_check)
     result["model"] = model_spec
     if as_json:
         emit_json(result)

@@ -15,7 +15,6 @@ from vitcompress.cli.app import (
     err_console,
 )
 from vitcompress.cli.options import load_from_options, model_options
-from vitcompress.data import DataError
 from vitcompress.plan import VARIANTS
 
 
@@ -116,13 +115,11 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
                           "used, --variant/--keep/--locs/--policy are ignored")
     preset = {"deit": AugmentConfig.deit, "light": AugmentConfig.light,
               "none": AugmentConfig.none}[augment]() if augment else None
-    try:
-        train_set = build_dataset(data, "train", student.input_size, augment=preset,
-                                  data_dir=data_dir)
-        val_set = build_dataset(data, "val", student.input_size, data_dir=data_dir)
-        classes = num_classes(train_set)
-    except DataError as e:
-        raise click.UsageError(str(e)) from e
+    # DataError is one of the group's user errors: one line, exit code 2.
+    train_set = build_dataset(data, "train", student.input_size, augment=preset,
+                              data_dir=data_dir)
+    val_set = build_dataset(data, "val", student.input_size, data_dir=data_dir)
+    classes = num_classes(train_set)
     if preset is None:
         preset = AugmentConfig.light() if "mnist" in data.lower() else AugmentConfig.deit()
     plan = student.model.vitcompress_plan

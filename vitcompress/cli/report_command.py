@@ -22,7 +22,6 @@ def report(ctx: click.Context, runs: tuple[str, ...], out_md: str | None, out_pn
     """Merge the JSON of apply, bench, eval and finetune runs into one comparison."""
     from vitcompress.workflows.report import (
         MARKDOWN_COLUMNS,
-        ReportError,
         load_rows,
         render_markdown,
         render_png,
@@ -37,10 +36,7 @@ def report(ctx: click.Context, runs: tuple[str, ...], out_md: str | None, out_pn
                 f.write(render_markdown(rows))
         if out_png:
             render_png(rows, out_png)
-    except ReportError as e:
-        click.echo(f"error: {e}", err=True)
-        ctx.exit(EXIT_USAGE)
-    except OSError as e:
+    except OSError as e:  # ReportError is one of the group's user errors already
         click.echo(f"error: {e.filename}: {e.strerror or e}", err=True)
         ctx.exit(EXIT_USAGE)
     if as_json:
@@ -69,9 +65,7 @@ def visualize(ctx: click.Context, model_spec, model_args, checkpoint, pretrained
               image: str, out: str, as_json: bool) -> None:
     """Draw which tokens a compressed model keeps at each location, and for TPS variants which
     kept token (host) each pruned token is squeezed into."""
-    from vitcompress.workflows.report import ReportError
     from vitcompress.workflows.visualize import (
-        VisualizeError,
         draw_locations,
         load_image,
         record_locations,
@@ -84,10 +78,7 @@ def visualize(ctx: click.Context, model_spec, model_args, checkpoint, pretrained
         draw_locations(picture, records, out, title=f"{model_spec}: "
                        f"{loaded.model.vitcompress_plan['variant']}, predicted class "
                        f"{int(logits.argmax(-1)[0])}")
-    except (VisualizeError, ReportError) as e:
-        click.echo(f"error: {e}", err=True)
-        ctx.exit(EXIT_USAGE)
-    except OSError as e:
+    except OSError as e:  # VisualizeError and ReportError are the group's user errors already
         click.echo(f"error: {e.filename or out}: {e.strerror or e}", err=True)
         ctx.exit(EXIT_USAGE)
     if as_json:

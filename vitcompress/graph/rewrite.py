@@ -97,10 +97,15 @@ class _Rewriter:
         full grid back: padded with zeros in inference, dropped ones zeroed in training."""
         if (keep_mask is None and positions is None) or stage.exit_grid_node is None:
             return
-        tokens = self.nodes[stage.exit_tokens_node]
-        to_grid = self.nodes[stage.exit_grid_node]
-        name = f"exit{stage.index}"
-        self.hooks.add_module(name, GridPad(grid=stage.grid))
+        self._insert_pad(f"exit{stage.index}", stage.grid, stage.exit_tokens_node,
+                         stage.exit_grid_node, keep_mask, positions)
+
+    def _insert_pad(self, name: str, grid: tuple[int, int], tokens_node: str, to_grid_node: str,
+                    keep_mask, positions) -> None:
+        """Feed ``to_grid_node`` the full grid (GridPad) instead of the tokens it reshaped."""
+        tokens = self.nodes[tokens_node]
+        to_grid = self.nodes[to_grid_node]
+        self.hooks.add_module(name, GridPad(grid=grid))
         with self.graph.inserting_before(to_grid):
             padded = self.graph.call_module(f"{HOOK_PREFIX}.{name}", (tokens, keep_mask, positions))
         to_grid.replace_input_with(tokens, padded)
@@ -182,14 +187,8 @@ class _Rewriter:
         for op in block.grid_ops:
             if op.branch != branch:
                 continue
-            tokens = self.nodes[op.tokens_node]
-            to_grid = self.nodes[op.to_grid_node]
-            name = f"pad{block.index}_{op.op_node}"
-            self.hooks.add_module(name, GridPad(grid=op.grid))
-            with self.graph.inserting_before(to_grid):
-                padded = self.graph.call_module(f"{HOOK_PREFIX}.{name}",
-                                                (tokens, keep_mask, positions))
-            to_grid.replace_input_with(tokens, padded)
+            self._insert_pad(f"pad{block.index}_{op.op_node}", op.grid, op.tokens_node,
+                             op.to_grid_node, keep_mask, positions)
             if op.from_grid_node is not None:
                 flat = self.nodes[op.from_grid_node]
                 name = f"gather{block.index}_{op.op_node}"
