@@ -46,6 +46,7 @@ INPUT_SIZE = (3, 224, 224)
 VARIANTS = ("dtps", "etps", "dynamicvit", "evit")
 PREDICTOR_VARIANTS = ("dtps", "dynamicvit")  # drop before the block, int(N0 * rho**s) kept
 TARGET = 0.95
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -165,7 +166,9 @@ def timed_rounds(models: dict[str, nn.Module], args: argparse.Namespace,
         load_before = os.getloadavg()[0]
         order = names[r % len(names):] + names[:r % len(names)]
         report = measure_throughput({name: models[name] for name in order}, INPUT_SIZE,
-                                    batch_size=args.batch_size, warmup=args.warmup, runs=args.runs)
+                                    batch_size=args.batch_size, warmup=args.warmup, runs=args.runs,
+                                    device=args.device, dtype=DTYPES[args.amp or "fp32"],
+                                    amp=args.amp is not None, compile=args.compile)
         for name in names:
             pooled[name].extend(report.results[name].samples)
         reports.append(report.to_json() | {"loadavg_1min": [load_before, os.getloadavg()[0]]})
@@ -375,6 +378,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3,
                    help="measure_throughput calls per part (model order rotated each round)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    p.add_argument("--amp", choices=("bf16", "fp16"), default=None,
+                   help="autocast in this dtype (CUDA only); default: float32")
+    p.add_argument("--compile", action="store_true", help="torch.compile every model (inductor)")
     p.add_argument("--model", default="deit_small_patch16_224", help="overhead part: base model")
     p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
                    help="overhead part: comma list of variants")

@@ -23,7 +23,12 @@ from vitcompress.loading import load_model
 from vitcompress.training.checkpoint import find_latest, load_checkpoint
 from vitcompress.training.losses import kl_distillation, ratio_loss, token_distillation
 from vitcompress.training.optim import cosine_with_warmup, default_lr, param_groups
-from vitcompress.workflows.finetune import FinetuneConfig, TrainingDiverged, finetune
+from vitcompress.workflows.finetune import (
+    FinetuneConfig,
+    FinetuneError,
+    TrainingDiverged,
+    finetune,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "vit_small_patch16_224"
@@ -149,6 +154,24 @@ def test_resume_mid_epoch_gives_the_same_weights(tmp_path):
     resumed = vitcompress.load(tmp_path / "b").state_dict()
     for key, value in uninterrupted.items():
         assert torch.equal(resumed[key], value), key
+
+
+class _Labelled(TensorDataset):
+    def __init__(self, data: TensorDataset, classes: list[str]) -> None:
+        super().__init__(*data.tensors)
+        self.classes = classes
+
+
+def test_a_head_of_another_size_than_the_data_is_refused_before_training(tmp_path):
+    student, teacher = _models()
+    out = tmp_path / "run"
+    with pytest.raises(FinetuneError, match=r"predicts 2 classes but the data has 3.*"
+                                            r"num_classes=3"):
+        finetune(student, teacher, _Labelled(_data(), ["a", "b", "c"]), None, out, _config())
+    assert not (out / "checkpoints").exists()
+    # The same data with matching classes trains.
+    finetune(student, teacher, _Labelled(_data(), ["a", "b"]), None, out, _config(epochs=1))
+    assert (out / "vitcompress.json").is_file()
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path):

@@ -18,7 +18,9 @@ def cls_attention_score(
     never has to materialise the ``N x N`` matrix just to score tokens.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    logits = (q[:, :, :1].float() @ k.float().transpose(-2, -1)) * scale  # (B, H, 1, N)
+    # The product in the inputs' dtype: upcasting k first would copy all of it (B, H, N, D) when
+    # the model runs in half precision; only the (B, H, 1, N) row is taken to float32.
+    logits = (q[:, :, :1] @ k.transpose(-2, -1)).float() * scale  # (B, H, 1, N)
     probs = logits.softmax(dim=-1)
     return probs[:, :, 0, prefix_tokens:].mean(dim=1).to(q.dtype)
 

@@ -36,35 +36,58 @@ def match_hosts(similarity: Tensor) -> tuple[Tensor, Tensor]:
     return host_index, host_similarity
 
 
+def match_hosts_cosine(donors: Tensor, hosts: Tensor) -> tuple[Tensor, Tensor]:
+    """``match_hosts(cosine_similarity(donors, hosts))`` without normalising the token tensors.
+
+    The norms are divided out of the ``(B, Np, Nr)`` dot products instead: the hosts' before the
+    argmax (it varies along a row), the donor's after it (constant along a row). That spares two
+    passes over the ``(B, N, C)`` tokens, which on a GPU cost more than the matrix product.
+    """
+    d = donors.float()
+    h = hosts.float()
+    inverse_host_norm = 1.0 / (h.norm(dim=-1) + _NORM_EPS)  # (B, Nr)
+    scaled = (d @ h.transpose(-2, -1)) * inverse_host_norm.unsqueeze(1)
+    best, host_index = scaled.max(dim=-1)
+    return host_index, best / (d.norm(dim=-1) + _NORM_EPS)
+
+
 def fuse_into_hosts(
-    hosts: Tensor, donors: Tensor, host_index: Tensor, host_similarity: Tensor
+    hosts: Tensor, donors: Tensor, host_index: Tensor, host_similarity: Tensor,
+    inplace: bool = False,
 ) -> Tensor:
     """Fuse donors into hosts by index scatter: O(Np * C) instead of the dense O(Np * Nr * C).
 
-    Written as ``y_j = x_j + sum_i w_i (x_i - x_j) / (e + sum_i w_i)``, algebraically the paper's
-    form, so that a host without donors comes out bit-identical rather than ``e * x / e``.
+    Written as ``y_j = x_j + sum_i c_i (x_i - x_j)`` with ``c_i = w_i / (e + sum_{i->j} w_i)``,
+    algebraically the paper's form: only donor-sized tensors are built, and a host without donors
+    comes out bit-identical rather than ``e * x / e``. ``inplace=True`` writes into ``hosts``
+    (a buffer the caller owns, float32) instead of a copy.
     """
-    out_dtype = hosts.dtype
-    x = hosts.float()
     weight = host_similarity.float().exp()  # (B, Np)
-    pulled = torch.zeros_like(x).scatter_add(
-        1,
-        host_index.unsqueeze(-1).expand(-1, -1, hosts.shape[-1]),
-        donors.float() * weight.unsqueeze(-1),
-    )
     total = torch.zeros(hosts.shape[:2], dtype=torch.float32, device=hosts.device)
-    total = total.scatter_add(1, host_index, weight).unsqueeze(-1)
-    # pulled - x * total, divided by (e + total), plus x: in place on the fresh ``pulled`` buffer.
-    delta = torch.addcmul(pulled, x, total, value=-1.0).div_(total + SELF_WEIGHT)
-    return (delta.add_(x) if delta.dtype == out_dtype else (x + delta).to(out_dtype))
+    total = total.scatter_add(1, host_index, weight)  # (B, Nr): sum of donor weights per host
+    coefficient = weight / (total.gather(1, host_index) + SELF_WEIGHT)
+    index = host_index.unsqueeze(-1).expand(-1, -1, hosts.shape[-1])
+    x = hosts.float()
+    contribution = (donors.float() - x.gather(1, index)).mul_(coefficient.unsqueeze(-1))
+    # In place only outside autograd: the gather above saved ``hosts`` for its backward.
+    if inplace and x is hosts and not (torch.is_grad_enabled() and hosts.requires_grad):
+        return hosts.scatter_add_(1, index, contribution)
+    return x.scatter_add(1, index, contribution).to(hosts.dtype)
 
 
-def squeeze(hosts: Tensor, donors: Tensor) -> Tensor:
-    """TPS at inference: squeeze ``(B, Np, C)`` donors into ``(B, Nr, C)`` hosts."""
+def squeeze(hosts: Tensor, donors: Tensor, prefix: Tensor | None = None) -> Tensor:
+    """TPS at inference: squeeze ``(B, Np, C)`` donors into ``(B, Nr, C)`` hosts.
+
+    With ``prefix`` ``(B, P, C)`` the result is ``cat([prefix, squeezed hosts])``, fused in place
+    into the concatenation's fresh buffer rather than into a copy that is concatenated after.
+    """
+    offset = 0 if prefix is None else prefix.shape[1]
+    out = hosts if prefix is None else torch.cat([prefix, hosts], dim=1)
     if donors.shape[1] == 0:
-        return hosts
-    host_index, host_similarity = match_hosts(cosine_similarity(donors, hosts))
-    return fuse_into_hosts(hosts, donors, host_index, host_similarity)
+        return out
+    host_index, host_similarity = match_hosts_cosine(donors, hosts)
+    return fuse_into_hosts(out, donors, host_index + offset if offset else host_index,
+                           host_similarity, inplace=prefix is not None)
 
 
 def squeeze_dense(hosts: Tensor, donors: Tensor) -> Tensor:

@@ -69,15 +69,11 @@ class PredictorReducer(nn.Module):
             scores = torch.rand(patches.shape[:2], device=x.device)
         else:
             scores = self.predictor.keep_score(patches)
-        k = min(self.keep_tokens, patches.shape[1])
-        order, _ = split_by_score(scores, patches.shape[1])
-        keep_index = order[:, :k]
-        if self.squeeze:  # one gather in score order; kept and pruned are two views of it
-            ordered = gather_tokens(patches, order)
-            kept = squeeze(ordered[:, :k], ordered[:, k:])
-        else:
-            kept = gather_tokens(patches, keep_index)
+        keep_index, prune_index = split_by_score(scores, min(self.keep_tokens, patches.shape[1]))
+        kept = gather_tokens(patches, keep_index)
         positions = torch.gather(_positions(positions, patches), 1, keep_index)
+        if self.squeeze:
+            return squeeze(kept, gather_tokens(patches, prune_index), prefix), None, positions
         return torch.cat([prefix, kept], dim=1), None, positions
 
     def _train(self, prefix: Tensor, patches: Tensor, keep_mask: Tensor | None,
@@ -137,7 +133,7 @@ class AttentionReducer(nn.Module):
         pruned = gather_tokens(patches, prune_index)
         positions = torch.gather(_positions(positions, patches), 1, keep_index)
         if self.fuse == "squeeze":
-            return torch.cat([prefix, squeeze(kept, pruned)], dim=1), None, positions
+            return squeeze(kept, pruned, prefix), None, positions
         extra = evit_fuse(pruned, torch.gather(scores, 1, prune_index))
         positions = torch.cat([positions, positions.new_full((x.shape[0], 1), -1)], dim=1)
         return torch.cat([prefix, kept, extra], dim=1), None, positions

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from vitcompress.data import DataError, num_classes
 from vitcompress.loading import LoadedModel
 from vitcompress.training.checkpoint import (
     find_latest,
@@ -221,6 +222,7 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
     set_seed(config.seed, device_specific=True)
 
     model = student.model
+    _check_outputs(model, train_set)
     model.train()
     if teacher is not None:
         teacher = teacher.to(accelerator.device).eval().requires_grad_(False)
@@ -422,6 +424,26 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
     result["out"] = str(out)
     result["checkpoints"] = [str(p) for p in list_checkpoints(out / CHECKPOINTS)]
     return result
+
+
+def _check_outputs(model: nn.Module, train_set: Dataset) -> None:
+    """The model's outputs must be the data's classes: soft targets (mixup, smoothing) are built
+    with the data's class count, and a head of another size would fail later with a shape error."""
+    try:
+        classes = num_classes(train_set)
+    except DataError:  # a plain dataset without .classes: nothing to compare with
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            image = train_set[0][0].unsqueeze(0).to(next(model.parameters()).device)
+            outputs = _unwrap_logits(model(image)).shape[-1]
+    finally:
+        model.train(was_training)
+    if outputs != classes:
+        raise FinetuneError(f"the model predicts {outputs} classes but the data has {classes}: "
+                            f"pass e.g. --model-arg num_classes={classes} (a new head)")
 
 
 def _check_finite(loss: torch.Tensor, accelerator: Any, step: int) -> None:

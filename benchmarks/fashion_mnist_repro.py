@@ -1,0 +1,381 @@
+"""A CPU-scale reproduction of the paper's comparison (its Fig. 5 and Table 6) on Fashion-MNIST.
+
+1. **Base.** A small timm ViT (6 blocks, width 64, 2 heads, MLP ratio 2, 4x4 patches on the
+   28x28 grayscale images: 49 patch tokens + cls) is trained from scratch on the 60,000 training
+   images and cached in ``--cache`` (``base.safetensors``); a later run reuses it.
+2. **Fine-tuning.** For each method (dynamicvit, evit, dtps, etps) and each keep rate (0.7 and
+   0.5, at the model's default three locations) the base is compressed and fine-tuned with
+   ``vitcompress.workflows.finetune.finetune`` (the same code as ``vitcompress finetune``): the
+   base is the frozen teacher; soft cross-entropy + 2 x ratio loss (dtps, dynamicvit) + 0.5 x KL
+   + 0.5 x token distillation; the same epochs, batch, lr and seed for every run.
+3. **Evaluation** on the 10,000 test images: top-1 before and after fine-tuning; top-1 with the
+   scores replaced by a random selection (``policy = "random"``, ``--random-repeats`` draws, their
+   mean), the paper's Table 6; GMACs and parameters counted on the graph; throughput of all models
+   at batch ``--batch`` timed interleaved in one process.
+
+Outputs: a markdown table (``--md-out``), a PNG plot of top-1 against GMACs (``--plot``) and the
+raw results (``--json-out``). Each fine-tuning run's result is cached under ``--cache/runs``, so an
+interrupted reproduction continues where it stopped; ``--fresh`` starts over.
+
+Augmentation: both training phases see the images through vitcompress's Fashion-MNIST pipeline
+(deterministic transform, computed once) followed by a random 28x28 crop of the image padded by
+2 pixels and a horizontal flip, applied to tensors: the light preset's intent, at a fraction of the
+per-image PIL cost, which would otherwise be a fifth of this machine's time per epoch.
+
+Example (the run recorded in docs/results.md)::
+
+    python benchmarks/fashion_mnist_repro.py --md-out benchmarks/cache/fmnist.md \\
+        --plot docs/img/fmnist_acc_vs_gmacs.png --json-out benchmarks/cache/fmnist.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from vitcompress.api import compress_loaded, map_model
+from vitcompress.data.datasets import FASHION_MNIST_CLASSES, build_dataset
+from vitcompress.data.transforms import AugmentConfig
+from vitcompress.loading import LoadedModel, load_model
+from vitcompress.measure import count_macs, count_params, measure_throughput
+from vitcompress.plan import default_locs
+from vitcompress.training.optim import build_optimizer, build_scheduler
+from vitcompress.workflows.evaluate import evaluate
+from vitcompress.workflows.finetune import FinetuneConfig, finetune
+
+SPEC = "vit_small_patch16_224"
+MODEL_ARGS: dict[str, Any] = dict(img_size=28, patch_size=4, in_chans=1, num_classes=10,
+                                  embed_dim=64, depth=6, num_heads=2, mlp_ratio=2.0)
+INPUT_SIZE = (1, 28, 28)
+METHODS = ("dynamicvit", "evit", "dtps", "etps")
+TPS_OF = {"dtps": "dynamicvit", "etps": "evit"}  # each TPS variant and the baseline it extends
+
+
+# --------------------------------------------------------------------------------------------------
+# Data: the library's transform once, then cheap tensor augmentation per image
+# --------------------------------------------------------------------------------------------------
+
+
+class TensorImages(Dataset):
+    """Pre-transformed images (N, C, H, W) with labels; ``pad`` > 0 adds a random crop of the
+    image padded by ``pad`` pixels and a horizontal flip (a training set)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, pad: int = 0) -> None:
+        self.images = images
+        self.labels = labels
+        self.pad = pad
+        self.classes = list(FASHION_MNIST_CLASSES)
+        # The background after normalisation: the padding must look like the image's border.
+        self.fill = float(images.amin())
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image = self.images[index]
+        if self.pad:
+            height, width = image.shape[-2:]
+            padded = F.pad(image, (self.pad,) * 4, value=self.fill)
+            top, left = torch.randint(0, 2 * self.pad + 1, (2,)).tolist()
+            image = padded[:, top:top + height, left:left + width]
+            if torch.rand(()) < 0.5:
+                image = image.flip(-1)
+        return image, int(self.labels[index])
+
+
+def tensor_split(split: str, data_dir: str | None, cache: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    path = cache / f"fmnist_{split}.pt"
+    if path.is_file():
+        saved = torch.load(path, weights_only=True)
+        return saved["images"], saved["labels"]
+    dataset = build_dataset("fashion-mnist", split, INPUT_SIZE, augment=AugmentConfig.none(),
+                            data_dir=data_dir)
+    images = torch.stack([dataset[i][0] for i in range(len(dataset))])
+    labels = torch.as_tensor(dataset.targets)
+    torch.save({"images": images, "labels": labels}, path)
+    return images, labels
+
+
+# --------------------------------------------------------------------------------------------------
+# Base model: trained from scratch, cached
+# --------------------------------------------------------------------------------------------------
+
+
+def train_base(train_set: Dataset, test_set: Dataset, args: argparse.Namespace,
+               path: Path) -> dict[str, Any]:
+    torch.manual_seed(args.seed)
+    model = load_model(SPEC, MODEL_ARGS, input_size=INPUT_SIZE).model.train()
+    generator = torch.Generator().manual_seed(args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch, shuffle=True, drop_last=True,
+                        generator=generator)
+    optimizer = build_optimizer(model, args.base_lr, weight_decay=0.05)
+    scheduler = build_scheduler(optimizer, len(loader) * args.base_epochs, len(loader))
+    history = []
+    started = time.perf_counter()
+    for epoch in range(args.base_epochs):
+        model.train()
+        total = 0.0
+        for images, labels in loader:
+            loss = F.cross_entropy(model(images), labels, label_smoothing=0.1)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            total += float(loss)
+        top1 = evaluate(model, test_set, batch_size=256)["top1"]
+        history.append({"epoch": epoch + 1, "loss": total / len(loader), "top1": top1,
+                        "seconds": time.perf_counter() - started})
+        print(f"base epoch {epoch + 1}/{args.base_epochs}: loss {total / len(loader):.4f}, "
+              f"test top-1 {top1:.2f}% ({time.perf_counter() - started:.0f} s)", flush=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    info = {"epochs": args.base_epochs, "lr": args.base_lr, "batch": args.batch,
+            "top1": history[-1]["top1"], "seconds": time.perf_counter() - started,
+            "history": history}
+    path.with_suffix(".json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+def load_base(path: Path) -> LoadedModel:
+    loaded = load_model(SPEC, MODEL_ARGS, input_size=INPUT_SIZE)
+    loaded.model.load_state_dict(load_file(str(path)))
+    return loaded
+
+
+# --------------------------------------------------------------------------------------------------
+# Compress, fine-tune, evaluate
+# --------------------------------------------------------------------------------------------------
+
+
+def set_policy(model: nn.Module, policy: str) -> int:
+    """Switch every reducer of ``model`` to ``policy``; the number of reducers switched."""
+    reducers = [m for m in model.modules() if hasattr(m, "policy")]
+    for reducer in reducers:
+        reducer.policy = policy
+    return len(reducers)
+
+
+def random_policy_top1(model: nn.Module, test_set: Dataset, repeats: int) -> list[float]:
+    if not set_policy(model, "random"):
+        raise RuntimeError("no reducer found to switch to the random policy")
+    try:
+        results = []
+        for draw in range(repeats):
+            torch.manual_seed(1000 + draw)
+            results.append(evaluate(model, test_set, batch_size=256)["top1"])
+        return results
+    finally:
+        set_policy(model, "score")
+
+
+def run_one(method: str, keep: float, base_path: Path, train_set: Dataset, test_set: Dataset,
+            args: argparse.Namespace, runs_dir: Path) -> tuple[dict[str, Any], nn.Module]:
+    name = f"{method}_keep{keep}"
+    result_path = runs_dir / f"{name}.json"
+    out = runs_dir / name
+    teacher = load_base(base_path)
+    student = compress_loaded(load_base(base_path), variant=method, keep=keep, locs=args.locs)
+    if result_path.is_file():
+        from vitcompress.api import load
+
+        print(f"{name}: cached", flush=True)
+        return json.loads(result_path.read_text()), load(out)
+    before = evaluate(student.model, test_set, batch_size=256)["top1"]
+    shutil.rmtree(out, ignore_errors=True)
+    config = FinetuneConfig(epochs=args.ft_epochs, batch_size=args.batch, lr=args.ft_lr,
+                            warmup_epochs=args.ft_warmup, seed=args.seed, smoothing=0.1,
+                            log_every=50, keep_checkpoints=1)
+    started = time.perf_counter()
+    summary = finetune(student, teacher.model, train_set, None, out, config)
+    seconds = time.perf_counter() - started
+    model = student.model.eval()
+    after = evaluate(model, test_set, batch_size=256)["top1"]
+    randoms = random_policy_top1(model, test_set, args.random_repeats)
+    result = {"method": method, "keep": keep, "top1_before": before, "top1": after,
+              "top1_random": statistics.mean(randoms), "top1_random_draws": randoms,
+              "finetune_seconds": seconds, "steps": summary["steps"],
+              "params": count_params(model), "macs": count_macs(model, INPUT_SIZE)}
+    result_path.write_text(json.dumps(result, indent=2))
+    print(f"{name}: top-1 {before:.2f}% -> {after:.2f}% after fine-tuning, random policy "
+          f"{result['top1_random']:.2f}% ({seconds:.0f} s)", flush=True)
+    return result, model
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------
+
+
+def markdown(base: dict[str, Any], results: list[dict[str, Any]], speed: dict[str, float],
+             locs: list[int]) -> str:
+    lines = [
+        f"Base: {base['top1']:.2f}% top-1, {base['macs'] / 1e6:.2f} MMACs, "
+        f"{base['params'] / 1e3:.1f}k params, {speed['base']:.0f} img/s. "
+        f"Locations {','.join(map(str, locs))}.",
+        "",
+        "| method | keep | MMACs | params | img/s (× base) | top-1 before FT | top-1 | "
+        "Δ vs base | top-1 random policy | random drop |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        name = f"{r['method']}_keep{r['keep']}"
+        lines.append(
+            f"| {r['method']} | {r['keep']} | {r['macs'] / 1e6:.2f} | {r['params'] / 1e3:.1f}k | "
+            f"{speed[name]:.0f} ({speed[name] / speed['base']:.2f}×) | {r['top1_before']:.2f} | "
+            f"{r['top1']:.2f} | {r['top1'] - base['top1']:+.2f} | {r['top1_random']:.2f} | "
+            f"{r['top1_random'] - r['top1']:+.2f} |")
+    lines += ["", "| keep | dtps − dynamicvit | etps − evit | random drop dtps / dynamicvit | "
+              "random drop etps / evit |", "|---|---|---|---|---|"]
+    by = {(r["method"], r["keep"]): r for r in results}
+    for keep in sorted({r["keep"] for r in results}, reverse=True):
+        cells = []
+        for tps, baseline in TPS_OF.items():
+            a, b = by.get((tps, keep)), by.get((baseline, keep))
+            cells.append(f"{a['top1'] - b['top1']:+.2f}" if a and b else "—")
+        for tps, baseline in TPS_OF.items():
+            a, b = by.get((tps, keep)), by.get((baseline, keep))
+            cells.append(f"{a['top1_random'] - a['top1']:+.2f} / "
+                         f"{b['top1_random'] - b['top1']:+.2f}" if a and b else "—")
+        lines.append(f"| {keep} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(base: dict[str, Any], results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    styles = {"dtps": ("tab:red", "o", "-"), "dynamicvit": ("tab:red", "s", "--"),
+              "etps": ("tab:blue", "o", "-"), "evit": ("tab:blue", "s", "--")}
+    for method in METHODS:
+        points = sorted((r["macs"] / 1e6, r["top1"], r["keep"]) for r in results
+                        if r["method"] == method)
+        if not points:
+            continue
+        color, marker, line = styles[method]
+        ax.plot([p[0] for p in points], [p[1] for p in points], line, color=color, marker=marker,
+                label=method)
+        for x, y, keep in points:
+            ax.annotate(f"{keep}", (x, y), textcoords="offset points", xytext=(4, -10),
+                        fontsize=7, color=color)
+    ax.scatter([base["macs"] / 1e6], [base["top1"]], color="black", marker="*", s=90, zorder=3,
+               label="base (no pruning)")
+    ax.set_xlabel("MMACs per image")
+    ax.set_ylabel("Fashion-MNIST test top-1 (%)")
+    ax.set_title("Top-1 against compute after equal fine-tuning (keep rate beside each point)",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cache", type=Path, default=Path("benchmarks/cache/fashion_mnist"))
+    p.add_argument("--data-dir", default=None, help="Fashion-MNIST IDX folder (default: the "
+                   "Debian package's, else a download)")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--keeps", default="0.7,0.5")
+    p.add_argument("--locs", default=None, help="default: the model's default three locations")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--base-epochs", type=int, default=18)
+    p.add_argument("--base-lr", type=float, default=2e-3)
+    p.add_argument("--ft-epochs", type=float, default=2)
+    p.add_argument("--ft-lr", type=float, default=5e-4)
+    p.add_argument("--ft-warmup", type=float, default=0.2, help="warm-up, in epochs")
+    p.add_argument("--random-repeats", type=int, default=5)
+    p.add_argument("--throughput-runs", type=int, default=15)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit-train", type=int, default=0, help="use the first N training images "
+                   "only (a smoke run)")
+    p.add_argument("--fresh", action="store_true", help="discard the cached fine-tuning runs")
+    p.add_argument("--md-out", type=Path)
+    p.add_argument("--plot", type=Path)
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args(argv)
+    if args.ft_epochs != int(args.ft_epochs):
+        p.error("--ft-epochs must be a whole number")
+    args.ft_epochs = int(args.ft_epochs)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cache: Path = args.cache
+    runs_dir = cache / "runs"
+    if args.fresh:
+        shutil.rmtree(runs_dir, ignore_errors=True)
+    runs_dir.mkdir(parents=True, exist_ok=True)
+
+    train_images, train_labels = tensor_split("train", args.data_dir, cache)
+    test_images, test_labels = tensor_split("val", args.data_dir, cache)  # the test split
+    if args.limit_train:
+        train_images, train_labels = train_images[:args.limit_train], train_labels[:args.limit_train]
+    train_set = TensorImages(train_images, train_labels, pad=2)
+    test_set = TensorImages(test_images, test_labels)
+
+    base_path = cache / "base.safetensors"
+    if base_path.is_file():
+        base_info = json.loads(base_path.with_suffix(".json").read_text())
+        print(f"base: cached ({base_info['top1']:.2f}% top-1)", flush=True)
+    else:
+        base_info = train_base(train_set, test_set, args, base_path)
+    base = load_base(base_path)
+    locs = ([int(v) for v in args.locs.split(",")] if args.locs
+            else default_locs(map_model(base.model, INPUT_SIZE)))
+    args.locs = locs
+    base_row = {"top1": evaluate(base.model, test_set, batch_size=256)["top1"],
+                "params": count_params(base.model), "macs": count_macs(base.model, INPUT_SIZE),
+                "train": base_info}
+
+    results, models = [], {"base": base.model}
+    for keep in (float(k) for k in args.keeps.split(",")):
+        for method in args.methods.split(","):
+            result, model = run_one(method, keep, base_path, train_set, test_set, args, runs_dir)
+            results.append(result)
+            models[f"{method}_keep{keep}"] = model
+
+    print("timing all models, interleaved ...", flush=True)
+    report = measure_throughput(models, INPUT_SIZE, batch_size=args.batch,
+                                runs=args.throughput_runs)
+    speed = {name: r.median for name, r in report.results.items()}
+    table = markdown(base_row, results, speed, locs)
+    print(table)
+    if args.md_out:
+        args.md_out.parent.mkdir(parents=True, exist_ok=True)
+        args.md_out.write_text(table)
+    if args.plot:
+        plot(base_row, results, args.plot)
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(
+            {"base": base_row, "locs": locs, "results": results, "throughput": report.to_json(),
+             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+             "command": " ".join(sys.argv)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one script sized for a short lease (about 8 minutes on one
+# H100/H200): fine-tuning under AMP (bf16 and fp16) with EMA, eval on the GPU, the TPS overhead
+# and headline benchmarks in float32 and under bf16 autocast, and the headline under
+# torch.compile (inductor). Results go to $OUT (default ./gpu-out): one log, JSON per benchmark.
+#
+#   OUT=gpu-out bash benchmarks/gpu_checks.sh
+#
+# Runs from the repository root without installing the package (PYTHONPATH=.), so a machine
+# with torch, timm, accelerate, click, rich, safetensors and pyyaml needs nothing else.
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+cli() { python3 -c "from vitcompress.cli.main import main; main()" "$@"; }
+step() { echo; echo "=== $* ($(date +%T))"; }
+status=0
+check() { "$@" || { echo "FAILED ($?): $*"; status=1; }; }
+
+step environment
+nvidia-smi -L
+python3 -c "import torch, timm, accelerate; print('torch', torch.__version__, 'timm', timm.__version__, 'accelerate', accelerate.__version__, torch.cuda.get_device_name())"
+
+step "a small ImageFolder (random images, 2 classes)"
+python3 - "$OUT/data" <<'EOF'
+import sys
+from pathlib import Path
+import numpy as np
+from PIL import Image
+rng = np.random.default_rng(0)
+for split, count in (("train", 64), ("val", 32)):
+    for label in ("a", "b"):
+        folder = Path(sys.argv[1], split, label)
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            pixels = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+            if label == "b":
+                pixels[:32] //= 4  # a learnable difference
+            Image.fromarray(pixels).save(folder / f"{i}.png")
+EOF
+
+for amp in bf16 fp16; do
+    step "finetune deit_tiny dtps on the GPU, --amp $amp, EMA"
+    check cli finetune --model deit_tiny_patch16_224 --model-arg num_classes=2 --variant dtps \
+        --keep 0.7 --data "$OUT/data" \
+        --epochs 2 --batch-size 32 --warmup-epochs 0.5 --amp $amp --ema-decay 0.9 \
+        --out "$OUT/ft_$amp" --json
+    step "eval the $amp run on the GPU against its base"
+    check cli eval --model "$OUT/ft_$amp" --data "$OUT/data" --device cuda --batch-size 32 \
+        --base deit_tiny_patch16_224 --json
+done
+rm -rf "$OUT/data" "$OUT"/ft_*/checkpoints
+
+step "overhead, float32, batch 32"
+check python3 benchmarks/tps_speed.py --part overhead --device cuda --batch-size 32 --rounds 3 \
+    --runs 20 --warmup 5 --json-out "$OUT/overhead_fp32_b32.json"
+step "overhead, bf16 autocast, batch 256"
+check python3 benchmarks/tps_speed.py --part overhead --device cuda --amp bf16 --batch-size 256 \
+    --rounds 3 --runs 20 --warmup 5 --json-out "$OUT/overhead_bf16_b256.json"
+step "headline, float32 and bf16 autocast, batch 256"
+check python3 benchmarks/tps_speed.py --part headline --device cuda --batch-size 256 --rounds 3 \
+    --runs 20 --warmup 5 --json-out "$OUT/headline_fp32_b256.json"
+check python3 benchmarks/tps_speed.py --part headline --device cuda --amp bf16 --batch-size 256 \
+    --rounds 3 --runs 20 --warmup 5 --json-out "$OUT/headline_bf16_b256.json"
+step "headline under torch.compile (inductor), bf16 autocast, batch 256"
+check timeout 180 python3 benchmarks/tps_speed.py --part headline --device cuda --amp bf16 \
+    --batch-size 256 --rounds 2 --runs 20 --warmup 3 --compile \
+    --json-out "$OUT/headline_bf16_b256_compile.json"
+step "done, status $status"
+exit $status
