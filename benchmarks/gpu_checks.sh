@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one script sized for a short lease (about 8 minutes on one
 # H100/H200): fine-tuning under AMP (bf16 and fp16) with EMA, eval on the GPU, the TPS overhead
-# and headline benchmarks in float32 and under bf16 autocast, and the headline under
+# and headline benchmarks in float32 and under bf16 autocast, and dtps's overhead under
 # torch.compile (inductor). Results go to $OUT (default ./gpu-out): one log, JSON per benchmark.
 #
 #   OUT=gpu-out bash benchmarks/gpu_checks.sh
@@ -62,9 +62,9 @@ check python3 benchmarks/tps_speed.py --part headline --device cuda --batch-size
     --runs 20 --warmup 5 --json-out "$OUT/headline_fp32_b256.json"
 check python3 benchmarks/tps_speed.py --part headline --device cuda --amp bf16 --batch-size 256 \
     --rounds 3 --runs 20 --warmup 5 --json-out "$OUT/headline_bf16_b256.json"
-step "headline under torch.compile (inductor), bf16 autocast, batch 256"
-check timeout 180 python3 benchmarks/tps_speed.py --part headline --device cuda --amp bf16 \
-    --batch-size 256 --rounds 2 --runs 20 --warmup 3 --compile \
-    --json-out "$OUT/headline_bf16_b256_compile.json"
+step "overhead of dtps under torch.compile (inductor), bf16 autocast, batch 256"
+check timeout 150 python3 benchmarks/tps_speed.py --part overhead --variants dtps --no-base \
+    --device cuda --amp bf16 --batch-size 256 --rounds 2 --runs 20 --warmup 3 --compile \
+    --json-out "$OUT/overhead_dtps_bf16_b256_compile.json"
 step "done, status $status"
 exit $status

@@ -28,11 +28,10 @@ from vitcompress.modules.predictor import ScorePredictor
 POLICIES = ("score", "random")
 
 
-def _positions(positions: Tensor | None, patches: Tensor) -> Tensor:
-    if positions is not None:
-        return positions
-    b, n = patches.shape[:2]
-    return torch.arange(n, device=patches.device).unsqueeze(0).expand(b, n)
+def _kept_positions(positions: Tensor | None, keep_index: Tensor) -> Tensor:
+    """Grid positions of the kept tokens. Without ``positions`` the tokens are still in grid
+    order, so the kept tokens' indices are their positions."""
+    return keep_index if positions is None else torch.gather(positions, 1, keep_index)
 
 
 class PredictorReducer(nn.Module):
@@ -71,7 +70,7 @@ class PredictorReducer(nn.Module):
             scores = self.predictor.keep_score(patches)
         keep_index, prune_index = split_by_score(scores, min(self.keep_tokens, patches.shape[1]))
         kept = gather_tokens(patches, keep_index)
-        positions = torch.gather(_positions(positions, patches), 1, keep_index)
+        positions = _kept_positions(positions, keep_index)
         if self.squeeze:
             return squeeze(kept, gather_tokens(patches, prune_index), prefix), None, positions
         return torch.cat([prefix, kept], dim=1), None, positions
@@ -131,7 +130,7 @@ class AttentionReducer(nn.Module):
         keep_index, prune_index = split_by_score(order, k)
         kept = gather_tokens(patches, keep_index)
         pruned = gather_tokens(patches, prune_index)
-        positions = torch.gather(_positions(positions, patches), 1, keep_index)
+        positions = _kept_positions(positions, keep_index)
         if self.fuse == "squeeze":
             return squeeze(kept, pruned, prefix), None, positions
         extra = evit_fuse(pruned, torch.gather(scores, 1, prune_index))
