@@ -5,11 +5,13 @@
 # torch.compile (inductor). Results go to $OUT (default ./gpu-out): one log, JSON per benchmark.
 #
 #   OUT=gpu-out bash benchmarks/gpu_checks.sh
+#   OUT=gpu-out PARTS=finetune bash benchmarks/gpu_checks.sh   # only the fine-tuning checks
 #
 # Runs from the repository root without installing the package (PYTHONPATH=.), so a machine
 # with torch, timm, accelerate, click, rich, safetensors and pyyaml needs nothing else.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
+PARTS=${PARTS:-finetune bench}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 cli() { python3 -c "from vitcompress.cli.main import main; main()" "$@"; }
@@ -21,6 +23,7 @@ step environment
 nvidia-smi -L
 python3 -c "import torch, timm, accelerate; print('torch', torch.__version__, 'timm', timm.__version__, 'accelerate', accelerate.__version__, torch.cuda.get_device_name())"
 
+if [[ " $PARTS " == *" finetune "* ]]; then
 step "a small ImageFolder (random images, 2 classes)"
 python3 - "$OUT/data" <<'EOF'
 import sys
@@ -51,6 +54,9 @@ for amp in bf16 fp16; do
 done
 rm -rf "$OUT/data" "$OUT"/ft_*/checkpoints
 
+fi
+
+if [[ " $PARTS " == *" bench "* ]]; then
 step "overhead, float32, batch 32"
 check python3 benchmarks/tps_speed.py --part overhead --device cuda --batch-size 32 --rounds 3 \
     --runs 20 --warmup 5 --json-out "$OUT/overhead_fp32_b32.json"
@@ -66,5 +72,6 @@ step "overhead of dtps under torch.compile (inductor), bf16 autocast, batch 256"
 check timeout 150 python3 benchmarks/tps_speed.py --part overhead --variants dtps --no-base \
     --device cuda --amp bf16 --batch-size 256 --rounds 2 --runs 20 --warmup 3 --compile \
     --json-out "$OUT/overhead_dtps_bf16_b256_compile.json"
+fi
 step "done, status $status"
 exit $status

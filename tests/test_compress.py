@@ -192,6 +192,21 @@ def test_save_and_load_round_trip(tmp_path):
         torch.testing.assert_close(again(x), compressed.eval()(x))
 
 
+def test_a_deep_copy_is_still_a_compressed_model(tmp_path):
+    # EMA and users copy models with copy.deepcopy, which rebuilds a GraphModule from scratch.
+    import copy
+
+    compressed = vitcompress.compress(timm_small("vit_small_patch16_224"), "etps", keep=0.5,
+                                      locs=[1], input_size=(3, 32, 32))
+    clone = copy.deepcopy(compressed)
+    assert clone.vitcompress_plan == compressed.vitcompress_plan
+    assert clone.vitcompress_block_nodes == compressed.vitcompress_block_nodes
+    vitcompress.save(clone, tmp_path / "art", source=_source_of_small_vit())
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(vitcompress.load(tmp_path / "art")(x), compressed.eval()(x))
+
+
 def _source_of_small_vit():
     from tests.models import SMALL
     from vitcompress.loading import ModelSource

@@ -133,6 +133,21 @@ def test_two_epoch_run_writes_a_loadable_artifact(tmp_path):
     assert not hasattr(student.model, "vitcompress_token_tap")  # the tap is taken out again
 
 
+def test_ema_weights_are_written_as_their_own_artifact(tmp_path):
+    student, teacher = _models()
+    result = finetune(student, teacher, _data(), _data(8), tmp_path / "run",
+                      _config(ema_decay=0.5))
+    assert all("val_top1_ema" in epoch for epoch in result["history"])
+    trained = vitcompress.load(tmp_path / "run").state_dict()
+    ema = vitcompress.load(tmp_path / "run" / "ema").state_dict()
+    assert set(ema) == set(trained)
+    # An average of the trajectory, not the last weights and not the first.
+    initial = _models()[0].model.state_dict()
+    changed = [k for k in trained if not torch.equal(trained[k], initial[k])]
+    assert changed and all(not torch.equal(ema[k], trained[k]) for k in changed)
+    assert all(not torch.equal(ema[k], initial[k]) for k in changed)
+
+
 def test_resume_mid_epoch_gives_the_same_weights(tmp_path):
     student, teacher = _models()
     finetune(student, teacher, _data(), None, tmp_path / "a", _config(accum=2, epochs=3))

@@ -12,6 +12,7 @@ from vitcompress.graph.capture import capture
 from vitcompress.graph.model_map import ModelMap
 from vitcompress.graph.rewrite import rewrite
 from vitcompress.loading import LoadedModel, ModelSource
+from vitcompress.metadata import attach
 from vitcompress.plan import make_plan
 
 EXAMPLE_BATCH = 2  # batch 1 would hide which dimension is the batch
@@ -52,15 +53,18 @@ def compress(model: nn.Module, variant: str = "etps", keep: float | list[float] 
     model_map = analyse(captured)
     plan = make_plan(model_map, variant, keep, locs, policy)
     compressed = rewrite(captured.module, model_map, plan)
-    compressed.vitcompress_plan = plan.to_json()
-    compressed.vitcompress_map = model_map.to_json()
-    compressed.vitcompress_input_size = size
-    # The attention residual add keeps the token count the block was entered with.
-    compressed.vitcompress_block_nodes = [b.attn_add_node for b in model_map.blocks]
+    metadata = dict(
+        vitcompress_plan=plan.to_json(),
+        vitcompress_map=model_map.to_json(),
+        vitcompress_input_size=size,
+        # The attention residual add keeps the token count the block was entered with.
+        vitcompress_block_nodes=[b.attn_add_node for b in model_map.blocks],
+    )
     cfg = getattr(model, "pretrained_cfg", None)
     if isinstance(cfg, dict) and cfg.get("architecture"):
-        compressed.vitcompress_base_cfg = {"architecture": cfg["architecture"],
-                                           "num_classes": getattr(model, "num_classes", None)}
+        metadata["vitcompress_base_cfg"] = {"architecture": cfg["architecture"],
+                                            "num_classes": getattr(model, "num_classes", None)}
+    attach(compressed, **metadata)
     compressed.train(model.training)
     return compressed
 
@@ -70,7 +74,7 @@ def compress_loaded(loaded: LoadedModel, variant: str = "etps", keep: float | li
     """``compress`` for a model from :func:`vitcompress.loading.load_model`, keeping its source
     so the result can be saved and rebuilt."""
     model = compress(loaded.model, variant, keep, locs, loaded.input_size, policy)
-    model.vitcompress_source = loaded.source
+    attach(model, vitcompress_source=loaded.source)
     return LoadedModel(model=model, source=loaded.source, input_size=loaded.input_size)
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from vitcompress import __version__
 from vitcompress.loading import ARTIFACT_MARKER, LoadedModel, ModelLoadError, ModelSource
+from vitcompress.metadata import attach
 from vitcompress.plan import plan_from_json
 
 FORMAT_VERSION = 1
@@ -145,5 +146,5 @@ def load_artifact(directory: str | Path) -> LoadedModel:
             f"unexpected {sorted(unexpected)[:3]}"
         )
     model.eval()
-    model.vitcompress_artifact = str(Path(directory).resolve())
+    attach(model, vitcompress_artifact=str(Path(directory).resolve()))
     return LoadedModel(model=model, source=source, input_size=size)

@@ -43,7 +43,8 @@ class Measurement:
 def measure_models(models: dict[str, nn.Module], input_size: tuple[int, int, int],
                    timing: TimingOptions | None) -> tuple[dict[str, Measurement], dict[str, Any]]:
     """Params and MACs of each model; throughput of all of them interleaved in this process."""
-    results = {name: Measurement(count_params(m), count_macs(m, input_size))
+    # MACs are counted where each model is (evaluation may have moved it to the GPU already).
+    results = {name: Measurement(count_params(m), count_macs(m, input_size, _device_of(m)))
                for name, m in models.items()}
     environment: dict[str, Any] = {}
     if timing is not None:
@@ -56,6 +57,11 @@ def measure_models(models: dict[str, nn.Module], input_size: tuple[int, int, int
             results[name].samples = list(report.results[name].samples)
         environment = report.to_json().get("environment", {})
     return results, environment
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def tokens_per_block(model: nn.Module, input_size: tuple[int, int, int]) -> list[int]:
