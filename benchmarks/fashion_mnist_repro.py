@@ -31,6 +31,7 @@ Example (the run recorded in docs/results.md)::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import statistics
@@ -113,18 +114,25 @@ def tensor_split(split: str, data_dir: str | None, cache: Path) -> tuple[torch.T
 # --------------------------------------------------------------------------------------------------
 
 
-def train_base(train_set: Dataset, test_set: Dataset, args: argparse.Namespace,
-               path: Path) -> dict[str, Any]:
-    torch.manual_seed(args.seed)
-    model = load_model(SPEC, MODEL_ARGS, input_size=INPUT_SIZE).model.train()
-    generator = torch.Generator().manual_seed(args.seed)
+def train_base(train_set: Dataset, test_set: Dataset, args: argparse.Namespace, path: Path,
+               epochs: int, lr: float, info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One cosine cycle (1 warm-up epoch) of ``epochs`` at peak ``lr``: from scratch when ``info``
+    is None, else a warm restart from the weights at ``path`` (whose record ``info`` is)."""
+    cycle = len(info["cycles"]) if info else 0
+    torch.manual_seed(args.seed + cycle)
+    if info is None:
+        model = load_model(SPEC, MODEL_ARGS, input_size=INPUT_SIZE).model
+    else:
+        model = load_base(path).model
+    model.train()
+    generator = torch.Generator().manual_seed(args.seed + cycle)
     loader = DataLoader(train_set, batch_size=args.batch, shuffle=True, drop_last=True,
                         generator=generator)
-    optimizer = build_optimizer(model, args.base_lr, weight_decay=0.05)
-    scheduler = build_scheduler(optimizer, len(loader) * args.base_epochs, len(loader))
+    optimizer = build_optimizer(model, lr, weight_decay=0.05)
+    scheduler = build_scheduler(optimizer, len(loader) * epochs, len(loader))
     history = []
     started = time.perf_counter()
-    for epoch in range(args.base_epochs):
+    for epoch in range(epochs):
         model.train()
         total = 0.0
         for images, labels in loader:
@@ -133,17 +141,31 @@ def train_base(train_set: Dataset, test_set: Dataset, args: argparse.Namespace,
             loss.backward()
             optimizer.step()
             scheduler.step()
-            total += float(loss)
+            total += float(loss.detach())
         top1 = evaluate(model, test_set, batch_size=256)["top1"]
         history.append({"epoch": epoch + 1, "loss": total / len(loader), "top1": top1,
                         "seconds": time.perf_counter() - started})
-        print(f"base epoch {epoch + 1}/{args.base_epochs}: loss {total / len(loader):.4f}, "
-              f"test top-1 {top1:.2f}% ({time.perf_counter() - started:.0f} s)", flush=True)
+        print(f"base cycle {cycle + 1}, epoch {epoch + 1}/{epochs}: loss "
+              f"{total / len(loader):.4f}, test top-1 {top1:.2f}% "
+              f"({time.perf_counter() - started:.0f} s)", flush=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
-    info = {"epochs": args.base_epochs, "lr": args.base_lr, "batch": args.batch,
-            "top1": history[-1]["top1"], "seconds": time.perf_counter() - started,
-            "history": history}
+    cycles = (info["cycles"] if info else []) + [
+        {"epochs": epochs, "lr": lr, "seconds": time.perf_counter() - started,
+         "history": history}]
+    info = {"batch": args.batch, "epochs": sum(c["epochs"] for c in cycles),
+            "top1": history[-1]["top1"], "seconds": sum(c["seconds"] for c in cycles),
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "cycles": cycles}
     path.with_suffix(".json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+def _base_record(path: Path) -> dict[str, Any]:
+    info = json.loads(path.with_suffix(".json").read_text())
+    if "cycles" not in info:  # a record from one cycle, written before warm restarts existed
+        info = {"batch": info["batch"], "epochs": info["epochs"], "top1": info["top1"],
+                "seconds": info["seconds"], "cycles": [
+                    {k: info[k] for k in ("epochs", "lr", "seconds", "history")}]}
+    info["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
     return info
 
 
@@ -179,18 +201,22 @@ def random_policy_top1(model: nn.Module, test_set: Dataset, repeats: int) -> lis
         set_policy(model, "score")
 
 
-def run_one(method: str, keep: float, base_path: Path, train_set: Dataset, test_set: Dataset,
-            args: argparse.Namespace, runs_dir: Path) -> tuple[dict[str, Any], nn.Module]:
+def run_one(method: str, keep: float, base_path: Path, base_sha256: str, train_set: Dataset,
+            test_set: Dataset, args: argparse.Namespace, runs_dir: Path
+            ) -> tuple[dict[str, Any], nn.Module]:
+    """Compress the base, fine-tune, evaluate; a cached result counts only for the same base."""
     name = f"{method}_keep{keep}"
     result_path = runs_dir / f"{name}.json"
     out = runs_dir / name
     teacher = load_base(base_path)
     student = compress_loaded(load_base(base_path), variant=method, keep=keep, locs=args.locs)
     if result_path.is_file():
-        from vitcompress.api import load
+        cached = json.loads(result_path.read_text())
+        if cached.get("base_sha256") == base_sha256:
+            from vitcompress.api import load
 
-        print(f"{name}: cached", flush=True)
-        return json.loads(result_path.read_text()), load(out)
+            print(f"{name}: cached", flush=True)
+            return cached, load(out)
     before = evaluate(student.model, test_set, batch_size=256)["top1"]
     shutil.rmtree(out, ignore_errors=True)
     config = FinetuneConfig(epochs=args.ft_epochs, batch_size=args.batch, lr=args.ft_lr,
@@ -205,7 +231,8 @@ def run_one(method: str, keep: float, base_path: Path, train_set: Dataset, test_
     result = {"method": method, "keep": keep, "top1_before": before, "top1": after,
               "top1_random": statistics.mean(randoms), "top1_random_draws": randoms,
               "finetune_seconds": seconds, "steps": summary["steps"],
-              "params": count_params(model), "macs": count_macs(model, INPUT_SIZE)}
+              "params": count_params(model), "macs": count_macs(model, INPUT_SIZE),
+              "base_sha256": base_sha256}
     result_path.write_text(json.dumps(result, indent=2))
     print(f"{name}: top-1 {before:.2f}% -> {after:.2f}% after fine-tuning, random policy "
           f"{result['top1_random']:.2f}% ({seconds:.0f} s)", flush=True)
@@ -225,7 +252,7 @@ def markdown(base: dict[str, Any], results: list[dict[str, Any]], speed: dict[st
         f"Locations {','.join(map(str, locs))}.",
         "",
         "| method | keep | MMACs | params | img/s (× base) | top-1 before FT | top-1 | "
-        "Δ vs base | top-1 random policy | random drop |",
+        "Δ vs base | top-1 random policy | Δ random policy |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -235,8 +262,8 @@ def markdown(base: dict[str, Any], results: list[dict[str, Any]], speed: dict[st
             f"{speed[name]:.0f} ({speed[name] / speed['base']:.2f}×) | {r['top1_before']:.2f} | "
             f"{r['top1']:.2f} | {r['top1'] - base['top1']:+.2f} | {r['top1_random']:.2f} | "
             f"{r['top1_random'] - r['top1']:+.2f} |")
-    lines += ["", "| keep | dtps − dynamicvit | etps − evit | random drop dtps / dynamicvit | "
-              "random drop etps / evit |", "|---|---|---|---|---|"]
+    lines += ["", "| keep | dtps − dynamicvit | etps − evit | Δ random dtps / dynamicvit | "
+              "Δ random etps / evit |", "|---|---|---|---|---|"]
     by = {(r["method"], r["keep"]): r for r in results}
     for keep in sorted({r["keep"] for r in results}, reverse=True):
         cells = []
@@ -299,6 +326,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--base-epochs", type=int, default=18)
     p.add_argument("--base-lr", type=float, default=2e-3)
+    p.add_argument("--base-target", type=float, default=90.0, help="test top-1 (%%) the base "
+                   "must reach; below it, warm restarts follow")
+    p.add_argument("--base-cycles", type=int, default=3, help="at most this many cosine cycles")
+    p.add_argument("--base-extra-epochs", type=int, default=6, help="epochs of each warm "
+                   "restart (peak lr: --base-lr / 2)")
     p.add_argument("--ft-epochs", type=float, default=2)
     p.add_argument("--ft-lr", type=float, default=5e-4)
     p.add_argument("--ft-warmup", type=float, default=0.2, help="warm-up, in epochs")
@@ -338,10 +370,19 @@ def main(argv: list[str] | None = None) -> int:
 
     base_path = cache / "base.safetensors"
     if base_path.is_file():
-        base_info = json.loads(base_path.with_suffix(".json").read_text())
+        base_info = _base_record(base_path)
         print(f"base: cached ({base_info['top1']:.2f}% top-1)", flush=True)
     else:
-        base_info = train_base(train_set, test_set, args, base_path)
+        base_info = train_base(train_set, test_set, args, base_path, args.base_epochs,
+                               args.base_lr)
+    # Warm restarts until the base reaches the target (a cosine cycle ends in a flat minimum;
+    # a new cycle at a lower peak lr continues from it).
+    while base_info["top1"] < args.base_target and len(base_info["cycles"]) < args.base_cycles:
+        base_info = train_base(train_set, test_set, args, base_path, args.base_extra_epochs,
+                               args.base_lr / 2, base_info)
+    if base_info["top1"] < args.base_target:
+        print(f"warning: the base reached {base_info['top1']:.2f}%, below the "
+              f"{args.base_target}% target, after {len(base_info['cycles'])} cycles", flush=True)
     base = load_base(base_path)
     locs = ([int(v) for v in args.locs.split(",")] if args.locs
             else default_locs(map_model(base.model, INPUT_SIZE)))
@@ -353,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     results, models = [], {"base": base.model}
     for keep in (float(k) for k in args.keeps.split(",")):
         for method in args.methods.split(","):
-            result, model = run_one(method, keep, base_path, train_set, test_set, args, runs_dir)
+            result, model = run_one(method, keep, base_path, base_info["sha256"], train_set,
+                                    test_set, args, runs_dir)
             results.append(result)
             models[f"{method}_keep{keep}"] = model
 
