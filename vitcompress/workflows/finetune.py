@@ -212,6 +212,7 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
 
     out = Path(out)
     resume_from = _prepare_out(out, config.resume)
+    _check_outputs(student.model, train_set)  # before anything is created or written
     accelerator = Accelerator(gradient_accumulation_steps=config.accum,
                               mixed_precision=config.amp or "no")
     main = accelerator.is_main_process
@@ -222,7 +223,6 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
     set_seed(config.seed, device_specific=True)
 
     model = student.model
-    _check_outputs(model, train_set)
     model.train()
     if teacher is not None:
         teacher = teacher.to(accelerator.device).eval().requires_grad_(False)
