@@ -329,7 +329,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--base-target", type=float, default=90.0, help="test top-1 (%%) the base "
                    "must reach; below it, warm restarts follow")
     p.add_argument("--base-cycles", type=int, default=3, help="at most this many cosine cycles")
-    p.add_argument("--base-extra-epochs", type=int, default=6, help="epochs of each warm "
+    p.add_argument("--base-extra-epochs", type=int, default=8, help="epochs of each warm "
                    "restart (peak lr: --base-lr / 2)")
     p.add_argument("--ft-epochs", type=float, default=2)
     p.add_argument("--ft-lr", type=float, default=5e-4)
