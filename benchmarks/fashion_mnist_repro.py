@@ -152,19 +152,27 @@ def train_base(train_set: Dataset, test_set: Dataset, args: argparse.Namespace, 
     cycles = (info["cycles"] if info else []) + [
         {"epochs": epochs, "lr": lr, "seconds": time.perf_counter() - started,
          "history": history}]
-    info = {"batch": args.batch, "epochs": sum(c["epochs"] for c in cycles),
+    info = {"settings": base_settings(args), "epochs": sum(c["epochs"] for c in cycles),
             "top1": history[-1]["top1"], "seconds": sum(c["seconds"] for c in cycles),
             "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "cycles": cycles}
     path.with_suffix(".json").write_text(json.dumps(info, indent=2))
     return info
 
 
+def base_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What a cached base must have been trained with to be reused."""
+    return {"model_args": MODEL_ARGS, **{name: getattr(args, name) for name in (
+        "batch", "seed", "limit_train", "base_epochs", "base_lr", "base_extra_epochs")}}
+
+
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What a cached fine-tuning result must have been made with to be reused."""
+    return {"locs": list(args.locs), **{name: getattr(args, name) for name in (
+        "batch", "seed", "limit_train", "ft_epochs", "ft_lr", "ft_warmup", "random_repeats")}}
+
+
 def _base_record(path: Path) -> dict[str, Any]:
     info = json.loads(path.with_suffix(".json").read_text())
-    if "cycles" not in info:  # a record from one cycle, written before warm restarts existed
-        info = {"batch": info["batch"], "epochs": info["epochs"], "top1": info["top1"],
-                "seconds": info["seconds"], "cycles": [
-                    {k: info[k] for k in ("epochs", "lr", "seconds", "history")}]}
     info["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
     return info
 
@@ -208,15 +216,16 @@ def run_one(method: str, keep: float, base_path: Path, base_sha256: str, train_s
     name = f"{method}_keep{keep}"
     result_path = runs_dir / f"{name}.json"
     out = runs_dir / name
-    teacher = load_base(base_path)
-    student = compress_loaded(load_base(base_path), variant=method, keep=keep, locs=args.locs)
+    settings = run_settings(args)
     if result_path.is_file():
         cached = json.loads(result_path.read_text())
-        if cached.get("base_sha256") == base_sha256:
+        if cached.get("base_sha256") == base_sha256 and cached.get("settings") == settings:
             from vitcompress.api import load
 
             print(f"{name}: cached", flush=True)
             return cached, load(out)
+    teacher = load_base(base_path)
+    student = compress_loaded(load_base(base_path), variant=method, keep=keep, locs=args.locs)
     before = evaluate(student.model, test_set, batch_size=256)["top1"]
     shutil.rmtree(out, ignore_errors=True)
     config = FinetuneConfig(epochs=args.ft_epochs, batch_size=args.batch, lr=args.ft_lr,
@@ -232,7 +241,7 @@ def run_one(method: str, keep: float, base_path: Path, base_sha256: str, train_s
               "top1_random": statistics.mean(randoms), "top1_random_draws": randoms,
               "finetune_seconds": seconds, "steps": summary["steps"],
               "params": count_params(model), "macs": count_macs(model, INPUT_SIZE),
-              "base_sha256": base_sha256}
+              "base_sha256": base_sha256, "settings": settings}
     result_path.write_text(json.dumps(result, indent=2))
     print(f"{name}: top-1 {before:.2f}% -> {after:.2f}% after fine-tuning, random policy "
           f"{result['top1_random']:.2f}% ({seconds:.0f} s)", flush=True)
@@ -369,8 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     test_set = TensorImages(test_images, test_labels)
 
     base_path = cache / "base.safetensors"
-    if base_path.is_file():
-        base_info = _base_record(base_path)
+    base_info = _base_record(base_path) if base_path.is_file() else None
+    if base_info is not None and base_info.get("settings") != base_settings(args):
+        print("base: the cached one was trained with other settings; training anew", flush=True)
+        base_info = None
+    if base_info is not None:
         print(f"base: cached ({base_info['top1']:.2f}% top-1)", flush=True)
     else:
         base_info = train_base(train_set, test_set, args, base_path, args.base_epochs,

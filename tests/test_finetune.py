@@ -177,14 +177,18 @@ class _Labelled(TensorDataset):
         self.classes = classes
 
 
-def test_a_head_of_another_size_than_the_data_is_refused_before_training(tmp_path):
-    student, teacher = _models()
+def test_a_head_that_cannot_fit_the_data_is_refused_before_training(tmp_path):
+    student, teacher = _models()  # two outputs
     out = tmp_path / "run"
     with pytest.raises(FinetuneError, match=r"predicts 2 classes but the data has 3.*"
                                             r"num_classes=3"):
-        finetune(student, teacher, _Labelled(_data(), ["a", "b", "c"]), None, out, _config())
+        finetune(student, teacher, _Labelled(_data(), ["a", "b", "c"]), None, out,
+                 _config(mixup=None))
     assert not out.exists()
-    # The same data with matching classes trains.
+    # A larger head fits hard labels, but not mixup's one-column-per-class targets.
+    with pytest.raises(FinetuneError, match=r"predicts 2 classes but the data has 1.*mixup"):
+        finetune(student, teacher, _Labelled(_data(), ["a"]), None, out, _config())
+    # Matching classes train.
     finetune(student, teacher, _Labelled(_data(), ["a", "b"]), None, out, _config(epochs=1))
     assert (out / "vitcompress.json").is_file()
 

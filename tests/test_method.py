@@ -7,10 +7,13 @@ import torch
 
 from vitcompress.method import (
     cls_attention_score,
+    cosine_similarity,
     evit_fuse,
     gather_tokens,
     keep_count,
     masked_softmax,
+    match_hosts,
+    match_hosts_cosine,
     scatter_tokens,
     split_by_score,
     squeeze,
@@ -55,6 +58,44 @@ def test_squeeze_low_precision_matches_float32(dtype):
     low = squeeze(hosts.to(dtype), donors.to(dtype))
     assert low.dtype == dtype
     torch.testing.assert_close(low.float(), squeeze(hosts, donors), atol=3e-2, rtol=3e-2)
+
+
+def test_host_matching_without_normalised_donors_equals_cosine_argmax():
+    torch.manual_seed(3)
+    hosts, donors = torch.randn(3, 25, 16) * 5, torch.randn(3, 11, 16) * 0.1
+    index, similarity = match_hosts_cosine(donors, hosts)
+    ref_index, ref_similarity = match_hosts(cosine_similarity(donors, hosts))
+    assert torch.equal(index, ref_index)
+    torch.testing.assert_close(similarity, ref_similarity)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_squeeze_with_prefix_is_the_concatenation_and_leaves_its_inputs(grad):
+    torch.manual_seed(4)
+    prefix, hosts, donors = torch.randn(2, 2, 8), torch.randn(2, 9, 8), torch.randn(2, 5, 8)
+    copies = [t.clone() for t in (prefix, hosts, donors)]
+    if grad:
+        for t in (prefix, hosts, donors):
+            t.requires_grad_(True)
+    out = squeeze(hosts, donors, prefix)
+    torch.testing.assert_close(out, torch.cat([prefix, squeeze_dense(hosts, donors)], 1))
+    for given, copy in zip((prefix, hosts, donors), copies, strict=True):
+        assert torch.equal(given.detach(), copy)
+    if grad:
+        out.square().sum().backward()
+        assert all(t.grad is not None and t.grad.abs().sum() > 0
+                   for t in (prefix, hosts, donors))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_squeeze_under_autocast_with_large_tokens_stays_finite(dtype):
+    # Residual streams reach norms in the hundreds; raw dot products of such tokens overflow fp16.
+    torch.manual_seed(5)
+    hosts, donors = torch.randn(2, 12, 64) * 200, torch.randn(2, 6, 64) * 200
+    with torch.autocast("cpu", dtype=dtype):
+        out = squeeze(hosts, donors)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), squeeze_dense(hosts, donors), atol=2.0, rtol=2e-2)
 
 
 def test_squeeze_masked_equals_physical_squeeze_and_leaves_others():

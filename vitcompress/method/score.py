@@ -19,8 +19,9 @@ def cls_attention_score(
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # The product in the inputs' dtype: upcasting k first would copy all of it (B, H, N, D) when
-    # the model runs in half precision; only the (B, H, 1, N) row is taken to float32.
-    logits = (q[:, :, :1] @ k.transpose(-2, -1)).float() * scale  # (B, H, 1, N)
+    # the model runs in half precision. The cls query is scaled first (as attention does), so the
+    # half-precision product stays in range; only the (B, H, 1, N) row is taken to float32.
+    logits = ((q[:, :, :1] * scale) @ k.transpose(-2, -1)).float()  # (B, H, 1, N)
     probs = logits.softmax(dim=-1)
     return probs[:, :, 0, prefix_tokens:].mean(dim=1).to(q.dtype)
 

@@ -37,18 +37,17 @@ def match_hosts(similarity: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def match_hosts_cosine(donors: Tensor, hosts: Tensor) -> tuple[Tensor, Tensor]:
-    """``match_hosts(cosine_similarity(donors, hosts))`` without normalising the token tensors.
+    """``match_hosts(cosine_similarity(donors, hosts))`` without normalising the donors.
 
-    The norms are divided out of the ``(B, Np, Nr)`` dot products instead: the hosts' before the
-    argmax (it varies along a row), the donor's after it (constant along a row). That spares two
-    passes over the ``(B, N, C)`` tokens, which on a GPU cost more than the matrix product.
+    The donor's norm is constant along its row of similarities, so it is divided out after the
+    argmax instead of before: one pass over the tokens fewer. The hosts are normalised first so
+    that the products stay within the donors' norms, which fp16 autocast can represent.
     """
     d = donors.float()
     h = hosts.float()
-    inverse_host_norm = 1.0 / (h.norm(dim=-1) + _NORM_EPS)  # (B, Nr)
-    scaled = (d @ h.transpose(-2, -1)) * inverse_host_norm.unsqueeze(1)
-    best, host_index = scaled.max(dim=-1)
-    return host_index, best / (d.norm(dim=-1) + _NORM_EPS)
+    h = h / (h.norm(dim=-1, keepdim=True) + _NORM_EPS)
+    best, host_index = (d @ h.transpose(-2, -1)).max(dim=-1)
+    return host_index, best.float() / (d.norm(dim=-1) + _NORM_EPS)
 
 
 def fuse_into_hosts(
@@ -69,9 +68,10 @@ def fuse_into_hosts(
     index = host_index.unsqueeze(-1).expand(-1, -1, hosts.shape[-1])
     x = hosts.float()
     contribution = (donors.float() - x.gather(1, index)).mul_(coefficient.unsqueeze(-1))
-    # In place only outside autograd: the gather above saved ``hosts`` for its backward.
-    if inplace and x is hosts and not (torch.is_grad_enabled() and hosts.requires_grad):
-        return hosts.scatter_add_(1, index, contribution)
+    # In place only outside autograd (the gather above saved ``x`` for its backward), and only
+    # into a buffer this call may write: the caller's own (``inplace``) or the float32 copy.
+    if not (torch.is_grad_enabled() and x.requires_grad) and (inplace or x is not hosts):
+        return x.scatter_add_(1, index, contribution).to(hosts.dtype)
     return x.scatter_add(1, index, contribution).to(hosts.dtype)
 
 

@@ -212,7 +212,7 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
 
     out = Path(out)
     resume_from = _prepare_out(out, config.resume)
-    _check_outputs(student.model, train_set)  # before anything is created or written
+    _check_outputs(student.model, train_set, bool(config.mixup))  # before anything is written
     accelerator = Accelerator(gradient_accumulation_steps=config.accum,
                               mixed_precision=config.amp or "no")
     main = accelerator.is_main_process
@@ -426,13 +426,16 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
     return result
 
 
-def _check_outputs(model: nn.Module, train_set: Dataset) -> None:
-    """The model's outputs must be the data's classes: soft targets (mixup, smoothing) are built
-    with the data's class count, and a head of another size would fail later with a shape error."""
+def _check_outputs(model: nn.Module, train_set: Dataset, mixup: bool) -> None:
+    """Refuse a head that cannot fit the data before anything runs: fewer outputs than classes
+    fails at the first label past them, and mixup's soft targets are sized to the data's classes,
+    so with mixup the counts must be equal. A larger head is allowed otherwise."""
     try:
         classes = num_classes(train_set)
     except DataError:  # a plain dataset without .classes: nothing to compare with
         return
+    if len(train_set) == 0:  # type: ignore[arg-type]
+        return  # reported with the batch size below
     was_training = model.training
     model.eval()
     try:
@@ -441,9 +444,10 @@ def _check_outputs(model: nn.Module, train_set: Dataset) -> None:
             outputs = _unwrap_logits(model(image)).shape[-1]
     finally:
         model.train(was_training)
-    if outputs != classes:
-        raise FinetuneError(f"the model predicts {outputs} classes but the data has {classes}: "
-                            f"pass e.g. --model-arg num_classes={classes} (a new head)")
+    if outputs < classes or (mixup and outputs != classes):
+        why = " (mixup's targets have one column per class)" if outputs > classes else ""
+        raise FinetuneError(f"the model predicts {outputs} classes but the data has {classes}"
+                            f"{why}: pass e.g. --model-arg num_classes={classes} (a new head)")
 
 
 def _check_finite(loss: torch.Tensor, accelerator: Any, step: int) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vitcompress.method import cosine_similarity, match_hosts
+from vitcompress.method import match_hosts_cosine
 from vitcompress.modules.reducers import AttentionReducer, PredictorReducer
 from vitcompress.workflows.report import ReportError, import_pyplot
 
@@ -142,7 +142,7 @@ def _hosts(reducer: nn.Module, x: Tensor, present: list[int], kept: list[int]
     patches = x[:1, reducer.prefix_tokens:]
     kept_tokens = patches[:, [local[pos] for pos in kept]]
     pruned_tokens = patches[:, [local[pos] for pos in pruned]]
-    host_index, _ = match_hosts(cosine_similarity(pruned_tokens, kept_tokens))
+    host_index, _ = match_hosts_cosine(pruned_tokens, kept_tokens)  # as the reducer matches
     for donor, host in zip(pruned, host_index[0].tolist(), strict=True):
         hosts[kept[host]].append(donor)
     return hosts
