@@ -46,7 +46,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from vitcompress.api import compress_loaded, map_model
+from vitcompress.api import compress_loaded, load, map_model
 from vitcompress.data.datasets import FASHION_MNIST_CLASSES, build_dataset
 from vitcompress.data.transforms import AugmentConfig
 from vitcompress.loading import LoadedModel, load_model
@@ -220,8 +220,6 @@ def run_one(method: str, keep: float, base_path: Path, base_sha256: str, train_s
     if result_path.is_file():
         cached = json.loads(result_path.read_text())
         if cached.get("base_sha256") == base_sha256 and cached.get("settings") == settings:
-            from vitcompress.api import load
-
             print(f"{name}: cached", flush=True)
             return cached, load(out)
     teacher = load_base(base_path)
