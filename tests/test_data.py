@@ -1,6 +1,7 @@
 """The data pipeline: ImageFolder trees and Fashion-MNIST IDX files, transforms and errors."""
 
 import gzip
+import random
 import struct
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from PIL import Image
 
 from vitcompress.data import AugmentConfig, DataError, build_dataset, num_classes
 from vitcompress.data.datasets import DEBIAN_FASHION_MNIST
+from vitcompress.data.transforms import build_transform
 
 
 def write_image_folder(root: Path, classes=("cat", "dog"), per_class: int = 3,
@@ -112,6 +114,7 @@ def test_train_augment_is_random_and_val_deterministic(image_folder, idx_dir):
 def test_deit_augment_survives_grayscale_models(idx_dir):
     """RandAugment, erasing and crops on 1-channel 28-px images, many draws."""
     torch.manual_seed(0)
+    random.seed(0)  # timm's RandAugment draws from Python's generator
     ds = build_dataset("fashion-mnist", "train", (1, 32, 32), data_dir=str(idx_dir),
                        augment=AugmentConfig.deit())
     for _ in range(10):
@@ -196,3 +199,20 @@ def test_real_fashion_mnist_from_the_debian_package():
     assert num_classes(train) == num_classes(val) == 10
     assert sorted(set(val.targets.tolist())) == list(range(10))
     assert val[0][0].shape == (3, 32, 32)
+
+
+@pytest.mark.parametrize("mode", ["L", "RGB"])
+def test_strongest_posterize_gives_black_not_an_error(mode):
+    """timm's RandAugment reaches 0 bits kept at magnitude 10, which Pillow >= 12 refuses;
+    the training transform must answer it with TensorFlow's black image."""
+    from timm.data.auto_augment import RandAugment
+
+    transform = build_transform((len(mode), 32, 32), True, AugmentConfig.deit(),
+                                mean=(0.5,) * len(mode), std=(0.5,) * len(mode))
+    rand_augment = next(t for t in transform.transforms if isinstance(t, RandAugment))
+    posterize = next(op for op in rand_augment.ops if op.name == "PosterizeIncreasing")
+    posterize.prob, posterize.magnitude, posterize.magnitude_std = 1.0, 10, 0
+    image = Image.fromarray(np.full((32, 32, len(mode)), 200, np.uint8).squeeze())
+    assert posterize(image).getextrema() in ((0, 0), ((0, 0),) * 3)
+    posterize.magnitude = 5  # 2 bits kept: 200 -> 192, as Pillow computes it
+    assert posterize(image).getextrema() in ((192, 192), ((192, 192),) * 3)

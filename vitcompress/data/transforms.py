@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from PIL import Image
-from timm.data import create_transform
+from timm.data import auto_augment, create_transform
 from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 
@@ -106,8 +106,45 @@ def build_transform(input_size: tuple[int, int, int], train: bool, augment: Augm
     if not train or augment.is_off:
         return create_transform((channels, height, width), is_training=False, crop_pct=crop_pct,
                                 interpolation="bicubic", mean=mean, std=std)
-    return create_transform(
+    transform = create_transform(
         (channels, height, width), is_training=True, scale=tuple(augment.crop_scale),
         hflip=augment.hflip, color_jitter=augment.color_jitter, auto_augment=augment.rand_augment,
         interpolation="bicubic", mean=mean, std=std, re_prob=augment.random_erasing,
         re_mode="pixel", re_count=1)
+    guard_posterize(transform)
+    return transform
+
+
+def posterize_keeping_zero_bits(img: Image.Image, bits_to_keep: int, **_: Any) -> Image.Image:
+    """timm's posterize, with the 0-bit level every RandAugment magnitude range reaches.
+
+    timm maps the strongest "PosterizeIncreasing" magnitude (and the weakest "Posterize" one)
+    to 0 bits kept, which Pillow answered with a black image until Pillow 12 began to raise
+    ValueError instead; one such draw in a few hundred images ended a training run.
+    TensorFlow's reference posterize gives black, so that is what 0 bits gives here.
+    """
+    if bits_to_keep >= 8:
+        return img
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)  # all channels 0
+    return auto_augment.posterize(img, bits_to_keep)
+
+
+def guard_posterize(transform: Any) -> int:
+    """Swap timm's posterize for ``posterize_keeping_zero_bits`` in every augmentation op
+    inside ``transform`` (a Compose, RandAugment, AutoAugment or AugMix); returns the count."""
+    count = 0
+    if getattr(transform, "aug_fn", None) is auto_augment.posterize:
+        transform.aug_fn = posterize_keeping_zero_bits
+        return 1
+    children: list[Any] = []
+    for attribute in ("transforms", "ops", "policy"):
+        value = getattr(transform, attribute, None)
+        if isinstance(value, (list, tuple)):
+            children.extend(value)
+    for child in children:
+        if isinstance(child, (list, tuple)):  # AutoAugment: a policy is a list of sub-policies
+            count += sum(guard_posterize(op) for op in child)
+        else:
+            count += guard_posterize(child)
+    return count
