@@ -111,7 +111,7 @@ def _write_matrix() -> Iterator[None]:
                           flags=re.S))
 
 
-@pytest.mark.parametrize("family,variant,check", _cases())
+@pytest.mark.parametrize("family,variant,check", list(_cases()))
 def test_matrix(family: str, variant: str, check: str, tmp_path: Path) -> None:
     model, size = _compressed(family, variant)
     key = (family, variant, check)
