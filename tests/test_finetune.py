@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -36,10 +37,13 @@ TINY_ARGS = dict(img_size=32, patch_size=8, depth=4, embed_dim=32, num_heads=2, 
 
 
 @pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """Accelerate keeps process-wide singletons; each run here starts from a clean one."""
+def _fresh_accelerate_state(monkeypatch):
+    """Accelerate keeps process-wide singletons; each run here starts from a clean one, on the
+    CPU even where a GPU is present (the resume test needs bit-identical runs, and CUDA's
+    scatter backward is not deterministic)."""
     from accelerate.state import AcceleratorState, GradientState
 
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
@@ -232,12 +236,20 @@ def test_two_processes_end_with_identical_weights(tmp_path):
            "ACCELERATE_USE_CPU": "true"}
     # torchrun sets RANK/WORLD_SIZE/MASTER_* and ACCELERATE_USE_CPU selects gloo, as
     # `accelerate launch` does on GPUs; `accelerate launch --cpu` would need MPI for two ranks.
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_addr", "127.0.0.1", "--master_port", "29561", str(script),
-         str(tmp_path / "out")],
-        env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # --standalone: a local rendezvous on a free port, so concurrent runs cannot collide. A new
+    # session lets a timeout kill the workers with the launcher instead of leaving them behind.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(script), str(tmp_path / "out")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, stderr[-3000:]
     rank0 = torch.load(tmp_path / "out-dump" / "rank0.pt", weights_only=True)
     rank1 = torch.load(tmp_path / "out-dump" / "rank1.pt", weights_only=True)
     for key in rank0:

@@ -72,7 +72,7 @@ def gate_lines(result: Result) -> list[str]:
 
 def test_apply_passes_and_reports_gates_in_json() -> None:
     result = run("apply", "--model", MHA, *SMALL, "--keep", "0.5", *FAST, "--json",
-                 "--max-gmacs", "10", "--min-speedup", "0.01")
+                 "--max-gmacs", "10", "--min-speedup", "1e-6")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert [(g["name"], g["passed"]) for g in data["gates"]] == [
@@ -155,7 +155,7 @@ def test_eval_against_base(folder: Path, tmp_path: Path) -> None:
     factory.write_text(SEEDED)
     spec = f"{factory}:seeded"
     common = ["eval", "--model", spec, "--data", str(folder), "--base", spec, *FAST]
-    result = run(*common, "--max-acc-drop", "0", "--min-speedup", "0.01", "--json")
+    result = run(*common, "--max-acc-drop", "0", "--min-speedup", "1e-6", "--json")
     assert result.exit_code == 0, result.output
     gates = json.loads(result.stdout)["gates"]
     assert [(g["name"], g["value"], g["passed"]) for g in gates][0] == ("max_acc_drop", 0.0, True)

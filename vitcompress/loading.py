@@ -573,10 +573,11 @@ def _weights_host_unreachable(name: str, prefixed: bool) -> str | None:
             cfg = None
         if cfg is not None:
             url = hub_endpoint if getattr(cfg, "hf_hub_id", None) else getattr(cfg, "url", None)
-    if not url or urllib.request.getproxies():
+    if not url:
         return None
     parts = urlsplit(url)
-    if not parts.hostname:
+    proxies = urllib.request.getproxies()  # also lists "no" (NO_PROXY), which is not a proxy
+    if not parts.hostname or proxies.get(parts.scheme) or proxies.get("all"):
         return None
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:

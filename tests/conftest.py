@@ -1,0 +1,24 @@
+"""Test-wide settings that make results independent of the environment and of test order."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+# rich reads these when the CLI's consoles are created (at import): colour codes or a narrow
+# terminal would split the numbers the CLI tests look for.
+os.environ.pop("FORCE_COLOR", None)
+os.environ["COLUMNS"] = "200"
+
+
+@pytest.fixture(autouse=True)
+def _seed_every_generator() -> None:
+    """Each test starts from the same state of all three generators (timm's augmentations draw
+    from Python's, some data code from NumPy's), whichever tests ran before it."""
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
