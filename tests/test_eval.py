@@ -97,3 +97,86 @@ def test_eval_cli_missing_data_is_one_line_exit_2(tmp_path):
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: data folder") and "does not exist" in \
         lines[0]
+
+
+def _always_class_2(tmp_path):
+    """A 3-class checkpoint whose head always answers class 2, absent from the 2-class data:
+    top-1 is exactly 0 with these weights, whatever the images."""
+    from safetensors.torch import save_file
+
+    model = load_model(EINSUM, {"num_classes": 3}).model
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    head = [k for k in state if k.endswith("bias") and state[k].shape == (3,)][-1]
+    state[head.replace("bias", "weight")].zero_()
+    state[head] = torch.tensor([-50.0, -50.0, 50.0])
+    path = tmp_path / "base.safetensors"
+    save_file(state, str(path))
+    return path, state
+
+
+def _artifact(tmp_path, checkpoint):
+    out = tmp_path / "compressed"
+    result = run("apply", "--model", EINSUM, "--model-arg", "num_classes=3", "--checkpoint",
+                 str(checkpoint), "--variant", "etps", "--keep", "0.7", "--no-throughput",
+                 "--out", str(out))
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_eval_base_source_rebuilds_the_artifacts_base_with_its_weights(folder, tmp_path):
+    from vitcompress.artifact import load_artifact_base
+
+    checkpoint, state = _always_class_2(tmp_path)
+    artifact = _artifact(tmp_path, checkpoint)
+    base = load_artifact_base(artifact).model
+    assert all(torch.equal(base.state_dict()[k], v) for k, v in state.items())
+    result = run("eval", "--model", str(artifact), "--data", str(folder), "--base", "source",
+                 "--no-throughput", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["base"]["top1"] == 0.0 and data["top1"] == 0.0  # the weights, not a random base
+    assert data["base"]["params"] == sum(v.numel() for v in state.values())
+    # The same base given explicitly, with its own arguments and weights.
+    explicit = run("eval", "--model", str(artifact), "--data", str(folder), "--base", EINSUM,
+                   "--base-model-arg", "num_classes=3", "--base-checkpoint", str(checkpoint),
+                   "--no-throughput", "--json")
+    assert explicit.exit_code == 0, explicit.output
+    assert json.loads(explicit.output)["base"] == data["base"] | {"spec": EINSUM}
+
+
+def test_artifact_saved_again_keeps_its_base_weights(tmp_path):
+    import vitcompress
+    from vitcompress.artifact import read_meta
+
+    checkpoint, _ = _always_class_2(tmp_path)
+    artifact = _artifact(tmp_path, checkpoint)
+    assert read_meta(artifact)["base_weights"] == str(checkpoint.resolve())
+    vitcompress.save(vitcompress.load(artifact), tmp_path / "again")
+    assert read_meta(tmp_path / "again")["base_weights"] == str(checkpoint.resolve())
+
+
+@pytest.mark.parametrize("case", ["not an artifact", "no base weights", "weights gone",
+                                  "options with source", "options without base"])
+def test_eval_base_refusals_are_one_line_exit_2(folder, tmp_path, case):
+    checkpoint, _ = _always_class_2(tmp_path)
+    if case == "not an artifact":
+        args, expected = ["--model", EINSUM, "--base", "source"], "needs --model to be a compressed"
+    elif case == "no base weights":
+        out = tmp_path / "random"
+        assert run("apply", "--model", EINSUM, "--no-throughput", "--out", str(out)).exit_code == 0
+        args, expected = ["--model", str(out), "--base", "source"], "names no base weights"
+    elif case == "weights gone":
+        artifact = _artifact(tmp_path, checkpoint)
+        checkpoint.unlink()
+        args, expected = ["--model", str(artifact), "--base", "source"], "are not there"
+    elif case == "options with source":
+        artifact = _artifact(tmp_path, checkpoint)
+        args = ["--model", str(artifact), "--base", "source", "--base-checkpoint", str(checkpoint)]
+        expected = "drop --base-checkpoint"
+    else:
+        args = ["--model", EINSUM, "--base-pretrained"]
+        expected = "need --base"
+    result = run("eval", *args, "--data", str(folder), "--no-throughput")
+    assert result.exit_code == 2, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("error: ") and expected in line

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,9 @@ def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource |
         "format": FORMAT_VERSION,
         "vitcompress_version": __version__,
         "source": {**source.to_json(), "checkpoint": None, "pretrained": False},
-        "base_weights": source.checkpoint or ("timm pretrained" if source.pretrained else None),
+        # Absolute: the artifact is read from other working directories (eval, finetune).
+        "base_weights": (str(Path(source.checkpoint).resolve()) if source.checkpoint
+                         else "timm pretrained" if source.pretrained else None),
         "input_size": list(size),
         "plan": plan,
         **(extra or {}),
@@ -123,13 +126,56 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
     return meta
 
 
+def base_source(meta: dict[str, Any]) -> ModelSource:
+    """The artifact's base model as it was given: spec and model arguments from ``source``,
+    weights from ``base_weights`` (a checkpoint path, "timm pretrained", or None)."""
+    source = ModelSource.from_json(meta["source"])
+    weights = meta.get("base_weights")
+    if weights is not None and not isinstance(weights, str):
+        raise ArtifactError(f"malformed base_weights in {ARTIFACT_MARKER}: {weights!r}")
+    pretrained = weights == "timm pretrained"
+    return replace(source, checkpoint=None if pretrained else weights, pretrained=pretrained)
+
+
+def base_weights_problem(source: ModelSource) -> str | None:
+    """Why rebuilding ``source`` (from ``base_source``) cannot give the trained base, or None."""
+    if source.pretrained:
+        return None
+    if source.checkpoint is None:
+        return "the artifact names no base weights (its base was randomly initialised)"
+    if not Path(source.checkpoint).is_file():
+        return f"the base weights {source.checkpoint} named by the artifact are not there"
+    return None
+
+
+def load_artifact_base(directory: str | Path,
+                       input_size: tuple[int, int, int] | None = None) -> LoadedModel:
+    """The uncompressed model the artifact in ``directory`` was made from, with its weights.
+
+    Raises ``ArtifactError`` when those weights cannot be had: a base with other weights would
+    make any comparison with the artifact meaningless.
+    """
+    from vitcompress.loading import load_model
+
+    meta = read_meta(directory)
+    source = base_source(meta)
+    problem = base_weights_problem(source)
+    if problem is not None:
+        raise ArtifactError(f"cannot rebuild the base of {directory}: {problem}")
+    size = input_size or tuple(meta["input_size"])
+    return load_model(source.spec, source.model_args, checkpoint=source.checkpoint,
+                      pretrained=source.pretrained, input_size=size)
+
+
 def load_artifact(directory: str | Path) -> LoadedModel:
     """Rebuild the compressed model saved in ``directory``."""
     from vitcompress.api import compress_loaded
     from vitcompress.loading import load_model
 
     meta = read_meta(directory)
-    source = ModelSource.from_json(meta["source"])
+    # The returned source names the base weights, so an artifact saved again from this model
+    # (finetune --model DIR) still records them.
+    source = base_source(meta)
     size = tuple(meta["input_size"])
     base = load_model(source.spec, source.model_args, input_size=size)
     plan = plan_from_json(meta["plan"])
@@ -146,5 +192,5 @@ def load_artifact(directory: str | Path) -> LoadedModel:
             f"unexpected {sorted(unexpected)[:3]}"
         )
     model.eval()
-    attach(model, vitcompress_artifact=str(Path(directory).resolve()))
+    attach(model, vitcompress_artifact=str(Path(directory).resolve()), vitcompress_source=source)
     return LoadedModel(model=model, source=source, input_size=size)

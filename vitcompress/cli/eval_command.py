@@ -17,10 +17,12 @@ from vitcompress.cli.app import (
 )
 from vitcompress.cli.options import (
     gate_options,
+    load_base_from_options,
     load_from_options,
     model_options,
     timing_options,
 )
+from vitcompress.loading import ModelLoadError
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, check_gates, require
 
 
@@ -34,7 +36,13 @@ from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, check_gates, requ
               help="Split to evaluate (train is read without augmentation).")
 @click.option("--base", "base_spec", default=None, metavar="SPEC",
               help="A second model (e.g. the uncompressed one): report both, the accuracy delta, "
-                   "and GMACs and throughput timed in this process.")
+                   "and GMACs and throughput timed in this process. 'source': the base a "
+                   "compressed --model records, with its model args and base weights.")
+@click.option("--base-model-arg", "base_args", multiple=True, metavar="KEY=VALUE",
+              help="Keyword argument for the --base factory; repeatable.")
+@click.option("--base-checkpoint", type=click.Path(dir_okay=False), default=None,
+              help="Weights for --base.")
+@click.option("--base-pretrained", is_flag=True, help="timm's hub weights for --base.")
 @click.option("--workers", default=0, show_default=True, type=click.IntRange(min=0),
               help="DataLoader worker processes.")
 @timing_options
@@ -42,11 +50,10 @@ from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, check_gates, requ
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.pass_context
 def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrained, input_size,
-                 data, data_dir, split, base_spec, workers, timing, bounds: Bounds,
-                 as_json) -> None:
+                 data, data_dir, split, base_spec, base_args, base_checkpoint, base_pretrained,
+                 workers, timing, bounds: Bounds, as_json) -> None:
     """Top-1/top-5 accuracy on a dataset; with --base, against a second model."""
     from vitcompress.data import AugmentConfig, build_dataset
-    from vitcompress.loading import load_model
     from vitcompress.workflows.evaluate import evaluate
     from vitcompress.workflows.measure_models import measure_models
 
@@ -60,12 +67,17 @@ def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrai
     if timing is None:
         unavailable.setdefault("min_speedup", NO_THROUGHPUT)
     require(bounds, unavailable)
+    if not base_spec and (base_args or base_checkpoint or base_pretrained):
+        raise ModelLoadError("--base-model-arg, --base-checkpoint and --base-pretrained need "
+                             "--base")
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
     dataset = build_dataset(data, split, loaded.input_size, augment=AugmentConfig.none(),
                             data_dir=data_dir)
     models = {"model": loaded.model}
     if base_spec:
-        models = {"base": load_model(base_spec, input_size=loaded.input_size).model, **models}
+        base = load_base_from_options(base_spec, base_args, base_checkpoint, base_pretrained,
+                                      loaded)
+        models = {"base": base.model, **models}
     accuracy = {name: evaluate(m, dataset, batch_size=batch_size, device=device,
                                num_workers=workers) for name, m in models.items()}
     result: dict[str, Any] = {"model": model_spec, "data": data, "split": split,

@@ -7,7 +7,13 @@ from collections.abc import Callable
 
 import click
 
-from vitcompress.loading import LoadedModel, load_model, parse_input_size, parse_model_args
+from vitcompress.loading import (
+    LoadedModel,
+    ModelLoadError,
+    load_model,
+    parse_input_size,
+    parse_model_args,
+)
 from vitcompress.workflows.gates import Bounds
 from vitcompress.workflows.measure_models import TimingOptions
 
@@ -40,6 +46,32 @@ def load_from_options(model_spec: str, model_args: tuple[str, ...], checkpoint: 
         pretrained=pretrained,
         input_size=parse_input_size(input_size) if input_size else None,
     )
+
+
+BASE_FROM_ARTIFACT = "source"
+
+
+def load_base_from_options(base_spec: str, base_args: tuple[str, ...],
+                           base_checkpoint: str | None, base_pretrained: bool,
+                           model: LoadedModel) -> LoadedModel:
+    """The ``--base`` model, at ``model``'s input size. ``--base source`` rebuilds the base a
+    compressed ``model`` records (spec, model arguments and base weights)."""
+    from vitcompress.artifact import load_artifact_base
+
+    if base_spec != BASE_FROM_ARTIFACT:
+        return load_model(base_spec, parse_model_args(base_args), checkpoint=base_checkpoint,
+                          pretrained=base_pretrained, input_size=model.input_size)
+    given = [name for name, used in (("--base-model-arg", base_args),
+                                     ("--base-checkpoint", base_checkpoint),
+                                     ("--base-pretrained", base_pretrained)) if used]
+    if given:
+        raise ModelLoadError(f"--base {BASE_FROM_ARTIFACT} takes the base's arguments and "
+                               f"weights from the artifact; drop {', '.join(given)}")
+    artifact = getattr(model.model, "vitcompress_artifact", None)
+    if artifact is None:
+        raise ModelLoadError(f"--base {BASE_FROM_ARTIFACT} needs --model to be a compressed "
+                               "model directory")
+    return load_artifact_base(artifact, model.input_size)
 
 
 def timing_options(command: Callable) -> Callable:

@@ -528,21 +528,14 @@ def student_and_teacher(loaded: LoadedModel, variant: str, keep: Any, locs: Any,
     if getattr(loaded.model, "vitcompress_plan", None) is None or artifact is None:
         student = compress_loaded(loaded, variant=variant, keep=keep, locs=locs, policy=policy)
         return student, loaded.model, False
-    from vitcompress.artifact import read_meta
-    from vitcompress.loading import ModelSource, load_model
+    from vitcompress.artifact import base_source, base_weights_problem, read_meta
+    from vitcompress.loading import load_model
 
-    meta = read_meta(artifact)
-    source = ModelSource.from_json(meta["source"])
-    base_weights = meta.get("base_weights")
-    pretrained = base_weights == "timm pretrained"
-    checkpoint = base_weights if base_weights and not pretrained else None
-    if checkpoint is not None and not Path(checkpoint).is_file():
-        log.warning("the teacher's weights %s are not there; the teacher keeps its initial "
-                    "weights", checkpoint)
-        checkpoint = None
-    if base_weights is None:
-        log.warning("the artifact names no base weights: the teacher is the base model with its "
-                    "initial weights")
-    teacher = load_model(source.spec, source.model_args, checkpoint=checkpoint,
-                         pretrained=pretrained, input_size=loaded.input_size).model
+    source = base_source(read_meta(artifact))
+    problem = base_weights_problem(source)
+    if problem is not None:  # fine-tuning can go on; only distillation loses its meaning
+        log.warning("%s: the teacher is the base model with its initial weights", problem)
+    teacher = load_model(source.spec, source.model_args,
+                         checkpoint=None if problem else source.checkpoint,
+                         pretrained=source.pretrained, input_size=loaded.input_size).model
     return loaded, teacher, True
