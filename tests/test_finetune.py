@@ -27,6 +27,7 @@ from vitcompress.training.optim import cosine_with_warmup, default_lr, param_gro
 from vitcompress.workflows.finetune import (
     FinetuneConfig,
     FinetuneError,
+    FinetuneProgress,
     TrainingDiverged,
     finetune,
 )
@@ -173,6 +174,67 @@ def test_resume_mid_epoch_gives_the_same_weights(tmp_path):
     resumed = vitcompress.load(tmp_path / "b").state_dict()
     for key, value in uninterrupted.items():
         assert torch.equal(resumed[key], value), key
+
+
+class _Recorder(FinetuneProgress):
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def start(self, epochs: int, steps_per_epoch: int) -> None:
+        self.calls.append(("start", epochs, steps_per_epoch))
+
+    def start_epoch(self, epoch: int, steps_done: int) -> None:
+        self.calls.append(("epoch", epoch, steps_done))
+
+    def step(self, record: dict) -> None:
+        self.calls.append(("step", record["step"]))
+
+    def epoch_done(self, summary: dict) -> None:
+        self.calls.append(("done", summary["epoch"], "val_top1" in summary))
+
+    def stop(self) -> None:
+        self.calls.append(("stop",))
+
+
+def test_progress_hears_every_epoch_and_step_also_when_interrupted_and_resumed(tmp_path):
+    def interrupt(step: int, model: nn.Module) -> None:
+        if step == 3:
+            raise KeyboardInterrupt
+
+    first, second = _Recorder(), _Recorder()
+    student, teacher = _models()
+    with pytest.raises(KeyboardInterrupt):  # 4 batches per epoch, accum 2: 2 steps per epoch
+        finetune(student, teacher, _data(), _data(8), tmp_path / "run",
+                 _config(accum=2), on_step=interrupt, progress=first)
+    assert first.calls == [("start", 2, 2), ("epoch", 0, 0), ("step", 1), ("step", 2),
+                           ("done", 0, True), ("epoch", 1, 0), ("step", 3), ("stop",)]
+    student, teacher = _models()
+    finetune(student, teacher, _data(), _data(8), tmp_path / "run",
+             _config(accum=2, resume=True), progress=second)
+    assert second.calls == [("start", 2, 2), ("epoch", 1, 1), ("step", 4), ("done", 1, True),
+                            ("stop",)]
+
+
+def test_rich_progress_renders_epoch_step_loss_and_accuracy(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import vitcompress.cli.progress as progress_module
+
+    buffer = io.StringIO()
+    monkeypatch.setattr(progress_module, "console",
+                        Console(file=buffer, force_terminal=True, width=200, color_system=None))
+    bar = progress_module.RichProgress()
+    bar.start(2, 4)
+    bar.start_epoch(1, 1)
+    bar.step({"step": 6, "loss": 0.5, "lr": 1e-4, "img_per_s": 250.0})
+    bar.epoch_done({"epoch": 1, "train_loss": 0.25, "val_top1": 0.5})
+    bar.stop()
+    text = buffer.getvalue()
+    assert "epoch 2/2" in text and "2/4" in text
+    assert "step 6 loss 0.5000 lr 1.00e-04 250 img/s" in text
+    assert "epoch 2: train loss 0.2500, val top-1 50.00%" in text
 
 
 class _Labelled(TensorDataset):

@@ -94,6 +94,7 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
              token_distill_weight, ema_decay, amp, save_every, keep_checkpoints, resume, seed,
              num_workers, out, as_json) -> None:
     """Fine-tune a compressed model with the paper's losses; OUT becomes a compressed model."""
+    from vitcompress.cli.progress import RichProgress
     from vitcompress.data import AugmentConfig, build_dataset, num_classes
     from vitcompress.workflows.finetune import (
         FinetuneConfig,
@@ -102,6 +103,8 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
         student_and_teacher,
     )
     from vitcompress.workflows.finetune import finetune as run_finetune
+
+    show_progress = not as_json and sys.stdout.isatty()
 
     if not data:
         raise click.UsageError("--data is required (on the command line or in the recipe)")
@@ -129,11 +132,11 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
         token_distill_weight=token_distill_weight, ema_decay=ema_decay, amp=amp,
         save_every=save_every, keep_checkpoints=keep_checkpoints, resume=resume, seed=seed,
         num_workers=num_workers, mixup=preset.mixup_args(classes), smoothing=preset.smoothing,
-        progress=not as_json and sys.stdout.isatty(),
         extra={"data": data, "augment": augment, "recipe": recipe, "from_recipe": from_recipe,
                "variant": plan["variant"], "keep": plan["keep"], "locs": plan["locs"]})
     try:
-        result = run_finetune(student, teacher, train_set, val_set, out, config)
+        result = run_finetune(student, teacher, train_set, val_set, out, config,
+                              progress=RichProgress() if show_progress else None)
     except TrainingDiverged as e:
         click.echo(f"error: {e}", err=True)
         ctx.exit(1)

@@ -11,6 +11,12 @@ from torch.utils.data import DataLoader, Dataset
 from vitcompress.data import DataError, num_classes
 
 
+def unwrap_logits(output: Any) -> torch.Tensor:
+    """The class logits of a model's output: some heads return (logits, distillation logits) in
+    training mode, and the first is the class head."""
+    return output[0] if isinstance(output, tuple | list) else output
+
+
 def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 64, device: str = "cpu",
              num_workers: int = 0) -> dict[str, Any]:
     """``{"top1", "top5", "images"}``: accuracies in percent, as timm's validate reports them.
@@ -35,9 +41,7 @@ def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 64, device: s
         with torch.inference_mode():
             for images, labels in loader:
                 images, labels = images.to(device), labels.to(device)
-                logits = model(images)
-                if isinstance(logits, (tuple, list)):  # e.g. distilled heads in train mode
-                    logits = logits[0]
+                logits = unwrap_logits(model(images))
                 outputs = logits.shape[-1]
                 if classes is not None and outputs < classes:
                     raise DataError(f"the model predicts {outputs} classes but the data has "
@@ -50,3 +54,20 @@ def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 64, device: s
     finally:
         model.train(was_training)
     return {"top1": 100.0 * correct1 / total, "top5": 100.0 * correct5 / total, "images": total}
+
+
+@torch.no_grad()
+def evaluate_top1(model: nn.Module, loader: DataLoader, accelerator: Any) -> float:
+    """Top-1 accuracy as a fraction over a loader prepared by ``accelerator`` (several
+    processes: each sees its shard, and the predictions are gathered)."""
+    was_training = model.training
+    model.eval()
+    correct = total = 0
+    for images, labels in loader:
+        with accelerator.autocast():
+            logits = unwrap_logits(model(images))
+        predictions, labels = accelerator.gather_for_metrics((logits.argmax(-1), labels))
+        correct += int((predictions == labels).sum())
+        total += int(labels.numel())
+    model.train(was_training)
+    return correct / max(total, 1)

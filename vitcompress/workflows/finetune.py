@@ -8,11 +8,8 @@ as an uninterrupted one.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -21,12 +18,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from vitcompress.data import DataError, num_classes
 from vitcompress.loading import LoadedModel
 from vitcompress.training.checkpoint import (
-    find_latest,
     list_checkpoints,
     load_checkpoint,
     rng_state,
@@ -35,20 +31,48 @@ from vitcompress.training.checkpoint import (
 )
 from vitcompress.training.losses import DistillationTaps, FinetuneLoss, LossWeights
 from vitcompress.training.optim import build_optimizer, build_scheduler, default_lr
+from vitcompress.training.sampler import EpochSampler, TrainPosition
+from vitcompress.workflows.evaluate import evaluate, evaluate_top1, unwrap_logits
+from vitcompress.workflows.run_directory import (
+    CHECKPOINTS,
+    EMA_DIR,
+    METRICS,
+    FinetuneError,
+    MetricsLog,
+    prepare_run_directory,
+    write_artifact_into,
+)
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
-METRICS = "metrics.jsonl"
-EMA_DIR = "ema"
-
-
-class FinetuneError(Exception):
-    """A run that cannot start or continue as asked (one line for the user)."""
+__all__ = ["CHECKPOINTS", "EMA_DIR", "METRICS", "FinetuneConfig", "FinetuneError",
+           "FinetuneProgress", "TrainingDiverged", "finetune", "student_and_teacher"]
 
 
 class TrainingDiverged(FinetuneError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+class FinetuneProgress:
+    """What a run reports as it goes, on the main process only; this base class shows nothing.
+    The CLI's rich progress bar subclasses it."""
+
+    def start(self, epochs: int, steps_per_epoch: int) -> None:
+        """Before the first step."""
+
+    def start_epoch(self, epoch: int, steps_done: int) -> None:
+        """``steps_done`` > 0 when a resumed run starts inside the epoch."""
+
+    def step(self, record: dict[str, Any]) -> None:
+        """After each optimizer step: the metrics-log record (step, loss, lr, img_per_s...)."""
+
+    def epoch_done(self, summary: dict[str, Any]) -> None:
+        """After each epoch: train loss and, with validation data, val_top1."""
+
+    def stop(self) -> None:
+        """After the last step, also when the run fails or is interrupted."""
+
+
 
 
 @dataclass
@@ -72,109 +96,7 @@ class FinetuneConfig:
     log_every: int = 10
     mixup: dict[str, Any] | None = None  # keyword arguments of timm.data.Mixup
     smoothing: float = 0.0
-    progress: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # recorded in the artifact's summary
-
-
-class EpochSampler(Sampler[int]):
-    """A shuffle that depends only on (seed, epoch), so a resumed run sees the same order.
-
-    The epoch is set with ``start_epoch`` rather than ``set_epoch`` on purpose: Accelerate calls
-    ``set_epoch`` with its own iteration counter, which restarts at 0 after a resume.
-    """
-
-    def __init__(self, size: int, seed: int) -> None:
-        self.size = size
-        self.seed = seed
-        self.epoch = 0
-
-    def start_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return iter(torch.randperm(self.size, generator=generator).tolist())
-
-    def __len__(self) -> int:
-        return self.size
-
-
-@dataclass
-class _Position:
-    epoch: int = 0
-    batches_done: int = 0  # batches of this process finished in ``epoch`` (at a step boundary)
-    global_step: int = 0
-
-
-def _prepare_out(out: Path, resume: bool) -> Path | None:
-    """Check ``out`` and return the checkpoint to resume from."""
-    ckpt_dir = out / CHECKPOINTS
-    latest = find_latest(ckpt_dir)
-    if resume:
-        if latest is None:
-            raise FinetuneError(f"--resume: no checkpoint in {ckpt_dir}")
-        return latest
-    if latest is not None:
-        raise FinetuneError(f"{out} already holds checkpoints; pass --resume to continue that run "
-                            "or choose another --out")
-    if out.exists() and any(out.iterdir()) and not (out / "vitcompress.json").is_file() \
-            and not (out / METRICS).is_file():
-        raise FinetuneError(f"{out} exists and is not a fine-tuning output; not writing into it")
-    return None
-
-
-def _write_artifact(model: nn.Module, out: Path, source: Any, input_size: tuple[int, int, int],
-                    extra: dict[str, Any]) -> None:
-    """Write the artifact's two files into ``out`` beside checkpoints/ and metrics.jsonl.
-
-    ``save_artifact`` replaces a whole directory, which would delete the checkpoints; so it
-    writes into a hidden folder and the files are renamed into ``out`` (weights first, the JSON
-    that marks the folder as a model last, each rename atomic).
-    """
-    import shutil
-
-    from vitcompress.artifact import WEIGHTS_FILE, save_artifact
-    from vitcompress.loading import ARTIFACT_MARKER
-
-    staging = out / ".artifact.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    save_artifact(model, staging, source=source, input_size=input_size, extra=extra)
-    os.replace(staging / WEIGHTS_FILE, out / WEIGHTS_FILE)
-    os.replace(staging / ARTIFACT_MARKER, out / ARTIFACT_MARKER)
-    shutil.rmtree(staging, ignore_errors=True)
-
-
-class _MetricsLog:
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self.path = path
-        self.enabled = enabled
-
-    def write(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def _unwrap_logits(output: Any) -> torch.Tensor:
-    # Some heads return (logits, distillation logits) in training; the first is the class head.
-    return output[0] if isinstance(output, tuple | list) else output
-
-
-@torch.no_grad()
-def evaluate_top1(model: nn.Module, loader: DataLoader, accelerator: Any) -> float:
-    """Top-1 accuracy on ``loader`` (inference path), gathered over processes."""
-    was_training = model.training
-    model.eval()
-    correct = total = 0
-    for images, labels in loader:
-        with accelerator.autocast():
-            logits = _unwrap_logits(model(images))
-        predictions, labels = accelerator.gather_for_metrics((logits.argmax(-1), labels))
-        correct += int((predictions == labels).sum())
-        total += int(labels.numel())
-    model.train(was_training)
-    return correct / max(total, 1)
 
 
 def _top1(model: nn.Module, dataset: Dataset, loader: DataLoader, accelerator: Any,
@@ -182,15 +104,9 @@ def _top1(model: nn.Module, dataset: Dataset, loader: DataLoader, accelerator: A
     """Top-1 as a fraction. One process: the project's ``evaluate`` (same numbers as the ``eval``
     command); several: a loop that gathers predictions from every process."""
     if accelerator.num_processes == 1:
-        try:
-            from vitcompress.workflows.evaluate import evaluate
-        except ImportError:
-            evaluate = None
-        if evaluate is not None:
-            result = evaluate(accelerator.unwrap_model(model), dataset,
-                              batch_size=config.batch_size, device=str(accelerator.device),
-                              num_workers=config.num_workers)
-            return result["top1"] / 100
+        result = evaluate(accelerator.unwrap_model(model), dataset, batch_size=config.batch_size,
+                          device=str(accelerator.device), num_workers=config.num_workers)
+        return result["top1"] / 100
     return evaluate_top1(model, loader, accelerator)
 
 
@@ -199,19 +115,21 @@ StepCallback = Callable[[int, nn.Module], None]
 
 def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset,
              val_set: Dataset | None, out: str | Path, config: FinetuneConfig,
-             on_step: StepCallback | None = None) -> dict[str, Any]:
+             on_step: StepCallback | None = None,
+             progress: FinetuneProgress | None = None) -> dict[str, Any]:
     """Fine-tune ``student.model`` (a compressed model) and write ``out`` as its artifact.
 
     ``teacher`` is the uncompressed model (frozen; None disables both distillation terms).
     ``on_step(global_step, model)`` runs after every optimizer step (progress hooks, tests); a
     ``KeyboardInterrupt`` raised there or by Ctrl-C writes a checkpoint at the last finished
-    step before it propagates. Returns the summary recorded in the artifact.
+    step before it propagates. ``progress`` hears of epochs and steps on the main process.
+    Returns the summary recorded in the artifact.
     """
     from accelerate import Accelerator
     from accelerate.utils import gather_object, set_seed
 
     out = Path(out)
-    resume_from = _prepare_out(out, config.resume)
+    resume_from = prepare_run_directory(out, config.resume)
     _check_outputs(student.model, train_set, bool(config.mixup))  # before anything is written
     accelerator = Accelerator(gradient_accumulation_steps=config.accum,
                               mixed_precision=config.amp or "no")
@@ -273,7 +191,7 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
     criterion = FinetuneLoss(taps, weights, mixup=mixup_fn is not None,
                              smoothing=config.smoothing)
 
-    position = _Position()
+    position = TrainPosition()
     if resume_from is not None:
         state = load_checkpoint(resume_from)
         raw_model.load_state_dict(state["model"])
@@ -285,14 +203,14 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
             ema.load_state_dict(state["ema"])
         rngs = state["rng"]
         set_rng_state(rngs[accelerator.process_index % len(rngs)])
-        position = _Position(state["epoch"], state["batches_done"], state["global_step"])
+        position = TrainPosition(state["epoch"], state["batches_done"], state["global_step"])
         if main:
             log.info("resuming from %s (epoch %d, step %d)", resume_from, position.epoch,
                      position.global_step)
 
-    metrics = _MetricsLog(out / METRICS, main)
+    metrics = MetricsLog(out / METRICS, main)
 
-    def checkpoint(pos: _Position, rng: dict[str, Any]) -> None:
+    def checkpoint(pos: TrainPosition, rng: dict[str, Any]) -> None:
         # gather_object is collective: every process calls this, only the first one writes.
         rngs = gather_object([rng])
         if main:
@@ -310,82 +228,82 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
             save_checkpoint(state, out / CHECKPOINTS, pos.global_step, config.keep_checkpoints)
         accelerator.wait_for_everyone()
 
-    progress = _Progress(config.progress and main, config.epochs, steps_per_epoch)
-    boundary = _Position(position.epoch, position.batches_done, position.global_step)
+    progress = progress if progress is not None and main else FinetuneProgress()
+    boundary = TrainPosition(position.epoch, position.batches_done, position.global_step)
     boundary_rng = rng_state()
     updating = False
     history: list[dict[str, Any]] = []
     started = time.perf_counter()
+    progress.start(config.epochs, steps_per_epoch)
     try:
-        with progress:
-            for epoch in range(position.epoch, config.epochs):
-                sampler.start_epoch(epoch)
-                skip = position.batches_done if epoch == position.epoch else 0
-                loader = (accelerator.skip_first_batches(train_loader, skip) if skip
-                          else train_loader)
-                batch_index = skip
-                progress.start_epoch(epoch, skip // config.accum)
-                epoch_loss, epoch_batches = 0.0, 0
-                window_images, window_start = 0, time.perf_counter()
-                model.train()
-                for images, labels in loader:
-                    targets = labels
-                    if mixup_fn is not None:
-                        images, targets = mixup_fn(images, labels)
-                    with accelerator.accumulate(model):
-                        updating = accelerator.sync_gradients
-                        taps.reset()
-                        with accelerator.autocast():
-                            logits = _unwrap_logits(model(images))
-                            teacher_logits = None
-                            if teacher is not None and (weights.distill or taps.token_distill):
-                                with torch.no_grad():
-                                    teacher_logits = _unwrap_logits(teacher(images))
-                        loss, parts = criterion(logits, targets, teacher_logits)
-                        _check_finite(loss, accelerator, boundary.global_step + 1)
-                        accelerator.backward(loss)
-                        optimizer.step()
-                        optimizer.zero_grad()
-                    batch_index += 1
-                    epoch_loss += float(loss.detach())
-                    epoch_batches += 1
-                    window_images += images.shape[0] * accelerator.num_processes
-                    if not accelerator.sync_gradients:
-                        continue
-                    if not accelerator.optimizer_step_was_skipped:
-                        scheduler.step()
-                    if ema is not None:
-                        ema.update(raw_model, step=boundary.global_step + 1)
-                    boundary = _Position(epoch, batch_index, boundary.global_step + 1)
-                    boundary_rng = rng_state()
-                    updating = False
-                    step = boundary.global_step
-                    elapsed = time.perf_counter() - window_start
-                    record = {"type": "step", "epoch": epoch, "step": step,
-                              "loss": float(loss.detach()), **parts,
-                              "lr": optimizer.param_groups[0]["lr"],
-                              "img_per_s": window_images / elapsed if elapsed > 0 else None}
-                    if step % max(1, config.log_every) == 0 or step == 1:
-                        metrics.write(record)
-                    window_images, window_start = 0, time.perf_counter()
-                    progress.advance(record)
-                    if config.save_every and step % config.save_every == 0:
-                        checkpoint(boundary, boundary_rng)
-                    if on_step is not None:
-                        on_step(step, raw_model)
-                summary = {"type": "epoch", "epoch": epoch, "step": boundary.global_step,
-                           "train_loss": epoch_loss / max(1, epoch_batches)}
-                if val_loader is not None:
-                    summary["val_top1"] = _top1(model, val_set, val_loader, accelerator, config)
-                    if ema is not None:
-                        summary["val_top1_ema"] = _top1(ema.module, val_set, val_loader,
-                                                        accelerator, config)
-                metrics.write(summary)
-                history.append(summary)
-                progress.epoch_done(summary)
-                boundary = _Position(epoch + 1, 0, boundary.global_step)
+        for epoch in range(position.epoch, config.epochs):
+            sampler.start_epoch(epoch)
+            skip = position.batches_done if epoch == position.epoch else 0
+            loader = (accelerator.skip_first_batches(train_loader, skip) if skip
+                      else train_loader)
+            batch_index = skip
+            progress.start_epoch(epoch, skip // config.accum)
+            epoch_loss, epoch_batches = 0.0, 0
+            window_images, window_start = 0, time.perf_counter()
+            model.train()
+            for images, labels in loader:
+                targets = labels
+                if mixup_fn is not None:
+                    images, targets = mixup_fn(images, labels)
+                with accelerator.accumulate(model):
+                    updating = accelerator.sync_gradients
+                    taps.reset()
+                    with accelerator.autocast():
+                        logits = unwrap_logits(model(images))
+                        teacher_logits = None
+                        if teacher is not None and (weights.distill or taps.token_distill):
+                            with torch.no_grad():
+                                teacher_logits = unwrap_logits(teacher(images))
+                    loss, parts = criterion(logits, targets, teacher_logits)
+                    _check_finite(loss, accelerator, boundary.global_step + 1)
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                batch_index += 1
+                epoch_loss += float(loss.detach())
+                epoch_batches += 1
+                window_images += images.shape[0] * accelerator.num_processes
+                if not accelerator.sync_gradients:
+                    continue
+                if not accelerator.optimizer_step_was_skipped:
+                    scheduler.step()
+                if ema is not None:
+                    ema.update(raw_model, step=boundary.global_step + 1)
+                boundary = TrainPosition(epoch, batch_index, boundary.global_step + 1)
                 boundary_rng = rng_state()
-                checkpoint(boundary, boundary_rng)
+                updating = False
+                step = boundary.global_step
+                elapsed = time.perf_counter() - window_start
+                record = {"type": "step", "epoch": epoch, "step": step,
+                          "loss": float(loss.detach()), **parts,
+                          "lr": optimizer.param_groups[0]["lr"],
+                          "img_per_s": window_images / elapsed if elapsed > 0 else None}
+                if step % max(1, config.log_every) == 0 or step == 1:
+                    metrics.write(record)
+                window_images, window_start = 0, time.perf_counter()
+                progress.step(record)
+                if config.save_every and step % config.save_every == 0:
+                    checkpoint(boundary, boundary_rng)
+                if on_step is not None:
+                    on_step(step, raw_model)
+            summary = {"type": "epoch", "epoch": epoch, "step": boundary.global_step,
+                       "train_loss": epoch_loss / max(1, epoch_batches)}
+            if val_loader is not None:
+                summary["val_top1"] = _top1(model, val_set, val_loader, accelerator, config)
+                if ema is not None:
+                    summary["val_top1_ema"] = _top1(ema.module, val_set, val_loader,
+                                                    accelerator, config)
+            metrics.write(summary)
+            history.append(summary)
+            progress.epoch_done(summary)
+            boundary = TrainPosition(epoch + 1, 0, boundary.global_step)
+            boundary_rng = rng_state()
+            checkpoint(boundary, boundary_rng)
     except KeyboardInterrupt:
         # Save where the last optimizer step left things (the batches of an unfinished
         # accumulation are redone on resume). Not during an update, whose state would be torn,
@@ -395,6 +313,7 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
             log.warning("interrupted: checkpoint written at step %d", boundary.global_step)
         raise
     finally:
+        progress.stop()
         taps.remove()
 
     result = {
@@ -415,10 +334,10 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
     accelerator.wait_for_everyone()
     if main:
         raw_model.eval()
-        _write_artifact(raw_model, out, student.source, student.input_size,
+        write_artifact_into(raw_model, out, student.source, student.input_size,
                         {"finetune": result})
         if ema is not None:
-            _write_artifact(ema.module, out / EMA_DIR, student.source, student.input_size,
+            write_artifact_into(ema.module, out / EMA_DIR, student.source, student.input_size,
                             {"finetune": {**result, "weights": "ema"}})
     accelerator.wait_for_everyone()
     result["out"] = str(out)
@@ -441,7 +360,7 @@ def _check_outputs(model: nn.Module, train_set: Dataset, mixup: bool) -> None:
     try:
         with torch.no_grad():
             image = train_set[0][0].unsqueeze(0).to(next(model.parameters()).device)
-            outputs = _unwrap_logits(model(image)).shape[-1]
+            outputs = unwrap_logits(model(image)).shape[-1]
     finally:
         model.train(was_training)
     if outputs < classes or (mixup and outputs != classes):
@@ -459,59 +378,6 @@ def _check_finite(loss: torch.Tensor, accelerator: Any, step: int) -> None:
         raise TrainingDiverged(
             f"loss is not finite at step {step} (value {float(loss.detach())}); stopped, the last "
             "good checkpoint is kept")
-
-
-class _Progress:
-    """A rich progress bar (epoch, step, loss, lr, img/s, ETA), or nothing."""
-
-    def __init__(self, enabled: bool, epochs: int, steps_per_epoch: int) -> None:
-        self.enabled = enabled and sys.stdout.isatty()
-        self.epochs = epochs
-        self.steps_per_epoch = steps_per_epoch
-        self.bar = None
-        self.task = None
-
-    def __enter__(self) -> _Progress:
-        if self.enabled:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-
-            self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                                MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                                TimeRemainingColumn())
-            self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
-
-    def start_epoch(self, epoch: int, done: int) -> None:
-        if self.bar is None:
-            return
-        if self.task is not None:
-            self.bar.remove_task(self.task)
-        self.task = self.bar.add_task(f"epoch {epoch + 1}/{self.epochs}",
-                                      total=self.steps_per_epoch, completed=done, info="")
-
-    def advance(self, record: dict[str, Any]) -> None:
-        if self.bar is None:
-            return
-        speed = record.get("img_per_s")
-        info = (f"step {record['step']} loss {record['loss']:.4f} lr {record['lr']:.2e}"
-                + (f" {speed:.0f} img/s" if speed else ""))
-        self.bar.update(self.task, advance=1, info=info)
-
-    def epoch_done(self, summary: dict[str, Any]) -> None:
-        if self.bar is not None and summary.get("val_top1") is not None:
-            self.bar.console.print(f"epoch {summary['epoch'] + 1}: train loss "
-                                   f"{summary['train_loss']:.4f}, val top-1 "
-                                   f"{100 * summary['val_top1']:.2f}%")
 
 
 def student_and_teacher(loaded: LoadedModel, variant: str, keep: Any, locs: Any,
