@@ -22,7 +22,15 @@ from vitcompress.api import compress_loaded
 from vitcompress.cli.main import cli
 from vitcompress.loading import load_model
 from vitcompress.training.checkpoint import find_latest, load_checkpoint
-from vitcompress.training.losses import kl_distillation, ratio_loss, token_distillation
+from vitcompress.training.losses import (
+    DistillationTaps,
+    FinetuneLoss,
+    LossWeights,
+    kl_distillation,
+    pair_by_position,
+    ratio_loss,
+    token_distillation,
+)
 from vitcompress.training.optim import cosine_with_warmup, default_lr, param_groups
 from vitcompress.workflows.finetune import (
     FinetuneConfig,
@@ -95,6 +103,47 @@ def test_kl_and_token_distillation_match_hand_computation():
     t = torch.tensor([[[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]])
     keep = torch.tensor([[True, False, True]])
     assert token_distillation(s, t, keep).item() == pytest.approx((1 + 1 + 9 + 9) / 4)
+
+
+def test_pair_by_position_gathers_the_teachers_tokens_and_skips_the_fused_one():
+    teacher = torch.arange(2 * 4 * 1, dtype=torch.float).reshape(2, 4, 1)  # token i of image b
+    student = torch.zeros(2, 3, 1)
+    positions = torch.tensor([[2, 0, -1], [3, 1, 2]])
+    paired, on_grid = pair_by_position(student, teacher, positions)
+    assert paired.squeeze(-1).tolist() == [[2.0, 0.0, 0.0], [7.0, 5.0, 6.0]]
+    assert on_grid.tolist() == [[True, True, False], [True, True, True]]
+    assert pair_by_position(student, teacher, None) is None
+    assert pair_by_position(student, teacher, positions[:, :2]) is None  # not the student's
+    assert pair_by_position(student, teacher, positions + 2) is None  # off the teacher's grid
+
+
+@pytest.mark.parametrize("variant", ["evit", "etps"])
+def test_token_distillation_pairs_dropped_tokens_by_grid_position(variant):
+    """EViT at the last block with the teacher's own weights: the kept tokens skip nothing the
+    teacher does after the attention (the MLP and final norm act per token), so paired by grid
+    position they equal the teacher's exactly and the term is 0. Pairing by order would not be,
+    because the kept tokens come in score order. eTPS's hosts absorb donors, so its term is > 0."""
+    torch.manual_seed(0)
+    base = load_model(TINY, TINY_ARGS)
+    student = compress_loaded(base, variant, keep=0.5, locs=[3]).model.train()
+    teacher = base.model.eval()
+    taps = DistillationTaps(student, teacher, token_distill=True)
+    try:
+        criterion = FinetuneLoss(taps, LossWeights(0.0, 0.0, 1.0), mixup=False, smoothing=0.0)
+        images = torch.randn(3, 3, 32, 32)
+        taps.reset()
+        logits = student(images)
+        teacher_logits = teacher(images)
+        _, parts = criterion(logits, torch.tensor([0, 1, 0]), teacher_logits)
+        positions = taps.captured.positions
+        assert positions is not None and positions.shape[1] == 8 + (variant == "evit")
+        assert not torch.equal(positions[:, :8], positions[:, :8].sort(dim=1).values)
+    finally:
+        taps.remove()
+    if variant == "evit":
+        assert parts["token_distill"] == pytest.approx(0.0, abs=1e-10)
+    else:
+        assert parts["token_distill"] > 1e-6
 
 
 def test_no_weight_decay_on_norms_biases_positions_and_prefix_tokens():

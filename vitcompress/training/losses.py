@@ -87,6 +87,7 @@ class _Captured:
     masks: list[Tensor | None] = field(default_factory=list)
     student_tokens: Tensor | None = None
     teacher_tokens: Tensor | None = None
+    positions: Tensor | None = None  # grid positions of the tokens after the last location
 
 
 class DistillationTaps:
@@ -136,11 +137,19 @@ class DistillationTaps:
 
         self.handles.append(student_tap[0].register_forward_hook(save("student_tokens")))
         self.handles.append(teacher.get_submodule(path).register_forward_hook(save("teacher_tokens")))
+        if self.reducers:
+            # Where the tokens left after the last location came from: eTPS/EViT drop tokens in
+            # training too, and these grid positions pair them with the teacher's.
+            def positions(module: nn.Module, inputs: tuple, output: tuple) -> None:
+                self.captured.positions = output[2] if len(output) > 2 else None
+
+            self.handles.append(self.reducers[-1].register_forward_hook(positions))
 
     def reset(self) -> None:
         self.captured.masks = [None] * len(self.reducers)
         self.captured.student_tokens = None
         self.captured.teacher_tokens = None
+        self.captured.positions = None
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -230,14 +239,33 @@ class FinetuneLoss:
         return total, {k: float(v.detach()) for k, v in parts.items()}
 
     def _token_term(self, masks: list[Tensor]) -> Tensor | None:
-        student, teacher = self.taps.captured.student_tokens, self.taps.captured.teacher_tokens
-        if (student is None or teacher is None or student.dim() != 3
-                or student.shape != teacher.shape):
-            # eTPS/EViT drop tokens in training too, so the token counts differ: nothing to pair.
-            if not self._warned_tokens:
-                log.warning("token distillation skipped: student and teacher token counts differ")
-                self._warned_tokens = True
-            return None
+        captured = self.taps.captured
+        student, teacher = captured.student_tokens, captured.teacher_tokens
         prefix = self.taps.reducers[-1].prefix_tokens if self.taps.reducers else 0
-        keep = masks[-1][:, prefix:] > 0.5 if masks else None
-        return token_distillation(student[:, prefix:], teacher[:, prefix:].detach(), keep)
+        if student is not None and teacher is not None and student.dim() == 3:
+            if student.shape == teacher.shape:  # dTPS/DynamicViT: masks, nothing dropped
+                keep = masks[-1][:, prefix:] > 0.5 if masks else None
+                return token_distillation(student[:, prefix:], teacher[:, prefix:].detach(), keep)
+            paired = pair_by_position(student[:, prefix:], teacher[:, prefix:].detach(),
+                                      captured.positions)
+            if paired is not None:  # eTPS/EViT: tokens dropped, paired by grid position
+                return token_distillation(student[:, prefix:], *paired)
+        if not self._warned_tokens:
+            log.warning("token distillation skipped: the student's final tokens cannot be paired "
+                        "with the teacher's")
+            self._warned_tokens = True
+        return None
+
+
+def pair_by_position(student_tokens: Tensor, teacher_tokens: Tensor,
+                     positions: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """The teacher's token at the grid position of each student token, and which student tokens
+    have one (EViT's fused token has position -1). None when the positions do not describe the
+    student's tokens. Shapes: tokens (B, n, C) / (B, N0, C), positions (B, n)."""
+    if (positions is None or positions.dim() != 2
+            or positions.shape != student_tokens.shape[:2]
+            or int(positions.max()) >= teacher_tokens.shape[1]):
+        return None
+    on_grid = positions >= 0
+    index = positions.clamp(min=0).unsqueeze(-1).expand(-1, -1, teacher_tokens.shape[-1])
+    return torch.gather(teacher_tokens, 1, index), on_grid
