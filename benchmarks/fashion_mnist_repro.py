@@ -165,10 +165,15 @@ def base_settings(args: argparse.Namespace) -> dict[str, Any]:
         "batch", "seed", "limit_train", "base_epochs", "base_lr", "base_extra_epochs")}}
 
 
-def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+def run_settings(args: argparse.Namespace, method: str) -> dict[str, Any]:
     """What a cached fine-tuning result must have been made with to be reused."""
-    return {"locs": list(args.locs), **{name: getattr(args, name) for name in (
+    settings = {"locs": list(args.locs), **{name: getattr(args, name) for name in (
         "batch", "seed", "limit_train", "ft_epochs", "ft_lr", "ft_warmup", "random_repeats")}}
+    if method in ("etps", "evit"):
+        # Token distillation reaches these since it pairs tokens by grid position; results
+        # fine-tuned without it are not reused.
+        settings["token_distill"] = "paired by grid position"
+    return settings
 
 
 def _base_record(path: Path) -> dict[str, Any]:
@@ -216,7 +221,7 @@ def run_one(method: str, keep: float, base_path: Path, base_sha256: str, train_s
     name = f"{method}_keep{keep}"
     result_path = runs_dir / f"{name}.json"
     out = runs_dir / name
-    settings = run_settings(args)
+    settings = run_settings(args, method)
     if result_path.is_file():
         cached = json.loads(result_path.read_text())
         if cached.get("base_sha256") == base_sha256 and cached.get("settings") == settings:
