@@ -146,6 +146,31 @@ def test_token_distillation_pairs_dropped_tokens_by_grid_position(variant):
         assert parts["token_distill"] > 1e-6
 
 
+@pytest.mark.parametrize("variant", ["dtps", "etps"])
+def test_token_distillation_on_a_hybrid_pruned_before_its_last_stage(variant):
+    """PVT: a location in stage 2 only; the last stage's grid is whole again and its cls token
+    appears there. The stage-2 keep mask and prefix count must not be applied to those tokens."""
+    import vitcompress.zoo  # noqa: F401 - registers pvt_tiny
+
+    torch.manual_seed(0)
+    base = load_model("pvt_tiny", {"num_classes": 2, "img_size": 64}, input_size=(3, 64, 64))
+    student = compress_loaded(base, variant, keep=0.5, locs=[2]).model.train()
+    teacher = base.model.eval()
+    taps = DistillationTaps(student, teacher, token_distill=True)
+    try:
+        assert taps.final_prefix == 1 and taps.reducers[-1].prefix_tokens == 0
+        criterion = FinetuneLoss(taps, LossWeights(0.0, 0.0, 1.0), mixup=False, smoothing=0.0)
+        taps.reset()
+        images = torch.randn(2, 3, 64, 64)
+        logits, teacher_logits = student(images), teacher(images)
+        _, parts = criterion(logits, torch.tensor([0, 1]), teacher_logits)
+        student_tokens, teacher_tokens = taps.captured.student_tokens, taps.captured.teacher_tokens
+    finally:
+        taps.remove()
+    expected = token_distillation(student_tokens[:, 1:].detach(), teacher_tokens[:, 1:], None)
+    assert parts["token_distill"] == pytest.approx(expected.item(), rel=1e-6)
+
+
 def test_no_weight_decay_on_norms_biases_positions_and_prefix_tokens():
     student, _ = _models()
     decay, no_decay = param_groups(student.model, 0.05)

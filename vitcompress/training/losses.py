@@ -106,6 +106,12 @@ class DistillationTaps:
         if self.learned:
             for i, reducer in enumerate(self.reducers):
                 self.handles.append(reducer.register_forward_hook(self._mask_hook(i)))
+        # Prefix tokens at the final norm: a hybrid may add its cls token only in the last stage,
+        # after the last location (PVT), so the last reducer's count is not always the one.
+        model_map = getattr(student, "vitcompress_map", None) or {}
+        blocks = model_map.get("blocks") or [{}]
+        self.final_prefix: int = int(blocks[-1].get(
+            "prefix_tokens", self.reducers[-1].prefix_tokens if self.reducers else 0))
         self.norm_path: str | None = None
         self.token_distill = False
         self._graph_tap: tuple | None = None
@@ -241,10 +247,13 @@ class FinetuneLoss:
     def _token_term(self, masks: list[Tensor]) -> Tensor | None:
         captured = self.taps.captured
         student, teacher = captured.student_tokens, captured.teacher_tokens
-        prefix = self.taps.reducers[-1].prefix_tokens if self.taps.reducers else 0
+        prefix = self.taps.final_prefix
         if student is not None and teacher is not None and student.dim() == 3:
-            if student.shape == teacher.shape:  # dTPS/DynamicViT: masks, nothing dropped
-                keep = masks[-1][:, prefix:] > 0.5 if masks else None
+            if student.shape == teacher.shape:  # nothing dropped (masks), or restored on the grid
+                # The last keep mask describes these tokens only if it has one column per token:
+                # a hybrid's later stage has a grid of its own.
+                keep = (masks[-1][:, prefix:] > 0.5 if masks and masks[-1].shape[1] ==
+                        student.shape[1] else None)
                 return token_distillation(student[:, prefix:], teacher[:, prefix:].detach(), keep)
             paired = pair_by_position(student[:, prefix:], teacher[:, prefix:].detach(),
                                       captured.positions)
