@@ -141,7 +141,9 @@ def test_eval_base_source_rebuilds_the_artifacts_base_with_its_weights(folder, t
                    "--base-model-arg", "num_classes=3", "--base-checkpoint", str(checkpoint),
                    "--no-throughput", "--json")
     assert explicit.exit_code == 0, explicit.output
-    assert json.loads(explicit.output)["base"] == data["base"] | {"spec": EINSUM}
+    assert data["base"]["spec"] == EINSUM  # what "source" stood for
+    assert data["base"]["weights"] == str(checkpoint.resolve())
+    assert json.loads(explicit.output)["base"] == data["base"] | {"weights": str(checkpoint)}
 
 
 def test_artifact_saved_again_keeps_its_base_weights(tmp_path):
@@ -156,7 +158,8 @@ def test_artifact_saved_again_keeps_its_base_weights(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["not an artifact", "no base weights", "weights gone",
-                                  "options with source", "options without base"])
+                                  "options with source", "options with an artifact base",
+                                  "options without base"])
 def test_eval_base_refusals_are_one_line_exit_2(folder, tmp_path, case):
     checkpoint, _ = _always_class_2(tmp_path)
     if case == "not an artifact":
@@ -164,7 +167,7 @@ def test_eval_base_refusals_are_one_line_exit_2(folder, tmp_path, case):
     elif case == "no base weights":
         out = tmp_path / "random"
         assert run("apply", "--model", EINSUM, "--no-throughput", "--out", str(out)).exit_code == 0
-        args, expected = ["--model", str(out), "--base", "source"], "names no base weights"
+        args, expected = ["--model", str(out), "--base", "source"], "records no base weights"
     elif case == "weights gone":
         artifact = _artifact(tmp_path, checkpoint)
         checkpoint.unlink()
@@ -173,6 +176,11 @@ def test_eval_base_refusals_are_one_line_exit_2(folder, tmp_path, case):
         artifact = _artifact(tmp_path, checkpoint)
         args = ["--model", str(artifact), "--base", "source", "--base-checkpoint", str(checkpoint)]
         expected = "drop --base-checkpoint"
+    elif case == "options with an artifact base":
+        artifact = _artifact(tmp_path, checkpoint)
+        args = ["--model", str(artifact), "--base", str(artifact), "--base-model-arg", "depth=2"]
+        expected = "is a compressed model that fixes its architecture and weights; drop " \
+                   "--base-model-arg"
     else:
         args = ["--model", EINSUM, "--base-pretrained"]
         expected = "need --base"

@@ -68,7 +68,7 @@ def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource |
         "vitcompress_version": __version__,
         "source": {**source.to_json(), "checkpoint": None, "pretrained": False},
         # Absolute: the artifact is read from other working directories (eval, finetune).
-        "base_weights": (str(Path(source.checkpoint).resolve()) if source.checkpoint
+        "base_weights": (str(Path(source.checkpoint).expanduser().resolve()) if source.checkpoint
                          else "timm pretrained" if source.pretrained else None),
         "input_size": list(size),
         "plan": plan,
@@ -142,7 +142,8 @@ def base_weights_problem(source: ModelSource) -> str | None:
     if source.pretrained:
         return None
     if source.checkpoint is None:
-        return "the artifact names no base weights (its base was randomly initialised)"
+        return ("the artifact records no base weights (it was saved without --checkpoint or "
+                "--pretrained)")
     if not Path(source.checkpoint).is_file():
         return f"the base weights {source.checkpoint} named by the artifact are not there"
     return None
@@ -174,8 +175,12 @@ def load_artifact(directory: str | Path) -> LoadedModel:
 
     meta = read_meta(directory)
     # The returned source names the base weights, so an artifact saved again from this model
-    # (finetune --model DIR) still records them.
-    source = base_source(meta)
+    # (finetune --model DIR) still records them. The compressed model does not need them to
+    # load, so a malformed record only loses that.
+    try:
+        source = base_source(meta)
+    except ArtifactError:
+        source = ModelSource.from_json(meta["source"])
     size = tuple(meta["input_size"])
     base = load_model(source.spec, source.model_args, input_size=size)
     plan = plan_from_json(meta["plan"])

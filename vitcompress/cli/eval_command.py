@@ -16,6 +16,7 @@ from vitcompress.cli.app import (
     print_environment,
 )
 from vitcompress.cli.options import (
+    BASE_FROM_ARTIFACT,
     gate_options,
     load_base_from_options,
     load_from_options,
@@ -89,7 +90,12 @@ def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrai
         for name, key in (("base", "base"), ("model", "compressed")):
             result[key] = {"top1": accuracy[name]["top1"], "top5": accuracy[name]["top5"],
                            **measured[name].to_json()}
-        result["base"]["spec"] = base_spec
+        # What was compared: "source" stands for the artifact's recorded base, so name that.
+        given = base.source if base_spec == BASE_FROM_ARTIFACT else None
+        result["base"]["spec"] = given.spec if given else base_spec
+        checkpoint = given.checkpoint if given else base_checkpoint
+        pretrained = given.pretrained if given else base_pretrained
+        result["base"]["weights"] = checkpoint or ("timm pretrained" if pretrained else None)
         result["delta_top1"] = result["top1"] - result["base"]["top1"]
         result["delta_top5"] = result["top5"] - result["base"]["top5"]
         result["environment"] = environment
@@ -113,7 +119,7 @@ def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrai
         return
     for column in ("", "top-1 (%)", "top-5 (%)", "params (M)", "GMACs", "throughput (img/s)"):
         table.add_column(column, justify="left" if not column else "right")
-    for key, label in (("base", f"base {base_spec}"), ("compressed", model_spec)):
+    for key, label in (("base", f"base {result['base']['spec']}"), ("compressed", model_spec)):
         row = result[key]
         table.add_row(label, f"{row['top1']:.2f}", f"{row['top5']:.2f}",
                       f"{row['params'] / 1e6:.2f}", f"{row['gmacs']:.3f}",

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import click
 
 from vitcompress.loading import (
+    ARTIFACT_MARKER,
     LoadedModel,
     ModelLoadError,
     load_model,
@@ -58,19 +60,22 @@ def load_base_from_options(base_spec: str, base_args: tuple[str, ...],
     compressed ``model`` records (spec, model arguments and base weights)."""
     from vitcompress.artifact import load_artifact_base
 
-    if base_spec != BASE_FROM_ARTIFACT:
-        return load_model(base_spec, parse_model_args(base_args), checkpoint=base_checkpoint,
-                          pretrained=base_pretrained, input_size=model.input_size)
     given = [name for name, used in (("--base-model-arg", base_args),
                                      ("--base-checkpoint", base_checkpoint),
                                      ("--base-pretrained", base_pretrained)) if used]
+    if given and os.path.isfile(os.path.join(base_spec, ARTIFACT_MARKER)):
+        raise ModelLoadError(f"--base {base_spec} is a compressed model that fixes its "
+                             f"architecture and weights; drop {', '.join(given)}")
+    if base_spec != BASE_FROM_ARTIFACT:
+        return load_model(base_spec, parse_model_args(base_args), checkpoint=base_checkpoint,
+                          pretrained=base_pretrained, input_size=model.input_size)
     if given:
         raise ModelLoadError(f"--base {BASE_FROM_ARTIFACT} takes the base's arguments and "
-                               f"weights from the artifact; drop {', '.join(given)}")
+                             f"weights from the artifact; drop {', '.join(given)}")
     artifact = getattr(model.model, "vitcompress_artifact", None)
     if artifact is None:
         raise ModelLoadError(f"--base {BASE_FROM_ARTIFACT} needs --model to be a compressed "
-                               "model directory")
+                             "model directory")
     return load_artifact_base(artifact, model.input_size)
 
 

@@ -29,7 +29,7 @@ class RichProgress(FinetuneProgress):
     def stop(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-            self.bar = None
+            self.bar, self.task = None, None
 
     def start_epoch(self, epoch: int, steps_done: int) -> None:
         if self.bar is None:

@@ -305,6 +305,7 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
             boundary_rng = rng_state()
             checkpoint(boundary, boundary_rng)
     except KeyboardInterrupt:
+        progress.stop()  # before the message below, which a live bar would draw over
         # Save where the last optimizer step left things (the batches of an unfinished
         # accumulation are redone on resume). Not during an update, whose state would be torn,
         # and not with several processes, whose collective save could hang.
