@@ -313,9 +313,12 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
             checkpoint(boundary, boundary_rng)
             log.warning("interrupted: checkpoint written at step %d", boundary.global_step)
         raise
-    finally:
+    except BaseException:
         progress.stop()
+        raise
+    finally:
         taps.remove()
+    progress.stop()
 
     result = {
         "epochs": config.epochs,
