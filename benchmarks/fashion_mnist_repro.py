@@ -173,6 +173,10 @@ def run_settings(args: argparse.Namespace, method: str) -> dict[str, Any]:
         # Token distillation reaches these since it pairs tokens by grid position; results
         # fine-tuned without it are not reused.
         settings["token_distill"] = "paired by grid position"
+    else:
+        # The predictor is initialised from --seed, not from whatever earlier runs in this
+        # process left in the generator; results made the old way are not reused.
+        settings["predictor_init_seed"] = args.seed
     return settings
 
 
@@ -228,6 +232,7 @@ def run_one(method: str, keep: float, base_path: Path, base_sha256: str, train_s
             print(f"{name}: cached", flush=True)
             return cached, load(out)
     teacher = load_base(base_path)
+    torch.manual_seed(args.seed)  # the predictor's initial weights: the same in any run order
     student = compress_loaded(load_base(base_path), variant=method, keep=keep, locs=args.locs)
     before = evaluate(student.model, test_set, batch_size=256)["top1"]
     shutil.rmtree(out, ignore_errors=True)
