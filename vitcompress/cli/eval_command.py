@@ -17,6 +17,7 @@ from vitcompress.cli.app import (
 )
 from vitcompress.cli.options import (
     BASE_FROM_ARTIFACT,
+    base_options_given,
     gate_options,
     load_base_from_options,
     load_from_options,
@@ -68,7 +69,7 @@ def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrai
     if timing is None:
         unavailable.setdefault("min_speedup", NO_THROUGHPUT)
     require(bounds, unavailable)
-    if not base_spec and (base_args or base_checkpoint or base_pretrained):
+    if not base_spec and base_options_given(base_args, base_checkpoint, base_pretrained):
         raise ModelLoadError("--base-model-arg, --base-checkpoint and --base-pretrained need "
                              "--base")
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
@@ -91,11 +92,12 @@ def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrai
             result[key] = {"top1": accuracy[name]["top1"], "top5": accuracy[name]["top5"],
                            **measured[name].to_json()}
         # What was compared: "source" stands for the artifact's recorded base, so name that.
-        given = base.source if base_spec == BASE_FROM_ARTIFACT else None
-        result["base"]["spec"] = given.spec if given else base_spec
-        checkpoint = given.checkpoint if given else base_checkpoint
-        pretrained = given.pretrained if given else base_pretrained
-        result["base"]["weights"] = checkpoint or ("timm pretrained" if pretrained else None)
+        if base_spec == BASE_FROM_ARTIFACT:
+            base_spec, base_checkpoint = base.source.spec, base.source.checkpoint
+            base_pretrained = base.source.pretrained
+        result["base"]["spec"] = base_spec
+        result["base"]["weights"] = base_checkpoint or (
+            "timm pretrained" if base_pretrained else None)
         result["delta_top1"] = result["top1"] - result["base"]["top1"]
         result["delta_top5"] = result["top5"] - result["base"]["top5"]
         result["environment"] = environment
@@ -119,7 +121,7 @@ def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrai
         return
     for column in ("", "top-1 (%)", "top-5 (%)", "params (M)", "GMACs", "throughput (img/s)"):
         table.add_column(column, justify="left" if not column else "right")
-    for key, label in (("base", f"base {result['base']['spec']}"), ("compressed", model_spec)):
+    for key, label in (("base", f"base {base_spec}"), ("compressed", model_spec)):
         row = result[key]
         table.add_row(label, f"{row['top1']:.2f}", f"{row['top5']:.2f}",
                       f"{row['params'] / 1e6:.2f}", f"{row['gmacs']:.3f}",

@@ -53,6 +53,14 @@ def load_from_options(model_spec: str, model_args: tuple[str, ...], checkpoint: 
 BASE_FROM_ARTIFACT = "source"
 
 
+def base_options_given(base_args: tuple[str, ...], base_checkpoint: str | None,
+                       base_pretrained: bool) -> list[str]:
+    """The ``--base-*`` options the user passed, by flag name (for refusals)."""
+    return [name for name, used in (("--base-model-arg", base_args),
+                                    ("--base-checkpoint", base_checkpoint),
+                                    ("--base-pretrained", base_pretrained)) if used]
+
+
 def load_base_from_options(base_spec: str, base_args: tuple[str, ...],
                            base_checkpoint: str | None, base_pretrained: bool,
                            model: LoadedModel) -> LoadedModel:
@@ -60,9 +68,7 @@ def load_base_from_options(base_spec: str, base_args: tuple[str, ...],
     compressed ``model`` records (spec, model arguments and base weights)."""
     from vitcompress.artifact import load_artifact_base
 
-    given = [name for name, used in (("--base-model-arg", base_args),
-                                     ("--base-checkpoint", base_checkpoint),
-                                     ("--base-pretrained", base_pretrained)) if used]
+    given = base_options_given(base_args, base_checkpoint, base_pretrained)
     if given and os.path.isfile(os.path.join(base_spec, ARTIFACT_MARKER)):
         raise ModelLoadError(f"--base {base_spec} is a compressed model that fixes its "
                              f"architecture and weights; drop {', '.join(given)}")

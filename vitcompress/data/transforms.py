@@ -130,21 +130,14 @@ def posterize_keeping_zero_bits(img: Image.Image, bits_to_keep: int, **_: Any) -
     return auto_augment.posterize(img, bits_to_keep)
 
 
-def guard_posterize(transform: Any) -> int:
+def guard_posterize(transform: Any) -> None:
     """Swap timm's posterize for ``posterize_keeping_zero_bits`` in every augmentation op
-    inside ``transform`` (a Compose, RandAugment, AutoAugment or AugMix); returns the count."""
-    count = 0
+    inside ``transform`` (a Compose, RandAugment, AutoAugment or AugMix)."""
     if getattr(transform, "aug_fn", None) is auto_augment.posterize:
         transform.aug_fn = posterize_keeping_zero_bits
-        return 1
-    children: list[Any] = []
+        return
     for attribute in ("transforms", "ops", "policy"):
-        value = getattr(transform, attribute, None)
-        if isinstance(value, (list, tuple)):
-            children.extend(value)
-    for child in children:
-        if isinstance(child, (list, tuple)):  # AutoAugment: a policy is a list of sub-policies
-            count += sum(guard_posterize(op) for op in child)
-        else:
-            count += guard_posterize(child)
-    return count
+        for child in getattr(transform, attribute, None) or ():
+            # AutoAugment's policy is a list of sub-policies, each a list of ops.
+            for op in child if isinstance(child, (list, tuple)) else (child,):
+                guard_posterize(op)

@@ -47,7 +47,7 @@ def match_hosts_cosine(donors: Tensor, hosts: Tensor) -> tuple[Tensor, Tensor]:
     h = hosts.float()
     h = h / (h.norm(dim=-1, keepdim=True) + _NORM_EPS)
     best, host_index = (d @ h.transpose(-2, -1)).max(dim=-1)
-    return host_index, best.float() / (d.norm(dim=-1) + _NORM_EPS)
+    return host_index, best / (d.norm(dim=-1) + _NORM_EPS)
 
 
 def fuse_into_hosts(
