@@ -144,7 +144,39 @@ def make_plan(model_map: ModelMap, variant: str, keep: float | list[float] | str
         locations.append(Location(block=block_index, stage=block.stage, step=len(earlier) + 1,
                                   keep=rho, cumulative_keep=cumulative,
                                   patch_tokens=patch_tokens, keep_tokens=keep_tokens))
-    return Plan(variant=variant, policy=policy, locations=locations)
+    plan = Plan(variant=variant, policy=policy, locations=locations)
+    refusal = position_refusal(model_map, plan)
+    if refusal is not None:
+        raise PlanError(refusal)
+    return plan
+
+
+_MEETS = {"attention bias": "attention logits", "query/key table": "queries/keys",
+          "token table": "tokens"}
+
+
+def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
+    """One line naming the first position table that would see reduced tokens, else ``None``.
+
+    Reductions act per stage (a stage's exit gives the next stage its full grid back). A
+    predictor variant reduces before its block, so the whole block sees fewer tokens; an
+    attention variant reduces after the block's attention residual, so only its MLP does.
+    """
+    first: dict[int, Location] = {}
+    for loc in plan.locations:
+        first.setdefault(loc.stage, loc)
+    for block in model_map.blocks:
+        loc = first.get(block.stage)
+        if loc is None or block.index < loc.block:
+            continue
+        for use in block.position_uses:
+            if block.index == loc.block and plan.scorer == "attention" and use.branch != "mlp":
+                continue
+            return (f"block {block.index} ({use.path}) applies the position table {use.table} "
+                    f"to its {_MEETS[use.kind]} after the token reduction at block {loc.block}: "
+                    "the table is indexed by token position and cannot follow the kept tokens, "
+                    f"so {plan.variant} is refused rather than giving wrong logits")
+    return None
 
 
 def plan_from_json(data: dict[str, Any]) -> Plan:

@@ -9,7 +9,9 @@ recorded on an example input:
   ``branch``; a block is an attention residual followed by the MLP residual built on its output;
 - stages: runs of blocks chained output-to-input; a stage's prefix tokens are the operands of the
   token ``cat`` that do not derive from the image, its grid the last (B, C, H, W) tensor upstream;
-- grid ops: convs and pools inside a block whose input is tokens reshaped to a 2-D grid.
+- grid ops: convs and pools inside a block whose input is tokens reshaped to a 2-D grid;
+- position uses: tensors laid out by token position that meet the tokens inside a block
+  (``positions.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.fx as fx
 from vitcompress.graph import ops
 from vitcompress.graph.capture import CapturedGraph
 from vitcompress.graph.model_map import AttentionCore, Block, GridOp, ModelMap, Stage
+from vitcompress.graph.positions import find_position_uses
 
 
 class MappingError(Exception):
@@ -338,6 +341,10 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 prefix_tokens=stage.prefix_tokens, input_node=entry.name,
                 attn_add_node=attn.add.name, output_node=mlp.add.name,
                 grid_ops=_grid_ops(gm, attn, mlp, anc),
+                position_uses=find_position_uses(
+                    gm, image, {"attention": attn.nodes + [attn.add],
+                                "mlp": mlp.nodes + [mlp.add]},
+                    core, tokens, stage.prefix_tokens, anc.is_ancestor),
             )
         )
     for stage, following in zip(stages, stages[1:] + [None], strict=True):

@@ -7,6 +7,7 @@ rewriter can find the places again without re-running the analysis.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,6 +29,24 @@ class GridOp:
 
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "kind": self.kind, "branch": self.branch, "grid": list(self.grid)}
+
+
+@dataclass
+class PositionUse:
+    """A tensor laid out by token position that meets the tokens inside a block (see
+    ``positions.py``): after a token reduction it must follow the kept tokens."""
+
+    table: str  # the parameter/buffer it is built from, or "a constant (N, D) tensor"
+    kind: str  # "attention bias", "query/key table" or "token table"
+    branch: str  # "attention" or "mlp"
+    path: str  # module path of the op where it meets the tokens
+    node: str  # that op
+    table_node: str  # the position tensor as the op reads it
+    shape: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"table": self.table, "kind": self.kind, "branch": self.branch, "path": self.path,
+                "shape": list(self.shape)}
 
 
 @dataclass
@@ -57,6 +76,7 @@ class Block:
     attn_add_node: str  # residual add closing the attention branch
     output_node: str  # residual add closing the MLP branch
     grid_ops: list[GridOp] = field(default_factory=list)
+    position_uses: list[PositionUse] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -70,6 +90,9 @@ class Block:
             "grid": list(self.grid),
             "prefix_tokens": self.prefix_tokens,
             "grid_ops": [op.to_json() for op in self.grid_ops],
+            # One entry per table and place (RoPE meets q and k with both its sin and cos rows).
+            "position_uses": list({json.dumps(u.to_json()): u.to_json()
+                                   for u in self.position_uses}.values()),
         }
 
 
