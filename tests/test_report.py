@@ -1,5 +1,6 @@
 """`vitcompress report`: the JSON of real apply, bench, eval and finetune runs in one table."""
 
+import hashlib
 import json
 
 import pytest
@@ -92,19 +93,101 @@ def test_report_json_with_the_artifact_and_a_finetune_summary(runs, tmp_path):
         "out": str(tmp_path / "mha_dtps_ft")}))
     data = run_json("report", paths["apply"], art / "vitcompress.json", finetuned)
     rows = {row["name"]: row for row in data["rows"]}
-    assert set(rows) == {"apply (base)", "mha_dtps", "mha_dtps_ft"}
+    assert set(rows) == {"inhouse.py:mha_vit", "mha_dtps", "mha_dtps_ft"}
     assert rows["mha_dtps"]["macs"] == outputs["apply"]["compressed"]["macs"]
     assert len(rows["mha_dtps"]["sources"]) == 2  # apply and the artifact's own JSON
     assert rows["mha_dtps_ft"]["top1"] == pytest.approx(75.0)
     assert rows["mha_dtps_ft"]["keep"] == "0.5" and rows["mha_dtps_ft"]["gmacs"] is None
 
 
-def test_rows_with_equal_cost_but_different_accuracy_stay_apart():
+def test_rows_join_on_identity_never_on_equal_cost():
+    same = {"kind": "timm", "source": "deit_tiny_patch16_224", "model_args": {},
+            "weights": "random", "input_size": [3, 224, 224]}
     a = ReportRow(name="a", variant="dtps", keep="0.7", params=10, macs=20, top1=50.0)
-    b = ReportRow(name="b", params=10, macs=20, top1=60.0)
-    c = ReportRow(name="c", params=10, macs=20, throughput=5.0)
-    merged = merge_rows([a, b, c])
-    assert [r.name for r in merged] == ["a", "b"] and merged[0].throughput == 5.0
+    b = ReportRow(name="b", params=10, macs=20, throughput=5.0)  # no identity: joins nothing
+    c = ReportRow(name="c", params=10, macs=20, identity=same | {"spec": "x"}, throughput=7.0)
+    d = ReportRow(name="d", params=10, macs=20, identity=same | {"spec": "y"}, top1=60.0)
+    e = ReportRow(name="e", params=10, macs=20, identity=same, top1=61.0)  # other data
+    merged = merge_rows([a, b, c, d, e])
+    assert [r.name for r in merged] == ["a", "b", "c", "e"]
+    assert merged[0].throughput is None and (merged[2].throughput, merged[2].top1) == (7.0, 60.0)
+
+
+def _apply(model_args: tuple[str, ...], out, timing=("--no-throughput",)) -> dict:
+    return run_json("apply", "--model", MHA, *model_args, "--variant", "dtps", "--keep", "0.5",
+                    "--locs", "1,2", "--out", out, *timing)
+
+
+def test_every_result_names_its_model(runs):
+    root, art, outputs, paths = runs
+    weights = hashlib.sha256((art / "model.safetensors").read_bytes()).hexdigest()
+    for identity in (outputs["bench"]["identity"], outputs["apply"]["compressed"]["identity"]):
+        assert identity["kind"] == "artifact" and identity["path"] == str(art.resolve())
+        assert identity["weights_sha256"] == weights
+    base = outputs["apply"]["base"]["identity"]
+    assert base["kind"] == "file" and base["path"] == str(FIXTURES.resolve())
+    assert base["weights"] == "random" and base["input_size"] == [3, 32, 32]
+    assert outputs["bench"]["model"] == str(art)
+
+
+def test_throughput_goes_to_its_own_model_not_to_one_of_equal_cost(tmp_path):
+    """Two dTPS artifacts of one base: equal params and MACs, different predictor weights."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    files = {"first": _apply((), first), "second": _apply((), second),
+             "bench": run_json("bench", "--model", second, "--batch-size", "2", "--runs", "1",
+                               "--warmup", "0")}
+    assert files["first"]["compressed"]["macs"] == files["second"]["compressed"]["macs"]
+    assert (files["first"]["compressed"]["identity"]["weights_sha256"]
+            != files["second"]["compressed"]["identity"]["weights_sha256"])
+    for name, data in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    data = run_json("report", *(tmp_path / f"{name}.json" for name in files))
+    rows = {row["name"]: row for row in data["rows"]}
+    assert set(rows) == {"inhouse.py:mha_vit", "first", "second"}
+    assert rows["first"]["throughput"] is None
+    assert rows["second"]["throughput"] == pytest.approx(files["bench"]["throughput"])
+
+
+def test_one_artifact_by_relative_and_absolute_path_is_one_row(tmp_path, monkeypatch):
+    (tmp_path / "work").mkdir()
+    (tmp_path / "json").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    applied = _apply((), "art")  # relative --out
+    data = write_image_folder(tmp_path / "imgs", per_class=2)
+    evaluated = run_json("eval", "--model", tmp_path / "work" / "art", "--data", data,
+                         "--batch-size", "4", "--no-throughput")
+    (tmp_path / "json" / "apply.json").write_text(json.dumps(applied))
+    (tmp_path / "json" / "eval.json").write_text(json.dumps(evaluated))
+    monkeypatch.chdir(tmp_path)  # the report is made from elsewhere
+    rows = run_json("report", "json/apply.json", "json/eval.json")["rows"]
+    assert [row["name"] for row in rows] == ["inhouse.py:mha_vit", "art"]
+    assert rows[1]["top1"] == pytest.approx(evaluated["top1"])
+    assert rows[1]["macs"] == applied["compressed"]["macs"]
+
+
+def test_models_of_one_name_and_plan_get_unique_names_and_plot_labels(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    labels: list[str] = []
+    annotate = matplotlib.axes.Axes.annotate
+    monkeypatch.setattr(matplotlib.axes.Axes, "annotate",
+                        lambda self, text, *a, **k: labels.append(text) or annotate(self, text,
+                                                                                    *a, **k))
+    files = []
+    for folder, args in (("a", ()), ("b", ("--model-arg", "depth=3"))):
+        path = tmp_path / f"{folder}.json"
+        timing = ("--batch-size", "2", "--runs", "1", "--warmup", "0")
+        path.write_text(json.dumps(_apply(args, tmp_path / folder / "dtps", timing)))
+        files.append(path)
+    result = run("report", *files, "--out-png", tmp_path / "plot.png", "--out-md",
+                 tmp_path / "t.md")
+    assert result.exit_code == 0, result.output
+    names = list(parse_markdown((tmp_path / "t.md").read_text()))
+    assert len(names) == len(set(names)) == 4  # two bases (depth 4 and 3), two artifacts
+    assert {"a/dtps", "b/dtps"} <= set(names)
+    assert len(labels) == 4 and len(set(labels)) == 4  # the throughput panel: every model once
+    assert {"a/dtps (dtps 0.5)", "b/dtps (dtps 0.5)"} <= set(labels)
 
 
 @pytest.mark.parametrize("content, message", [

@@ -26,6 +26,7 @@ from vitcompress.cli.options import (
 )
 from vitcompress.loading import ModelLoadError
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, check_gates, require
+from vitcompress.workflows.identity import model_identity
 
 
 @cli.command(name="eval")
@@ -86,6 +87,7 @@ def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrai
                               "input_size": list(loaded.input_size),
                               "images": accuracy["model"]["images"],
                               "top1": accuracy["model"]["top1"], "top5": accuracy["model"]["top5"]}
+    result["identity"] = model_identity(loaded, model_spec)  # what report joins on
     if base_spec:
         measured, environment = measure_models(models, loaded.input_size, timing)
         for name, key in (("base", "base"), ("model", "compressed")):
@@ -96,6 +98,7 @@ def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrai
             base_spec, base_checkpoint = base.source.spec, base.source.checkpoint
             base_pretrained = base.source.pretrained
         result["base"]["spec"] = base_spec
+        result["base"]["identity"] = model_identity(base, base_spec)
         result["base"]["weights"] = base_checkpoint or (
             "timm pretrained" if base_pretrained else None)
         result["delta_top1"] = result["top1"] - result["base"]["top1"]

@@ -21,6 +21,7 @@ from vitcompress.cli.options import (
 )
 from vitcompress.plan import VARIANTS
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, check_gates, require
+from vitcompress.workflows.identity import artifact_identity, model_identity, unsaved_identity
 
 
 @cli.command()
@@ -72,7 +73,8 @@ def bench(model_spec, model_args, checkpoint, pretrained, input_size, timing, bo
     })
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
     measured, environment = measure_models({"model": loaded.model}, loaded.input_size, timing)
-    result = {**measured["model"].to_json(), "input_size": list(loaded.input_size),
+    result = {"model": model_spec, "identity": model_identity(loaded, model_spec),
+              **measured["model"].to_json(), "input_size": list(loaded.input_size),
               "environment": environment}
     gates = check_gates(bounds, {"gmacs": result["gmacs"]})
     result["gates"] = [g.to_json() for g in gates]
@@ -119,6 +121,11 @@ def apply(model_spec, model_args, checkpoint, pretrained, input_size, variant, k
     result = run_apply(loaded, variant=variant, keep=keep, locs=locs, policy=policy, out=out,
                        timing=timing)
     data = result.to_json()
+    data["input_size"] = list(loaded.input_size)
+    data["base"]["identity"] = model_identity(loaded, model_spec)
+    data["compressed"]["identity"] = (
+        artifact_identity(result.out, loaded.input_size) if result.out is not None
+        else unsaved_identity(data["base"]["identity"], data["plan"]))
     gates = check_gates(bounds, {"speedup": data["speedup"],
                                  "gmacs": data["compressed"]["gmacs"]})
     data["gates"] = [g.to_json() for g in gates]

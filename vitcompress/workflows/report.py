@@ -1,9 +1,13 @@
 """Merge the JSON outputs of ``apply``, ``bench``, ``eval`` and ``finetune`` into one comparison.
 
 Each file becomes one or two rows (a base and a compressed model where the file holds both). Rows
-that describe the same model are merged: the same artifact path, or the same params and MACs with
-no disagreement on variant, keep or top-1. A field already filled is kept (files are read in the
-order given), so the first measurement of a throughput wins.
+are joined on the identity of their model (:mod:`vitcompress.workflows.identity`): the same
+artifact content under any path, or the same timm name, file or module with the same arguments,
+weights and input size. Equal cost never joins two rows: two models can share params and MACs. A
+result without an identity (from an older version, or a compressed model that was not saved)
+stays a row of its own. A field already filled is kept (files are read in the order given), so the
+first measurement of a throughput wins; two results of one model that disagree on top-1 (another
+data set) stay two rows.
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vitcompress.loading import ARTIFACT_MARKER
+from vitcompress.workflows.identity import artifact_identity, identity_key
 
 __all__ = [
     "ReportError",
@@ -51,7 +56,11 @@ class ReportRow:
     top5: float | None = None
     sources: list[str] = field(default_factory=list)
     paths: set[str] = field(default_factory=set)
-    fallback_name: bool = False  # named after its file, for want of a model spec or path
+    identity: dict[str, Any] | None = None  # what the model is; None: joins with nothing
+
+    @property
+    def key(self) -> str | None:
+        return identity_key(self.identity)
 
     @property
     def gmacs(self) -> float | None:
@@ -64,11 +73,13 @@ class ReportRow:
         return f"{self.variant} {self.keep}" if self.keep else str(self.variant)
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["paths"] = sorted(self.paths)
-        data.pop("fallback_name")
-        data["gmacs"] = self.gmacs
-        return data
+        return {
+            "name": self.name, "variant": self.variant, "keep": self.keep,
+            "params": self.params, "macs": self.macs, "gmacs": self.gmacs,
+            "throughput": self.throughput, "top1": self.top1, "top5": self.top5,
+            "identity": self.identity, "sources": list(self.sources),
+            "paths": sorted(self.paths),
+        }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -114,44 +125,64 @@ def _kind_hint(data: dict[str, Any]) -> str:
 def _classify(data: dict[str, Any], path: Path) -> list[ReportRow] | None:
     stem = path.stem if path.name != ARTIFACT_MARKER else path.parent.name
     if "finetune" in data and isinstance(data["finetune"], dict):  # a fine-tuned artifact
-        return [_finetune_row(data["finetune"], data.get("plan") or {}, path.parent, stem)]
+        return [_artifact_row(path.parent, data.get("plan") or {}, data["finetune"], stem)]
     if "history" in data and "val_top1" in data:  # finetune --json
-        return [_finetune_row(data, data, _path_or_none(data.get("out"), path), stem)]
+        return [_artifact_row(_path_or_none(data.get("out"), path), data, data, stem)]
     if "plan" in data and "source" in data:  # a compressed artifact's vitcompress.json
-        plan = data["plan"]
-        row = ReportRow(name=stem, variant=str(plan["variant"]), keep=_keep_text(plan.get("keep")))
-        row.paths.add(str(path.parent.resolve()))
-        return [row]
+        return [_artifact_row(path.parent, data["plan"], None, stem)]
     if "top1" in data:  # eval --json
         return _eval_rows(data, path, stem)
     if "plan" in data and "base" in data and "compressed" in data:  # apply --json
         return _apply_rows(data, path, stem)
     if "params" in data and "macs" in data:  # bench --json
-        return [_measured(ReportRow(name=stem, fallback_name=True), data)]
+        return [_measured(_named_row(data.get("identity"), data.get("model"), stem), data)]
     return None
+
+
+def _named_row(identity: Any, spec: Any, fallback: str, **fields: Any) -> ReportRow:
+    """A row for the model ``identity`` names (``spec``, the --model as typed, when there is
+    none), called after what it is, else after ``fallback`` (its file)."""
+    identity = identity if isinstance(identity, dict) else None
+    row = ReportRow(name=_identity_name(identity) or _short_spec(spec) or fallback,
+                    identity=identity, **fields)
+    if identity and identity.get("path"):
+        row.paths.add(str(identity["path"]))
+    return row
+
+
+def _identity_name(identity: dict[str, Any] | None) -> str | None:
+    if not identity:
+        return None
+    if identity.get("kind") == "artifact" and identity.get("path"):
+        return Path(str(identity["path"])).name
+    if identity.get("kind") == "unsaved" and isinstance(identity.get("base"), dict):
+        base = _identity_name(identity["base"])
+        return f"{base} (compressed, not saved)" if base else None
+    return _short_spec(identity.get("source") or identity.get("spec"))
 
 
 def _apply_rows(data: dict[str, Any], path: Path, stem: str) -> list[ReportRow]:
     plan = data["plan"]
-    base = _measured(ReportRow(name=f"{stem} (base)", variant="none", fallback_name=True),
-                     data["base"])
+    base = _measured(_named_row(data["base"].get("identity"), None, f"{stem} (base)",
+                                variant="none"), data["base"])
+    keep = _keep_text(plan.get("keep"))
+    identity = data["compressed"].get("identity")
     out = _path_or_none(data.get("out"), path)
-    compressed = ReportRow(name=out.name if out else stem, variant=str(plan["variant"]),
-                           keep=_keep_text(plan.get("keep")), fallback_name=out is None)
-    if out:
-        compressed.paths.add(str(out))
+    if identity is None and out is not None:  # written before results named their model
+        identity = artifact_identity(out)
+    compressed = _named_row(identity, None, out.name if out else stem,
+                            variant=str(plan["variant"]), keep=keep)
     return [base, _measured(compressed, data["compressed"])]
 
 
 def _eval_rows(data: dict[str, Any], path: Path, stem: str) -> list[ReportRow]:
-    model = ReportRow(name=_short_spec(data.get("model")) or stem,
-                      fallback_name=not data.get("model"))
-    _add_spec(model, data.get("model"), path)
+    model = _named_row(data.get("identity") or _spec_identity(data.get("model"), path),
+                       data.get("model"), stem)
+    _read_plan(model)
     if isinstance(data.get("compressed"), dict) and isinstance(data.get("base"), dict):
         base_data = data["base"]
-        base = ReportRow(name=_short_spec(base_data.get("spec")) or f"{stem} (base)",
-                         variant="none", fallback_name=not base_data.get("spec"))
-        _add_spec(base, base_data.get("spec"), path)
+        base = _named_row(base_data.get("identity") or _spec_identity(base_data.get("spec"), path),
+                          base_data.get("spec"), f"{stem} (base)", variant="none")
         base.top1, base.top5 = _number(base_data["top1"]), _number(base_data.get("top5"))
         _measured(base, base_data)
         _measured(model, data["compressed"])
@@ -161,16 +192,19 @@ def _eval_rows(data: dict[str, Any], path: Path, stem: str) -> list[ReportRow]:
     return [model]
 
 
-def _finetune_row(summary: dict[str, Any], plan: dict[str, Any], out: Path | None,
+def _artifact_row(directory: Path | None, plan: dict[str, Any], summary: dict[str, Any] | None,
                   stem: str) -> ReportRow:
-    top1 = summary.get("val_top1")
-    row = ReportRow(name=out.name if out else stem, fallback_name=out is None,
-                    variant=str(plan["variant"]) if plan.get("variant") else None,
-                    keep=_keep_text(plan.get("keep")),
-                    # fine-tuning records a fraction; eval and the table use percent
-                    top1=None if top1 is None else 100.0 * float(top1))
-    if out:
-        row.paths.add(str(out))
+    """An artifact named by its folder: its own ``vitcompress.json``, or a fine-tuning summary
+    (``val_top1``, a fraction) of the model written there."""
+    identity = artifact_identity(directory) if directory is not None else None
+    top1 = summary.get("val_top1") if summary else None
+    row = _named_row(identity, None, directory.name if directory else stem,
+                     variant=str(plan["variant"]) if plan.get("variant") else None,
+                     keep=_keep_text(plan.get("keep")),
+                     # fine-tuning records a fraction; eval and the table use percent
+                     top1=None if top1 is None else 100.0 * float(top1))
+    if directory is not None:
+        row.paths.add(str(directory.resolve()))
     return row
 
 
@@ -217,18 +251,23 @@ def _path_or_none(value: Any, source: Path) -> Path | None:
     return candidate.resolve()
 
 
-def _add_spec(row: ReportRow, spec: Any, source: Path) -> None:
-    """A --model spec that is an artifact: remember its path and read its plan."""
-    if not spec:
-        return
+def _spec_identity(spec: Any, source: Path) -> dict[str, Any] | None:
+    """For results written before they named their model: a --model that is an artifact
+    directory (tried as written, then beside the JSON file), hashed now."""
     directory = _path_or_none(spec, source)
     if directory is None or not (directory / ARTIFACT_MARKER).is_file():
+        return None
+    return artifact_identity(directory)
+
+
+def _read_plan(row: ReportRow) -> None:
+    """Variant and keep of an artifact row, from its directory's plan."""
+    if not row.identity or row.identity.get("kind") != "artifact":
         return
-    row.paths.add(str(directory))
-    row.name = directory.name
     try:
-        plan = json.loads((directory / ARTIFACT_MARKER).read_text()).get("plan") or {}
-    except (OSError, ValueError):
+        marker = Path(str(row.identity["path"])) / ARTIFACT_MARKER
+        plan = json.loads(marker.read_text()).get("plan") or {}
+    except (OSError, ValueError, AttributeError):
         return
     if plan.get("variant"):
         row.variant = str(plan["variant"])
@@ -243,12 +282,10 @@ _FILLED = ("variant", "keep", "params", "macs", "throughput", "top1", "top5")
 
 
 def _same_model(a: ReportRow, b: ReportRow) -> bool:
-    if a.paths & b.paths:
-        return True
-    if a.params is None or a.macs is None or (a.params, a.macs) != (b.params, b.macs):
+    if a.key is None or a.key != b.key:
         return False
-    # Equal cost; still different models if they disagree on what they are or how they score
-    # (a compressed model before and after fine-tuning).
+    # One model; still two rows when the results disagree on what they measured (top-1 on
+    # another data set, or a plan read from a folder that has since been written again).
     return all(getattr(a, key) is None or getattr(b, key) is None
                or getattr(a, key) == getattr(b, key) for key in ("variant", "keep", "top1"))
 
@@ -257,14 +294,12 @@ def _absorb(into: ReportRow, other: ReportRow) -> None:
     for key in _FILLED:
         if getattr(into, key) is None and getattr(other, key) is not None:
             setattr(into, key, getattr(other, key))
-    # A name taken from a path or spec is more telling than one taken from a file name.
-    if (other.paths and not into.paths) or (into.fallback_name and not other.fallback_name):
-        into.name, into.fallback_name = other.name, other.fallback_name
     into.paths |= other.paths
     into.sources.extend(s for s in other.sources if s not in into.sources)
 
 
 def merge_rows(rows: Iterable[ReportRow]) -> list[ReportRow]:
+    """Rows of one model joined into one; every row's name unique afterwards."""
     merged: list[ReportRow] = []
     for row in rows:
         for existing in merged:
@@ -273,7 +308,44 @@ def merge_rows(rows: Iterable[ReportRow]) -> list[ReportRow]:
                 break
         else:
             merged.append(row)
+    _make_names_unique(merged)
     return merged
+
+
+def _make_names_unique(rows: list[ReportRow]) -> None:
+    """Rows of different models that would print the same name: artifacts gain the folders above
+    them until they differ; anything else gains a short hash of what it is."""
+    by_name: dict[str, list[ReportRow]] = {}
+    for row in rows:
+        by_name.setdefault(row.name, []).append(row)
+    taken = {row.name for row in rows}
+    for name, clash in by_name.items():
+        if len(clash) < 2:
+            continue
+        for i, row in enumerate(clash):
+            new = _path_name(row, clash) or f"{name} #{(row.key or str(i + 1))[:6]}"
+            while new in taken:
+                new = f"{new}'"
+            taken.add(new)
+            row.name = new
+
+
+def _path_name(row: ReportRow, clash: list[ReportRow]) -> str | None:
+    """The shortest trailing part of the row's artifact path that the other rows do not share."""
+    def parts(r: ReportRow) -> tuple[str, ...] | None:
+        if not r.identity or r.identity.get("kind") != "artifact" or not r.identity.get("path"):
+            return None
+        return Path(str(r.identity["path"])).parts
+
+    mine = parts(row)
+    others = [parts(r) for r in clash if r is not row]
+    if mine is None or any(p is None or p == mine for p in others):
+        return None
+    for depth in range(2, len(mine) + 1):
+        tail = mine[-depth:]
+        if all(p[-depth:] != tail for p in others if p is not None):
+            return "/".join(tail).lstrip("/")
+    return None
 
 
 def load_rows(paths: Sequence[str | Path]) -> list[ReportRow]:
@@ -329,7 +401,8 @@ def import_pyplot() -> Any:
 
 
 def render_png(rows: Sequence[ReportRow], out: str | Path) -> Path:
-    """Two panels: top-1 vs GMACs and throughput vs GMACs, points labelled by variant and keep."""
+    """Two panels: top-1 vs GMACs and throughput vs GMACs, each point labelled with its row's
+    (unique) name and its variant and keep."""
     plt = import_pyplot()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -343,7 +416,7 @@ def render_png(rows: Sequence[ReportRow], out: str | Path) -> Path:
             base = row.variant in (None, "none")
             ax.scatter([x], [y], marker="s" if base else "o", s=48,
                        color="0.3" if base else f"C{_variant_colour(row.variant)}", zorder=3)
-            ax.annotate(row.label, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+            ax.annotate(point_label(row), (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
         if not points:
             ax.text(0.5, 0.5, f"no rows with GMACs and {ylabel}", ha="center", va="center",
                     transform=ax.transAxes, color="0.4")
@@ -355,6 +428,11 @@ def render_png(rows: Sequence[ReportRow], out: str | Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def point_label(row: ReportRow) -> str:
+    """``name (dtps 0.7)``: unique, because row names are (:func:`merge_rows`)."""
+    return f"{row.name} ({row.label})"
 
 
 def _variant_colour(variant: str | None) -> int:
