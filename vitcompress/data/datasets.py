@@ -11,15 +11,16 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
+from timm.data.constants import DEFAULT_CROP_PCT
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
 
+from vitcompress.data.config import DEFAULTS_SOURCE, DataConfig
 from vitcompress.data.transforms import (
     AugmentConfig,
     DataError,
     build_transform,
     check_input_size,
-    normalisation,
 )
 
 FASHION_MNIST = "fashion-mnist"
@@ -36,27 +37,57 @@ _IDX_UBYTE = 0x08  # element type code for unsigned bytes in the IDX header
 def build_dataset(data: str, split: str, input_size: tuple[int, int, int],
                   augment: AugmentConfig | None = None, data_dir: str | None = None,
                   mean: Sequence[float] | None = None,
-                  std: Sequence[float] | None = None) -> Dataset:
-    """A dataset of ``(normalised float tensor (C, H, W), int label)`` with ``.classes``.
+                  std: Sequence[float] | None = None,
+                  data_config: DataConfig | None = None) -> Dataset:
+    """A dataset of ``(normalised float tensor (C, H, W), int label)`` with ``.classes`` and
+    ``.data_config``, the config its images are brought to the model with.
 
     ``data`` is an ImageFolder tree with ``train/`` and ``val/`` or the word ``fashion-mnist``.
     ``augment`` only applies to the train split; None means the data's default preset
     (``light()`` for Fashion-MNIST, ``deit()`` for folders). A preset with nothing random
     (``none()``) gives the train split the deterministic evaluation transform.
+    ``data_config`` (from ``resolve_data_config``) sets normalisation, interpolation and crop;
+    without it, ``mean``/``std`` (default ImageNet's) with bicubic. A config without a
+    ``crop_pct`` gets the one the images' size calls for (see ``_crop_for``).
     """
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}: expected one of {', '.join(SPLITS)}")
     size = check_input_size(input_size)
-    mean_t, std_t = normalisation(size[0], mean, std)
+    config = _config_for(size[0], mean, std, data_config)
     train = split == "train"
     if data.strip().lower() in (FASHION_MNIST, "fashion_mnist", "fashionmnist"):
         augment = augment or AugmentConfig.light()
         images, labels = load_fashion_mnist(split, data_dir)
-        # The images (28 px) are never larger than the model's input: crop nothing away.
-        transform = build_transform(size, train, augment, mean_t, std_t, crop_pct=1.0)
-        return IdxDataset(images, labels, FASHION_MNIST_CLASSES, transform, channels=size[0])
-    augment = augment or AugmentConfig.deit()
-    return _image_folder(data, split, size, train, augment, mean_t, std_t)
+        if config.crop_pct is None:
+            # Resized to any input size, a 28-px image has no border to spare.
+            config = config.with_field("crop_pct", 1.0,
+                                       f"{DEFAULTS_SOURCE}: Fashion-MNIST images are not cropped")
+        dataset = IdxDataset(images, labels, FASHION_MNIST_CLASSES,
+                             _transform(size, train, augment, config), channels=size[0])
+    else:
+        dataset = _image_folder(data, split, size, train, augment or AugmentConfig.deit(),
+                                config)
+    dataset.data_config = config
+    return dataset
+
+
+def _config_for(channels: int, mean: Sequence[float] | None, std: Sequence[float] | None,
+                data_config: DataConfig | None) -> DataConfig:
+    if data_config is not None:
+        if mean is not None or std is not None:
+            raise ValueError("pass mean and std inside data_config, not beside it")
+        return data_config.for_channels(channels)
+    given = {name: tuple(float(v) for v in values)
+             for name, values in (("mean", mean), ("std", std)) if values is not None}
+    sources = {name: "build_dataset argument" for name in given}
+    return DataConfig(**given, sources=sources, explicit=frozenset(given)).for_channels(channels)
+
+
+def _transform(size: tuple[int, int, int], train: bool, augment: AugmentConfig,
+               config: DataConfig) -> Callable[[Image.Image], torch.Tensor]:
+    return build_transform(size, train, augment, config.mean, config.std,
+                           crop_pct=config.crop_pct, interpolation=config.interpolation,
+                           crop_mode=config.crop_mode)
 
 
 def num_classes(dataset: Dataset) -> int:
@@ -74,8 +105,7 @@ def num_classes(dataset: Dataset) -> int:
 
 
 def _image_folder(data: str, split: str, size: tuple[int, int, int], train: bool,
-                  augment: AugmentConfig, mean: tuple[float, ...],
-                  std: tuple[float, ...]) -> Dataset:
+                  augment: AugmentConfig, config: DataConfig) -> Dataset:
     root = Path(data).expanduser()
     expected = "expected an ImageNet-style folder with train/ and val/, or 'fashion-mnist'"
     if not root.exists():
@@ -88,17 +118,16 @@ def _image_folder(data: str, split: str, size: tuple[int, int, int], train: bool
         raise DataError(f"data folder {data} has no {split}/ folder ({expected}; "
                         f"found {', '.join(found) + '/' if found else 'no subfolders'})")
     mode = "RGB" if size[0] == 3 else "L"
-    # Probe one image: small images (CIFAR-sized folders) must not lose a border to the
-    # center crop that suits ImageNet photos.
-    crop_pct = _crop_pct_for(split_dir, size)
-    transform = build_transform(size, train, augment, mean, std, crop_pct=crop_pct)
+    if config.crop_pct is None:
+        config = _crop_for(split_dir, size, config)
     try:
-        dataset = ImageFolder(str(split_dir), transform=transform,
+        dataset = ImageFolder(str(split_dir), transform=_transform(size, train, augment, config),
                               loader=_ImageLoader(mode))
     except FileNotFoundError as e:
         # torchvision says "Couldn't find any class folder" or "Found no valid file".
         raise DataError(f"{split_dir}: no images in class folders ({expected}: "
                         f"{split}/<class>/<image>; torchvision: {str(e).splitlines()[0]})") from e
+    dataset.data_config = config
     return dataset
 
 
@@ -119,7 +148,10 @@ class _ImageLoader:
             raise DataError(f"cannot read image {path}: {e}") from e
 
 
-def _crop_pct_for(split_dir: Path, size: tuple[int, int, int]) -> float | None:
+def _crop_for(split_dir: Path, size: tuple[int, int, int], config: DataConfig) -> DataConfig:
+    """The crop nobody stated, from the first readable image: images no larger than the input
+    (CIFAR-sized folders) must not lose a border to the center crop that suits ImageNet photos,
+    which get timm's default crop."""
     for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
         for file in sorted(class_dir.iterdir()):
             try:
@@ -127,8 +159,14 @@ def _crop_pct_for(split_dir: Path, size: tuple[int, int, int]) -> float | None:
                     width, height = img.size
             except (UnidentifiedImageError, OSError):
                 continue
-            return 1.0 if width < size[2] or height < size[1] else None
-    return None  # no readable image; ImageFolder reports the folder
+            if width <= size[2] or height <= size[1]:
+                return config.with_field("crop_pct", 1.0, f"{DEFAULTS_SOURCE}: images "
+                                         f"({width}x{height}) no larger than the input are "
+                                         f"not cropped")
+            return config.with_field("crop_pct", DEFAULT_CROP_PCT,
+                                     f"{DEFAULTS_SOURCE}: timm's crop for images ({width}x"
+                                     f"{height}) larger than the input")
+    return config  # no readable image; ImageFolder reports the folder
 
 
 # ---------------------------------------------------------------------------------------------

@@ -95,21 +95,25 @@ def normalisation(channels: int, mean: Sequence[float] | None,
 
 
 def build_transform(input_size: tuple[int, int, int], train: bool, augment: AugmentConfig,
-                    mean: tuple[float, ...], std: tuple[float, ...], crop_pct: float | None = None
+                    mean: tuple[float, ...], std: tuple[float, ...], crop_pct: float | None = None,
+                    interpolation: str = "bicubic", crop_mode: str = "center"
                     ) -> Callable[[Image.Image], torch.Tensor]:
     """timm's ImageNet transforms at the model's size, fed an image already in the model's mode.
 
     The caller converts images to "RGB" or "L" first, so a 28x28 grayscale digit goes through
-    exactly the same crop/flip/RandAugment/erasing code as an ImageNet photo.
+    exactly the same crop/flip/RandAugment/erasing code as an ImageNet photo. ``crop_pct`` and
+    ``crop_mode`` shape the evaluation transform (None: timm's 0.875); ``interpolation`` is used
+    by both.
     """
     channels, height, width = input_size
     if not train or augment.is_off:
         return create_transform((channels, height, width), is_training=False, crop_pct=crop_pct,
-                                interpolation="bicubic", mean=mean, std=std)
+                                crop_mode=crop_mode, interpolation=interpolation, mean=mean,
+                                std=std)
     transform = create_transform(
         (channels, height, width), is_training=True, scale=tuple(augment.crop_scale),
         hflip=augment.hflip, color_jitter=augment.color_jitter, auto_augment=augment.rand_augment,
-        interpolation="bicubic", mean=mean, std=std, re_prob=augment.random_erasing,
+        interpolation=interpolation, mean=mean, std=std, re_prob=augment.random_erasing,
         re_mode="pixel", re_count=1)
     guard_posterize(transform)
     return transform
