@@ -60,6 +60,13 @@ def compress(model: nn.Module, variant: str = "etps", keep: float | list[float] 
         # The attention residual add keeps the token count the block was entered with.
         vitcompress_block_nodes=[b.attn_add_node for b in model_map.blocks],
     )
+    from vitcompress.data.config import stated_data_config
+
+    # What the base states of its preprocessing, recorded by save(); the graph drops attributes.
+    data_config, data_config_from = stated_data_config(model)
+    if data_config:
+        metadata.update(vitcompress_data_config=data_config,
+                        vitcompress_data_config_from=data_config_from)
     cfg = getattr(model, "pretrained_cfg", None)
     if isinstance(cfg, dict) and cfg.get("architecture"):
         metadata["vitcompress_base_cfg"] = {"architecture": cfg["architecture"],

@@ -72,6 +72,8 @@ def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource |
                          else "timm pretrained" if source.pretrained else None),
         "input_size": list(size),
         "plan": plan,
+        # The preprocessing the model expects (docs/data.md); extra may name another.
+        "data_config": getattr(model, "vitcompress_data_config", None),
         **(extra or {}),
     }
     staging: Path | None = None
@@ -197,5 +199,10 @@ def load_artifact(directory: str | Path) -> LoadedModel:
             f"unexpected {sorted(unexpected)[:3]}"
         )
     model.eval()
-    attach(model, vitcompress_artifact=str(Path(directory).resolve()), vitcompress_source=source)
+    from vitcompress.data.config import artifact_data_config
+
+    data_config, data_config_from = artifact_data_config(meta, model, str(directory))
+    attach(model, vitcompress_artifact=str(Path(directory).resolve()), vitcompress_source=source,
+           vitcompress_data_config=data_config or None,
+           vitcompress_data_config_from=data_config_from or None)
     return LoadedModel(model=model, source=source, input_size=size)

@@ -247,14 +247,15 @@ def resolve_data_config(model: nn.Module, channels: int,
     return config.for_channels(channels)
 
 
-def artifact_data_config(meta: Mapping[str, Any], base: nn.Module,
+def artifact_data_config(meta: Mapping[str, Any], rebuilt: nn.Module,
                          directory: str) -> tuple[dict[str, Any], str]:
     """``(fields, where)`` for a compressed model saved in ``directory`` with ``meta``.
 
     A fine-tuned artifact uses the config it was fine-tuned with; one fine-tuned before the
     config was recorded was fed ImageNet's mean/std, bicubic, the only normalisation
-    ``finetune`` had. Otherwise the record ``apply`` wrote, else what the rebuilt ``base`` states
-    (an artifact written before records existed).
+    ``finetune`` had. Otherwise the record ``apply`` wrote, else what the base states (an
+    artifact written before records existed): ``rebuilt``, the model rebuilt from the base by
+    ``compress``, carries that.
     """
     where = f"{directory}/vitcompress.json"
     finetuned = meta.get("finetune")
@@ -267,8 +268,7 @@ def artifact_data_config(meta: Mapping[str, Any], base: nn.Module,
         return check_fields(recorded, f"{where} (finetune.data_config)"), where
     if meta.get("data_config") is not None:
         return check_fields(meta["data_config"], f"{where} (data_config)"), where
-    stated, base_where = stated_data_config(base)
-    return stated, f"the base model ({base_where})" if stated else ""
+    return stated_data_config(rebuilt)
 
 
 def defaults_note(config: DataConfig, name: str) -> str | None:
