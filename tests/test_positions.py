@@ -24,6 +24,8 @@ POSITION_FAMILIES = {
              "attention logits"),
     "vit_relpos": ("vit_relpos_base_patch16_224", "blocks.{}.attn.rel_pos", "attention logits"),
     "rope": ("vit_small_patch16_rope_224", "<constant (64, 32)>", "queries/keys"),
+    # RoPE sized from the patch grid at run time: reading a size does not make it image-derived.
+    "dinov3": ("vit_small_patch16_dinov3", "<constant (64, 32)>", "queries/keys"),
 }
 
 

@@ -48,7 +48,8 @@ def _sources(node: fx.Node, parameters: set[str]) -> list[str]:
             found["parameter" if target in parameters else "buffer"].add(target)
         elif current.op == "call_module":
             found["module"].add(str(current.target))
-        stack.extend(current.all_input_nodes)
+        # Edges that only read a size (``x.shape``) do not build the table from their source.
+        stack.extend(n for n in current.all_input_nodes if n.meta.get("carries_tensor", True))
     # Modules that compute a table together (an MLP over coordinates) are named by their parent.
     modules = [ops.common_path(sorted(found["module"]))] if found["module"] else []
     return sorted(found["parameter"]) + [m for m in modules if m] + sorted(found["buffer"])
@@ -93,7 +94,8 @@ def find_position_uses(gm: fx.GraphModule, image: fx.Node, branches: dict[str, l
     ``branches`` maps "attention"/"mlp" to the nodes of that residual branch (its closing add
     included); ``is_ancestor(a, b)`` says whether ``b`` reads data of ``a``.
     """
-    counts = {tokens, tokens - prefix_tokens}
+    # A count of 1 is no position (a class-attention block's single query token).
+    counts = {c for c in (tokens, tokens - prefix_tokens) if c > 1}
     nodes = {n.name: n for n in gm.graph.nodes}
     parameters = {name for name, _ in gm.named_parameters()}
     found: list[PositionUse] = []
