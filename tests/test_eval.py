@@ -61,7 +61,7 @@ def test_eval_cli_json(folder, model):
     result = run("eval", "--model", EINSUM, "--model-arg", "num_classes=2", "--data", str(folder),
                  "--batch-size", "4", "--json")
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert data["images"] == 10 and data["top5"] == 100.0 and 0 <= data["top1"] <= 100
     assert data["input_size"] == [3, 32, 32]
 
@@ -77,7 +77,7 @@ def test_eval_cli_against_a_base(folder):
     result = run("eval", "--model", EINSUM, "--model-arg", "num_classes=2", "--data", str(folder),
                  "--base", MHA, *FAST, "--json")
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert data["delta_top1"] == pytest.approx(data["top1"] - data["base"]["top1"])
     assert data["delta_top5"] == pytest.approx(data["top5"] - data["base"]["top5"])
     assert data["compressed"]["top1"] == data["top1"]
@@ -133,7 +133,7 @@ def test_eval_base_source_rebuilds_the_artifacts_base_with_its_weights(folder, t
     result = run("eval", "--model", str(artifact), "--data", str(folder), "--base", "source",
                  "--no-throughput", "--json")
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert data["base"]["top1"] == 0.0 and data["top1"] == 0.0  # the weights, not a random base
     assert data["base"]["params"] == sum(v.numel() for v in state.values())
     # The same base given explicitly, with its own arguments and weights.
@@ -143,7 +143,7 @@ def test_eval_base_source_rebuilds_the_artifacts_base_with_its_weights(folder, t
     assert explicit.exit_code == 0, explicit.output
     assert data["base"]["spec"] == EINSUM  # what "source" stood for
     assert data["base"]["weights"] == str(checkpoint.resolve())
-    assert json.loads(explicit.output)["base"] == data["base"] | {"weights": str(checkpoint)}
+    assert json.loads(explicit.stdout)["base"] == data["base"] | {"weights": str(checkpoint)}
 
 
 def test_artifact_saved_again_keeps_its_base_weights(tmp_path):

@@ -15,6 +15,7 @@ from vitcompress.cli.app import (
     fmt_throughput,
     print_environment,
 )
+from vitcompress.cli.data_options import data_config_options, describe
 from vitcompress.cli.options import (
     BASE_FROM_ARTIFACT,
     base_options_given,
@@ -27,6 +28,7 @@ from vitcompress.cli.options import (
 from vitcompress.loading import ModelLoadError
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, check_gates, require
 from vitcompress.workflows.identity import model_identity
+from vitcompress.workflows.measure_models import speedup
 
 
 @cli.command(name="eval")
@@ -48,15 +50,21 @@ from vitcompress.workflows.identity import model_identity
 @click.option("--base-pretrained", is_flag=True, help="timm's hub weights for --base.")
 @click.option("--workers", default=0, show_default=True, type=click.IntRange(min=0),
               help="DataLoader worker processes.")
+@data_config_options
 @timing_options
 @gate_options
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.pass_context
 def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrained, input_size,
                  data, data_dir, split, base_spec, base_args, base_checkpoint, base_pretrained,
-                 workers, timing, bounds: Bounds, as_json) -> None:
-    """Top-1/top-5 accuracy on a dataset; with --base, against a second model."""
-    from vitcompress.data import AugmentConfig, build_dataset
+                 workers, data_overrides, timing, bounds: Bounds, as_json) -> None:
+    """Top-1/top-5 accuracy on a dataset; with --base, against a second model.
+
+    Each model is fed its own data config (an artifact's record, the model's data_config or
+    timm pretrained_cfg); --mean/--std/--interpolation/--crop-pct override it for both.
+    """
+    from vitcompress.data import AugmentConfig, build_dataset, resolve_data_config
+    from vitcompress.data.config import defaults_note
     from vitcompress.workflows.evaluate import evaluate
     from vitcompress.workflows.measure_models import measure_models
 
@@ -74,25 +82,41 @@ def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrai
         raise ModelLoadError("--base-model-arg, --base-checkpoint and --base-pretrained need "
                              "--base")
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
-    dataset = build_dataset(data, split, loaded.input_size, augment=AugmentConfig.none(),
-                            data_dir=data_dir)
+    channels = loaded.input_size[0]
+
+    def dataset_for(model):
+        config = resolve_data_config(model, channels, data_overrides)
+        return build_dataset(data, split, loaded.input_size, augment=AugmentConfig.none(),
+                             data_dir=data_dir, data_config=config)
+
+    datasets = {"model": dataset_for(loaded.model)}
     models = {"model": loaded.model}
+    used = {"model": datasets["model"].data_config}
     if base_spec:
         base = load_base_from_options(base_spec, base_args, base_checkpoint, base_pretrained,
                                       loaded)
         models = {"base": base.model, **models}
-    accuracy = {name: evaluate(m, dataset, batch_size=batch_size, device=device,
+        base_set = dataset_for(base.model)
+        used["base"] = base_set.data_config
+        # The same images when both configs agree (equality ignores where each value came from).
+        datasets["base"] = datasets["model"] if used["base"] == used["model"] else base_set
+    accuracy = {name: evaluate(m, datasets[name], batch_size=batch_size, device=device,
                                num_workers=workers) for name, m in models.items()}
     result: dict[str, Any] = {"model": model_spec, "data": data, "split": split,
                               "input_size": list(loaded.input_size),
                               "images": accuracy["model"]["images"],
-                              "top1": accuracy["model"]["top1"], "top5": accuracy["model"]["top5"]}
+                              "top1": accuracy["model"]["top1"], "top5": accuracy["model"]["top5"],
+                              "data_config": used["model"].to_json(),
+                              "data_config_sources": dict(used["model"].sources)}
     result["identity"] = model_identity(loaded, model_spec)  # what report joins on
     if base_spec:
         measured, environment = measure_models(models, loaded.input_size, timing)
+        paired = speedup(measured["model"], measured["base"])  # what --min-speedup compares
+        result["speedup"] = None if paired is None else paired.to_json()
         for name, key in (("base", "base"), ("model", "compressed")):
             result[key] = {"top1": accuracy[name]["top1"], "top5": accuracy[name]["top5"],
-                           **measured[name].to_json()}
+                           **measured[name].to_json(), "data_config": used[name].to_json(),
+                           "data_config_sources": dict(used[name].sources)}
         # What was compared: "source" stands for the artifact's recorded base, so name that.
         if base_spec == BASE_FROM_ARTIFACT:
             base_spec, base_checkpoint = base.source.spec, base.source.checkpoint
@@ -106,20 +130,30 @@ def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrai
         result["environment"] = environment
     elif bounds.max_gmacs is not None:  # only the gate needs the MACs of a lone model
         result["gmacs"] = measure_models(models, loaded.input_size, None)[0]["model"].macs / 1e9
-    gates = check_gates(bounds, _gate_values(result))
+    interval = (result.get("speedup") or {}).get("ci95")
+    gates = check_gates(bounds, _gate_values(result), intervals={"speedup": interval})
     result["gates"] = [g.to_json() for g in gates]
+    # After the report (a failed run has one error line only), before any gate failure.
+    notes = [defaults_note(used[name], label) for name, label in
+             (("model", model_spec), ("base", f"the base {result.get('base', {}).get('spec')}"))
+             if name in used]
     if as_json:
         emit_json(result)
+        _print_notes(notes)
         finish_gates(gates, as_json)
         return
     console.print(f"[bold]{model_spec}[/] on {data} ({split}, {result['images']} images, input "
                   f"{tuple(loaded.input_size)})")
+    for name, label in (("model", "data config"), ("base", "base data config")):
+        if name in used and (name == "model" or used[name] != used["model"]):
+            console.print(f"[dim]{label}: {describe(used[name])}[/]", highlight=False)
     table = Table(show_edge=False)
     if not base_spec:
         for column in ("top-1 (%)", "top-5 (%)"):
             table.add_column(column, justify="right")
         table.add_row(f"{result['top1']:.2f}", f"{result['top5']:.2f}")
         console.print(table)
+        _print_notes(notes)
         finish_gates(gates, as_json)
         return
     for column in ("", "top-1 (%)", "top-5 (%)", "params (M)", "GMACs", "throughput (img/s)"):
@@ -133,7 +167,14 @@ def eval_command(ctx: click.Context, model_spec, model_args, checkpoint, pretrai
                   "", "", "")
     console.print(table)
     print_environment(result["environment"])
+    _print_notes(notes)
     finish_gates(gates, as_json)
+
+
+def _print_notes(notes: list[str | None]) -> None:
+    for note in notes:
+        if note:
+            click.echo(note, err=True)
 
 
 
@@ -143,7 +184,6 @@ def _gate_values(result: dict[str, Any]) -> dict[str, float | None]:
     if "base" not in result:
         return {"gmacs": result.get("gmacs")}
     base, model = result["base"], result["compressed"]
-    speedup = (model["throughput"] / base["throughput"]
-               if model["throughput"] and base["throughput"] else None)
-    return {"acc_drop": base["top1"] - model["top1"], "speedup": speedup,
-            "gmacs": model["gmacs"]}
+    paired = result.get("speedup")  # median of the paired per-round ratios
+    return {"acc_drop": base["top1"] - model["top1"],
+            "speedup": paired["median"] if paired else None, "gmacs": model["gmacs"]}

@@ -14,6 +14,7 @@ from vitcompress.cli.app import (
     emit_json,
     err_console,
 )
+from vitcompress.cli.data_options import data_config_options
 from vitcompress.cli.options import load_from_options, model_options
 from vitcompress.plan import VARIANTS
 
@@ -40,7 +41,7 @@ def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) 
         name = aliases.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
         if name not in names or name == "recipe":
             raise click.BadParameter(f"{value}: unknown option {key!r}", ctx=ctx, param=param)
-        if isinstance(item, list) and name in ("keep", "locs", "input_size"):
+        if isinstance(item, list) and name in ("keep", "locs", "input_size", "mean", "std"):
             item = ",".join(str(v) for v in item)
         if name == "model_args" and isinstance(item, dict):
             item = [f"{k}={v!r}" for k, v in item.items()]
@@ -84,6 +85,7 @@ def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in OUT.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--num-workers", default=0, show_default=True, type=click.IntRange(min=0))
+@data_config_options
 @click.option("--out", type=click.Path(file_okay=False), required=True,
               help="Output folder: the fine-tuned artifact, checkpoints/, metrics.jsonl.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
@@ -92,10 +94,12 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
              input_size, variant, keep, locs, policy, data, data_dir, epochs, batch_size, accum,
              lr, warmup_epochs, weight_decay, augment, ratio_weight, distill_weight,
              token_distill_weight, ema_decay, amp, save_every, keep_checkpoints, resume, seed,
-             num_workers, out, as_json) -> None:
+             num_workers, data_overrides, out, as_json) -> None:
     """Fine-tune a compressed model with the paper's losses; OUT becomes a compressed model."""
     from vitcompress.cli.progress import RichProgress
-    from vitcompress.data import AugmentConfig, build_dataset, num_classes
+    from vitcompress.data import AugmentConfig, build_dataset, num_classes, resolve_data_config
+    from vitcompress.data.config import defaults_note
+    from vitcompress.metadata import attach
     from vitcompress.workflows.finetune import (
         FinetuneConfig,
         FinetuneError,
@@ -119,9 +123,17 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
     preset = {"deit": AugmentConfig.deit, "light": AugmentConfig.light,
               "none": AugmentConfig.none}[augment]() if augment else None
     # DataError is one of the group's user errors: one line, exit code 2.
+    data_config = resolve_data_config(student.model, student.input_size[0], data_overrides)
     train_set = build_dataset(data, "train", student.input_size, augment=preset,
-                              data_dir=data_dir)
-    val_set = build_dataset(data, "val", student.input_size, data_dir=data_dir)
+                              data_dir=data_dir, data_config=data_config)
+    val_set = build_dataset(data, "val", student.input_size, data_dir=data_dir,
+                            data_config=data_config)
+    # What the model is fine-tuned with becomes its own: the artifact records it (docs/data.md).
+    used = val_set.data_config
+    attach(student.model, vitcompress_data_config=used.to_json(),
+           vitcompress_data_config_from=f"{out} (fine-tuned with it)")
+    if note := defaults_note(used, model_spec):
+        click.echo(note, err=True)
     classes = num_classes(train_set)
     if preset is None:
         preset = AugmentConfig.light() if "mnist" in data.lower() else AugmentConfig.deit()
@@ -132,7 +144,9 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
         token_distill_weight=token_distill_weight, ema_decay=ema_decay, amp=amp,
         save_every=save_every, keep_checkpoints=keep_checkpoints, resume=resume, seed=seed,
         num_workers=num_workers, mixup=preset.mixup_args(classes), smoothing=preset.smoothing,
-        extra={"data": data, "augment": augment, "recipe": recipe, "from_recipe": from_recipe,
+        extra={"data": data, "data_config": used.to_json(),
+               "data_config_sources": dict(used.sources), "augment": augment,
+               "recipe": recipe, "from_recipe": from_recipe,
                "variant": plan["variant"], "keep": plan["keep"], "locs": plan["locs"]})
     try:
         result = run_finetune(student, teacher, train_set, val_set, out, config,
