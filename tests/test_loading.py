@@ -553,7 +553,9 @@ def test_input_size_from_timm_config() -> None:
 
 
 def test_input_size_override() -> None:
-    loaded = load_model(TIMM_NAME, model_args=TINY, input_size=(3, 48, 48))
+    # A model that takes other sizes (dynamic_img_size) gets the size it is given.
+    dynamic = {**TINY, "dynamic_img_size": True}
+    loaded = load_model(TIMM_NAME, model_args=dynamic, input_size=(3, 48, 48))
     assert loaded.input_size == (3, 48, 48)
     with pytest.raises(ModelLoadError, match="three positive integers"):
         load_model(TIMM_NAME, model_args=TINY, input_size=(3, 48))
@@ -626,7 +628,8 @@ def test_artifact_directory_is_delegated(tmp_path: Path, monkeypatch: pytest.Mon
 
     def fake_load_artifact(spec: str) -> LoadedModel:
         calls.append(spec)
-        model = nn.Linear(2, 2).train()
+        # Runs on any image size, so that another --input-size is taken.
+        model = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 2)).train()
         return LoadedModel(model, ModelSource(TIMM_NAME, TINY, None, False), (3, 32, 32))
 
     fake = types.ModuleType("vitcompress.artifact")

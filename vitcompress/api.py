@@ -8,11 +8,12 @@ import torch
 from torch import nn
 
 from vitcompress.graph.analyse import analyse
-from vitcompress.graph.capture import capture
+from vitcompress.graph.capture import CapturedGraph, CaptureError, capture
 from vitcompress.graph.model_map import ModelMap
 from vitcompress.graph.rewrite import rewrite
-from vitcompress.loading import LoadedModel, ModelSource
+from vitcompress.loading import LoadedModel, ModelInputError, ModelLoadError, ModelSource, one_line
 from vitcompress.metadata import attach
+from vitcompress.model_args import readable_timm_args
 from vitcompress.plan import make_plan
 
 EXAMPLE_BATCH = 2  # batch 1 would hide which dimension is the batch
@@ -35,9 +36,44 @@ def resolve_input_size(model: nn.Module,
     return size
 
 
+def capture_and_map(model: nn.Module,
+                    input_size: tuple[int, int, int]) -> tuple[CapturedGraph, ModelMap]:
+    """Capture ``model`` on an example of ``input_size`` and analyse it.
+
+    A model that does not run on that input at all (a wrong input size, a model that is no
+    image model) is the caller's mistake, not a capture failure: that is told apart by running
+    the model itself, only after the capture failed, and raised as ``ModelInputError``.
+    """
+    example = example_input(input_size)
+    try:
+        captured = capture(model, example)
+    except CaptureError:
+        raise
+    except Exception as capture_error:
+        problem = _run_problem(model, example)
+        if problem is None:
+            raise  # the model runs: the failure is ours, not the input's
+        raise ModelInputError(
+            f"the model does not run on input {','.join(map(str, input_size))}: {problem}; pass "
+            "the input size it was built for (--input-size C,H,W)") from capture_error
+    return captured, analyse(captured)
+
+
+def _run_problem(model: nn.Module, example: torch.Tensor) -> str | None:
+    import copy
+
+    probe = copy.deepcopy(model).eval()  # the caller's model keeps its mode and state
+    try:
+        with torch.no_grad():
+            probe(example)
+    except Exception as e:  # noqa: BLE001 - any failure means the input does not fit
+        return one_line(e)
+    return None
+
+
 def map_model(model: nn.Module, input_size: tuple[int, int, int] | None = None) -> ModelMap:
     """Capture ``model`` and return its model map (blocks, attention, prefix tokens, grid ops)."""
-    return analyse(capture(model, example_input(resolve_input_size(model, input_size))))
+    return capture_and_map(model, resolve_input_size(model, input_size))[1]
 
 
 def compress(model: nn.Module, variant: str = "etps", keep: float | list[float] | None = None,
@@ -48,9 +84,18 @@ def compress(model: nn.Module, variant: str = "etps", keep: float | list[float] 
 
     The result carries ``vitcompress_plan`` and ``vitcompress_map`` (plain dicts) for reports.
     """
+    if getattr(model, "vitcompress_plan", None) is not None:
+        raise ModelLoadError("the model is already compressed; compress its base model instead")
     size = resolve_input_size(model, input_size)
-    captured = capture(model, example_input(size))
-    model_map = analyse(captured)
+    captured, model_map = capture_and_map(model, size)
+    return compress_mapped(model, captured, model_map, size, variant, keep, locs, policy)
+
+
+def compress_mapped(model: nn.Module, captured: CapturedGraph, model_map: ModelMap,
+                    size: tuple[int, int, int], variant: str,
+                    keep: float | list[float] | None, locs: list[int] | None,
+                    policy: str) -> nn.Module:
+    """``compress`` from a capture of ``model`` made by :func:`capture_and_map` (consumed)."""
     plan = make_plan(model_map, variant, keep, locs, policy)
     compressed = rewrite(captured.module, model_map, plan)
     metadata = dict(
@@ -69,8 +114,10 @@ def compress(model: nn.Module, variant: str = "etps", keep: float | list[float] 
                         vitcompress_data_config_from=data_config_from)
     cfg = getattr(model, "pretrained_cfg", None)
     if isinstance(cfg, dict) and cfg.get("architecture"):
+        # What the base shows of its constructor arguments: the compressed graph no longer has
+        # the attributes they are read from, and ``save`` needs them to rebuild the base.
         metadata["vitcompress_base_cfg"] = {"architecture": cfg["architecture"],
-                                            "num_classes": getattr(model, "num_classes", None)}
+                                            "model_args": readable_timm_args(model)}
     attach(compressed, **metadata)
     compressed.train(model.training)
     return compressed

@@ -1,30 +1,51 @@
-"""Compressed artifacts on disk: ``vitcompress.json`` (base model source + plan) and
+"""Compressed artifacts on disk: ``vitcompress.json`` (base model source + plan + fingerprint) and
 ``model.safetensors`` (the compressed model's weights).
 
 Loading rebuilds the base model from its source, applies the plan to a fresh capture and loads
-the weights, so no code or pickle is ever read from the artifact.
+the weights, so no code or pickle is ever read from the artifact. That only gives back the saved
+model if the source names every constructor argument that matters, so saving does the same
+rebuild first and refuses when the rebuilt model differs; the fingerprint (``fingerprint.py``)
+lets loading check that the base still builds the same model.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import secrets
 import shutil
-import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import safetensors
 import safetensors.torch
+import torch
 from torch import nn
 
 from vitcompress import __version__
+from vitcompress.fingerprint import (
+    SAVE_RTOL,
+    Fingerprint,
+    FingerprintError,
+    eval_output,
+    map_differences,
+    map_summary,
+    relative_difference,
+    shape_differences,
+    state_shapes,
+)
 from vitcompress.loading import ARTIFACT_MARKER, LoadedModel, ModelLoadError, ModelSource
 from vitcompress.metadata import attach
-from vitcompress.plan import plan_from_json
+from vitcompress.plan import PlanError, plan_from_json
 
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
+FINGERPRINT_KEY = "fingerprint"
+
+log = logging.getLogger(__name__)
 
 
 class ArtifactError(ModelLoadError):
@@ -32,22 +53,110 @@ class ArtifactError(ModelLoadError):
 
 
 def _infer_source(model: nn.Module) -> ModelSource | None:
-    """A timm model records its architecture; enough to rebuild it with the same head size."""
+    """A timm model records its architecture and the constructor arguments it shows."""
     cfg = getattr(model, "vitcompress_base_cfg", None)
     if cfg and cfg.get("architecture"):
         import timm
 
         if timm.is_model(cfg["architecture"]):
-            args = {"num_classes": cfg["num_classes"]} if cfg.get("num_classes") else {}
-            return ModelSource(spec=cfg["architecture"], model_args=args)
+            return ModelSource(spec=cfg["architecture"], model_args=dict(cfg.get("model_args", {})))
     return None
+
+
+def describe_source(source: ModelSource) -> str:
+    """``'name' with a=1, b=(2, 2)``: what a rebuild is made from, for messages."""
+    args = ", ".join(f"{key}={value!r}" for key, value in source.model_args.items())
+    return f"'{source.spec}' with {args or 'no model arguments'}"
+
+
+def _source_hint(source: ModelSource) -> str:
+    return (f"pass the constructor arguments it was built with: save(model, dir, source="
+            f"ModelSource({source.spec!r}, model_args={{...}})), or --model-arg KEY=VALUE on the "
+            "command line")
+
+
+def _plan_words(error: PlanError) -> str:
+    # The plan comes from the artifact, not from options the user passed now.
+    return str(error).replace("--locs", "the plan's locs").replace("--keep", "the plan's keep")
+
+
+def _normalised(value: Any) -> Any:
+    return json.loads(json.dumps(value))
+
+
+def _rebuild(source: ModelSource, size: tuple[int, int, int], plan_json: dict[str, Any],
+             recorded_map: dict[str, Any] | None,
+             fail: Callable[[str], ArtifactError]) -> tuple[nn.Module, ModelSource]:
+    """The compressed model (with fresh weights) that ``source`` and the plan build, and the
+    base's source as loading resolved it. ``fail(what differs)`` makes the error to raise."""
+    from vitcompress.api import capture_and_map, compress_mapped
+    from vitcompress.graph.analyse import MappingError
+    from vitcompress.graph.capture import CaptureError
+    from vitcompress.graph.rewrite import RewriteError
+    from vitcompress.loading import load_model
+
+    try:
+        base = load_model(source.spec, source.model_args, input_size=size)
+        captured, model_map = capture_and_map(base.model, size)
+    except (ModelLoadError, MappingError, CaptureError) as e:
+        raise fail(f"its base does not build: {e}") from e
+    if recorded_map is not None:
+        differences = map_differences(recorded_map, map_summary(model_map.to_json()))
+        if differences:
+            raise fail(f"model map: {'; '.join(differences)}")
+    try:
+        plan = plan_from_json(plan_json)
+        model = compress_mapped(base.model, captured, model_map, size, plan.variant, plan.keep,
+                                plan.locs, plan.policy)
+    except PlanError as e:
+        raise fail(f"its plan does not fit the rebuilt base ({len(model_map.blocks)} blocks): "
+                   f"{_plan_words(e)}") from e
+    except (KeyError, TypeError, ValueError) as e:
+        raise fail(f"its plan is malformed ({type(e).__name__}: {e})") from e
+    except RewriteError as e:
+        raise fail(f"its plan cannot be applied to the rebuilt base: {e}") from e
+    if _normalised(model.vitcompress_plan) != _normalised(plan_json):
+        raise fail("the plan made for the rebuilt base keeps other token counts")
+    return model, base.source
+
+
+def _dtype_differences(saved: nn.Module, rebuilt: nn.Module) -> list[str]:
+    rebuilt_state = rebuilt.state_dict()
+    return [f"{key} is {value.dtype} (a rebuilt model is {rebuilt_state[key].dtype}; convert "
+            "with model.float() before saving)"
+            for key, value in saved.state_dict().items()
+            if key in rebuilt_state and value.dtype != rebuilt_state[key].dtype][:1]
+
+
+def _check_rebuilds(model: nn.Module, rebuilt: nn.Module, size: tuple[int, int, int],
+                    saved_output: torch.Tensor, fail: Callable[[str], ArtifactError]) -> None:
+    """Load ``model``'s weights into ``rebuilt`` and compare the two: state-dict keys, shapes
+    and dtypes, then the eval output on the fingerprint's fixed input (``saved_output`` is
+    ``model``'s)."""
+    problems = shape_differences(state_shapes(model), state_shapes(rebuilt))
+    problems = problems or _dtype_differences(model, rebuilt)
+    if problems:
+        raise fail("; ".join(problems))
+    rebuilt.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    rebuilt_output = eval_output(rebuilt, size)
+    if saved_output.shape != rebuilt_output.shape:
+        raise fail(f"output has {rebuilt_output.numel()} values, {saved_output.numel()} saved")
+    difference = relative_difference(rebuilt_output, saved_output)
+    if difference > SAVE_RTOL:
+        largest = float((rebuilt_output - saved_output).abs().max())
+        raise fail(f"eval output on a fixed input differs (max abs difference {largest:.3g})")
 
 
 def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource | str | None = None,
                   input_size: tuple[int, int, int] | None = None,
                   extra: dict[str, Any] | None = None) -> Path:
     """Write ``model`` (a result of ``compress``) to ``directory``, replacing it atomically: the
-    new artifact is written beside it and renamed into place, so a failure leaves the old one."""
+    new artifact is written beside it and renamed into place, so a failure leaves the old one.
+
+    The base is first rebuilt from ``source`` (default: the source ``load_model`` recorded, else
+    the timm architecture with the constructor arguments the model shows), the plan applied and
+    the weights loaded; a model that differs from ``model`` is refused before anything is written.
+    """
     plan = getattr(model, "vitcompress_plan", None)
     if plan is None:
         raise ArtifactError("only a model returned by vitcompress.compress can be saved")
@@ -62,16 +171,36 @@ def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource |
     size = input_size or getattr(model, "vitcompress_input_size", None)
     if size is None:
         raise ArtifactError("cannot tell the model's input size; pass input_size=(C, H, W)")
+    size = tuple(int(v) for v in size)
     directory = Path(directory)
+    model_map = getattr(model, "vitcompress_map", None)
+    if not isinstance(model_map, dict):
+        raise ArtifactError("the model carries no model map (vitcompress_map); compress it again")
+
+    def refuse(what_differs: str) -> ArtifactError:
+        return ArtifactError(f"cannot save {directory}: the model rebuilt from "
+                             f"{describe_source(source)} differs from the one being saved: "
+                             f"{what_differs}; {_source_hint(source)}")
+
+    try:
+        output = eval_output(model, size)
+    except FingerprintError as e:
+        raise ArtifactError(f"cannot save {directory}: {e}") from e
+    rebuilt, resolved = _rebuild(source, size, plan, map_summary(model_map), refuse)
+    _check_rebuilds(model, rebuilt, size, output, refuse)
+    fingerprint = Fingerprint.of(model, model_map, size, output)
     meta = {
         "format": FORMAT_VERSION,
         "vitcompress_version": __version__,
-        "source": {**source.to_json(), "checkpoint": None, "pretrained": False},
+        # The spec as loading resolved it (a factory file's absolute path).
+        "source": {**source.to_json(), "spec": resolved.spec, "checkpoint": None,
+                   "pretrained": False},
         # Absolute: the artifact is read from other working directories (eval, finetune).
         "base_weights": (str(Path(source.checkpoint).expanduser().resolve()) if source.checkpoint
                          else "timm pretrained" if source.pretrained else None),
         "input_size": list(size),
         "plan": plan,
+        FINGERPRINT_KEY: fingerprint.to_json(),
         # The preprocessing the model expects (docs/data.md); extra may name another.
         "data_config": getattr(model, "vitcompress_data_config", None),
         **(extra or {}),
@@ -79,12 +208,13 @@ def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource |
     staging: Path | None = None
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        staging = _make_staging_directory(directory)
         safetensors.torch.save_model(model, str(staging / WEIGHTS_FILE))
         with open(staging / ARTIFACT_MARKER, "w") as f:
             json.dump(meta, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
+        _follow_umask(staging / WEIGHTS_FILE, staging / ARTIFACT_MARKER)
         _swap_into_place(staging, directory)
     except OSError as e:
         raise ArtifactError(f"could not write {directory}: {e.strerror or e}") from e
@@ -92,6 +222,39 @@ def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource |
         if staging is not None and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return directory
+
+
+def _make_staging_directory(directory: Path) -> Path:
+    """A new hidden folder beside ``directory``. Made with ``os.mkdir``, not ``mkdtemp``, so that
+    it (and so the artifact) gets the permissions the umask gives, not 0700."""
+    for _ in range(100):
+        staging = directory.with_name(f".{directory.name}.{secrets.token_hex(4)}")
+        try:
+            staging.mkdir()
+        except FileExistsError:
+            continue
+        return staging
+    raise FileExistsError(f"no free staging name beside {directory}")
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where the system allows."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere the only way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
+def _follow_umask(*files: Path) -> None:
+    """Give ``files`` the mode a plain ``open()`` would: safetensors writes its files 0600."""
+    mode = 0o666 & ~current_umask()
+    for path in files:
+        os.chmod(path, mode)
 
 
 def _swap_into_place(staging: Path, directory: Path) -> None:
@@ -170,11 +333,17 @@ def load_artifact_base(directory: str | Path,
                       pretrained=source.pretrained, input_size=size)
 
 
-def load_artifact(directory: str | Path) -> LoadedModel:
-    """Rebuild the compressed model saved in ``directory``."""
-    from vitcompress.api import compress_loaded
-    from vitcompress.loading import load_model
+def _weights_file_shapes(path: Path) -> dict[str, list[int]]:
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            return {key: list(f.get_slice(key).get_shape()) for key in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for bad files
+        raise ArtifactError(f"cannot read weights {path}: {str(e).splitlines()[0]}") from e
 
+
+def load_artifact(directory: str | Path) -> LoadedModel:
+    """Rebuild the compressed model saved in ``directory`` and check it against the artifact's
+    fingerprint (model map, state-dict shapes, eval output on a fixed input)."""
     meta = read_meta(directory)
     # The returned source names the base weights, so an artifact saved again from this model
     # (finetune --model DIR) still records them. The compressed model does not need them to
@@ -184,11 +353,36 @@ def load_artifact(directory: str | Path) -> LoadedModel:
     except ArtifactError:
         source = ModelSource.from_json(meta["source"])
     size = tuple(meta["input_size"])
-    base = load_model(source.spec, source.model_args, input_size=size)
-    plan = plan_from_json(meta["plan"])
-    model = compress_loaded(base, variant=plan.variant, keep=plan.keep, locs=plan.locs,
-                            policy=plan.policy).model
+    fingerprint: Fingerprint | None = None
+    if FINGERPRINT_KEY in meta:
+        try:
+            fingerprint = Fingerprint.from_json(meta[FINGERPRINT_KEY])
+        except FingerprintError as e:
+            raise ArtifactError(f"{directory}: {e}") from e
+    else:
+        log.warning("%s was written before artifacts carried a fingerprint, so the rebuilt "
+                    "model cannot be verified against the saved one; save it again to add one",
+                    directory)
+
+    def refuse(what_differs: str) -> ArtifactError:
+        return ArtifactError(f"{directory} does not rebuild the model that was saved: the model "
+                             f"rebuilt from {describe_source(source)} differs: {what_differs}")
+
+    model, _ = _rebuild(replace(source, checkpoint=None, pretrained=False), size, meta["plan"],
+                        fingerprint.model_map if fingerprint else None, refuse)
     weights = Path(directory) / WEIGHTS_FILE
+    rebuilt_shapes = state_shapes(model)
+    if fingerprint is not None:
+        problems = shape_differences(fingerprint.state_dict, rebuilt_shapes)
+        if problems:
+            raise refuse("; ".join(problems))
+    # Shared tensors are stored once, so the file may name fewer keys than the state dict.
+    file_shapes = _weights_file_shapes(weights)
+    problems = shape_differences(file_shapes, {k: v for k, v in rebuilt_shapes.items()
+                                               if k in file_shapes})
+    if problems:
+        raise ArtifactError(f"weights in {weights} do not fit the rebuilt model: "
+                            f"{'; '.join(problems)}")
     try:
         missing, unexpected = safetensors.torch.load_model(model, str(weights), strict=False)
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for bad files
@@ -198,6 +392,13 @@ def load_artifact(directory: str | Path) -> LoadedModel:
             f"weights in {weights} do not fit the rebuilt model: missing {sorted(missing)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]}"
         )
+    if fingerprint is not None:
+        try:
+            difference = fingerprint.output_difference(model, size)
+        except FingerprintError as e:
+            raise refuse(str(e)) from e
+        if difference is not None:
+            raise refuse(difference)
     model.eval()
     from vitcompress.data.config import artifact_data_config
 

@@ -44,11 +44,13 @@ from torch import nn
 __all__ = [
     "ARTIFACT_MARKER",
     "LoadedModel",
+    "ModelInputError",
     "ModelLoadError",
     "ModelSource",
     "default_input_size",
     "load_checkpoint",
     "load_model",
+    "one_line",
     "parse_input_size",
     "parse_model_args",
 ]
@@ -78,6 +80,10 @@ class ModelLoadError(Exception):
     def __init__(self, message: str) -> None:
         # Messages embed text from other libraries that may span lines; the CLI promises one line.
         super().__init__(" ".join(str(message).splitlines()))
+
+
+class ModelInputError(ModelLoadError):
+    """The model does not run on the input size it was given or says it takes."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -305,6 +311,7 @@ def load_model(
         )
 
     model.eval()
+    _check_runs(model, size, spec, given=input_size is not None)
     source = ModelSource(
         spec=recorded_spec,
         model_args=args,
@@ -312,6 +319,29 @@ def load_model(
         pretrained=pretrained,
     )
     return LoadedModel(model=model, source=source, input_size=size)
+
+
+def _check_runs(model: nn.Module, size: tuple[int, int, int], spec: str, given: bool) -> None:
+    """Run ``model`` once on a batch of ``size``: a wrong ``--input-size``, or a factory that
+    returns something other than an image model, is the user's error and must read as one line,
+    not as the traceback of a later step. Costs one batch-1 forward."""
+    example = torch.randn(1, *size, generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            model(example)
+    except Exception as exc:
+        text = ",".join(map(str, size))
+        if given:
+            own = default_input_size(model)
+            says = f" (the model says {','.join(map(str, own))})" if own and own != size else ""
+            hint = f"pass the input size it was built for{says}"
+            where = f"--input-size {text}"
+        else:
+            hint = "pass --input-size C,H,W if it takes another, or check that it is an image model"
+            where = f"its input size {text}"
+        raise ModelInputError(
+            f"model '{spec}' does not run on {where}: {one_line(exc)}; {hint}"
+        ) from exc
 
 
 def _load_artifact(
@@ -341,7 +371,11 @@ def _load_artifact(
 
     loaded = load_artifact(spec)
     loaded.model.eval()
-    return loaded if size is None else replace(loaded, input_size=size)
+    if size is None or size == loaded.input_size:
+        return loaded
+    # A plan's token counts were made for the artifact's own input size.
+    _check_runs(loaded.model, size, spec, given=True)
+    return replace(loaded, input_size=size)
 
 
 def _parse_spec(spec: str) -> tuple[str, str, str]:
@@ -409,7 +443,7 @@ def _import_file(path: Path, spec: str) -> ModuleType:
             module_spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise ModelLoadError(f"could not import {path}: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"could not import {path}: {one_line(exc)}") from exc
     return module
 
 
@@ -426,9 +460,9 @@ def _import_module(name: str, spec: str) -> ModuleType:
                 f"no module named '{exc.name}' (from '{spec}'); to load a file, write "
                 "path/to/file.py:factory"
             ) from exc
-        raise ModelLoadError(f"could not import module '{name}': {_one_line(exc)}") from exc
+        raise ModelLoadError(f"could not import module '{name}': {one_line(exc)}") from exc
     except Exception as exc:
-        raise ModelLoadError(f"could not import module '{name}': {_one_line(exc)}") from exc
+        raise ModelLoadError(f"could not import module '{name}': {one_line(exc)}") from exc
 
 
 def _call_factory(
@@ -452,7 +486,7 @@ def _call_factory(
         with paths:  # a factory may import sibling modules lazily
             model = factory(**args)
     except Exception as exc:
-        raise ModelLoadError(f"factory '{spec}' failed: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"factory '{spec}' failed: {one_line(exc)}") from exc
     if not isinstance(model, nn.Module):
         raise ModelLoadError(
             f"factory '{spec}' returned {type(model).__module__}.{type(model).__qualname__}, "
@@ -509,16 +543,16 @@ def _create_timm(name: str, args: dict[str, Any], pretrained: bool) -> nn.Module
         with _hub_offline():
             return timm.create_model(name, pretrained=pretrained, **args)
     except TypeError as exc:  # unknown or ill-typed keyword arguments
-        raise ModelLoadError(f"could not build timm model '{name}': {_one_line(exc)}") from exc
+        raise ModelLoadError(f"could not build timm model '{name}': {one_line(exc)}") from exc
     except Exception as exc:
         if not (pretrained or from_hub):
-            raise ModelLoadError(f"could not build timm model '{name}': {_one_line(exc)}") from exc
+            raise ModelLoadError(f"could not build timm model '{name}': {one_line(exc)}") from exc
         if unreachable is not None:
             reason = f"{unreachable} and the files are not in the local cache"
         elif _hub_is_offline():
             reason = "HF_HUB_OFFLINE is set and the files are not in the local cache"
         else:
-            reason = _one_line(exc)
+            reason = one_line(exc)
         verb = "download" if unreachable is not None or _is_network_error(exc) else "load"
         if pretrained:
             raise ModelLoadError(
@@ -648,7 +682,7 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, model_name: str | Non
         model.load_state_dict(state, strict=True)
     except Exception as exc:  # e.g. a module's own load hook objecting
         raise ModelLoadError(
-            f"checkpoint {path} does not fit model {name}: {_one_line(exc)}"
+            f"checkpoint {path} does not fit model {name}: {one_line(exc)}"
         ) from exc
 
 
@@ -663,7 +697,7 @@ def _read_checkpoint(path: Path) -> Any:
             return load_file(str(path), device="cpu")
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(
-                f"checkpoint {path} is truncated or not a safetensors file: {_one_line(exc)}"
+                f"checkpoint {path} is truncated or not a safetensors file: {one_line(exc)}"
             ) from exc
 
     # argparse.Namespace is allowed because timm's training script stores its arguments as one next
@@ -685,13 +719,13 @@ def _read_checkpoint(path: Path) -> Any:
             ) from exc
         # Otherwise the pickle stream itself is broken (e.g. "Unsupported operand").
         found = re.search(r"WeightsUnpickler error:\s*(.+)", text)
-        reason = " ".join(found.group(1).split()) if found else _one_line(exc)
+        reason = " ".join(found.group(1).split()) if found else one_line(exc)
         raise ModelLoadError(
             f"checkpoint {path} is truncated or corrupt (not a PyTorch weights file): {reason}"
         ) from exc
     except Exception as exc:  # torch reports corruption as RuntimeError, EOFError, KeyError, ...
         raise ModelLoadError(
-            f"checkpoint {path} is truncated or corrupt: {_one_line(exc)}"
+            f"checkpoint {path} is truncated or corrupt: {one_line(exc)}"
         ) from exc
 
 
@@ -793,9 +827,11 @@ def _patch_embed_size(model: nn.Module, channels: int | None) -> tuple[int, int,
     img_size = getattr(embed, "img_size", None)  # None in timm when the size is dynamic
     if not isinstance(img_size, Sequence) or len(img_size) != 2:
         return None
-    proj = getattr(embed, "proj", None)
-    if isinstance(proj, nn.Conv2d):
-        channels = proj.in_channels
+    # The first conv of the embedding reads the image; in a hybrid embedding (a ResNet stem)
+    # ``proj`` reads the stem's features, not the image's channels.
+    first_conv = next((m for m in embed.modules() if isinstance(m, nn.Conv2d)), None)
+    if first_conv is not None:
+        channels = first_conv.in_channels
     if channels is None:
         return None
     return _as_size((channels, *img_size))
@@ -804,7 +840,7 @@ def _patch_embed_size(model: nn.Module, channels: int | None) -> tuple[int, int,
 # --------------------------------------------------------------------------------------------------
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     """``Type: first line of the message`` -- what the user needs, without the traceback."""
     lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
