@@ -41,7 +41,14 @@ import torch
 from torch import nn
 
 import vitcompress
-from vitcompress.measure import count_macs, count_params, measure_throughput
+from vitcompress.measure import (
+    bootstrap_median_ci,
+    count_macs,
+    count_params,
+    measure_throughput,
+    verdict,
+)
+from vitcompress.measure import paired_ratios as pair_samples
 
 INPUT_SIZE = (3, 224, 224)
 VARIANTS = ("dtps", "etps", "dynamicvit", "evit")
@@ -195,28 +202,8 @@ def paired_ratios(reports: list[dict], a: str, b: str) -> list[float]:
     ran seconds apart: a slow spell of the machine hits both, which pooled medians taken over
     minutes cannot cancel.
     """
-    return [x / y for rep in reports
-            for x, y in zip(rep["results"][a]["samples"], rep["results"][b]["samples"],
-                            strict=True)]
-
-
-def bootstrap_median_ci(values: Sequence[float], level: float = 0.95, resamples: int = 4000,
-                        seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the median (fixed seed: the same data, the same
-    interval)."""
-    data = torch.tensor(list(values), dtype=torch.float64)
-    generator = torch.Generator().manual_seed(seed)
-    draws = torch.randint(len(data), (resamples, len(data)), generator=generator)
-    medians = data[draws].median(dim=1).values
-    tail = (1 - level) / 2
-    return (float(torch.quantile(medians, tail)), float(torch.quantile(medians, 1 - tail)))
-
-
-def verdict(interval: tuple[float, float], target: float) -> str:
-    """"yes" when the whole interval is at or above the target, "no" when it is all below, else
-    "undecided": more batches are needed to tell."""
-    low, high = interval
-    return "yes" if low >= target else "no" if high < target else "undecided"
+    return [ratio for rep in reports
+            for ratio in pair_samples(rep["results"][a]["samples"], rep["results"][b]["samples"])]
 
 
 def machine_line(env: dict[str, Any]) -> str:

@@ -114,3 +114,83 @@ def test_console_script_runs_as_a_subprocess():
                           "deit_smal"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: unknown model")
     assert "Traceback" not in bad.stderr
+
+
+def test_help_lists_only_the_gates_a_command_accepts():
+    bench = run("bench", "--help").output
+    assert "--max-gmacs" in bench and "--bench-seconds" in bench
+    assert "--min-speedup" not in bench and "--max-acc-drop" not in bench
+    apply = run("apply", "--help").output
+    assert "--min-speedup" in apply and "--max-acc-drop" not in apply
+    evaluate = run("eval", "--help").output
+    assert all(flag in evaluate for flag in ("--min-speedup", "--max-acc-drop", "--max-gmacs"))
+
+
+def test_apply_speedup_is_the_paired_median_with_its_interval(tmp_path):
+    result = run("apply", "--model", MHA, "--variant", "etps", "--keep", "0.5",
+                 "--batch-size", "2", "--warmup", "1", "--runs", "6", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["speedup_pairs"] == 6 and data["environment"]["runs"] == 6
+    low, high = data["speedup_ci95"]
+    assert low <= data["speedup"] <= high
+    assert data["speedup_ratio_of_medians"] == pytest.approx(
+        data["compressed"]["throughput"] / data["base"]["throughput"])
+    table = run("apply", "--model", MHA, "--variant", "etps", "--keep", "0.5",
+                "--batch-size", "2", "--warmup", "0", "--runs", "2")
+    assert "median of 2 paired rounds (an interval needs 5; raise --runs)" in table.output
+
+
+def test_bench_seconds_bounds_the_timing_and_warns_on_stderr():
+    result = run("bench", "--model", MHA, "--batch-size", "2", "--warmup", "0", "--runs",
+                 "100000", "--bench-seconds", "0.2", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)  # stdout stays pure JSON
+    assert 1 <= data["environment"]["runs"] < 100000
+    assert data["environment"]["warnings"] == [line.removeprefix("warning: ")
+                                               for line in result.stderr.splitlines()]
+    assert "0.2 s budget" in result.stderr
+
+
+def test_a_busy_machine_is_warned_about_on_stderr(monkeypatch):
+    threads = torch.get_num_threads()
+    monkeypatch.setattr("vitcompress.measure.throughput.load_average", lambda: threads + 3.0)
+    result = run("bench", "--model", MHA, *FAST, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["environment"]["loadavg_1min"] == [threads + 3.0] * 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"warning: the 1-minute load average was {threads + 3.0:.1f} with "
+                           f"{threads} torch threads")
+
+
+def test_progress_goes_to_stderr_only_when_asked_off_a_terminal(tmp_path):
+    quiet = run("apply", "--model", MHA, "--variant", "etps", *FAST, "--json")
+    assert quiet.exit_code == 0 and quiet.stderr == ""  # not a terminal: nothing by default
+    plain = run("--progress", "plain", "apply", "--model", MHA, "--variant", "etps", *FAST,
+                "--json")
+    assert plain.exit_code == 0, plain.output
+    json.loads(plain.stdout)
+    steps = [line for line in plain.stderr.splitlines() if not line.startswith("  ")]
+    assert steps == [f"loading {MHA} ...", f"compressing {MHA} with etps ...",
+                     "counting MACs of base ...", "counting MACs of compressed ...",
+                     "timing base and compressed (batch 4, at most 60 s) ..."]
+    rounds = [line.strip() for line in plain.stderr.splitlines() if line.startswith("  ")]
+    assert rounds[0].startswith("warm-up round 1/1") and rounds[-1].startswith("timed round 2/2")
+
+
+def test_the_spinner_shows_each_step_on_a_terminal():
+    import io
+
+    from rich.console import Console
+
+    from vitcompress.cli.status import ConsoleStatus
+    from vitcompress.workflows.status import detail, reporting, step, warn
+
+    screen = io.StringIO()
+    status = ConsoleStatus(Console(file=screen, force_terminal=True, width=100), "auto")
+    with reporting(status), step("counting MACs of base"):
+        detail("timed round 1/3")
+        warn("careful")
+    assert status.spinner is None  # stopped with the last step
+    text = screen.getvalue()
+    assert "counting MACs of base" in text and "timed round 1/3" in text and "careful" in text

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import statistics
+import time
 
 import pytest
 import timm
@@ -12,12 +14,14 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from vitcompress.measure import (
+    RoundProgress,
     ThroughputReport,
     count_macs,
     count_params,
     environment,
     macs_by_module,
     measure_throughput,
+    paired_ratio,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -245,3 +249,78 @@ def test_throughput_amp_rejected_on_cpu() -> None:
 def test_environment_fields() -> None:
     env = environment()
     assert env["device"] == "cpu" and env["threads"] >= 1 and env["device_name"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Paired ratios, time budget, load warning
+# --------------------------------------------------------------------------------------------------
+
+
+def test_paired_ratio_cancels_a_slow_spell_that_medians_do_not() -> None:
+    # A is twice as fast as B in every round. A slow spell of the machine began during round 4,
+    # after A's batch and before B's: the ratio of medians says A is slower, the pairs do not.
+    a = [10.0, 10.0, 10.0, 4.0, 4.0, 4.0, 4.0]
+    b = [5.0, 5.0, 5.0, 5.0, 2.0, 2.0, 2.0]
+    assert statistics.median(a) / statistics.median(b) == pytest.approx(0.8)
+    paired = paired_ratio(a, b)
+    assert paired.median == pytest.approx(2.0) and paired.pairs == 7
+    assert paired.interval == pytest.approx((2.0, 2.0))
+
+
+def test_paired_ratio_interval_needs_enough_pairs_and_brackets_the_median() -> None:
+    few = paired_ratio([2.0, 3.0], [1.0, 1.0])
+    assert few.interval is None and few.pairs == 2 and few.to_json()["ci95"] is None
+    noisy = paired_ratio([1.0 + 0.1 * (i % 4) for i in range(12)], [1.0] * 12)
+    low, high = noisy.interval
+    assert low <= noisy.median <= high and low < high
+    assert noisy.to_json() == {"median": noisy.median, "ci95": [low, high], "pairs": 12}
+    with pytest.raises(ValueError, match="equal lengths"):
+        paired_ratio([1.0], [1.0, 2.0])
+
+
+class Sleepy(nn.Module):
+    """A model whose forward takes a while whatever the machine: for budgets."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.lin = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return self.lin(x.mean(dim=(2, 3)))
+
+
+def test_time_budget_stops_the_rounds_and_says_so() -> None:
+    rounds: list[RoundProgress] = []
+    report = measure_throughput({"a": Sleepy(0.02), "b": Sleepy(0.02)}, INPUT, batch_size=1,
+                                warmup=50, runs=1000, time_budget=0.3, on_round=rounds.append)
+    env = report.environment
+    timed = len(report.results["a"].samples)
+    assert 1 <= timed < 1000 and env["runs"] == timed and env["runs_requested"] == 1000
+    assert 1 <= env["warmup"] < 50 and env["time_budget_s"] == 0.3
+    assert [r.warmup for r in rounds] == [True] * env["warmup"] + [False] * timed
+    assert [r.done for r in rounds if not r.warmup] == list(range(1, timed + 1))
+    [warning] = report.warnings
+    assert "0.3 s budget" in warning and f"{timed} of 1000 timed rounds" in warning
+
+
+def test_a_spent_budget_still_times_one_round() -> None:
+    report = measure_throughput({"m": Sleepy(0.01)}, INPUT, batch_size=1, warmup=3, runs=5,
+                                time_budget=1e-9)
+    assert report.environment["warmup"] == 1 and len(report.results["m"].samples) == 1
+    with pytest.raises(ValueError, match="time_budget"):
+        measure_throughput({"m": Sleepy(0.0)}, INPUT, time_budget=0)
+
+
+def test_busy_machine_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = torch.get_num_threads()
+    loads = iter([threads + 0.5, threads + 2.0])
+    monkeypatch.setattr("vitcompress.measure.throughput.load_average", lambda: next(loads))
+    report = measure_throughput({"m": TinyViT()}, INPUT, batch_size=2, warmup=0, runs=1)
+    [warning] = report.warnings
+    assert f"load average was {threads + 2.0:.1f} with {threads} torch threads" in warning
+    assert report.environment["loadavg_1min"] == [threads + 0.5, threads + 2.0]
+    monkeypatch.setattr("vitcompress.measure.throughput.load_average", lambda: float(threads))
+    quiet = measure_throughput({"m": TinyViT()}, INPUT, batch_size=2, warmup=0, runs=1)
+    assert quiet.warnings == []  # equal to the threads is not more

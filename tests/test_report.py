@@ -23,7 +23,7 @@ def run(*args):
 def run_json(*args) -> dict:
     result = run(*args, "--json")
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+    return json.loads(result.stdout)  # notes and warnings go to stderr
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import click
 from rich.console import Console
 
 from vitcompress import __version__
+from vitcompress.cli.status import PROGRESS_MODES, ConsoleStatus
 from vitcompress.data import DataError
 from vitcompress.graph.analyse import MappingError
 from vitcompress.graph.capture import CaptureError
@@ -19,6 +20,7 @@ from vitcompress.plan import PlanError
 from vitcompress.workflows.export import ExportError
 from vitcompress.workflows.gates import GateError, GateResult, failed
 from vitcompress.workflows.report import ReportError
+from vitcompress.workflows.status import reporting
 from vitcompress.workflows.visualize import VisualizeError
 
 # Errors that are the user's input, not a bug: one line on stderr, exit code 2.
@@ -72,11 +74,20 @@ def _first_line(error: BaseException) -> str:
 @click.group(cls=VitcompressGroup)
 @click.version_option(__version__, prog_name="vitcompress")
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+@click.option("--progress", type=click.Choice(PROGRESS_MODES), default="auto",
+              show_default=True,
+              help="Steps of long work on stderr: auto (a spinner on a terminal, nothing "
+                   "otherwise), plain (one line per step, for CI logs), none. Warnings always "
+                   "show.")
 @click.pass_context
-def cli(ctx: click.Context, debug: bool) -> None:
+def cli(ctx: click.Context, debug: bool, progress: str) -> None:
     """Compress Vision Transformers by joint Token Pruning & Squeezing (TPS)."""
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    # Until the command ends: its steps and warnings go to stderr, never into --json's stdout.
+    status = ConsoleStatus(err_console, progress)
+    ctx.call_on_close(status.close)
+    ctx.with_resource(reporting(status))
 
 
 def emit_json(data: dict[str, Any]) -> None:

@@ -19,9 +19,12 @@ from vitcompress.cli.options import (
     model_options,
     timing_options,
 )
+from vitcompress.measure.paired import MIN_PAIRS_FOR_INTERVAL
 from vitcompress.plan import VARIANTS
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, check_gates, require
 from vitcompress.workflows.identity import artifact_identity, model_identity, unsaved_identity
+from vitcompress.workflows.measure_models import speedup
+from vitcompress.workflows.status import step
 
 
 @cli.command()
@@ -59,7 +62,7 @@ def inspect(model_spec, model_args, checkpoint, pretrained, input_size, as_json)
 @cli.command()
 @model_options
 @timing_options
-@gate_options
+@gate_options(accepted=("max_gmacs",))
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def bench(model_spec, model_args, checkpoint, pretrained, input_size, timing, bounds: Bounds,
           as_json) -> None:
@@ -71,7 +74,8 @@ def bench(model_spec, model_args, checkpoint, pretrained, input_size, timing, bo
         "min_speedup": "bench times one model, so there is no speedup to check; use apply or "
                        "eval --base",
     })
-    loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
+    with step(f"loading {model_spec}"):
+        loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
     measured, environment = measure_models({"model": loaded.model}, loaded.input_size, timing)
     result = {"model": model_spec, "identity": model_identity(loaded, model_spec),
               **measured["model"].to_json(), "input_size": list(loaded.input_size),
@@ -105,7 +109,7 @@ def bench(model_spec, model_args, checkpoint, pretrained, input_size, timing, bo
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Write the compressed model here (safetensors + vitcompress.json).")
 @timing_options
-@gate_options
+@gate_options(accepted=("min_speedup", "max_gmacs"))
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def apply(model_spec, model_args, checkpoint, pretrained, input_size, variant, keep, locs,
           policy, out, timing, bounds: Bounds, as_json) -> None:
@@ -117,17 +121,28 @@ def apply(model_spec, model_args, checkpoint, pretrained, input_size, variant, k
     if timing is None:
         unavailable["min_speedup"] = NO_THROUGHPUT
     require(bounds, unavailable)
-    loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
-    result = run_apply(loaded, variant=variant, keep=keep, locs=locs, policy=policy, out=out,
-                       timing=timing)
+    with step(f"loading {model_spec}"):
+        loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
+    with step(f"compressing {model_spec} with {variant}"):
+        result = run_apply(loaded, variant=variant, keep=keep, locs=locs, policy=policy, out=out,
+                           timing=timing)
     data = result.to_json()
     data["input_size"] = list(loaded.input_size)
+    # The speed-up is the median of the round-by-round ratios (both models timed interleaved),
+    # with its 95% interval; the ratio of the two medians is kept for reference.
+    paired = speedup(result.compressed, result.base)
+    data["speedup_ratio_of_medians"] = data["speedup"]
+    data["speedup"] = None if paired is None else paired.median
+    data["speedup_ci95"] = None if paired is None or paired.interval is None else list(
+        paired.interval)
+    data["speedup_pairs"] = 0 if paired is None else paired.pairs
     data["base"]["identity"] = model_identity(loaded, model_spec)
     data["compressed"]["identity"] = (
         artifact_identity(result.out, loaded.input_size) if result.out is not None
         else unsaved_identity(data["base"]["identity"], data["plan"]))
     gates = check_gates(bounds, {"speedup": data["speedup"],
-                                 "gmacs": data["compressed"]["gmacs"]})
+                                 "gmacs": data["compressed"]["gmacs"]},
+                        intervals={"speedup": paired.interval if paired else None})
     data["gates"] = [g.to_json() for g in gates]
     if as_json:
         emit_json(data)
@@ -143,13 +158,18 @@ def apply(model_spec, model_args, checkpoint, pretrained, input_size, variant, k
         row = data[name]
         table.add_row(name, f"{row['params'] / 1e6:.2f}", f"{row['gmacs']:.3f}",
                       fmt_throughput(row["throughput"]))
-    ratio_tp = f"{data['speedup']:.2f}x" if data["speedup"] else "-"
+    ratio_tp = paired.text() if paired else "-"
     table.add_row("ratio", f"{data['compressed']['params'] / data['base']['params']:.3f}",
                   f"{data['macs_ratio']:.3f}", ratio_tp)
     console.print(table)
     console.print("tokens per block: " + " ".join(
         f"{b}->{c}" if b != c else str(b)
         for b, c in zip(data["base_tokens_per_block"], data["tokens_per_block"], strict=True)))
+    if paired is not None:
+        console.print(f"speed-up: median of {paired.pairs} paired rounds"
+                      + (", with its 95% interval" if paired.interval else
+                         f" (an interval needs {MIN_PAIRS_FOR_INTERVAL}; raise --runs)"),
+                      style="dim", highlight=False)
     print_environment(data["environment"])
     if data["out"]:
         console.print(f"saved to {data['out']}")

@@ -16,8 +16,8 @@ from vitcompress.loading import (
     parse_input_size,
     parse_model_args,
 )
-from vitcompress.workflows.gates import Bounds
-from vitcompress.workflows.measure_models import TimingOptions
+from vitcompress.workflows.gates import GATES, Bounds
+from vitcompress.workflows.measure_models import DEFAULT_BENCH_SECONDS, TimingOptions
 
 
 def model_options(command: Callable) -> Callable:
@@ -92,7 +92,12 @@ def timing_options(command: Callable) -> Callable:
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
                      default="float32", show_default=True),
         click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0)),
-        click.option("--runs", default=10, show_default=True, type=click.IntRange(min=1)),
+        click.option("--runs", default=10, show_default=True, type=click.IntRange(min=1),
+                     help="Timed rounds (one batch of each model per round) at most."),
+        click.option("--bench-seconds", default=DEFAULT_BENCH_SECONDS, show_default=True,
+                     type=click.FloatRange(min=0, min_open=True), metavar="S",
+                     help="Time budget of the throughput step (warm-up and timed rounds): no "
+                          "round starts after S seconds; at least one is timed."),
         click.option("--compile", "use_compile", is_flag=True, help="torch.compile the models."),
         click.option("--amp", is_flag=True, help="Autocast (GPU only) in --dtype."),
         click.option("--no-throughput", is_flag=True, help="Skip timing; count params and MACs."),
@@ -101,30 +106,39 @@ def timing_options(command: Callable) -> Callable:
         command = decorator(command)
 
     @functools.wraps(command)
-    def wrapper(*args, batch_size, device, dtype, warmup, runs, use_compile, amp, no_throughput,
-                **kwargs):
+    def wrapper(*args, batch_size, device, dtype, warmup, runs, bench_seconds, use_compile, amp,
+                no_throughput, **kwargs):
         timing = None if no_throughput else TimingOptions(
             batch_size=batch_size, device=device, dtype=dtype, warmup=warmup, runs=runs,
-            compile=use_compile, amp=amp)
+            compile=use_compile, amp=amp, seconds=bench_seconds)
         return command(*args, timing=timing, **kwargs)
 
     return wrapper
 
 
-def gate_options(command: Callable) -> Callable:
+def gate_options(command: Callable | None = None, *,
+                 accepted: tuple[str, ...] = tuple(GATES)) -> Callable:
     """``--max-acc-drop``, ``--min-speedup``, ``--max-gmacs``, folded into ``bounds: Bounds``.
 
+    ``@gate_options`` offers all three; ``@gate_options(accepted=(...))`` lists only the named
+    gates in ``--help``. The others are still parsed (hidden), so that giving one gets the
+    command's own explanation from ``require`` instead of click's "no such option".
     A missed bound makes the command exit 3 after its report (docs/ci.md).
     """
+    if command is None:
+        return functools.partial(gate_options, accepted=accepted)
     positive = click.FloatRange(min=0, min_open=True)
     decorators = [
         click.option("--max-acc-drop", type=float, default=None, metavar="POINTS",
+                     hidden="max_acc_drop" not in accepted,
                      help="CI gate: fail (exit 3) if top-1 drops by more than this many points "
-                          "against the base (eval --base only)."),
+                          "against the base."),
         click.option("--min-speedup", type=positive, default=None, metavar="X",
-                     help="CI gate: fail (exit 3) if throughput / base throughput is below X "
-                          "(apply, eval --base)."),
+                     hidden="min_speedup" not in accepted,
+                     help="CI gate: fail (exit 3) if the speed-up over the base (median of the "
+                          "paired timed rounds) is below X."),
         click.option("--max-gmacs", type=positive, default=None, metavar="G",
+                     hidden="max_gmacs" not in accepted,
                      help="CI gate: fail (exit 3) if the (compressed) model needs more than G "
                           "GMACs per image."),
     ]

@@ -5,7 +5,12 @@ conditions. So all models of one call are timed in one process on one fixed inpu
 timed runs are interleaved round-robin (one batch of each model per round): a burst of machine
 noise (thermal throttling, a background job) then hits every model alike instead of whichever
 happened to be timed at that moment. Each model reports the median of its runs, which ignores the
-odd outlier, plus all samples so the spread can be judged.
+odd outlier, plus all samples so the spread can be judged; :meth:`ThroughputReport.paired` turns
+two models' samples into a speed-up with a 95% interval (:mod:`.paired`).
+
+Two things make a number untrustworthy, and both are reported in ``ThroughputReport.warnings``
+rather than hidden: other work on the machine (the 1-minute load average above the threads torch
+uses, read before and after timing), and a time budget that ended the timing before all runs.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,8 +28,10 @@ import torch
 from torch import nn
 
 from .macs import _same_device
+from .paired import PairedRatio, paired_ratio
 
-__all__ = ["ModelThroughput", "ThroughputReport", "environment", "measure_throughput"]
+__all__ = ["ModelThroughput", "RoundProgress", "ThroughputReport", "environment",
+           "load_average", "load_warning", "measure_throughput"]
 
 
 @dataclass
@@ -50,17 +57,52 @@ class ThroughputReport:
 
     results: dict[str, ModelThroughput]
     environment: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
 
     def ratio(self, a: str, b: str) -> float:
         """Median throughput of ``a`` over that of ``b`` (the speed-up of ``a`` when > 1)."""
         return self.results[a].median / self.results[b].median
+
+    def paired(self, a: str, b: str) -> PairedRatio:
+        """``a``'s throughput over ``b``'s, round by round: median and 95% interval."""
+        return paired_ratio(self.results[a].samples, self.results[b].samples)
 
     def to_json(self) -> dict[str, Any]:
         """Plain dicts, lists, numbers and strings, ready for ``json.dump``."""
         return {
             "results": {name: asdict(result) for name, result in self.results.items()},
             "environment": dict(self.environment),
+            "warnings": list(self.warnings),
         }
+
+
+@dataclass(frozen=True)
+class RoundProgress:
+    """Where timing stands after a round: for a progress display."""
+
+    warmup: bool  # a warm-up round (not timed)
+    done: int  # rounds of this kind done
+    total: int  # rounds of this kind asked for
+    elapsed: float  # seconds since timing began
+    budget: float | None  # the time budget in seconds, if any
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, or None where the system has none (Windows)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def load_warning(loads: list[float | None], threads: int) -> str | None:
+    """A warning when the machine was busier than the threads timing used, else None."""
+    seen = [load for load in loads if load is not None]
+    if not seen or max(seen) <= threads:
+        return None
+    return (f"the 1-minute load average was {max(seen):.1f} with {threads} torch threads "
+            "timing: other work shared the CPU, so throughput is low and its ratios noisy; "
+            "time on a quiet machine, or check the 95% interval")
 
 
 def _cpu_name() -> str:
@@ -135,6 +177,8 @@ def measure_throughput(
     runs: int = 10,
     compile: bool = False,
     amp: bool = False,
+    time_budget: float | None = None,
+    on_round: Callable[[RoundProgress], None] | None = None,
 ) -> ThroughputReport:
     """Images/s of each model in inference mode, timed interleaved in this process.
 
@@ -143,6 +187,10 @@ def measure_throughput(
     in float32 under ``torch.autocast(dtype=dtype)``, which is only offered on CUDA. ``compile``
     wraps each model with ``torch.compile``; compilation happens during warm-up, so at least one
     warm-up batch is required then. Training flags are restored afterwards.
+
+    ``time_budget`` (seconds) bounds warm-up and timing together: no round starts once it is
+    spent, but one warm-up round (when ``warmup`` > 0) and one timed round always run, so a round
+    may overshoot it. ``on_round`` is called after every round, for progress displays.
     """
     if not models:
         raise ValueError("no models to time")
@@ -152,6 +200,8 @@ def measure_throughput(
         raise ValueError("batch_size and runs must be >= 1 and warmup >= 0")
     if compile and warmup < 1:
         raise ValueError("compile=True needs warmup >= 1, or compilation time would be timed")
+    if time_budget is not None and time_budget <= 0:
+        raise ValueError(f"time_budget must be > 0 seconds, got {time_budget}")
     device = torch.device(device)
     if amp:
         if device.type != "cuda":
@@ -178,21 +228,37 @@ def measure_throughput(
             model(x)
 
     samples: dict[str, list[float]] = {name: [] for name in runnable}
+    loads = [load_average()]
+    began = time.perf_counter()
+
+    def spent() -> bool:
+        return time_budget is not None and time.perf_counter() - began >= time_budget
+
+    def report_round(warm: bool, done: int, total: int) -> None:
+        if on_round is not None:
+            on_round(RoundProgress(warmup=warm, done=done, total=total,
+                                   elapsed=time.perf_counter() - began, budget=time_budget))
+
+    warmed = timed = 0
     try:
         with torch.inference_mode():
             # Warm-up round-robin as well, so every model leaves warm-up with the same caches and
             # allocator state, and one-off costs (compilation, cuDNN autotuning) stay out.
-            for _ in range(warmup):
+            while warmed < warmup and not (warmed and spent()):
                 for model in runnable.values():
                     forward(model)
+                warmed += 1
+                report_round(True, warmed, warmup)
             _synchronize(device)
-            for _ in range(runs):
+            while timed < runs and not (timed and spent()):
                 for name, model in runnable.items():
                     _synchronize(device)
                     start = time.perf_counter()
                     forward(model)
                     _synchronize(device)
                     samples[name].append(batch_size / (time.perf_counter() - start))
+                timed += 1
+                report_round(False, timed, runs)
     finally:
         # eval() above changed the caller's models whenever no copy was needed.
         for name, model in models.items():
@@ -200,14 +266,27 @@ def measure_throughput(
             for module, training in flags[name]:
                 module.training = training
 
+    loads.append(load_average())
+    threads = torch.get_num_threads()
+    warnings = [w for w in (load_warning(loads, threads),) if w]
+    if timed < runs or warmed < warmup:
+        warnings.append(f"timing stopped at the {time_budget:g} s budget after {warmed} of "
+                        f"{warmup} warm-up and {timed} of {runs} timed rounds; raise the budget "
+                        "(--bench-seconds) for a tighter interval")
     return ThroughputReport(
         results={name: ModelThroughput(samples=values) for name, values in samples.items()},
         environment=environment(device, dtype, batch_size)
         | {
             "input_size": list(input_size),
-            "warmup": warmup,
-            "runs": runs,
+            "warmup": warmed,
+            "runs": timed,
+            "warmup_requested": warmup,
+            "runs_requested": runs,
+            "time_budget_s": time_budget,
+            "seconds": time.perf_counter() - began,
+            "loadavg_1min": loads,
             "compile": compile,
             "amp": amp,
         },
+        warnings=warnings,
     )

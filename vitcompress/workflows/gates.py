@@ -59,19 +59,34 @@ class GateResult:
     bound: float
     value: float | None
     passed: bool
+    # 95% interval of a measured value that has one (the speed-up); the gate compares ``value``
+    interval: tuple[float, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "bound": self.bound, "value": self.value,
+                "interval": None if self.interval is None else list(self.interval),
                 "passed": self.passed}
 
+    @property
+    def undecided(self) -> bool:
+        """The bound lies inside the value's 95% interval: this machine could not tell."""
+        return self.interval is not None and self.interval[0] <= self.bound <= self.interval[1]
+
     def message(self) -> str:
-        """``--min-speedup 1.20 but measured 1.07x`` (failed) or ``... measured 1.31x`` (passed)."""
+        """``--min-speedup 1.20 but measured 1.07x`` (failed) or ``... measured 1.31x`` (passed),
+        with the 95% interval where the value has one."""
         gate = GATES[self.name]
         if self.value is None:
             return f"{gate.flag} {self.bound:.{gate.decimals}f} but it was not measured"
         bound, value = _format_pair(self.bound, self.value, gate.decimals)
         joint = "and" if self.passed else "but"
-        return f"{gate.flag} {bound} {joint} measured {value}{gate.unit}"
+        text = f"{gate.flag} {bound} {joint} measured {value}{gate.unit}"
+        if self.interval is not None:
+            low, high = (f"{v:.{gate.decimals}f}" for v in self.interval)
+            text += f" (95% interval {low}-{high}"
+            text += (": the bound lies inside it, so more --runs or a quieter machine would "
+                     "decide)" if self.undecided else ")")
+        return text
 
 
 def _format_pair(bound: float, value: float, decimals: int) -> tuple[str, str]:
@@ -93,12 +108,17 @@ def require(bounds: Bounds, unavailable: Mapping[str, str]) -> None:
             raise GateError(f"{GATES[name].flag}: {unavailable[name]}")
 
 
-def check_gates(bounds: Bounds, measured: Mapping[str, float | None]) -> list[GateResult]:
+def check_gates(bounds: Bounds, measured: Mapping[str, float | None],
+                intervals: Mapping[str, tuple[float, float] | None] | None = None,
+                ) -> list[GateResult]:
     """One result per given bound, in the order of ``GATES``; a value missing fails its gate.
 
-    ``measured`` holds ``acc_drop`` (points of top-1 lost), ``speedup`` (throughput ratio) and
-    ``gmacs``, as far as the command measured them.
+    ``measured`` holds ``acc_drop`` (points of top-1 lost), ``speedup`` (the median of the
+    paired per-round throughput ratios, :func:`vitcompress.measure.paired_ratio`) and ``gmacs``,
+    as far as the command measured them. The gate compares that value; ``intervals`` (95%, by
+    quantity) are reported with it, so a result the machine could not decide says so.
     """
+    intervals = intervals or {}
     results = []
     for name, bound in bounds.given().items():
         value = measured.get(GATES[name].quantity)
@@ -108,8 +128,11 @@ def check_gates(bounds: Bounds, measured: Mapping[str, float | None]) -> list[Ga
             passed = value <= bound
         else:
             passed = value >= bound
+        interval = intervals.get(GATES[name].quantity)
         results.append(GateResult(name=name, bound=float(bound),
-                                  value=None if value is None else float(value), passed=passed))
+                                  value=None if value is None else float(value), passed=passed,
+                                  interval=None if interval is None else
+                                  (float(interval[0]), float(interval[1]))))
     return results
 
 

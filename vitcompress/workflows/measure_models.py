@@ -9,7 +9,18 @@ import torch
 from torch import nn
 
 from vitcompress.graph.capture import annotate_shapes
-from vitcompress.measure import count_macs, count_params, measure_throughput
+from vitcompress.measure import (
+    PairedRatio,
+    RoundProgress,
+    count_macs,
+    count_params,
+    measure_throughput,
+    paired_ratio,
+)
+from vitcompress.workflows.status import detail, step, warn
+
+# Default bound on the throughput step (warm-up and timed rounds together), in seconds.
+DEFAULT_BENCH_SECONDS = 60.0
 
 
 @dataclass
@@ -21,6 +32,7 @@ class TimingOptions:
     runs: int = 10
     compile: bool = False
     amp: bool = False
+    seconds: float | None = DEFAULT_BENCH_SECONDS  # time budget of the throughput step
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -42,21 +54,48 @@ class Measurement:
 
 def measure_models(models: dict[str, nn.Module], input_size: tuple[int, int, int],
                    timing: TimingOptions | None) -> tuple[dict[str, Measurement], dict[str, Any]]:
-    """Params and MACs of each model; throughput of all of them interleaved in this process."""
-    # MACs are counted where each model is (evaluation may have moved it to the GPU already).
-    results = {name: Measurement(count_params(m), count_macs(m, input_size, _device_of(m)))
-               for name, m in models.items()}
+    """Params and MACs of each model; throughput of all of them interleaved in this process.
+
+    The environment records what the timing depended on, and its ``warnings`` (a busy machine, a
+    budget that cut the timing short), which are also passed to :func:`status.warn`.
+    """
+    results = {}
+    for name, model in models.items():
+        with step(f"counting MACs of {name}"):
+            # Counted where each model is (evaluation may have moved it to the GPU already).
+            results[name] = Measurement(count_params(model),
+                                        count_macs(model, input_size, _device_of(model)))
     environment: dict[str, Any] = {}
     if timing is not None:
-        report = measure_throughput(
-            models, input_size, batch_size=timing.batch_size, device=timing.device,
-            dtype=timing.torch_dtype, warmup=timing.warmup, runs=timing.runs,
-            compile=timing.compile, amp=timing.amp)
+        with step(f"timing {' and '.join(models)} (batch {timing.batch_size}, at most "
+                  + (f"{timing.seconds:g} s)" if timing.seconds else "no time limit)")):
+            report = measure_throughput(
+                models, input_size, batch_size=timing.batch_size, device=timing.device,
+                dtype=timing.torch_dtype, warmup=timing.warmup, runs=timing.runs,
+                compile=timing.compile, amp=timing.amp, time_budget=timing.seconds,
+                on_round=_show_round)
         for name in models:
             results[name].throughput = report.results[name].median
             results[name].samples = list(report.results[name].samples)
-        environment = report.to_json().get("environment", {})
+        environment = report.to_json()["environment"] | {"warnings": list(report.warnings)}
+        for text in report.warnings:
+            warn(text)
     return results, environment
+
+
+def _show_round(progress: RoundProgress) -> None:
+    kind = "warm-up" if progress.warmup else "timed"
+    left = ("" if progress.budget is None
+            else f", {max(0.0, progress.budget - progress.elapsed):.0f} s of budget left")
+    detail(f"{kind} round {progress.done}/{progress.total}{left}")
+
+
+def speedup(model: Measurement, base: Measurement) -> PairedRatio | None:
+    """``model``'s throughput over ``base``'s, paired round by round (both timed in one
+    ``measure_models`` call), or None when they were not timed."""
+    if not model.samples or not base.samples or len(model.samples) != len(base.samples):
+        return None
+    return paired_ratio(model.samples, base.samples)
 
 
 def _device_of(model: nn.Module) -> torch.device:
