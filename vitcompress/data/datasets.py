@@ -64,11 +64,9 @@ def build_dataset(data: str, split: str, input_size: tuple[int, int, int],
                                        f"{DEFAULTS_SOURCE}: Fashion-MNIST images are not cropped")
         dataset = IdxDataset(images, labels, FASHION_MNIST_CLASSES,
                              _transform(size, train, augment, config), channels=size[0])
-    else:
-        dataset = _image_folder(data, split, size, train, augment or AugmentConfig.deit(),
-                                config)
-    dataset.data_config = config
-    return dataset
+        dataset.data_config = config
+        return dataset
+    return _image_folder(data, split, size, train, augment or AugmentConfig.deit(), config)
 
 
 def _config_for(channels: int, mean: Sequence[float] | None, std: Sequence[float] | None,
