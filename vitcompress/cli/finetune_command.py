@@ -8,6 +8,7 @@ import click
 from rich.table import Table
 
 from vitcompress.cli.app import (
+    EXIT_INTERRUPTED,
     EXIT_USAGE,
     cli,
     console,
@@ -103,6 +104,7 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
     from vitcompress.workflows.finetune import (
         FinetuneConfig,
         FinetuneError,
+        FinetuneInterrupted,
         TrainingDiverged,
         student_and_teacher,
     )
@@ -151,6 +153,9 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
     try:
         result = run_finetune(student, teacher, train_set, val_set, out, config,
                               progress=RichProgress() if show_progress else None)
+    except FinetuneInterrupted as e:  # says where the last step was saved
+        click.echo(f"error: {e}", err=True)
+        ctx.exit(EXIT_INTERRUPTED)
     except TrainingDiverged as e:
         click.echo(f"error: {e}", err=True)
         ctx.exit(1)

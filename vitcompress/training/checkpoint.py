@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import random
 import re
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,10 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path, global_step: i
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / checkpoint_name(global_step)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    # Not mkstemp: it creates files with mode 0600; a checkpoint follows the umask like the
+    # other files a run writes. O_EXCL and a random name keep the temporary file private.
+    tmp = directory / f".tmp-{secrets.token_hex(8)}.pt"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)

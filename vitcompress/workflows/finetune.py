@@ -23,12 +23,15 @@ from torch.utils.data import DataLoader, Dataset
 from vitcompress.data import DataError, num_classes
 from vitcompress.loading import LoadedModel
 from vitcompress.training.checkpoint import (
+    checkpoint_name,
+    find_latest,
     list_checkpoints,
     load_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
+from vitcompress.training.interrupt import ForcedStop, StopSignals
 from vitcompress.training.losses import DistillationTaps, FinetuneLoss, LossWeights
 from vitcompress.training.optim import build_optimizer, build_scheduler, default_lr
 from vitcompress.training.sampler import EpochSampler, TrainPosition
@@ -46,11 +49,37 @@ from vitcompress.workflows.run_directory import (
 log = logging.getLogger(__name__)
 
 __all__ = ["CHECKPOINTS", "EMA_DIR", "METRICS", "FinetuneConfig", "FinetuneError",
-           "FinetuneProgress", "TrainingDiverged", "finetune", "student_and_teacher"]
+           "FinetuneInterrupted", "FinetuneProgress", "TrainingDiverged", "finetune",
+           "student_and_teacher"]
 
 
 class TrainingDiverged(FinetuneError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+class FinetuneInterrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT/SIGTERM (or a ``KeyboardInterrupt``) between optimizer steps.
+
+    ``checkpoint`` holds the last completed step, or is None when nothing could be saved (a
+    second signal forced the stop, or the interrupt came in the middle of an update); the
+    message is the one line the command prints."""
+
+    def __init__(self, reason: str, step: int, checkpoint: Path | None,
+                 latest: Path | None = None) -> None:
+        self.reason, self.step, self.checkpoint = reason, step, checkpoint
+        if checkpoint is not None:
+            text = (f"interrupted ({reason}): step {step} saved in {checkpoint}; continue with "
+                    "--resume")
+        elif latest is not None:
+            text = (f"interrupted ({reason}): no checkpoint written; the newest, {latest}, "
+                    "stands (--resume continues from it)")
+        else:
+            text = f"interrupted ({reason}): no checkpoint written, nothing to resume"
+        super().__init__(text)
+
+
+class _StopAgreed(Exception):
+    """Every process saw a stop request at the same safe point."""
 
 
 class FinetuneProgress:
@@ -120,15 +149,27 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
     """Fine-tune ``student.model`` (a compressed model) and write ``out`` as its artifact.
 
     ``teacher`` is the uncompressed model (frozen; None disables both distillation terms).
-    ``on_step(global_step, model)`` runs after every optimizer step (progress hooks, tests); a
-    ``KeyboardInterrupt`` raised there or by Ctrl-C writes a checkpoint at the last finished
-    step before it propagates. ``progress`` hears of epochs and steps on the main process.
-    Returns the summary recorded in the artifact.
+    ``on_step(global_step, model)`` runs after every optimizer step (progress hooks, tests).
+    ``progress`` hears of epochs and steps on the main process. Returns the summary recorded in
+    the artifact.
+
+    SIGINT and SIGTERM (from the main thread) stop the run at the next safe point: after the
+    current step, between batches, or at once inside evaluation. The last completed optimizer
+    step is checkpointed and ``FinetuneInterrupted`` (a ``KeyboardInterrupt``) is raised; so is
+    it after a ``KeyboardInterrupt`` raised by ``on_step``.
     """
+    with StopSignals() as signals:
+        return _finetune(student, teacher, train_set, val_set, Path(out), config, on_step,
+                         progress, signals)
+
+
+def _finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset,
+              val_set: Dataset | None, out: Path, config: FinetuneConfig,
+              on_step: StepCallback | None, progress: FinetuneProgress | None,
+              signals: StopSignals) -> dict[str, Any]:
     from accelerate import Accelerator
     from accelerate.utils import gather_object, set_seed
 
-    out = Path(out)
     resume_from = prepare_run_directory(out, config.resume)
     _check_outputs(student.model, train_set, bool(config.mixup))  # before anything is written
     accelerator = Accelerator(gradient_accumulation_steps=config.accum,
@@ -210,12 +251,23 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
 
     metrics = MetricsLog(out / METRICS, main)
 
-    def checkpoint(pos: TrainPosition, rng: dict[str, Any]) -> None:
+    buffer_names = {name for name, _ in raw_model.named_buffers()}
+
+    def buffers() -> dict[str, torch.Tensor]:
+        # Forward passes in training mode may change buffers (batch-norm statistics) before the
+        # step completes; a stop between batches saves them as they were at the last step.
+        return {k: v.detach().clone() for k, v in raw_model.state_dict().items()
+                if k in buffer_names}
+
+    saved: dict[int, Path] = {}
+
+    def checkpoint(pos: TrainPosition, rng: dict[str, Any]) -> Path:
         # gather_object is collective: every process calls this, only the first one writes.
         rngs = gather_object([rng])
+        path = out / CHECKPOINTS / checkpoint_name(pos.global_step)
         if main:
             state = {
-                "model": raw_model.state_dict(),
+                "model": {**raw_model.state_dict(), **boundary_buffers},
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
                 "scaler": accelerator.scaler.state_dict() if accelerator.scaler else None,
@@ -225,12 +277,51 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
                 "batches_done": pos.batches_done,
                 "global_step": pos.global_step,
             }
-            save_checkpoint(state, out / CHECKPOINTS, pos.global_step, config.keep_checkpoints)
+            path = save_checkpoint(state, out / CHECKPOINTS, pos.global_step,
+                                   config.keep_checkpoints)
         accelerator.wait_for_everyone()
+        saved[pos.global_step] = path
+        return path
+
+    def stop_agreed() -> bool:
+        """A safe point: True when any process has a stop request (all processes call this at
+        the same points, so they stop together and the collective save cannot hang)."""
+        local = signals.requested
+        if accelerator.num_processes == 1:
+            return local
+        flag = torch.tensor([1.0 if local else 0.0], device=accelerator.device)
+        agreed = float(accelerator.reduce(flag, reduction="sum")) > 0
+        if agreed and not local:
+            signals.request("another process was signalled")
+        return agreed
+
+    def checked(batches: Any) -> Any:
+        """``batches`` with a safe point after each fetch. A DataLoader worker killed by the
+        same signal (Ctrl-C reaches the whole process group) counts as the stop request."""
+        iterator = iter(batches)
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            except Exception:
+                if not signals.requested:
+                    raise
+                batch = None
+            if stop_agreed():
+                raise _StopAgreed
+            yield batch
+
+    def top1(net: nn.Module) -> float:
+        if accelerator.num_processes == 1:  # nothing evaluation does can be torn: stop at once
+            with signals.immediate():
+                return _top1(net, val_set, val_loader, accelerator, config)
+        return _top1(net, val_set, checked(val_loader), accelerator, config)
 
     progress = progress if progress is not None and main else FinetuneProgress()
     boundary = TrainPosition(position.epoch, position.batches_done, position.global_step)
     boundary_rng = rng_state()
+    boundary_buffers = buffers()
     updating = False
     history: list[dict[str, Any]] = []
     started = time.perf_counter()
@@ -246,12 +337,11 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
             epoch_loss, epoch_batches = 0.0, 0
             window_images, window_start = 0, time.perf_counter()
             model.train()
-            for images, labels in loader:
+            for images, labels in checked(loader):
                 targets = labels
                 if mixup_fn is not None:
                     images, targets = mixup_fn(images, labels)
                 with accelerator.accumulate(model):
-                    updating = accelerator.sync_gradients
                     taps.reset()
                     with accelerator.autocast():
                         logits = unwrap_logits(model(images))
@@ -262,6 +352,7 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
                     loss, parts = criterion(logits, targets, teacher_logits)
                     _check_finite(loss, accelerator, boundary.global_step + 1)
                     accelerator.backward(loss)
+                    updating = accelerator.sync_gradients  # the weights change from here on
                     optimizer.step()
                     optimizer.zero_grad()
                 batch_index += 1
@@ -276,6 +367,7 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
                     ema.update(raw_model, step=boundary.global_step + 1)
                 boundary = TrainPosition(epoch, batch_index, boundary.global_step + 1)
                 boundary_rng = rng_state()
+                boundary_buffers = buffers()
                 updating = False
                 step = boundary.global_step
                 elapsed = time.perf_counter() - window_start
@@ -291,28 +383,38 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
                     checkpoint(boundary, boundary_rng)
                 if on_step is not None:
                     on_step(step, raw_model)
+                if stop_agreed():
+                    raise _StopAgreed
             summary = {"type": "epoch", "epoch": epoch, "step": boundary.global_step,
                        "train_loss": epoch_loss / max(1, epoch_batches)}
             if val_loader is not None:
-                summary["val_top1"] = _top1(model, val_set, val_loader, accelerator, config)
+                summary["val_top1"] = top1(model)
                 if ema is not None:
-                    summary["val_top1_ema"] = _top1(ema.module, val_set, val_loader,
-                                                    accelerator, config)
+                    summary["val_top1_ema"] = top1(ema.module)
             metrics.write(summary)
             history.append(summary)
             progress.epoch_done(summary)
             boundary = TrainPosition(epoch + 1, 0, boundary.global_step)
             boundary_rng = rng_state()
             checkpoint(boundary, boundary_rng)
-    except KeyboardInterrupt:
-        progress.stop()  # before the message below, which a live bar would draw over
+    except (_StopAgreed, KeyboardInterrupt) as stop:
+        progress.stop()  # before the message, which a live bar would draw over
         # Save where the last optimizer step left things (the batches of an unfinished
-        # accumulation are redone on resume). Not during an update, whose state would be torn,
-        # and not with several processes, whose collective save could hang.
-        if not updating and accelerator.num_processes == 1:
-            checkpoint(boundary, boundary_rng)
-            log.warning("interrupted: checkpoint written at step %d", boundary.global_step)
-        raise
+        # accumulation are redone on resume). Not after a forced stop or during an update, whose
+        # state could be torn, and not after a KeyboardInterrupt raised on one process only,
+        # whose collective save could hang.
+        reason = signals.received or "KeyboardInterrupt"
+        step = boundary.global_step
+        if isinstance(stop, ForcedStop) or updating or (
+                not isinstance(stop, _StopAgreed) and accelerator.num_processes > 1):
+            raise FinetuneInterrupted(f"{reason}, stopped at once" if signals.forced else reason,
+                                      step, None, find_latest(out / CHECKPOINTS)) from None
+        try:
+            path = saved.get(step) or checkpoint(boundary, boundary_rng)
+        except ForcedStop:
+            raise FinetuneInterrupted(f"{reason}, stopped at once while saving", step, None,
+                                      find_latest(out / CHECKPOINTS)) from None
+        raise FinetuneInterrupted(reason, step, path) from None
     except BaseException:
         progress.stop()
         raise
