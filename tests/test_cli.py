@@ -194,3 +194,56 @@ def test_the_spinner_shows_each_step_on_a_terminal():
     assert status.spinner is None  # stopped with the last step
     text = screen.getvalue()
     assert "counting MACs of base" in text and "timed round 1/3" in text and "careful" in text
+
+
+PYRAMID = f"{FIXTURES}:tiny_pyramid"
+
+
+def test_inspect_off_a_terminal_cuts_nothing(monkeypatch):
+    from vitcompress.cli.app import console
+
+    monkeypatch.setattr(console, "width", 80)
+    result = run("inspect", "--model", PYRAMID)
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith(f"{PYRAMID}  input (3, 64, 64)")  # the header on one line
+    data = json.loads(run("inspect", "--model", PYRAMID, "--json").output)
+    for block in data["blocks"]:
+        [row] = [line for line in lines if f" {block['path']} " in line]
+        for op in block["grid_ops"]:
+            assert f"{op['kind']} {op['path']} {op['grid'][0]}x{op['grid'][1]}" in row
+
+
+def test_inspect_on_a_narrow_terminal_folds_instead_of_cutting(monkeypatch):
+    from vitcompress.cli.app import console
+
+    monkeypatch.setattr(console, "width", 70)
+    monkeypatch.setattr(console, "_force_terminal", True)
+    monkeypatch.setattr(console, "_color_system", None)
+    result = run("inspect", "--model", PYRAMID)
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 70
+    cells = "".join(line.split("│")[1].strip() for line in result.output.splitlines()
+                    if line.count("│") >= 7)
+    assert "pyramid.0.blocks.0" in cells  # folded over two lines, every character kept
+
+
+@pytest.mark.parametrize("stages, cls, text", [
+    ([1], True, "prefix tokens 1 (cls)"),
+    ([0], False, "prefix tokens 0"),
+    ([4], False, "prefix tokens 4 (no cls)"),
+    ([0, 0, 1], True, "prefix tokens per stage 0, 0, 1 (cls)"),  # CvT
+])
+def test_inspect_says_which_prefix_tokens_there_are(stages, cls, text):
+    from vitcompress.cli.model_commands import prefix_text
+
+    model_map = {"stages": [{"prefix_tokens": n} for n in stages], "cls_token": cls}
+    assert prefix_text(model_map) == text
+
+
+def test_inspect_of_a_pyramid_claims_no_cls():
+    result = run("inspect", "--model", PYRAMID)
+    header = result.output.splitlines()[0]
+    assert "prefix tokens 0  grid" in header and "cls" not in header

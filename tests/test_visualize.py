@@ -139,3 +139,34 @@ def test_an_uncompressed_model_is_refused(tmp_path, image):
     result = run("visualize", "--model", f"{FIXTURES}:mha_vit", "--image", image, "--out",
                  tmp_path / "o.png")
     assert result.exit_code == 2 and "not compressed" in result.output
+
+
+@pytest.mark.parametrize("variant, expected", [
+    ("dtps", ["host: a kept token that pruned tokens are squeezed into (outlined)",
+              "pruned here, squeezed into the host of its colour",
+              "kept, no tokens squeezed into it (grey image)",
+              "pruned at an earlier location (blank)"]),
+    ("evit", ["kept (image shown)", "pruned at this location (faint)",
+              "pruned at an earlier location (blank)",
+              "+1: EViT's fused token of the pruned ones (no cell)"]),
+])
+def test_the_picture_has_a_legend_of_what_it_shows(tmp_path, image, monkeypatch, variant,
+                                                   expected):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    legends: list[list[str]] = []
+    original = Figure.legend
+
+    def recording(self, *args, **kwargs):
+        legends.append(list(kwargs["labels"]))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "legend", recording)
+    torch.manual_seed(0)
+    compressed = vitcompress.compress(inhouse.mha_vit().eval(), variant, keep=0.5, locs=[1, 2],
+                                      input_size=(3, 32, 32))
+    art = _save(compressed, tmp_path / "art", f"{FIXTURES}:mha_vit")
+    result = run("visualize", "--model", art, "--image", image, "--out", tmp_path / "v.png")
+    assert result.exit_code == 0, result.output
+    assert legends == [expected]

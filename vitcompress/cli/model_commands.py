@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
+from rich.console import Console
+from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 from vitcompress.cli.app import (
@@ -39,24 +44,46 @@ def inspect(model_spec, model_args, checkpoint, pretrained, input_size, as_json)
     if as_json:
         emit_json(model_map)
         return
+    # Off a terminal (a file, a pipe, CI) nothing is cut or folded: the lines are as long as they
+    # need to be. On a terminal long cells fold onto more lines instead of ending in "...".
+    on_terminal = console.is_terminal
     console.print(
-        f"[bold]{model_spec}[/]  input {tuple(model_map['input_size'])}  captured by "
-        f"{model_map['capture']}  prefix tokens {model_map['prefix_tokens']} "
-        f"({'cls' if model_map['cls_token'] else 'no cls'})  grid {tuple(model_map['grid'])}"
+        f"[bold]{escape(model_spec)}[/]  input {tuple(model_map['input_size'])}  captured by "
+        f"{model_map['capture']}  {prefix_text(model_map)}  grid {tuple(model_map['grid'])}",
+        soft_wrap=not on_terminal,
     )
     table = Table(show_edge=False)
     for column in ("#", "path", "stage", "tokens", "dim", "heads", "attention", "grid ops"):
         table.add_column(column, justify="right" if column in ("#", "tokens", "dim", "heads")
-                         else "left")
+                         else "left", overflow="fold")
     for block in model_map["blocks"]:
         ops = ", ".join(f"{op['kind']} {op['path']} {op['grid'][0]}x{op['grid'][1]}"
                         for op in block["grid_ops"]) or "-"
         table.add_row(str(block["index"]), block["path"] or "<root>", str(block["stage"]),
                       str(block["tokens"]), str(block["dim"]), str(block["heads"]),
                       block["attention"], ops)
-    console.print(table)
+    if on_terminal:
+        console.print(table)
+    else:
+        unbounded = console.options.update_width(1_000_000)  # measure, do not clamp to COLUMNS
+        width = Measurement.get(console, unbounded, table).maximum
+        # console.print never draws wider than the console: a console as wide as the table.
+        Console(file=console.file, width=max(width, console.width),
+                color_system=console.color_system).print(table)
     if model_map["leaves"]:
-        console.print(f"kept whole by the tracer: {', '.join(model_map['leaves'])}")
+        console.print(f"kept whole by the tracer: {', '.join(model_map['leaves'])}",
+                      soft_wrap=not on_terminal)
+
+
+def prefix_text(model_map: dict[str, Any]) -> str:
+    """``prefix tokens 1 (cls)``, ``prefix tokens 0``, or per stage for a hybrid whose stages
+    differ (CvT: ``prefix tokens per stage 0, 0, 1 (cls)``). "cls" means the head reads the first
+    prefix token of the last stage."""
+    counts = [stage["prefix_tokens"] for stage in model_map["stages"]]
+    cls = " (cls)" if model_map["cls_token"] else " (no cls)"
+    if len(set(counts)) > 1:
+        return f"prefix tokens per stage {', '.join(map(str, counts))}{cls}"
+    return f"prefix tokens {counts[0]}" + (cls if counts[0] else "")
 
 
 @cli.command()

@@ -220,6 +220,45 @@ def _cell_boxes(grid: tuple[int, int], size: tuple[int, int]
     return lambda pos: ((pos % gw) * cw - 0.5, (pos // gw) * ch - 0.5, cw, ch)
 
 
+# Cells blanked in a panel: tokens pruned at an earlier location are gone (opaque); tokens pruned
+# at this location (DynamicViT, EViT) still show a trace of the image.
+_GONE = {"facecolor": "white", "edgecolor": "0.6", "alpha": 1.0}
+_PRUNED_HERE = {"facecolor": "white", "edgecolor": "0.6", "alpha": 0.92}
+
+
+def legend_entries(records: Sequence[LocationRecord],
+                   colour: Any = "tab:blue") -> list[tuple[str, dict[str, Any]]]:
+    """(label, patch style) for each kind of cell the panels of ``records`` show."""
+    tps = any(record.hosts for record in records)
+    entries: list[tuple[str, dict[str, Any]]] = []
+    if tps:
+        entries += [
+            ("host: a kept token that pruned tokens are squeezed into (outlined)",
+             {"facecolor": colour, "edgecolor": "black", "alpha": 0.8}),
+            ("pruned here, squeezed into the host of its colour",
+             {"facecolor": colour, "edgecolor": "none", "alpha": 0.55}),
+            ("kept, no tokens squeezed into it (grey image)",
+             {"facecolor": "0.55", "edgecolor": "none", "alpha": 1.0}),
+        ]
+    else:
+        entries += [("kept (image shown)", {"facecolor": "none", "edgecolor": "0.6",
+                                            "alpha": 1.0}),
+                    ("pruned at this location (faint)", _PRUNED_HERE)]
+    if any(record.present != list(range(record.grid[0] * record.grid[1]))
+           for record in records):
+        entries.append(("pruned at an earlier location (blank)", _GONE))
+    if any(record.fused_token for record in records):
+        entries.append(("+1: EViT's fused token of the pruned ones (no cell)",
+                        {"facecolor": "none", "edgecolor": "none", "alpha": 1.0}))
+    return entries
+
+
+def _legend_handle(style: dict[str, Any]) -> Any:
+    from matplotlib.patches import Patch
+
+    return Patch(**style)
+
+
 def draw_locations(image: Any, records: Sequence[LocationRecord], out: str | Path,
                    title: str | None = None) -> Path:
     """The input image, then one panel per location: pruned cells blanked (DynamicViT/EViT), or
@@ -273,6 +312,10 @@ def draw_locations(image: Any, records: Sequence[LocationRecord], out: str | Pat
         ax.set_yticks([])
     if title:
         fig.suptitle(title, fontsize=10)
+    entries = legend_entries(records, palette[0])
+    fig.legend(handles=[_legend_handle(style) for _, style in entries],
+               labels=[label for label, _ in entries], loc="outside lower center",
+               ncol=min(len(entries), 3), fontsize=8, frameon=False)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
