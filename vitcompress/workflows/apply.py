@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vitcompress.api import compress_loaded
-from vitcompress.artifact import save_artifact
-from vitcompress.loading import LoadedModel
+from vitcompress.artifact import ArtifactError, describe_source, load_artifact_base, save_artifact
+from vitcompress.loading import LoadedModel, ModelLoadError
 from vitcompress.workflows.measure_models import (
     Measurement,
     TimingOptions,
     measure_models,
     tokens_per_block,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +53,7 @@ class ApplyResult:
 def apply(loaded: LoadedModel, variant: str, keep: float | list[float] | str | None,
           locs: list[int] | str | None = None, policy: str = "score",
           out: str | Path | None = None, timing: TimingOptions | None = None) -> ApplyResult:
+    loaded = base_to_compress(loaded)
     compressed = compress_loaded(loaded, variant=variant, keep=keep, locs=locs, policy=policy)
     model = compressed.model.eval()
     measured, environment = measure_models(
@@ -66,3 +70,24 @@ def apply(loaded: LoadedModel, variant: str, keep: float | list[float] | str | N
         environment=environment,
         out=saved,
     )
+
+
+def base_to_compress(loaded: LoadedModel) -> LoadedModel:
+    """``loaded`` itself, or for a compressed artifact the base it records, rebuilt with its base
+    weights: a plan applies to an uncompressed model, and compressing the artifact's base again
+    is what asking to compress the artifact with a new plan means. Said on stderr."""
+    artifact = getattr(loaded.model, "vitcompress_artifact", None)
+    if getattr(loaded.model, "vitcompress_plan", None) is None:
+        return loaded
+    if artifact is None:
+        raise ModelLoadError("the model is already compressed; pass its base model instead")
+    try:
+        base = load_artifact_base(artifact, loaded.input_size)
+    except ArtifactError as e:
+        raise ArtifactError(f"{e}; to compress it with a new plan, pass its base model instead "
+                            "(--model SPEC with --checkpoint FILE or --pretrained)") from e
+    weights = base.source.checkpoint or ("timm pretrained weights" if base.source.pretrained
+                                         else "no weights")
+    log.warning("%s is a compressed model: compressing its base %s (%s) again with the new plan",
+                artifact, describe_source(base.source), weights)
+    return base
