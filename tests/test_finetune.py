@@ -254,7 +254,7 @@ class _Recorder(FinetuneProgress):
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def start(self, epochs: int, steps_per_epoch: int) -> None:
+    def start(self, epochs: int, steps_per_epoch: int, total_steps: int | None = None) -> None:
         self.calls.append(("start", epochs, steps_per_epoch))
 
     def start_epoch(self, epoch: int, steps_done: int) -> None:

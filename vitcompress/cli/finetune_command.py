@@ -64,6 +64,8 @@ def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option("--data", default=None, help="ImageFolder root (train/, val/) or fashion-mnist.")
 @click.option("--data-dir", default=None, help="Where a named dataset's files are.")
 @click.option("--epochs", default=30, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-steps", default=None, type=click.IntRange(min=1),
+              help="Stop after N optimizer steps (overrides --epochs; the schedule spans N).")
 @click.option("--batch-size", default=128, show_default=True, type=click.IntRange(min=1),
               help="Images per process and step.")
 @click.option("--accum", default=1, show_default=True, type=click.IntRange(min=1),
@@ -86,6 +88,9 @@ def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in OUT.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--num-workers", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--log-every", default=10, show_default=True, type=click.IntRange(min=1),
+              help="Log every N steps to metrics.jsonl, and as a line on stderr when it is not "
+                   "a terminal.")
 @data_config_options
 @click.option("--out", type=click.Path(file_okay=False), required=True,
               help="Output folder: the fine-tuned artifact, checkpoints/, metrics.jsonl.")
@@ -95,9 +100,9 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
              input_size, variant, keep, locs, policy, data, data_dir, epochs, batch_size, accum,
              lr, warmup_epochs, weight_decay, augment, ratio_weight, distill_weight,
              token_distill_weight, ema_decay, amp, save_every, keep_checkpoints, resume, seed,
-             num_workers, data_overrides, out, as_json) -> None:
+             num_workers, data_overrides, out, as_json, max_steps=None, log_every=10) -> None:
     """Fine-tune a compressed model with the paper's losses; OUT becomes a compressed model."""
-    from vitcompress.cli.progress import RichProgress
+    from vitcompress.cli.progress import LogLines, RichProgress
     from vitcompress.data import AugmentConfig, build_dataset, num_classes, resolve_data_config
     from vitcompress.data.config import defaults_note
     from vitcompress.metadata import attach
@@ -110,7 +115,8 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
     )
     from vitcompress.workflows.finetune import finetune as run_finetune
 
-    show_progress = not as_json and sys.stdout.isatty()
+    # A bar where someone watches a terminal; plain lines on stderr where it is captured.
+    show_bar = not as_json and sys.stdout.isatty() and sys.stderr.isatty()
 
     if not data:
         raise click.UsageError("--data is required (on the command line or in the recipe)")
@@ -146,13 +152,14 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
         token_distill_weight=token_distill_weight, ema_decay=ema_decay, amp=amp,
         save_every=save_every, keep_checkpoints=keep_checkpoints, resume=resume, seed=seed,
         num_workers=num_workers, mixup=preset.mixup_args(classes), smoothing=preset.smoothing,
+        max_steps=max_steps, log_every=log_every,
         extra={"data": data, "data_config": used.to_json(),
                "data_config_sources": dict(used.sources), "augment": augment,
                "recipe": recipe, "from_recipe": from_recipe,
                "variant": plan["variant"], "keep": plan["keep"], "locs": plan["locs"]})
     try:
         result = run_finetune(student, teacher, train_set, val_set, out, config,
-                              progress=RichProgress() if show_progress else None)
+                              progress=RichProgress() if show_bar else LogLines(log_every))
     except FinetuneInterrupted as e:  # says where the last step was saved
         click.echo(f"error: {e}", err=True)
         ctx.exit(EXIT_INTERRUPTED)

@@ -1,8 +1,11 @@
-"""The rich progress bar ``vitcompress finetune`` shows while it trains."""
+"""What ``vitcompress finetune`` shows while it trains: a rich progress bar on a terminal, plain
+log lines on stderr otherwise (CI logs, ``| tee``), where a bar would print nothing until the end.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, TextIO
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -19,7 +22,7 @@ class RichProgress(FinetuneProgress):
         self.epochs = 0
         self.steps_per_epoch = 0
 
-    def start(self, epochs: int, steps_per_epoch: int) -> None:
+    def start(self, epochs: int, steps_per_epoch: int, total_steps: int | None = None) -> None:
         self.epochs, self.steps_per_epoch = epochs, steps_per_epoch
         self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                             MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -52,3 +55,58 @@ class RichProgress(FinetuneProgress):
             self.bar.console.print(f"epoch {summary['epoch'] + 1}: train loss "
                                    f"{summary['train_loss']:.4f}, val top-1 "
                                    f"{100 * summary['val_top1']:.2f}%")
+
+
+class LogLines(FinetuneProgress):
+    """One plain line every ``every`` optimizer steps and one per epoch, flushed at once:
+
+        step 20/80 (epoch 1/4): loss 0.6931, lr 2.50e-04, 118 img/s
+        epoch 1/4 done at step 20: train loss 0.7012, lr 2.50e-04, 120 img/s, val top-1 51.20%
+
+    The images/s of a step line covers the steps since the previous line.
+    """
+
+    def __init__(self, every: int = 10, stream: TextIO | None = None) -> None:
+        self.every = max(1, every)
+        self.stream = stream
+        self.epochs = self.total_steps = 0
+        self._seconds_per_image = 0.0  # summed over the steps since the last line
+        self._timed_steps = 0
+
+    def _print(self, text: str) -> None:
+        stream = self.stream or sys.stderr  # looked up late: tests and click swap stderr
+        print(text, file=stream, flush=True)
+
+    def start(self, epochs: int, steps_per_epoch: int, total_steps: int | None = None) -> None:
+        self.epochs = epochs
+        self.total_steps = total_steps or epochs * steps_per_epoch
+
+    def start_epoch(self, epoch: int, steps_done: int) -> None:
+        self.epoch = epoch
+
+    def step(self, record: dict[str, Any]) -> None:
+        speed = record.get("img_per_s")
+        if speed:  # each step's images are equal (drop_last), so the mean rate is harmonic
+            self._seconds_per_image += 1 / speed
+            self._timed_steps += 1
+        step = record["step"]
+        if step % self.every and step != 1 and step != self.total_steps:
+            return
+        rate = (f", {self._timed_steps / self._seconds_per_image:.0f} img/s"
+                if self._timed_steps else "")
+        self._print(f"step {step}/{self.total_steps} (epoch {record['epoch'] + 1}/{self.epochs})"
+                    f": loss {record['loss']:.4f}, lr {record['lr']:.2e}{rate}")
+        self._seconds_per_image, self._timed_steps = 0.0, 0
+
+    def epoch_done(self, summary: dict[str, Any]) -> None:
+        parts = [f"train loss {summary['train_loss']:.4f}"]
+        if summary.get("lr") is not None:
+            parts.append(f"lr {summary['lr']:.2e}")
+        if summary.get("img_per_s"):
+            parts.append(f"{summary['img_per_s']:.0f} img/s")
+        if summary.get("val_top1") is not None:
+            parts.append(f"val top-1 {100 * summary['val_top1']:.2f}%")
+        if summary.get("val_top1_ema") is not None:
+            parts.append(f"EMA val top-1 {100 * summary['val_top1_ema']:.2f}%")
+        self._print(f"epoch {summary['epoch'] + 1}/{self.epochs} done at step {summary['step']}: "
+                    + ", ".join(parts))

@@ -86,8 +86,9 @@ class FinetuneProgress:
     """What a run reports as it goes, on the main process only; this base class shows nothing.
     The CLI's rich progress bar subclasses it."""
 
-    def start(self, epochs: int, steps_per_epoch: int) -> None:
-        """Before the first step."""
+    def start(self, epochs: int, steps_per_epoch: int, total_steps: int | None = None) -> None:
+        """Before the first step; ``total_steps``: the run's length (``--max-steps`` may end the
+        last epoch early)."""
 
     def start_epoch(self, epoch: int, steps_done: int) -> None:
         """``steps_done`` > 0 when a resumed run starts inside the epoch."""
@@ -117,6 +118,7 @@ class FinetuneConfig:
     token_distill_weight: float = 0.5
     ema_decay: float | None = None
     amp: str | None = None  # None, "bf16" or "fp16"
+    max_steps: int | None = None  # the run's length in optimizer steps; overrides ``epochs``
     save_every: int = 0  # optimizer steps; 0: only at the end of each epoch
     keep_checkpoints: int = 2
     resume: bool = False
@@ -218,8 +220,13 @@ def _finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Datase
     # The scheduler is stepped here once per optimizer step rather than prepared: a prepared
     # scheduler advances once per process per step, which would shorten the schedule under DDP.
     steps_per_epoch = math.ceil(len(train_loader) / config.accum)
-    total_steps = steps_per_epoch * config.epochs
+    total_steps = config.max_steps or steps_per_epoch * config.epochs
+    epochs = math.ceil(total_steps / steps_per_epoch)
     warmup_steps = round(config.warmup_epochs * steps_per_epoch)
+    if main and 0 < total_steps <= warmup_steps:
+        log.warning("warning: the warm-up (%d steps) is as long as the run (%d steps) or longer: "
+                    "the learning rate never reaches its peak and never decays; lower "
+                    "--warmup-epochs", warmup_steps, total_steps)
     scheduler = build_scheduler(getattr(optimizer, "optimizer", optimizer), total_steps,
                                 warmup_steps)
 
@@ -325,9 +332,11 @@ def _finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Datase
     updating = False
     history: list[dict[str, Any]] = []
     started = time.perf_counter()
-    progress.start(config.epochs, steps_per_epoch)
+    progress.start(epochs, steps_per_epoch, total_steps=total_steps)
     try:
-        for epoch in range(position.epoch, config.epochs):
+        for epoch in range(position.epoch, epochs):
+            if boundary.global_step >= total_steps:  # resumed from the last step of the run
+                break
             sampler.start_epoch(epoch)
             skip = position.batches_done if epoch == position.epoch else 0
             loader = (accelerator.skip_first_batches(train_loader, skip) if skip
@@ -335,6 +344,7 @@ def _finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Datase
             batch_index = skip
             progress.start_epoch(epoch, skip // config.accum)
             epoch_loss, epoch_batches = 0.0, 0
+            epoch_images, epoch_seconds = 0, 0.0
             window_images, window_start = 0, time.perf_counter()
             model.train()
             for images, labels in checked(loader):
@@ -371,6 +381,7 @@ def _finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Datase
                 updating = False
                 step = boundary.global_step
                 elapsed = time.perf_counter() - window_start
+                epoch_images, epoch_seconds = epoch_images + window_images, epoch_seconds + elapsed
                 record = {"type": "step", "epoch": epoch, "step": step,
                           "loss": float(loss.detach()), **parts,
                           "lr": optimizer.param_groups[0]["lr"],
@@ -385,8 +396,12 @@ def _finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Datase
                     on_step(step, raw_model)
                 if stop_agreed():
                     raise _StopAgreed
+                if step >= total_steps:  # --max-steps ends this epoch early
+                    break
             summary = {"type": "epoch", "epoch": epoch, "step": boundary.global_step,
-                       "train_loss": epoch_loss / max(1, epoch_batches)}
+                       "train_loss": epoch_loss / max(1, epoch_batches),
+                       "lr": optimizer.param_groups[0]["lr"],
+                       "img_per_s": epoch_images / epoch_seconds if epoch_seconds > 0 else None}
             if val_loader is not None:
                 summary["val_top1"] = top1(model)
                 if ema is not None:
@@ -394,7 +409,9 @@ def _finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Datase
             metrics.write(summary)
             history.append(summary)
             progress.epoch_done(summary)
-            boundary = TrainPosition(epoch + 1, 0, boundary.global_step)
+            finished = boundary.batches_done == len(train_loader)
+            boundary = (TrainPosition(epoch + 1, 0, boundary.global_step) if finished
+                        else boundary)  # cut by --max-steps: a longer run continues here
             boundary_rng = rng_state()
             checkpoint(boundary, boundary_rng)
     except (_StopAgreed, KeyboardInterrupt) as stop:
@@ -423,7 +440,8 @@ def _finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Datase
     progress.stop()
 
     result = {
-        "epochs": config.epochs,
+        "epochs": epochs,
+        "max_steps": config.max_steps,
         "steps": boundary.global_step,
         "lr": lr,
         "effective_batch": config.batch_size * config.accum * accelerator.num_processes,
