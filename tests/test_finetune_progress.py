@@ -151,3 +151,18 @@ def test_cli_sigterm_on_a_log_line_then_resume_gives_the_same_weights(tmp_path):
     assert whole.exit_code == 0, whole.output
     a, b = vitcompress.load(out).state_dict(), vitcompress.load(tmp_path / "whole").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED"])
+def test_sharded_training_is_refused_in_one_line(kind):
+    from accelerate.utils import DistributedType
+
+    from vitcompress.workflows.finetune import FinetuneError, _check_distributed
+
+    class Launched:  # what Accelerate reports under `accelerate launch` with that plugin
+        distributed_type = getattr(DistributedType, kind)
+
+    with pytest.raises(FinetuneError, match=f"^{kind} is not supported by finetune"):
+        _check_distributed(Launched())
+    Launched.distributed_type = DistributedType.MULTI_CPU
+    _check_distributed(Launched())  # DDP on CPU (the two-process test) goes on

@@ -176,6 +176,7 @@ def _finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Datase
     _check_outputs(student.model, train_set, bool(config.mixup))  # before anything is written
     accelerator = Accelerator(gradient_accumulation_steps=config.accum,
                               mixed_precision=config.amp or "no")
+    _check_distributed(accelerator)
     main = accelerator.is_main_process
     if main:
         out.mkdir(parents=True, exist_ok=True)
@@ -491,6 +492,18 @@ def _check_outputs(model: nn.Module, train_set: Dataset, mixup: bool) -> None:
         why = " (mixup's targets have one column per class)" if outputs > classes else ""
         raise FinetuneError(f"the model predicts {outputs} classes but the data has {classes}"
                             f"{why}: pass e.g. --model-arg num_classes={classes} (a new head)")
+
+
+def _check_distributed(accelerator: Any) -> None:
+    """Refuse sharded training: checkpoints and the artifact are written from the first
+    process's ``state_dict()``, which under FSDP or DeepSpeed ZeRO holds only its shard (a
+    silently incomplete model). DDP keeps a whole copy in every process."""
+    kind = str(getattr(accelerator, "distributed_type", ""))
+    for name in ("FSDP", "DEEPSPEED"):
+        if kind.endswith(name):
+            raise FinetuneError(f"{name} is not supported by finetune (its checkpoints would hold "
+                                "one shard of the model); launch with DDP instead, e.g. "
+                                "accelerate launch --multi_gpu (docs/finetune.md)")
 
 
 def _check_finite(loss: torch.Tensor, accelerator: Any, step: int) -> None:
