@@ -4,6 +4,7 @@ import hashlib
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import vitcompress.cli.report_command  # noqa: F401 - registers report and visualize
@@ -215,3 +216,20 @@ def test_png_without_matplotlib_is_one_clear_line(runs, tmp_path, monkeypatch):
     assert result.exit_code == 2
     assert result.output.strip() == ("error: plots need matplotlib: pip install "
                                      "'vitcompress[plots]'")
+
+
+def test_apply_of_an_artifact_names_the_base_it_measured(tmp_path):
+    from tests.fixtures.inhouse import mha_vit
+
+    checkpoint = tmp_path / "base.pt"
+    torch.save(mha_vit().state_dict(), checkpoint)
+    first = run_json("apply", "--model", MHA, "--checkpoint", checkpoint, "--variant", "dtps",
+                     "--keep", "0.5", "--locs", "1,2", "--out", tmp_path / "art",
+                     "--no-throughput")
+    base = first["base"]["identity"]
+    assert base["checkpoint_sha256"] == hashlib.sha256(checkpoint.read_bytes()).hexdigest()
+    again = run_json("apply", "--model", tmp_path / "art", "--variant", "etps", "--keep", "0.7",
+                     "--no-throughput")
+    # The artifact's recorded base was compressed again: that base, not the artifact, is "base".
+    assert again["base"]["identity"] == base
+    assert again["base"]["macs"] == first["base"]["macs"]

@@ -142,6 +142,7 @@ def apply(model_spec, model_args, checkpoint, pretrained, input_size, variant, k
           policy, out, timing, bounds: Bounds, as_json) -> None:
     """Compress a model and report params, GMACs and throughput, before and after."""
     from vitcompress.workflows.apply import apply as run_apply
+    from vitcompress.workflows.apply import base_to_compress
 
     unavailable = {"max_acc_drop": "apply measures no accuracy; gate the saved model with "
                                    "eval --base"}
@@ -150,11 +151,13 @@ def apply(model_spec, model_args, checkpoint, pretrained, input_size, variant, k
     require(bounds, unavailable)
     with step(f"loading {model_spec}"):
         loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
+        # An artifact's recorded base is what gets compressed and measured as the base.
+        base = base_to_compress(loaded)
     with step(f"compressing {model_spec} with {variant}"):
-        result = run_apply(loaded, variant=variant, keep=keep, locs=locs, policy=policy, out=out,
+        result = run_apply(base, variant=variant, keep=keep, locs=locs, policy=policy, out=out,
                            timing=timing)
     data = result.to_json()
-    data["input_size"] = list(loaded.input_size)
+    data["input_size"] = list(base.input_size)
     # The speed-up is the median of the round-by-round ratios (both models timed interleaved),
     # with its 95% interval; the ratio of the two medians is kept for reference.
     paired = speedup(result.compressed, result.base)
@@ -163,9 +166,10 @@ def apply(model_spec, model_args, checkpoint, pretrained, input_size, variant, k
     data["speedup_ci95"] = None if paired is None or paired.interval is None else list(
         paired.interval)
     data["speedup_pairs"] = 0 if paired is None else paired.pairs
-    data["base"]["identity"] = model_identity(loaded, model_spec)
+    data["base"]["identity"] = model_identity(
+        base, model_spec if base is loaded else base.source.spec)
     data["compressed"]["identity"] = (
-        artifact_identity(result.out, loaded.input_size) if result.out is not None
+        artifact_identity(result.out, base.input_size) if result.out is not None
         else unsaved_identity(data["base"]["identity"], data["plan"]))
     gates = check_gates(bounds, {"speedup": data["speedup"],
                                  "gmacs": data["compressed"]["gmacs"]},
