@@ -250,3 +250,11 @@ def test_compressing_a_compressed_model_is_refused() -> None:
     compressed = vitcompress.compress(tiny(), "etps", keep=0.5, locs=[1])
     with pytest.raises(ModelLoadError, match="already compressed"):
         vitcompress.compress(compressed, "dtps", keep=0.5, locs=[1])
+
+
+def test_a_model_in_another_dtype_is_refused(tmp_path: Path) -> None:
+    # Loading rebuilds in float32: a bfloat16 model would come back as another model.
+    compressed = vitcompress.compress(tiny(), "etps", keep=0.5, locs=[1]).to(torch.bfloat16)
+    with pytest.raises(ArtifactError, match=r"is torch.bfloat16 .*model.float\(\)"):
+        vitcompress.save(compressed, tmp_path / "art")
+    assert_nothing_written(tmp_path, tmp_path / "art")

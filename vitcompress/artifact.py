@@ -37,7 +37,13 @@ from vitcompress.fingerprint import (
     shape_differences,
     state_shapes,
 )
-from vitcompress.loading import ARTIFACT_MARKER, LoadedModel, ModelLoadError, ModelSource
+from vitcompress.loading import (
+    ARTIFACT_MARKER,
+    LoadedModel,
+    ModelLoadError,
+    ModelSource,
+    one_line,
+)
 from vitcompress.metadata import attach
 from vitcompress.plan import PlanError, plan_from_json
 
@@ -129,14 +135,21 @@ def _dtype_differences(saved: nn.Module, rebuilt: nn.Module) -> list[str]:
 
 
 def _check_rebuilds(model: nn.Module, rebuilt: nn.Module, size: tuple[int, int, int],
-                    saved_output: torch.Tensor, fail: Callable[[str], ArtifactError]) -> None:
+                    directory: Path, fail: Callable[[str], ArtifactError]) -> torch.Tensor:
     """Load ``model``'s weights into ``rebuilt`` and compare the two: state-dict keys, shapes
-    and dtypes, then the eval output on the fingerprint's fixed input (``saved_output`` is
-    ``model``'s)."""
+    and dtypes, then the eval output on the fingerprint's fixed input. Returns ``model``'s
+    output, for the fingerprint."""
     problems = shape_differences(state_shapes(model), state_shapes(rebuilt))
     problems = problems or _dtype_differences(model, rebuilt)
     if problems:
         raise fail("; ".join(problems))
+    try:
+        saved_output = eval_output(model, size)
+    except FingerprintError as e:
+        raise ArtifactError(f"cannot save {directory}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - the model's own forward, whatever it raises
+        raise ArtifactError(f"cannot save {directory}: the model does not run on a fixed input "
+                            f"of size {','.join(map(str, size))}: {one_line(e)}") from e
     rebuilt.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
     rebuilt_output = eval_output(rebuilt, size)
     if saved_output.shape != rebuilt_output.shape:
@@ -145,6 +158,7 @@ def _check_rebuilds(model: nn.Module, rebuilt: nn.Module, size: tuple[int, int, 
     if difference > SAVE_RTOL:
         largest = float((rebuilt_output - saved_output).abs().max())
         raise fail(f"eval output on a fixed input differs (max abs difference {largest:.3g})")
+    return saved_output
 
 
 def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource | str | None = None,
@@ -182,12 +196,8 @@ def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource |
                              f"{describe_source(source)} differs from the one being saved: "
                              f"{what_differs}; {_source_hint(source)}")
 
-    try:
-        output = eval_output(model, size)
-    except FingerprintError as e:
-        raise ArtifactError(f"cannot save {directory}: {e}") from e
     rebuilt, resolved = _rebuild(source, size, plan, map_summary(model_map), refuse)
-    _check_rebuilds(model, rebuilt, size, output, refuse)
+    output = _check_rebuilds(model, rebuilt, size, directory, refuse)
     fingerprint = Fingerprint.of(model, model_map, size, output)
     meta = {
         "format": FORMAT_VERSION,
