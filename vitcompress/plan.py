@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from vitcompress.graph.model_map import ModelMap
+from vitcompress.graph.model_map import Block, ModelMap
 from vitcompress.method import keep_count
 
 # variant -> (where it scores, how pruned tokens are kept)
@@ -61,31 +61,54 @@ class Plan:
                 "keep": self.keep, "locations": [asdict(loc) for loc in self.locations]}
 
 
-def _dominant_last_stage(model_map: ModelMap) -> bool:
+def reduces_tokens(block: Block) -> bool:
+    """Whether a block attends over its own tokens. A class-attention block (CaiT) updates one
+    class token with keys from elsewhere: it has no tokens of its own to reduce."""
+    keys = block.attention.key_tokens
+    return block.tokens > 1 and (keys is None or keys <= block.tokens)
+
+
+def _token_stages(model_map: ModelMap) -> list[list[int]]:
+    """Each stage's blocks that can reduce tokens, stages without any left out."""
+    stages = [[i for i in stage.blocks if reduces_tokens(model_map.blocks[i])]
+              for stage in model_map.stages]
+    return [blocks for blocks in stages if blocks]
+
+
+def _dominant_last_stage(stages: list[list[int]]) -> bool:
     """CvT-like: several stages, but the last holds at least two thirds of the blocks."""
-    last = model_map.stages[-1]
-    return len(model_map.stages) > 1 and 3 * len(last.blocks) >= 2 * len(model_map.blocks)
+    return len(stages) > 1 and 3 * len(stages[-1]) >= 2 * sum(len(s) for s in stages)
 
 
 def default_keep(model_map: ModelMap) -> float:
     """The paper's keep ratios: 0.5 for CvT-like models, 0.7 otherwise."""
-    return 0.5 if _dominant_last_stage(model_map) else 0.7
+    return 0.5 if _dominant_last_stage(_token_stages(model_map)) else 0.7
 
 
 def default_locs(model_map: ModelMap) -> list[int]:
     """The paper's placements: blocks at 1/4, 1/2 and 3/4 of the depth (3, 6, 9 of 12) for a
     single-stage ViT; for a CvT-like model three blocks of the last stage from its first, spaced
     ceil(L/4) (3, 6, 9 for CvT-13, 5, 9, 13 for CvT-21); for a pyramid (PVT) the first block of
-    every stage but the first."""
-    if _dominant_last_stage(model_map):
-        blocks = model_map.stages[-1].blocks
+    every stage but the first. Only blocks that attend over their own tokens count (CaiT's
+    class-attention blocks do not)."""
+    stages = _token_stages(model_map)
+    if _dominant_last_stage(stages):
+        blocks = stages[-1]
         step = math.ceil(len(blocks) / 4)
         return [blocks[k * step] for k in range(3) if k * step < len(blocks)]
-    if len(model_map.stages) > 1:
-        return [stage.blocks[0] for stage in model_map.stages[1:]]
-    depth = len(model_map.blocks)
+    if len(stages) > 1:
+        return [blocks[0] for blocks in stages[1:]]
+    blocks = stages[0] if stages else [0]
+    depth = len(blocks)
     locs = sorted({depth * i // 4 for i in (1, 2, 3)} - {0})
-    return locs or [0]
+    return [blocks[i] for i in locs] or blocks[:1]
+
+
+def _describe(stages: list[list[int]]) -> str:
+    blocks = [i for stage in stages for i in stage]
+    if blocks == list(range(blocks[0], blocks[-1] + 1)):
+        return f"{blocks[0]}..{blocks[-1]}"
+    return ", ".join(map(str, blocks))
 
 
 def parse_floats(text: str, what: str) -> list[float]:
@@ -117,6 +140,14 @@ def make_plan(model_map: ModelMap, variant: str, keep: float | list[float] | str
     for loc in locs:
         if not 0 <= loc < depth:
             raise PlanError(f"--locs {loc} is out of range: the model has {depth} blocks (0..{depth - 1})")
+    for loc in locs:
+        block = model_map.blocks[loc]
+        if not reduces_tokens(block):
+            core = block.attention
+            raise PlanError(
+                f"--locs {loc} is a class-attention block ({core.query_tokens} query token(s) "
+                f"over {core.key_tokens} keys from earlier blocks): it has no tokens of its own to "
+                f"reduce; choose among blocks {_describe(_token_stages(model_map))}")
     if sorted(set(locs)) != locs:
         raise PlanError(f"--locs must be strictly increasing without duplicates, got {locs}")
     if keep is None:
@@ -156,7 +187,8 @@ _MEETS = {"attention bias": "attention logits", "query/key table": "queries/keys
 
 
 def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
-    """One line naming the first position table that would see reduced tokens, else ``None``.
+    """One line naming the first position table that would see reduced tokens, or the place
+    where a reduced stage's tokens bypass its exit grid, else ``None``.
 
     Reductions act per stage (a stage's exit gives the next stage its full grid back). A
     predictor variant reduces before its block, so the whole block sees fewer tokens; an
@@ -165,6 +197,13 @@ def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
     first: dict[int, Location] = {}
     for loc in plan.locations:
         first.setdefault(loc.stage, loc)
+    for stage_index, loc in first.items():
+        bypass = model_map.stages[stage_index].exit_bypass
+        if bypass is not None:
+            return (f"stage {stage_index}'s tokens reach the next stage at {bypass} without "
+                    "being laid out on their grid (an op there reads their order or count): "
+                    f"tokens reduced at block {loc.block} cannot follow, so {plan.variant} is "
+                    "refused rather than giving wrong logits")
     for block in model_map.blocks:
         loc = first.get(block.stage)
         if loc is None or block.index < loc.block:

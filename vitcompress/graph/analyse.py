@@ -83,7 +83,7 @@ def _find_attention_cores(gm: fx.GraphModule) -> list[AttentionCore]:
                 AttentionCore("sdpa", node.name, q_shape[1], ops.module_path(node),
                               query_tokens=q_shape[2], key_tokens=k_shape[2])
             )
-        elif ops.is_softmax(node):
+        elif ops.is_softmax(node, gm):
             logits = node.args[0]
             logits_shape = ops.shape(logits)
             if logits_shape is None or len(logits_shape) != 4:
@@ -293,7 +293,11 @@ def analyse(captured: CapturedGraph) -> ModelMap:
     by_name = {n.name: n for n in gm.graph.nodes}
 
     def cores_in(residual: _Residual) -> list[AttentionCore]:
-        return [core_nodes[n.name] for n in residual.nodes if n.name in core_nodes]
+        """Attention over the residual's tokens: a softmax over channels (XCiT's C x C
+        cross-covariance attention) mixes no tokens and is not a token-attention core."""
+        tokens = ops.shape(residual.skip)[1]
+        return [core_nodes[n.name] for n in residual.nodes if n.name in core_nodes
+                and core_nodes[n.name].query_tokens in (None, tokens)]
 
     attn_residuals = [r for r in residuals if cores_in(r)]
     other_residuals = {r.skip: r for r in residuals if not cores_in(r)}
@@ -307,9 +311,13 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         pairs.append((attn, mlp, inner[0]))
 
     if not pairs:
+        token_cores = {c.node for r in residuals for c in cores_in(r)}
+        other = len([c for c in cores if c.node not in token_cores])
         raise MappingError(
             f"no transformer block found: {len(cores)} attention core(s) "
-            f"({', '.join(sorted({c.kind for c in cores})) or 'none'}), {len(residuals)} residual "
+            f"({', '.join(sorted({c.kind for c in cores})) or 'none'}"
+            + (f"; {other} not over the block's tokens" if other else "")
+            + f"), {len(residuals)} residual "
             f"add(s) on (B, N, C) tokens ({len(attn_residuals)} around attention); a block needs "
             "an attention residual followed by an MLP residual on its output"
             + (f"; modules kept whole by the tracer: {', '.join(captured.leaves)}"
@@ -349,7 +357,11 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         )
     for stage, following in zip(stages, stages[1:] + [None], strict=True):
         end = by_name[following.entry_node] if following is not None else None
-        _find_stage_exit(stage, by_name[blocks[stage.blocks[-1]].output_node], end, anc)
+        out = by_name[blocks[stage.blocks[-1]].output_node]
+        _find_stage_exit(stage, out, end, anc)
+        if end is not None:
+            stage.exit_bypass = _exit_bypass(out, end, by_name.get(stage.exit_grid_node or ""),
+                                             anc)
     input_shape = ops.shape(image)
     last = by_name[blocks[-1].output_node]
     cls_token = stages[-1].prefix_tokens > 0 and _reads_first_token(last, anc)
@@ -361,6 +373,31 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         leaves=list(captured.leaves),
         cls_token=cls_token,
     )
+
+
+def _exit_bypass(out: fx.Node, end: fx.Node, exit_grid: fx.Node | None,
+                 anc: _Ancestry) -> str | None:
+    """Where a stage's output tokens reach the next stage other than through its exit grid
+    (which gets the full grid back when tokens were reduced): the module path of the first op
+    on such a path, else ``None``. Hiera pools its unrolled tokens by a view over their order
+    there; reduced tokens would make that pooling wrong, or crash it."""
+    reached: set[fx.Node] = set()
+    frontier = [out]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user is exit_grid or user in reached or not user.meta.get("carries_tensor", True):
+                continue
+            reached.add(user)
+            if user is not end:
+                frontier.append(user)
+    if end not in reached:
+        return None
+    to_exit = [n for n in reached if exit_grid is not None and anc.is_ancestor(n, exit_grid)]
+    bypass = sorted((n for n in reached if n not in to_exit and anc.is_ancestor(n, end)),
+                    key=anc.index.__getitem__)
+    first = bypass[0] if bypass else end
+    return ops.module_path(first) or first.name
 
 
 def _find_stage_exit(stage: Stage, out: fx.Node, end: fx.Node | None, anc: _Ancestry) -> None:

@@ -10,6 +10,7 @@ shapes for tuple outputs), which the analysis reads.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -59,13 +60,29 @@ class CapturedGraph:
     example: torch.Tensor | None = None
 
 
+def bound_defaults(model: nn.Module) -> dict[str, object]:
+    """Optional forward arguments (a mask defaulting to ``None``, ``is_causal=False``): the image
+    is the only input, so each is bound to its default at capture instead of traced as a
+    tensor. Only done where one of them defaults to ``None``, which tracing cannot handle."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return {}
+    optional = [p for p in parameters if p.default is not p.empty
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if all(p.default is not None for p in optional):
+        return {}
+    return {p.name: p.default for p in optional}
+
+
 def _symbolic_trace(model: nn.Module) -> tuple[fx.GraphModule, list[str]]:
     leaves: set[str] = set()
     last_error: Exception | None = None
+    concrete = bound_defaults(model)
     for _ in range(MAX_LEAF_RETRIES):
         tracer = LeafFallbackTracer(leaves)
         try:
-            graph = tracer.trace(model)
+            graph = tracer.trace(model, concrete_args=concrete or None)
         except Exception as e:  # noqa: BLE001 - any tracing failure leads to a retry
             last_error = e
             if tracer.failed_module is None or tracer.failed_module in leaves:

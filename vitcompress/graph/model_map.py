@@ -112,6 +112,9 @@ class Stage:
     # back to the full grid here.
     exit_tokens_node: str | None = None
     exit_grid_node: str | None = None
+    # Where the stage's tokens reach the next stage without passing the exit grid (a pooling
+    # over the token order, say): reduced tokens cannot follow them there.
+    exit_bypass: str | None = None
 
 
 @dataclass

@@ -65,8 +65,19 @@ def is_sdpa(node: fx.Node) -> bool:
     return _is_call(node, _SDPA_FUNCS, set())
 
 
-def is_softmax(node: fx.Node) -> bool:
+def is_softmax(node: fx.Node, gm: fx.GraphModule | None = None) -> bool:
+    """A softmax call, or (given the graph module) a call of an ``nn.Softmax`` module."""
+    if gm is not None and isinstance(_module(gm, node), nn.Softmax):
+        return True
     return _is_call(node, _SOFTMAX_FUNCS, {"softmax"})
+
+
+def softmax_dim(gm: fx.GraphModule, node: fx.Node) -> int | None:
+    """The dimension a softmax node normalises over."""
+    module = _module(gm, node)
+    if isinstance(module, nn.Softmax):
+        return module.dim
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
 
 
 def is_matmul(node: fx.Node) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from vitcompress.graph import ops
 from vitcompress.graph.model_map import Block, ModelMap
 from vitcompress.modules import (
     AttentionReducer,
@@ -151,7 +152,7 @@ class _Rewriter:
             args = (*node.args[:3], keep_mask, *node.args[3:])
             kwargs = {**node.kwargs, "positions": positions}
         elif core.kind in ("matmul_softmax", "einsum_softmax"):
-            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+            dim = ops.softmax_dim(self.gm, node)
             if dim not in (-1, 3):
                 raise RewriteError(f"softmax over dim {dim} in {core.path}; expected the key dim")
             target = self._add_hook(name, SoftmaxHook(**options))

@@ -1,0 +1,143 @@
+"""Capture and analysis robustness (issue 10 section 4): what is taken for token attention, where
+reductions go, what is bound at capture, and what is refused because token order matters."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import vitcompress
+from tests.fixtures import inhouse
+from tests.models import SMALL
+from vitcompress import map_model
+from vitcompress.graph.analyse import MappingError
+from vitcompress.loading import default_input_size
+from vitcompress.plan import PlanError, default_locs
+
+VARIANTS = ["dtps", "etps", "dynamicvit", "evit"]
+SIZE = (3, 32, 32)
+
+
+def _assert_keep_one_exact_and_reduced_runs(model: nn.Module, size=SIZE, **options) -> None:
+    model.eval()
+    x = torch.randn(2, *size, generator=torch.Generator().manual_seed(0))
+    for variant in VARIANTS:
+        same = vitcompress.compress(model, variant, keep=1.0, input_size=size, **options).eval()
+        reduced = vitcompress.compress(model, variant, keep=0.5, input_size=size, **options)
+        with torch.no_grad():
+            torch.testing.assert_close(same(x), model(x), atol=1e-5, rtol=0)
+            assert reduced.eval()(x).shape == model(x).shape
+
+
+class SoftmaxModuleAttention(nn.Module):
+    """Attention normalised by an ``nn.Softmax`` module, as Swin and many in-house models do."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.normalise = nn.Softmax(dim=-1)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        weights = self.normalise((q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5)
+        return self.out((weights @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def _softmax_module_vit() -> nn.Module:
+    model = inhouse.register_vit()
+    for layer in model.body:
+        layer.sa = SoftmaxModuleAttention(64, 4)
+    return model
+
+
+def test_an_nn_softmax_module_is_attention():
+    torch.manual_seed(0)
+    model = _softmax_module_vit()
+    model_map = map_model(model, SIZE)
+    assert [b.attention.kind for b in model_map.blocks] == ["matmul_softmax"] * 4
+    assert model_map.blocks[1].attention.path == "body.1.sa.normalise"
+    _assert_keep_one_exact_and_reduced_runs(model)
+
+
+def test_channel_attention_is_not_token_attention():
+    """XCiT's cross-covariance attention is a (C/h x C/h) softmax over channels: it mixes no
+    tokens, so its blocks are no place to score or drop tokens."""
+    xcit = timm.create_model("xcit_nano_12_p16_224", num_classes=10, depth=2, img_size=64)
+    with pytest.raises(MappingError, match="not over the block's tokens"):
+        map_model(xcit, (3, 64, 64))
+
+
+def _cait() -> nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model("cait_xxs24_224", **{**SMALL, "depth": 4})
+
+
+def test_cait_reduces_among_its_self_attention_blocks_only():
+    model = _cait()
+    model_map = map_model(model, SIZE)
+    class_attention = [b.index for b in model_map.blocks if b.attention.query_tokens == 1]
+    assert class_attention == [4, 5]  # two class-attention blocks after four self-attention
+    assert default_locs(model_map) == [1, 2, 3]
+    with pytest.raises(PlanError, match=r"--locs 4 is a class-attention block .*choose among "
+                                        r"blocks 0\.\.3"):
+        vitcompress.compress(model, "etps", keep=0.7, locs=[2, 4], input_size=SIZE)
+    _assert_keep_one_exact_and_reduced_runs(model)
+
+
+class OptionalMaskViT(nn.Module):
+    """A forward with optional arguments that default to None (Hiera's mask, NaFlexViT's patch
+    coordinates): the image is the only input, so they are bound as None at capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = inhouse.einsum_vit()
+
+    def forward(self, image: torch.Tensor, mask: torch.Tensor | None = None,
+                scale: float = 1.0) -> torch.Tensor:
+        if mask is not None:
+            image = image * mask.view(image.shape[0], 1, 8, 8).repeat_interleave(4, 2) \
+                .repeat_interleave(4, 3)
+        return self.inner(image) * scale
+
+
+def test_optional_none_arguments_are_bound_at_capture():
+    torch.manual_seed(0)
+    model = OptionalMaskViT()
+    _assert_keep_one_exact_and_reduced_runs(model)
+    compressed = vitcompress.compress(model, "etps", keep=0.7, input_size=SIZE)
+    with pytest.raises(AssertionError, match="specialized to have value None"):
+        compressed(torch.randn(2, *SIZE), torch.ones(2, 64))  # not silently ignored
+
+
+def test_a_resnet_stem_s_input_size_has_the_image_channels():
+    model = timm.create_model("vit_tiny_r_s16_p8_224", num_classes=10)
+    assert default_input_size(model) == (3, 224, 224)  # not the stem's 64 feature channels
+
+
+def test_importing_vitcompress_registers_the_zoo():
+    code = "import timm, vitcompress; print(timm.is_model('pvt_tiny'), timm.is_model('cvt_13'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["True", "True"]
+
+
+def test_tokens_pooled_by_their_order_between_stages_are_refused():
+    """Hiera pools its unrolled tokens with a view over their order where a stage ends: reduced
+    (or merely re-sorted) tokens would be pooled with the wrong neighbours, or crash."""
+    hiera = timm.create_model("hiera_tiny_224", num_classes=10, img_size=(64, 64))
+    model_map = map_model(hiera, (3, 64, 64))
+    first_stage = model_map.stages[0]
+    assert first_stage.exit_bypass == "blocks.10.attn.qkv"
+    for variant in ("dtps", "evit"):
+        with pytest.raises(PlanError, match=r"stage 0's tokens reach the next stage at "
+                                            r"blocks\.10\.attn\.qkv"):
+            vitcompress.compress(hiera, variant, keep=1.0, locs=[first_stage.blocks[0]],
+                                 input_size=(3, 64, 64))
