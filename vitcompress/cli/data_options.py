@@ -39,10 +39,10 @@ def data_config_options(command: Callable) -> Callable:
 
 
 def describe(config: DataConfig) -> str:
-    """``mean (0.5, 0.5, 0.5), std (...), bilinear, crop 1.0 center`` for a table's header."""
+    """``mean (0.5, 0.5, 0.5), std (...), bilinear, crop_pct 1.0 (center)`` for a header."""
     def values(v: tuple[float, ...]) -> str:
         return "(" + ", ".join(f"{x:.4g}" for x in v) + ")"
 
-    crop = "by image size" if config.crop_pct is None else f"{config.crop_pct:g}"
+    crop = "by image size" if config.crop_pct is None else config.crop_pct
     return (f"mean {values(config.mean)}, std {values(config.std)}, {config.interpolation}, "
-            f"crop {crop} {config.crop_mode}")
+            f"crop_pct {crop} ({config.crop_mode})")
