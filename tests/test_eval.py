@@ -158,6 +158,7 @@ def test_artifact_saved_again_keeps_its_base_weights(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["not an artifact", "no base weights", "weights gone",
+                                  "weights changed",
                                   "options with source", "options with an artifact base",
                                   "options without base"])
 def test_eval_base_refusals_are_one_line_exit_2(folder, tmp_path, case):
@@ -172,6 +173,14 @@ def test_eval_base_refusals_are_one_line_exit_2(folder, tmp_path, case):
         artifact = _artifact(tmp_path, checkpoint)
         checkpoint.unlink()
         args, expected = ["--model", str(artifact), "--base", "source"], "are not there"
+    elif case == "weights changed":  # overwritten after the save: another base, not that one
+        artifact = _artifact(tmp_path, checkpoint)
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(checkpoint))
+        state[next(iter(state))].add_(1.0)
+        save_file(state, str(checkpoint))
+        args, expected = ["--model", str(artifact), "--base", "source"], "changed since the"
     elif case == "options with source":
         artifact = _artifact(tmp_path, checkpoint)
         args = ["--model", str(artifact), "--base", "source", "--base-checkpoint", str(checkpoint)]

@@ -10,6 +10,7 @@ lets loading check that the base still builds the same model.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ from vitcompress.plan import PlanError, plan_from_json
 
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
+BASE_WEIGHTS_SHA256 = "base_weights_sha256"
 FINGERPRINT_KEY = "fingerprint"
 
 log = logging.getLogger(__name__)
@@ -208,6 +210,9 @@ def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource |
         # Absolute: the artifact is read from other working directories (eval, finetune).
         "base_weights": (str(Path(source.checkpoint).expanduser().resolve()) if source.checkpoint
                          else "timm pretrained" if source.pretrained else None),
+        # A checkpoint overwritten after the save would silently give another base (eval --base
+        # source, apply --model ARTIFACT, the fine-tuning teacher): its content is checked.
+        BASE_WEIGHTS_SHA256: _base_weights_digest(source),
         "input_size": list(size),
         "plan": plan,
         FINGERPRINT_KEY: fingerprint.to_json(),
@@ -312,15 +317,39 @@ def base_source(meta: dict[str, Any]) -> ModelSource:
     return replace(source, checkpoint=None if pretrained else weights, pretrained=pretrained)
 
 
-def base_weights_problem(source: ModelSource) -> str | None:
-    """Why rebuilding ``source`` (from ``base_source``) cannot give the trained base, or None."""
+def _base_weights_digest(source: ModelSource) -> str | None:
+    if not source.checkpoint:
+        return None
+    path = Path(source.checkpoint).expanduser()
+    return file_sha256(path) if path.is_file() else None
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, read in chunks (weights files can be gigabytes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def base_weights_problem(source: ModelSource, meta: dict[str, Any] | None = None) -> str | None:
+    """Why rebuilding ``source`` (from ``base_source``) cannot give the trained base, or None.
+
+    With the artifact's ``meta``, a checkpoint whose content changed since the save is a problem
+    too (artifacts written before the digest was recorded are not checked)."""
     if source.pretrained:
         return None
     if source.checkpoint is None:
         return ("the artifact records no base weights (it was saved without --checkpoint or "
                 "--pretrained)")
-    if not Path(source.checkpoint).is_file():
+    path = Path(source.checkpoint)
+    if not path.is_file():
         return f"the base weights {source.checkpoint} named by the artifact are not there"
+    expected = (meta or {}).get(BASE_WEIGHTS_SHA256)
+    if expected is not None and file_sha256(path) != expected:
+        return (f"the base weights {source.checkpoint} changed since the artifact was saved "
+                "(their sha256 differs)")
     return None
 
 
@@ -335,7 +364,7 @@ def load_artifact_base(directory: str | Path,
 
     meta = read_meta(directory)
     source = base_source(meta)
-    problem = base_weights_problem(source)
+    problem = base_weights_problem(source, meta)
     if problem is not None:
         raise ArtifactError(f"cannot rebuild the base of {directory}: {problem}")
     size = input_size or tuple(meta["input_size"])

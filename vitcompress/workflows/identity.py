@@ -29,25 +29,16 @@ from typing import Any
 
 from torch import nn
 
+from vitcompress.artifact import WEIGHTS_FILE, file_sha256
 from vitcompress.loading import ARTIFACT_MARKER, LoadedModel
 
 __all__ = ["WEIGHTS_FILE", "artifact_identity", "file_sha256", "identity_key", "model_identity",
            "unsaved_identity"]
 
-WEIGHTS_FILE = "model.safetensors"  # the artifact's weights, as vitcompress.artifact writes them
 # The parts of vitcompress.json that decide which model an artifact rebuilds.
 _ARTIFACT_CONFIG_KEYS = ("source", "input_size", "plan")
 # Fields that say where a model is, not what it is: left out of the join key.
 _LOCATION_FIELDS = ("spec", "path", "checkpoint")
-
-
-def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes, read in chunks (weights files can be gigabytes)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _canonical_sha256(data: Any) -> str:
