@@ -141,3 +141,15 @@ def test_tokens_pooled_by_their_order_between_stages_are_refused():
                                             r"blocks\.10\.attn\.qkv"):
             vitcompress.compress(hiera, variant, keep=1.0, locs=[first_stage.blocks[0]],
                                  input_size=(3, 64, 64))
+
+
+@pytest.mark.parametrize("name, options", [
+    ("swin_tiny_patch4_window7_224", dict(depths=(1, 1, 1, 1), img_size=56, window_size=7)),
+    ("maxvit_nano_rw_256", dict(img_size=64)),
+])
+def test_windowed_attention_is_refused_saying_why(name, options):
+    model = timm.create_model(name, num_classes=10, **options)
+    size = (3, options["img_size"], options["img_size"])
+    with pytest.raises(MappingError, match=r"^windowed attention: tokens cannot be dropped "
+                                           r"without breaking the windows \(.* attends within"):
+        map_model(model, size)

@@ -81,7 +81,7 @@ def _find_attention_cores(gm: fx.GraphModule) -> list[AttentionCore]:
                 continue
             cores.append(
                 AttentionCore("sdpa", node.name, q_shape[1], ops.module_path(node),
-                              query_tokens=q_shape[2], key_tokens=k_shape[2])
+                              query_tokens=q_shape[2], key_tokens=k_shape[2], batch=q_shape[0])
             )
         elif ops.is_softmax(node, gm):
             logits = node.args[0]
@@ -95,7 +95,7 @@ def _find_attention_cores(gm: fx.GraphModule) -> list[AttentionCore]:
             cores.append(
                 AttentionCore(kind, node.name, logits_shape[1], ops.module_path(node),
                               logits_node=product.name, query_tokens=logits_shape[2],
-                              key_tokens=logits_shape[3])
+                              key_tokens=logits_shape[3], batch=logits_shape[0])
             )
         elif ops.is_multihead_attention(gm, node):
             mha = gm.get_submodule(node.target)
@@ -290,6 +290,14 @@ def analyse(captured: CapturedGraph) -> ModelMap:
     cores = _find_attention_cores(gm)
     residuals = _find_residuals(gm, anc)
     core_nodes = {c.node: c for c in cores}
+    image_batch = ops.shape(_placeholder(gm))[0]
+    windowed = [c for c in cores if c.batch is not None and c.batch > image_batch
+                and c.batch % image_batch == 0]
+    if windowed:
+        raise MappingError(
+            f"windowed attention: tokens cannot be dropped without breaking the windows "
+            f"({windowed[0].path} attends within {windowed[0].batch // image_batch} windows of "
+            f"{windowed[0].query_tokens} tokens per image)")
     by_name = {n.name: n for n in gm.graph.nodes}
 
     def cores_in(residual: _Residual) -> list[AttentionCore]:

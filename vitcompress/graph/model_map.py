@@ -59,6 +59,7 @@ class AttentionCore:
     logits_node: str | None = None
     query_tokens: int | None = None
     key_tokens: int | None = None
+    batch: int | None = None  # leading dim of q / logits: the image batch times any windows
 
 
 @dataclass
