@@ -1,0 +1,542 @@
+"""One fine-tuning run as an object: setup, resume, train one epoch, evaluate, checkpoint,
+summary (docs/finetune.md). ``vitcompress.workflows.finetune.finetune`` drives it.
+
+The run keeps its place as a *boundary*: the last completed optimizer step, with the RNG
+states, buffers and epoch totals as they were then. A checkpoint is always written from the
+boundary, so a stop between steps (or inside an unfinished accumulation) saves a whole state and
+a resumed run repeats exactly what the uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from vitcompress.data import DataError, num_classes
+from vitcompress.loading import LoadedModel
+from vitcompress.training.checkpoint import (
+    checkpoint_name,
+    find_latest,
+    list_checkpoints,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from vitcompress.training.interrupt import ForcedStop, StopSignals
+from vitcompress.training.losses import DistillationTaps, FinetuneLoss, LossWeights
+from vitcompress.training.optim import build_optimizer, build_scheduler, default_lr
+from vitcompress.training.sampler import EpochSampler, TrainPosition
+from vitcompress.workflows.evaluate import evaluate, evaluate_top1, unwrap_logits
+from vitcompress.workflows.finetune_config import (
+    FinetuneConfig,
+    FinetuneInterrupted,
+    FinetuneProgress,
+    StepCallback,
+    TrainingDiverged,
+)
+from vitcompress.workflows.run_directory import (
+    CHECKPOINTS,
+    EMA_DIR,
+    METRICS,
+    FinetuneError,
+    MetricsLog,
+    prepare_run_directory,
+    write_artifact_into,
+)
+
+# The warm-up warning and the resume note are the public function's messages.
+log = logging.getLogger("vitcompress.workflows.finetune")
+
+
+class _StopAgreed(Exception):
+    """Every process saw a stop request at the same safe point."""
+
+
+@dataclass
+class EpochTotals:
+    """Sums over the current epoch's batches, kept in checkpoints so that the summary of an
+    epoch cut by an interrupt covers the whole epoch once resumed."""
+
+    loss_sum: float = 0.0
+    batches: int = 0
+    images: int = 0  # counted at optimizer steps (all processes together)
+    seconds: float = 0.0  # training time of those images, without evaluation
+
+
+class FinetuneRun:
+    """A fine-tuning run. ``run()`` does it all; the parts can be called alone (tests):
+
+    ``setup()`` builds the accelerator, loaders, optimizer, schedule and loss and returns the
+    checkpoint to resume from (or None); ``resume(path)`` restores the weights, optimizer,
+    schedule, RNG, position, epoch totals and history; ``train_one_epoch(epoch)`` trains up to the
+    epoch's end (or ``--max-steps``) and returns its training summary; ``evaluate()`` returns
+    the validation metrics; ``checkpoint()`` saves the boundary; ``summary()`` is the dictionary
+    recorded in the artifact, over the whole run's history (also across resumes).
+    """
+
+    def __init__(self, student: LoadedModel, teacher: nn.Module | None, train_set: Dataset,
+                 val_set: Dataset | None, out: str | Path, config: FinetuneConfig,
+                 signals: StopSignals, on_step: StepCallback | None = None,
+                 progress: FinetuneProgress | None = None) -> None:
+        self.student, self.teacher = student, teacher
+        self.train_set, self.val_set = train_set, val_set
+        self.out, self.config, self.signals = Path(out), config, signals
+        self.on_step = on_step
+        self._progress = progress
+        self.history: list[dict[str, Any]] = []  # one summary per epoch, the whole run
+        self.saved: dict[int, Path] = {}  # checkpoints written by this process, by step
+        self.updating = False  # the weights are changing: no whole state to save
+        self.started = time.perf_counter()
+
+    # ----------------------------------------------------------------------------------------
+    # setup and resume
+
+    def setup(self) -> Path | None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        config, out = self.config, self.out
+        resume_from = prepare_run_directory(out, config.resume)
+        _check_outputs(self.student.model, self.train_set, bool(config.mixup))  # nothing written
+        self.accelerator = accelerator = Accelerator(gradient_accumulation_steps=config.accum,
+                                                     mixed_precision=config.amp or "no")
+        _check_distributed(accelerator)
+        self.main = accelerator.is_main_process
+        if self.main:
+            out.mkdir(parents=True, exist_ok=True)
+        # device_specific: each process draws different Gumbel/mixup noise; the sampler's seed
+        # stays shared so the processes split one permutation.
+        set_seed(config.seed, device_specific=True)
+
+        model = self.student.model
+        model.train()
+        if self.teacher is not None:
+            self.teacher = self.teacher.to(accelerator.device).eval().requires_grad_(False)
+
+        self.sampler = EpochSampler(len(self.train_set), config.seed)
+        train_loader = DataLoader(self.train_set, batch_size=config.batch_size,
+                                  sampler=self.sampler, num_workers=config.num_workers,
+                                  drop_last=True,
+                                  generator=torch.Generator().manual_seed(config.seed))
+        if len(train_loader) == 0:
+            raise FinetuneError(f"the training set ({len(self.train_set)} images) is smaller "
+                                f"than one batch ({config.batch_size})")
+        val_loader = (DataLoader(self.val_set, batch_size=config.batch_size, shuffle=False,
+                                 num_workers=config.num_workers)
+                      if self.val_set is not None else None)
+
+        self.lr = config.lr if config.lr is not None else default_lr(
+            config.batch_size, config.accum, accelerator.num_processes)
+        optimizer = build_optimizer(model, self.lr, config.weight_decay)
+        # The EMA copy is made before the loss taps put hooks on the model (a deepcopy would
+        # keep them).
+        self.ema = None
+        if config.ema_decay:
+            from timm.utils import ModelEmaV3
+
+            self.ema = ModelEmaV3(model, decay=config.ema_decay)
+            self.ema.module.to(accelerator.device)
+        # The taps go in before prepare: the token tap may add a node to the student's graph.
+        self.taps = DistillationTaps(model, self.teacher,
+                                     token_distill=config.token_distill_weight > 0)
+        if val_loader is not None:
+            model, optimizer, train_loader, val_loader = accelerator.prepare(
+                model, optimizer, train_loader, val_loader)
+        else:
+            model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+        self.model, self.optimizer = model, optimizer
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.raw_model = accelerator.unwrap_model(model)
+
+        # The scheduler is stepped here once per optimizer step rather than prepared: a
+        # prepared scheduler advances once per process per step, which would shorten the
+        # schedule under DDP.
+        self.steps_per_epoch = math.ceil(len(train_loader) / config.accum)
+        self.total_steps = config.max_steps or self.steps_per_epoch * config.epochs
+        self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
+        warmup_steps = round(config.warmup_epochs * self.steps_per_epoch)
+        if self.main and 0 < self.total_steps <= warmup_steps:
+            log.warning("warning: the warm-up (%d steps) is as long as the run (%d steps) or "
+                        "longer: the learning rate never reaches its peak and never decays; "
+                        "lower --warmup-epochs", warmup_steps, self.total_steps)
+        self.scheduler = build_scheduler(getattr(optimizer, "optimizer", optimizer),
+                                         self.total_steps, warmup_steps)
+
+        self.weights = LossWeights(config.ratio_weight, config.distill_weight,
+                                   config.token_distill_weight)
+        self.mixup_fn = None
+        if config.mixup:
+            from timm.data import Mixup
+
+            self.mixup_fn = Mixup(**config.mixup)
+        self.criterion = FinetuneLoss(self.taps, self.weights, mixup=self.mixup_fn is not None,
+                                      smoothing=config.smoothing)
+        self.metrics = MetricsLog(out / METRICS, self.main)
+        self.buffer_names = {name for name, _ in self.raw_model.named_buffers()}
+        self.progress = (self._progress if self._progress is not None and self.main
+                         else FinetuneProgress())
+        self.position = TrainPosition()  # where training starts (inside an epoch on resume)
+        self.start_totals = EpochTotals()
+        self._mark_boundary(self.position, self.start_totals)
+        return resume_from
+
+    def resume(self, path: Path) -> None:
+        """Continue from the checkpoint at ``path``: everything ``checkpoint()`` saved."""
+        state = load_checkpoint(path)
+        self.raw_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        scaler = self.accelerator.scaler
+        if state.get("scaler") is not None and scaler is not None:
+            scaler.load_state_dict(state["scaler"])
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema.load_state_dict(state["ema"])
+        rngs = state["rng"]
+        set_rng_state(rngs[self.accelerator.process_index % len(rngs)])
+        self.position = TrainPosition(state["epoch"], state["batches_done"],
+                                      state["global_step"])
+        # Checkpoints written before these two were kept start the summary afresh.
+        self.start_totals = EpochTotals(**state.get("epoch_totals", {}))
+        self.history = [dict(entry) for entry in state.get("history", [])]
+        self._mark_boundary(self.position, self.start_totals)
+        if self.main:
+            log.info("resuming from %s (epoch %d, step %d)", path, self.position.epoch,
+                     self.position.global_step)
+
+    # ----------------------------------------------------------------------------------------
+    # the boundary and checkpoints
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        # Forward passes in training mode may change buffers (batch-norm statistics) before the
+        # step completes; a stop between batches saves them as they were at the last step.
+        return {k: v.detach().clone() for k, v in self.raw_model.state_dict().items()
+                if k in self.buffer_names}
+
+    def _mark_boundary(self, position: TrainPosition, totals: EpochTotals) -> None:
+        """Record a point where a whole state can be saved: after an optimizer step, at the
+        start of an epoch, or after a resume."""
+        self.boundary = TrainPosition(position.epoch, position.batches_done,
+                                      position.global_step)
+        self.boundary_rng = rng_state()
+        self.boundary_buffers = self._buffers()
+        self.boundary_totals = EpochTotals(**asdict(totals))
+        self.updating = False
+
+    def checkpoint_state(self, rngs: list[dict[str, Any]]) -> dict[str, Any]:
+        """What a checkpoint holds (on the main process): the boundary's state, with the RNG
+        states ``rngs`` of every process."""
+        scaler = self.accelerator.scaler
+        return {
+            "model": {**self.raw_model.state_dict(), **self.boundary_buffers},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": scaler.state_dict() if scaler else None,
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "rng": rngs,
+            "epoch": self.boundary.epoch,
+            "batches_done": self.boundary.batches_done,
+            "global_step": self.boundary.global_step,
+            "epoch_totals": asdict(self.boundary_totals),
+            "history": [dict(entry) for entry in self.history],
+        }
+
+    def checkpoint(self) -> Path:
+        """Save the boundary. Collective: every process calls it, only the first one writes."""
+        from accelerate.utils import gather_object
+
+        rngs = gather_object([self.boundary_rng])
+        step = self.boundary.global_step
+        path = self.out / CHECKPOINTS / checkpoint_name(step)
+        if self.main:
+            path = save_checkpoint(self.checkpoint_state(rngs), self.out / CHECKPOINTS, step,
+                                   self.config.keep_checkpoints)
+        self.accelerator.wait_for_everyone()
+        self.saved[step] = path
+        return path
+
+    # ----------------------------------------------------------------------------------------
+    # safe points
+
+    def stop_agreed(self) -> bool:
+        """A safe point: True when any process has a stop request (all processes call this at
+        the same points, so they stop together and the collective save cannot hang)."""
+        local = self.signals.requested
+        if self.accelerator.num_processes == 1:
+            return local
+        flag = torch.tensor([1.0 if local else 0.0], device=self.accelerator.device)
+        agreed = float(self.accelerator.reduce(flag, reduction="sum")) > 0
+        if agreed and not local:
+            self.signals.request("another process was signalled")
+        return agreed
+
+    def checked(self, batches: Any) -> Any:
+        """``batches`` with a safe point after each fetch. A DataLoader worker killed by the
+        same signal (Ctrl-C reaches the whole process group) counts as the stop request."""
+        iterator = iter(batches)
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            except Exception:
+                if not self.signals.requested:
+                    raise
+                batch = None
+            if self.stop_agreed():
+                raise _StopAgreed
+            yield batch
+
+    # ----------------------------------------------------------------------------------------
+    # training and evaluation
+
+    def train_one_epoch(self, epoch: int) -> dict[str, Any]:
+        """Train ``epoch`` from the current position to its end (or the run's last step);
+        return its training summary (train loss, lr, images/s over the whole epoch)."""
+        accelerator, config, model = self.accelerator, self.config, self.model
+        self.sampler.start_epoch(epoch)
+        resumed_here = epoch == self.position.epoch
+        skip = self.position.batches_done if resumed_here else 0
+        totals = EpochTotals(**asdict(self.start_totals)) if resumed_here else EpochTotals()
+        loader = (accelerator.skip_first_batches(self.train_loader, skip) if skip
+                  else self.train_loader)
+        batch_index = skip
+        self.progress.start_epoch(epoch, skip // config.accum)
+        window_images, window_start = 0, time.perf_counter()
+        model.train()
+        for images, labels in self.checked(loader):
+            targets = labels
+            if self.mixup_fn is not None:
+                images, targets = self.mixup_fn(images, labels)
+            with accelerator.accumulate(model):
+                self.taps.reset()
+                with accelerator.autocast():
+                    logits = unwrap_logits(model(images))
+                    teacher_logits = None
+                    if self.teacher is not None and (self.weights.distill
+                                                     or self.taps.token_distill):
+                        with torch.no_grad():
+                            teacher_logits = unwrap_logits(self.teacher(images))
+                loss, parts = self.criterion(logits, targets, teacher_logits)
+                _check_finite(loss, accelerator, self.boundary.global_step + 1)
+                accelerator.backward(loss)
+                self.updating = accelerator.sync_gradients  # the weights change from here on
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+            batch_index += 1
+            totals.loss_sum += float(loss.detach())
+            totals.batches += 1
+            window_images += images.shape[0] * accelerator.num_processes
+            if not accelerator.sync_gradients:
+                continue
+            if not accelerator.optimizer_step_was_skipped:
+                self.scheduler.step()
+            step = self.boundary.global_step + 1
+            if self.ema is not None:
+                self.ema.update(self.raw_model, step=step)
+            elapsed = time.perf_counter() - window_start
+            totals.images += window_images
+            totals.seconds += elapsed
+            self._mark_boundary(TrainPosition(epoch, batch_index, step), totals)
+            record = {"type": "step", "epoch": epoch, "step": step,
+                      "loss": float(loss.detach()), **parts,
+                      "lr": self.optimizer.param_groups[0]["lr"],
+                      "img_per_s": window_images / elapsed if elapsed > 0 else None}
+            if step % max(1, config.log_every) == 0 or step == 1:
+                self.metrics.write(record)
+            window_images, window_start = 0, time.perf_counter()
+            self.progress.step(record)
+            if config.save_every and step % config.save_every == 0:
+                self.checkpoint()
+            if self.on_step is not None:
+                self.on_step(step, self.raw_model)
+            if self.stop_agreed():
+                raise _StopAgreed
+            if step >= self.total_steps:  # --max-steps ends this epoch early
+                break
+        totals = self.boundary_totals
+        return {"type": "epoch", "epoch": epoch, "step": self.boundary.global_step,
+                "train_loss": totals.loss_sum / max(1, totals.batches),
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "img_per_s": totals.images / totals.seconds if totals.seconds > 0 else None}
+
+    def top1(self, net: nn.Module) -> float:
+        """Top-1 as a fraction. One process: the project's ``evaluate`` (the numbers of the
+        ``eval`` command), stopped at once by a signal (nothing there can be torn); several: a
+        loop that gathers predictions from every process, with a safe point per batch."""
+        accelerator = self.accelerator
+        if accelerator.num_processes == 1:
+            with self.signals.immediate():
+                result = evaluate(accelerator.unwrap_model(net), self.val_set,
+                                  batch_size=self.config.batch_size,
+                                  device=str(accelerator.device),
+                                  num_workers=self.config.num_workers)
+            return result["top1"] / 100
+        return evaluate_top1(net, self.checked(self.val_loader), accelerator)
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation top-1 of the model (and of its EMA); empty without validation data."""
+        if self.val_loader is None:
+            return {}
+        metrics = {"val_top1": self.top1(self.model)}
+        if self.ema is not None:
+            metrics["val_top1_ema"] = self.top1(self.ema.module)
+        return metrics
+
+    def end_epoch(self, summary: dict[str, Any]) -> None:
+        """Evaluate, record the epoch and checkpoint the start of the next one."""
+        epoch = summary["epoch"]
+        summary.update(self.evaluate())
+        self.metrics.write(summary)
+        # An epoch cut by --max-steps and continued by a longer run is reported once, whole.
+        self.history = [h for h in self.history if h["epoch"] != epoch] + [summary]
+        self.progress.epoch_done(summary)
+        if self.boundary.batches_done == len(self.train_loader):
+            self._mark_boundary(TrainPosition(epoch + 1, 0, self.boundary.global_step),
+                                EpochTotals())
+        else:  # cut by --max-steps: a longer run continues inside this epoch
+            self._mark_boundary(self.boundary, self.boundary_totals)
+        self.checkpoint()
+
+    def train(self) -> None:
+        """Every epoch from the current position; an interrupt becomes FinetuneInterrupted."""
+        self.progress.start(self.epochs, self.steps_per_epoch, total_steps=self.total_steps)
+        try:
+            for epoch in range(self.position.epoch, self.epochs):
+                if self.boundary.global_step >= self.total_steps:  # resumed at the run's end
+                    break
+                self.end_epoch(self.train_one_epoch(epoch))
+        except (_StopAgreed, KeyboardInterrupt) as stop:
+            self.progress.stop()  # before the message, which a live bar would draw over
+            raise self._interrupted(stop) from None
+        except BaseException:
+            self.progress.stop()
+            raise
+        self.progress.stop()
+
+    def _interrupted(self, stop: BaseException) -> FinetuneInterrupted:
+        """Save where the last optimizer step left things (the batches of an unfinished
+        accumulation are redone on resume). Not after a forced stop or during an update, whose
+        state could be torn, and not after a KeyboardInterrupt raised on one process only,
+        whose collective save could hang."""
+        signals = self.signals
+        reason = signals.received or "KeyboardInterrupt"
+        step = self.boundary.global_step
+        if isinstance(stop, ForcedStop) or self.updating or (
+                not isinstance(stop, _StopAgreed) and self.accelerator.num_processes > 1):
+            return FinetuneInterrupted(f"{reason}, stopped at once" if signals.forced else reason,
+                                       step, None, find_latest(self.out / CHECKPOINTS))
+        try:
+            path = self.saved.get(step) or self.checkpoint()
+        except ForcedStop:
+            return FinetuneInterrupted(f"{reason}, stopped at once while saving", step, None,
+                                       find_latest(self.out / CHECKPOINTS))
+        return FinetuneInterrupted(reason, step, path)
+
+    # ----------------------------------------------------------------------------------------
+    # the end
+
+    def summary(self) -> dict[str, Any]:
+        """The run's summary as the artifact records it; ``history`` covers every epoch of the
+        run, those before a resume included."""
+        config = self.config
+        return {
+            "epochs": self.epochs,
+            "max_steps": config.max_steps,
+            "steps": self.boundary.global_step,
+            "lr": self.lr,
+            "effective_batch": config.batch_size * config.accum * self.accelerator.num_processes,
+            "processes": self.accelerator.num_processes,
+            "seed": config.seed,
+            "loss_weights": asdict(self.weights),
+            "ema_decay": config.ema_decay,
+            "amp": config.amp,
+            "history": [dict(entry) for entry in self.history],
+            "val_top1": self.history[-1].get("val_top1") if self.history else None,
+            "seconds": time.perf_counter() - self.started,  # of this invocation
+            **config.extra,
+        }
+
+    def write_artifacts(self, result: dict[str, Any]) -> None:
+        """The fine-tuned artifact (and the EMA's) in ``out``, from the main process."""
+        accelerator, student = self.accelerator, self.student
+        accelerator.wait_for_everyone()
+        if self.main:
+            self.raw_model.eval()
+            write_artifact_into(self.raw_model, self.out, student.source, student.input_size,
+                                {"finetune": result})
+            if self.ema is not None:
+                write_artifact_into(self.ema.module, self.out / EMA_DIR, student.source,
+                                    student.input_size,
+                                    {"finetune": {**result, "weights": "ema"}})
+        accelerator.wait_for_everyone()
+
+    def run(self) -> dict[str, Any]:
+        """Set up, resume if asked, train, write the artifact; return the summary."""
+        resume_from = self.setup()
+        try:
+            if resume_from is not None:
+                self.resume(resume_from)
+            self.train()
+        finally:
+            self.taps.remove()
+        result = self.summary()
+        self.write_artifacts(result)
+        result["out"] = str(self.out)
+        result["checkpoints"] = [str(p) for p in list_checkpoints(self.out / CHECKPOINTS)]
+        return result
+
+
+def _check_outputs(model: nn.Module, train_set: Dataset, mixup: bool) -> None:
+    """Refuse a head that cannot fit the data before anything runs: fewer outputs than classes
+    fails at the first label past them, and mixup's soft targets are sized to the data's classes,
+    so with mixup the counts must be equal. A larger head is allowed otherwise."""
+    try:
+        classes = num_classes(train_set)
+    except DataError:  # a plain dataset without .classes: nothing to compare with
+        return
+    if len(train_set) == 0:  # type: ignore[arg-type]
+        return  # reported with the batch size below
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            image = train_set[0][0].unsqueeze(0).to(next(model.parameters()).device)
+            outputs = unwrap_logits(model(image)).shape[-1]
+    finally:
+        model.train(was_training)
+    if outputs < classes or (mixup and outputs != classes):
+        why = " (mixup's targets have one column per class)" if outputs > classes else ""
+        raise FinetuneError(f"the model predicts {outputs} classes but the data has {classes}"
+                            f"{why}: pass e.g. --model-arg num_classes={classes} (a new head)")
+
+
+def _check_distributed(accelerator: Any) -> None:
+    """Refuse sharded training: checkpoints and the artifact are written from the first
+    process's ``state_dict()``, which under FSDP or DeepSpeed ZeRO holds only its shard (a
+    silently incomplete model). DDP keeps a whole copy in every process."""
+    kind = str(getattr(accelerator, "distributed_type", ""))
+    for name in ("FSDP", "DEEPSPEED"):
+        if kind.endswith(name):
+            raise FinetuneError(f"{name} is not supported by finetune (its checkpoints would hold "
+                                "one shard of the model); launch with DDP instead, e.g. "
+                                "accelerate launch --multi_gpu (docs/finetune.md)")
+
+
+def _check_finite(loss: torch.Tensor, accelerator: Any, step: int) -> None:
+    finite = torch.isfinite(loss.detach()).float()
+    if accelerator.num_processes > 1:
+        # Every process must stop together, or the others wait forever in the next all-reduce.
+        finite = accelerator.reduce(finite.reshape(1).to(accelerator.device), reduction="mean")
+    if float(finite.min()) < 1:
+        raise TrainingDiverged(
+            f"loss is not finite at step {step} (value {float(loss.detach())}); stopped, the last "
+            "good checkpoint is kept")
