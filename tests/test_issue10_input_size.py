@@ -1,0 +1,35 @@
+"""An in-house model that declares no input size: read from its patch embedding and position
+table, or 224 tried, with one line on stderr saying which, instead of a refusal."""
+
+from __future__ import annotations
+
+from tests.fixtures import issue10
+from vitcompress.loading import default_input_size, load_model
+
+FIXTURE = "tests/fixtures/issue10.py"
+
+
+def test_size_read_from_patch_stride_and_position_table(capsys) -> None:
+    # 8 x 8 patch rows (+1 cls row) in the table, stride 4: a 32-px image.
+    assert default_input_size(issue10.unsized_vit()) == (3, 32, 32)
+    note = capsys.readouterr().err
+    assert note.count("\n") == 1 and "declares no input size" in note
+    assert "3,32,32" in note and "stride 4" in note and "pos (1, 65, 32)" in note
+
+
+def test_load_model_runs_the_inferred_size(capsys) -> None:
+    loaded = load_model(f"{FIXTURE}:unsized_vit")
+    assert loaded.input_size == (3, 32, 32)
+    assert "3,32,32" in capsys.readouterr().err
+
+
+def test_without_a_position_table_224_is_tried_and_said(capsys) -> None:
+    loaded = load_model(f"{FIXTURE}:unsized_vit_without_table")
+    assert loaded.input_size == (3, 224, 224)
+    note = capsys.readouterr().err
+    assert "trying 3,224,224" in note and "--input-size" in note
+
+
+def test_a_declared_size_wins_and_says_nothing(capsys) -> None:
+    assert default_input_size(issue10.flatten_head_vit()) == (3, 32, 32)
+    assert capsys.readouterr().err == ""
