@@ -17,7 +17,8 @@ from vitcompress.cli.app import (
 )
 from vitcompress.cli.data_options import data_config_options
 from vitcompress.cli.options import load_from_options, model_options
-from vitcompress.plan import VARIANTS
+from vitcompress.cli.plan_options import parse_keep, parse_locs
+from vitcompress.graph.plan import VARIANTS
 
 
 def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -85,6 +86,9 @@ def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option("--save-every", default=0, show_default=True, type=click.IntRange(min=0),
               help="Also checkpoint every N optimizer steps (0: each epoch only).")
 @click.option("--keep-checkpoints", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--fsdp", is_flag=True,
+              help="Shard the model with FSDP2 over the processes (torchrun or accelerate "
+                   "launch with DDP; CPU or CUDA); checkpoints and the artifact stay whole.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in OUT.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--num-workers", default=0, show_default=True, type=click.IntRange(min=0))
@@ -100,7 +104,8 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
              input_size, variant, keep, locs, policy, data, data_dir, epochs, batch_size, accum,
              lr, warmup_epochs, weight_decay, augment, ratio_weight, distill_weight,
              token_distill_weight, ema_decay, amp, save_every, keep_checkpoints, resume, seed,
-             num_workers, data_overrides, out, as_json, max_steps=None, log_every=10) -> None:
+             num_workers, data_overrides, out, as_json, max_steps=None, log_every=10,
+             fsdp=False) -> None:
     """Fine-tune a compressed model with the paper's losses; OUT becomes a compressed model."""
     from vitcompress.cli.progress import LogLines, RichProgress
     from vitcompress.data import AugmentConfig, build_dataset, num_classes, resolve_data_config
@@ -123,7 +128,8 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
     from_recipe = sorted(name for name in ctx.params
                          if ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT_MAP)
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
-    student, teacher, from_artifact = student_and_teacher(loaded, variant, keep, locs, policy)
+    student, teacher, from_artifact = student_and_teacher(
+        loaded, variant, parse_keep(keep), parse_locs(locs), policy)
     if from_artifact and any(ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT
                              for n in ("variant", "keep", "locs", "policy")):
         err_console.print("[yellow]warning:[/] --model is a compressed model: its own plan is "
@@ -152,7 +158,7 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
         token_distill_weight=token_distill_weight, ema_decay=ema_decay, amp=amp,
         save_every=save_every, keep_checkpoints=keep_checkpoints, resume=resume, seed=seed,
         num_workers=num_workers, mixup=preset.mixup_args(classes), smoothing=preset.smoothing,
-        max_steps=max_steps, log_every=log_every,
+        max_steps=max_steps, log_every=log_every, fsdp=fsdp,
         extra={"data": data, "data_config": used.to_json(),
                "data_config_sources": dict(used.sources), "augment": augment,
                "recipe": recipe, "from_recipe": from_recipe,

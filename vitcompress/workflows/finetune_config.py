@@ -83,4 +83,5 @@ class FinetuneConfig:
     log_every: int = 10
     mixup: dict[str, Any] | None = None  # keyword arguments of timm.data.Mixup
     smoothing: float = 0.0
+    fsdp: bool = False  # shard the model with FSDP2 over the processes (several processes only)
     extra: dict[str, Any] = field(default_factory=dict)  # recorded in the artifact's summary

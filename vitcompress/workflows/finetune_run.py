@@ -9,6 +9,7 @@ a resumed run repeats exactly what the uninterrupted one did.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -35,6 +36,12 @@ from vitcompress.training.interrupt import ForcedStop, StopSignals
 from vitcompress.training.losses import DistillationTaps, FinetuneLoss, LossWeights
 from vitcompress.training.optim import build_optimizer, build_scheduler, default_lr
 from vitcompress.training.sampler import EpochSampler, TrainPosition
+from vitcompress.training.sharding import (
+    SHARDED,
+    full_model_state,
+    full_optimizer_state,
+    load_full_state,
+)
 from vitcompress.workflows.evaluate import evaluate, evaluate_top1, unwrap_logits
 from vitcompress.workflows.finetune_config import (
     FinetuneConfig,
@@ -110,6 +117,9 @@ class FinetuneRun:
         self.accelerator = accelerator = Accelerator(gradient_accumulation_steps=config.accum,
                                                      mixed_precision=config.amp or "no")
         _check_distributed(accelerator)
+        self.sharded = config.fsdp
+        if self.sharded:
+            _check_fsdp(accelerator, config)
         self.main = accelerator.is_main_process
         if self.main:
             out.mkdir(parents=True, exist_ok=True)
@@ -118,6 +128,8 @@ class FinetuneRun:
         set_seed(config.seed, device_specific=True)
 
         model = self.student.model
+        if self.sharded:  # trained as shards; the caller's model gets the result at the end
+            model = copy.deepcopy(model)
         model.train()
         if self.teacher is not None:
             self.teacher = self.teacher.to(accelerator.device).eval().requires_grad_(False)
@@ -136,30 +148,16 @@ class FinetuneRun:
 
         self.lr = config.lr if config.lr is not None else default_lr(
             config.batch_size, config.accum, accelerator.num_processes)
-        optimizer = build_optimizer(model, self.lr, config.weight_decay)
-        # The EMA copy is made before the loss taps put hooks on the model (a deepcopy would
-        # keep them).
-        self.ema = None
-        if config.ema_decay:
-            from timm.utils import ModelEmaV3
-
-            self.ema = ModelEmaV3(model, decay=config.ema_decay)
-            self.ema.module.to(accelerator.device)
-        # The taps go in before prepare: the token tap may add a node to the student's graph.
-        self.taps = DistillationTaps(model, self.teacher,
-                                     token_distill=config.token_distill_weight > 0)
-        if val_loader is not None:
-            model, optimizer, train_loader, val_loader = accelerator.prepare(
-                model, optimizer, train_loader, val_loader)
+        if self.sharded:
+            self._setup_sharded(model, train_loader, val_loader)
         else:
-            model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-        self.model, self.optimizer = model, optimizer
-        self.train_loader, self.val_loader = train_loader, val_loader
-        self.raw_model = accelerator.unwrap_model(model)
+            self._setup_replicated(model, train_loader, val_loader)
+        train_loader = self.train_loader
 
         # The scheduler is stepped here once per optimizer step rather than prepared: a
         # prepared scheduler advances once per process per step, which would shorten the
         # schedule under DDP.
+        optimizer = self.optimizer
         self.steps_per_epoch = math.ceil(len(train_loader) / config.accum)
         self.total_steps = config.max_steps or self.steps_per_epoch * config.epochs
         self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
@@ -189,11 +187,64 @@ class FinetuneRun:
         self._mark_boundary(self.position, self.start_totals)
         return resume_from
 
+    def _setup_replicated(self, model: nn.Module, train_loader: DataLoader,
+                          val_loader: DataLoader | None) -> None:
+        """DDP (or one process): Accelerate wraps the model; every process holds all of it."""
+        accelerator, config = self.accelerator, self.config
+        optimizer = build_optimizer(model, self.lr, config.weight_decay)
+        # The EMA copy is made before the loss taps put hooks on the model (a deepcopy would
+        # keep them).
+        self.ema = None
+        if config.ema_decay:
+            from timm.utils import ModelEmaV3
+
+            self.ema = ModelEmaV3(model, decay=config.ema_decay)
+            self.ema.module.to(accelerator.device)
+        # The taps go in before prepare: the token tap may add a node to the student's graph.
+        self.taps = DistillationTaps(model, self.teacher,
+                                     token_distill=config.token_distill_weight > 0)
+        if val_loader is not None:
+            model, optimizer, train_loader, val_loader = accelerator.prepare(
+                model, optimizer, train_loader, val_loader)
+        else:
+            model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+        self.model, self.optimizer = model, optimizer
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.raw_model = accelerator.unwrap_model(model)
+
+    def _setup_sharded(self, model: nn.Module, train_loader: DataLoader,
+                       val_loader: DataLoader | None) -> None:
+        """FSDP2: the model (a copy of the student) is sharded here, then the optimizer is built
+        over the shards; Accelerate prepares only the optimizer and the loaders."""
+        from vitcompress.training.sharding import shard_model
+
+        accelerator, config = self.accelerator, self.config
+        self.ema = None  # refused with --fsdp (_check_fsdp)
+        self.taps = DistillationTaps(model, self.teacher,
+                                     token_distill=config.token_distill_weight > 0)
+        shard_model(model, accelerator.device)
+        optimizer = build_optimizer(model, self.lr, config.weight_decay)
+        loaders = [train_loader] + ([val_loader] if val_loader is not None else [])
+        optimizer, *loaders = accelerator.prepare(optimizer, *loaders)
+        self.model = self.raw_model = model
+        self.optimizer = optimizer
+        self.train_loader = loaders[0]
+        self.val_loader = loaders[1] if val_loader is not None else None
+
     def resume(self, path: Path) -> None:
         """Continue from the checkpoint at ``path``: everything ``checkpoint()`` saved."""
         state = load_checkpoint(path)
-        self.raw_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        written_sharded = state.get("sharding") == SHARDED
+        if written_sharded != self.sharded:
+            needed = "with" if written_sharded else "without"
+            raise FinetuneError(f"{path} was written by a run {needed} --fsdp; resume it "
+                                f"{needed} --fsdp")
+        if self.sharded:
+            load_full_state(self.model, self.optimizer.optimizer, state["model"],
+                            state["optimizer"])
+        else:
+            self.raw_model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         scaler = self.accelerator.scaler
         if state.get("scaler") is not None and scaler is not None:
@@ -232,12 +283,19 @@ class FinetuneRun:
         self.updating = False
 
     def checkpoint_state(self, rngs: list[dict[str, Any]]) -> dict[str, Any]:
-        """What a checkpoint holds (on the main process): the boundary's state, with the RNG
-        states ``rngs`` of every process."""
+        """What a checkpoint holds (complete on the main process): the boundary's state, with
+        the RNG states ``rngs`` of every process. Collective under --fsdp, where the whole
+        model and optimizer state are gathered from the shards."""
         scaler = self.accelerator.scaler
+        if self.sharded:
+            model_state = full_model_state(self.model)
+            optimizer_state = full_optimizer_state(self.model, self.optimizer.optimizer)
+        else:
+            model_state, optimizer_state = self.raw_model.state_dict(), self.optimizer.state_dict()
         return {
-            "model": {**self.raw_model.state_dict(), **self.boundary_buffers},
-            "optimizer": self.optimizer.state_dict(),
+            "model": {**model_state, **self.boundary_buffers},
+            "optimizer": optimizer_state,
+            "sharding": SHARDED if self.sharded else None,
             "scheduler": self.scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler else None,
             "ema": self.ema.state_dict() if self.ema is not None else None,
@@ -256,8 +314,9 @@ class FinetuneRun:
         rngs = gather_object([self.boundary_rng])
         step = self.boundary.global_step
         path = self.out / CHECKPOINTS / checkpoint_name(step)
+        state = self.checkpoint_state(rngs)
         if self.main:
-            path = save_checkpoint(self.checkpoint_state(rngs), self.out / CHECKPOINTS, step,
+            path = save_checkpoint(state, self.out / CHECKPOINTS, step,
                                    self.config.keep_checkpoints)
         self.accelerator.wait_for_everyone()
         self.saved[step] = path
@@ -455,6 +514,7 @@ class FinetuneRun:
             "lr": self.lr,
             "effective_batch": config.batch_size * config.accum * self.accelerator.num_processes,
             "processes": self.accelerator.num_processes,
+            "fsdp": self.sharded,
             "seed": config.seed,
             "loss_weights": asdict(self.weights),
             "ema_decay": config.ema_decay,
@@ -468,10 +528,14 @@ class FinetuneRun:
     def write_artifacts(self, result: dict[str, Any]) -> None:
         """The fine-tuned artifact (and the EMA's) in ``out``, from the main process."""
         accelerator, student = self.accelerator, self.student
+        trained = self.raw_model
+        if self.sharded:  # the whole weights, gathered from the shards into the caller's model
+            trained = student.model
+            trained.load_state_dict(full_model_state(self.model, everywhere=True))
         accelerator.wait_for_everyone()
         if self.main:
-            self.raw_model.eval()
-            write_artifact_into(self.raw_model, self.out, student.source, student.input_size,
+            trained.eval()
+            write_artifact_into(trained, self.out, student.source, student.input_size,
                                 {"finetune": result})
             if self.ema is not None:
                 write_artifact_into(self.ema.module, self.out / EMA_DIR, student.source,
@@ -526,9 +590,27 @@ def _check_distributed(accelerator: Any) -> None:
     kind = str(getattr(accelerator, "distributed_type", ""))
     for name in ("FSDP", "DEEPSPEED"):
         if kind.endswith(name):
+            fsdp = ", with --fsdp to shard the model with FSDP2" if name == "FSDP" else ""
             raise FinetuneError(f"{name} is not supported by finetune (its checkpoints would hold "
                                 "one shard of the model); launch with DDP instead, e.g. "
-                                "accelerate launch --multi_gpu (docs/finetune.md)")
+                                f"accelerate launch --multi_gpu{fsdp} (docs/finetune.md)")
+
+
+def _check_fsdp(accelerator: Any, config: FinetuneConfig) -> None:
+    """What --fsdp does not cover is refused before anything is written."""
+    kind = str(getattr(accelerator, "distributed_type", ""))
+    if accelerator.num_processes < 2:
+        raise FinetuneError("--fsdp needs several processes (start them with torchrun or "
+                            "accelerate launch); one process trains without it")
+    if not kind.endswith(("MULTI_CPU", "MULTI_GPU")):
+        raise FinetuneError("--fsdp runs on CPU or CUDA processes launched for DDP, not under "
+                            f"{kind.rsplit('.', 1)[-1]}")
+    if config.ema_decay:
+        raise FinetuneError("--fsdp with --ema-decay is not supported (the EMA copy is not "
+                            "sharded); drop one of them")
+    if config.amp:
+        raise FinetuneError("--fsdp with --amp is not supported (FSDP2 takes its precision "
+                            "from its own policy, not from autocast); drop one of them")
 
 
 def _check_finite(loss: torch.Tensor, accelerator: Any, step: int) -> None:
