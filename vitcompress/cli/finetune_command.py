@@ -17,8 +17,7 @@ from vitcompress.cli.app import (
 )
 from vitcompress.cli.data_options import data_config_options
 from vitcompress.cli.options import load_from_options, model_options
-from vitcompress.cli.plan_options import parse_keep, parse_locs
-from vitcompress.graph.plan import VARIANTS
+from vitcompress.plan import VARIANTS
 
 
 def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -128,8 +127,7 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
     from_recipe = sorted(name for name in ctx.params
                          if ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT_MAP)
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
-    student, teacher, from_artifact = student_and_teacher(
-        loaded, variant, parse_keep(keep), parse_locs(locs), policy)
+    student, teacher, from_artifact = student_and_teacher(loaded, variant, keep, locs, policy)
     if from_artifact and any(ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT
                              for n in ("variant", "keep", "locs", "policy")):
         err_console.print("[yellow]warning:[/] --model is a compressed model: its own plan is "
