@@ -8,8 +8,8 @@ import torch
 
 import vitcompress
 from tests.models import VANILLA, timm_small
+from vitcompress.graph.plan import PlanError
 from vitcompress.measure import count_macs, count_params
-from vitcompress.plan import PlanError
 from vitcompress.workflows.measure_models import tokens_per_block
 
 VARIANTS = ["dtps", "dynamicvit", "etps", "evit"]
@@ -169,7 +169,7 @@ def test_random_policy_selects_differently():
 
 @pytest.mark.parametrize(
     "keep, locs, message",
-    [(1.5, [1], "--keep must be in"), (0.0, [1], "--keep must be in"),
+    [(1.5, [1], "^keep must be in"), (0.0, [1], "^keep must be in"),
      (0.5, [4], "out of range"), (0.5, [2, 1], "strictly increasing"),
      (0.5, [1, 1], "strictly increasing"), ([0.5, 0.5], [1], "2 values for 1")],
 )

@@ -9,11 +9,11 @@ from click.testing import CliRunner
 from torch import nn
 
 import vitcompress
-import vitcompress.plan
+import vitcompress.graph.plan
 from tests.models import SMALL, VANILLA, timm_small
 from vitcompress import map_model
 from vitcompress.cli.main import cli
-from vitcompress.plan import PlanError
+from vitcompress.graph.plan import PlanError
 
 VARIANTS = ["dtps", "etps", "dynamicvit", "evit"]
 SIZE = (3, 32, 32)
@@ -73,7 +73,7 @@ def test_without_the_refusal_the_logits_would_silently_change(name, monkeypatch)
     """What the refusal prevents: dTPS at keep 1 only re-sorts the tokens, which must not change
     the logits, yet with a position table they change and nothing says so."""
     model = _family(name)
-    monkeypatch.setattr(vitcompress.plan, "position_refusal", lambda model_map, plan: None)
+    monkeypatch.setattr(vitcompress.graph.plan, "position_refusal", lambda model_map, plan: None)
     resorted = vitcompress.compress(model, "dtps", keep=1.0, locs=[1], input_size=SIZE).eval()
     x = torch.randn(2, *SIZE, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -16,8 +16,8 @@ from tests.fixtures import inhouse
 from tests.models import SMALL
 from vitcompress import map_model
 from vitcompress.graph.analyse import MappingError
+from vitcompress.graph.plan import PlanError, default_locs
 from vitcompress.loading import default_input_size
-from vitcompress.plan import PlanError, default_locs
 
 VARIANTS = ["dtps", "etps", "dynamicvit", "evit"]
 SIZE = (3, 32, 32)
@@ -86,7 +86,7 @@ def test_cait_reduces_among_its_self_attention_blocks_only():
     class_attention = [b.index for b in model_map.blocks if b.attention.query_tokens == 1]
     assert class_attention == [4, 5]  # two class-attention blocks after four self-attention
     assert default_locs(model_map) == [1, 2, 3]
-    with pytest.raises(PlanError, match=r"--locs 4 is a class-attention block .*choose among "
+    with pytest.raises(PlanError, match=r"^locs 4 is a class-attention block .*choose among "
                                         r"blocks 0\.\.3"):
         vitcompress.compress(model, "etps", keep=0.7, locs=[2, 4], input_size=SIZE)
     _assert_keep_one_exact_and_reduced_runs(model)

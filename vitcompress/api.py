@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -10,11 +12,11 @@ from torch import nn
 from vitcompress.graph.analyse import analyse
 from vitcompress.graph.capture import CapturedGraph, CaptureError, capture
 from vitcompress.graph.model_map import ModelMap
+from vitcompress.graph.plan import default_keep, make_plan
 from vitcompress.graph.rewrite import rewrite
 from vitcompress.loading import LoadedModel, ModelInputError, ModelLoadError, ModelSource, one_line
 from vitcompress.metadata import attach
 from vitcompress.model_args import readable_timm_args
-from vitcompress.plan import make_plan
 
 EXAMPLE_BATCH = 2  # batch 1 would hide which dimension is the batch
 
@@ -96,7 +98,7 @@ def compress_mapped(model: nn.Module, captured: CapturedGraph, model_map: ModelM
                     keep: float | list[float] | None, locs: list[int] | None,
                     policy: str) -> nn.Module:
     """``compress`` from a capture of ``model`` made by :func:`capture_and_map` (consumed)."""
-    plan = make_plan(model_map, variant, keep, locs, policy)
+    plan = make_plan(model_map, variant, _keep_ratios(keep, model_map), locs, policy)
     compressed = rewrite(captured.module, model_map, plan)
     metadata = dict(
         vitcompress_plan=plan.to_json(),
@@ -121,6 +123,16 @@ def compress_mapped(model: nn.Module, captured: CapturedGraph, model_map: ModelM
     attach(compressed, **metadata)
     compressed.train(model.training)
     return compressed
+
+
+def _keep_ratios(keep: float | Sequence[float] | None, model_map: ModelMap) -> list[float]:
+    """The API takes one ratio or one per location; ``None`` is the paper's ratio for the model.
+    Anything else goes to ``make_plan`` as it is, whose error says what it must be."""
+    if keep is None:
+        return [default_keep(model_map)]
+    if isinstance(keep, numbers.Real) and not isinstance(keep, bool):
+        return [float(keep)]
+    return list(keep) if isinstance(keep, tuple) else keep
 
 
 def compress_loaded(loaded: LoadedModel, variant: str = "etps", keep: float | list[float] | None = None,

@@ -38,6 +38,7 @@ from vitcompress.fingerprint import (
     shape_differences,
     state_shapes,
 )
+from vitcompress.graph.plan import Plan, PlanError
 from vitcompress.loading import (
     ARTIFACT_MARKER,
     LoadedModel,
@@ -46,7 +47,6 @@ from vitcompress.loading import (
     one_line,
 )
 from vitcompress.metadata import attach
-from vitcompress.plan import PlanError, plan_from_json
 
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
@@ -85,7 +85,7 @@ def _source_hint(source: ModelSource) -> str:
 
 def _plan_words(error: PlanError) -> str:
     # The plan comes from the artifact, not from options the user passed now.
-    return str(error).replace("--locs", "the plan's locs").replace("--keep", "the plan's keep")
+    return f"the plan's {error.parameter} {error.detail}" if error.parameter else str(error)
 
 
 def _normalised(value: Any) -> Any:
@@ -113,7 +113,7 @@ def _rebuild(source: ModelSource, size: tuple[int, int, int], plan_json: dict[st
         if differences:
             raise fail(f"model map: {'; '.join(differences)}")
     try:
-        plan = plan_from_json(plan_json)
+        plan = Plan.from_json(plan_json)
         model = compress_mapped(base.model, captured, model_map, size, plan.variant, plan.keep,
                                 plan.locs, plan.policy)
     except PlanError as e:

@@ -10,13 +10,14 @@ import click
 from rich.console import Console
 
 from vitcompress import __version__
+from vitcompress.cli.plan_options import plan_error_line
 from vitcompress.cli.status import PROGRESS_MODES, ConsoleStatus
 from vitcompress.data import DataError
 from vitcompress.graph.analyse import MappingError
 from vitcompress.graph.capture import CaptureError
+from vitcompress.graph.plan import PlanError
 from vitcompress.graph.rewrite import RewriteError
 from vitcompress.loading import ModelLoadError
-from vitcompress.plan import PlanError
 from vitcompress.workflows.export import ExportError
 from vitcompress.workflows.gates import GateError, GateResult, failed
 from vitcompress.workflows.report import ReportError
@@ -45,6 +46,8 @@ class VitcompressGroup(click.Group):
             return super().invoke(ctx)
         except _CLICK_FLOW:
             raise
+        except PlanError as e:  # it names make_plan's parameter; the user typed an option
+            self._fail(ctx, e, EXIT_USAGE, plan_error_line(e))
         except USER_ERRORS as e:
             self._fail(ctx, e, EXIT_USAGE)
         except KeyboardInterrupt as e:

@@ -24,8 +24,9 @@ from vitcompress.cli.options import (
     model_options,
     timing_options,
 )
+from vitcompress.cli.plan_options import parse_keep, parse_locs
+from vitcompress.graph.plan import VARIANTS
 from vitcompress.measure.paired import MIN_PAIRS_FOR_INTERVAL
-from vitcompress.plan import VARIANTS
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, check_gates, require
 from vitcompress.workflows.identity import artifact_identity, model_identity, unsaved_identity
 from vitcompress.workflows.measure_models import speedup
@@ -149,13 +150,14 @@ def apply(model_spec, model_args, checkpoint, pretrained, input_size, variant, k
     if timing is None:
         unavailable["min_speedup"] = NO_THROUGHPUT
     require(bounds, unavailable)
+    keep_ratios, locations = parse_keep(keep), parse_locs(locs)  # before minutes of loading
     with step(f"loading {model_spec}"):
         loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
         # An artifact's recorded base is what gets compressed and measured as the base.
         base = base_to_compress(loaded)
     with step(f"compressing {model_spec} with {variant}"):
-        result = run_apply(base, variant=variant, keep=keep, locs=locs, policy=policy, out=out,
-                           timing=timing)
+        result = run_apply(base, variant=variant, keep=keep_ratios, locs=locations,
+                           policy=policy, out=out, timing=timing)
     data = result.to_json()
     data["input_size"] = list(base.input_size)
     # The speed-up is the median of the round-by-round ratios (both models timed interleaved),

@@ -21,6 +21,7 @@ from torch import nn
 
 from vitcompress.graph import ops
 from vitcompress.graph.model_map import Block, ModelMap
+from vitcompress.graph.plan import Plan
 from vitcompress.modules import (
     AttentionReducer,
     MHAHook,
@@ -29,7 +30,6 @@ from vitcompress.modules import (
     SoftmaxHook,
 )
 from vitcompress.modules.grid import GridGather, GridPad
-from vitcompress.plan import Plan
 
 REDUCER_PREFIX = "tps"
 HOOK_PREFIX = "tps_hooks"

@@ -1,8 +1,14 @@
-"""A compression plan: which variant, at which blocks, keeping how much. Derived from a model map."""
+"""A compression plan: which variant, at which blocks, keeping how much. Derived from a model map.
+
+``make_plan`` takes typed values (``keep: list[float]``, ``locs: list[int] | None``); reading them
+from text is the command line's business. Its errors name its own parameters (``keep``,
+``locs``), which the command line turns into its option names.
+"""
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,7 +26,17 @@ POLICIES = ("score", "random")
 
 
 class PlanError(ValueError):
-    """A plan that cannot be applied to this model; the message is one line for the user."""
+    """A plan that cannot be applied to this model; the message is one line for the user.
+
+    ``parameter`` names the argument of :func:`make_plan` at fault (``"keep"``, ``"locs"``,
+    ``"variant"``, ``"policy"``), and the message is ``f"{parameter} {detail}"``; it is ``None``
+    when the plan as a whole does not fit the model (the message is then ``detail``).
+    """
+
+    def __init__(self, detail: str, parameter: str | None = None) -> None:
+        self.detail = detail
+        self.parameter = parameter
+        super().__init__(f"{parameter} {detail}" if parameter else detail)
 
 
 @dataclass
@@ -59,6 +75,12 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         return {"variant": self.variant, "policy": self.policy, "locs": self.locs,
                 "keep": self.keep, "locations": [asdict(loc) for loc in self.locations]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Plan:
+        """The plan :meth:`to_json` wrote (``locs`` and ``keep`` there repeat the locations)."""
+        return cls(variant=data["variant"], policy=data["policy"],
+                   locations=[Location(**loc) for loc in data["locations"]])
 
 
 def reduces_tokens(block: Block) -> bool:
@@ -111,57 +133,52 @@ def _describe(stages: list[list[int]]) -> str:
     return ", ".join(map(str, blocks))
 
 
-def parse_floats(text: str, what: str) -> list[float]:
-    try:
-        return [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise PlanError(f"{what} must be a number or a comma list of numbers, got {text!r}") from None
-
-
-def parse_ints(text: str, what: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise PlanError(f"{what} must be a comma list of integers, got {text!r}") from None
-
-
-def make_plan(model_map: ModelMap, variant: str, keep: float | list[float] | str | None,
-              locs: list[int] | str | None = None, policy: str = "score") -> Plan:
+def make_plan(model_map: ModelMap, variant: str, keep: list[float],
+              locs: list[int] | None = None, policy: str = "score") -> Plan:
+    """The plan for ``model_map``: ``variant`` at blocks ``locs`` (``None``: the paper's
+    placements, :func:`default_locs`), keeping ``keep`` of the tokens at each (one ratio for
+    all locations, or one per location); :func:`default_keep` gives the paper's ratio."""
     if variant not in VARIANTS:
-        raise PlanError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+        raise PlanError(f"{variant!r} is unknown; choose from {', '.join(VARIANTS)}", "variant")
     if policy not in POLICIES:
-        raise PlanError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+        raise PlanError(f"{policy!r} is unknown; choose from {', '.join(POLICIES)}", "policy")
+    if not isinstance(keep, list | tuple):
+        raise PlanError(f"must be a list of keep ratios, got {keep!r}", "keep")
+    if locs is not None and not isinstance(locs, list | tuple):
+        raise PlanError(f"must be a list of block indices or None, got {locs!r}", "locs")
     depth = len(model_map.blocks)
-    if isinstance(locs, str):
-        locs = parse_ints(locs, "--locs")
     locs = list(default_locs(model_map) if locs is None else locs)
     if not locs:
-        raise PlanError("--locs is empty")
+        raise PlanError("must not be empty", "locs")
     for loc in locs:
+        if isinstance(loc, bool) or not isinstance(loc, numbers.Integral):
+            raise PlanError(f"must be block indices (integers), got {loc!r}", "locs")
         if not 0 <= loc < depth:
-            raise PlanError(f"--locs {loc} is out of range: the model has {depth} blocks (0..{depth - 1})")
+            raise PlanError(f"{loc} is out of range: the model has {depth} blocks "
+                            f"(0..{depth - 1})", "locs")
     for loc in locs:
         block = model_map.blocks[loc]
         if not reduces_tokens(block):
             core = block.attention
             raise PlanError(
-                f"--locs {loc} is a class-attention block ({core.query_tokens} query token(s) "
+                f"{loc} is a class-attention block ({core.query_tokens} query token(s) "
                 f"over {core.key_tokens} keys from earlier blocks): it has no tokens of its own to "
-                f"reduce; choose among blocks {_describe(_token_stages(model_map))}")
+                f"reduce; choose among blocks {_describe(_token_stages(model_map))}", "locs")
+    locs = [int(loc) for loc in locs]
     if sorted(set(locs)) != locs:
-        raise PlanError(f"--locs must be strictly increasing without duplicates, got {locs}")
-    if keep is None:
-        keep = default_keep(model_map)
-    if isinstance(keep, str):
-        keep = parse_floats(keep, "--keep")
-    keeps = [float(keep)] * len(locs) if isinstance(keep, (int, float)) else list(keep)
-    if len(keeps) == 1 and len(locs) > 1:
-        keeps = keeps * len(locs)
+        raise PlanError(f"must be strictly increasing without duplicates, got {locs}", "locs")
+    if not keep:
+        raise PlanError("must not be empty", "keep")
+    keeps = list(keep) * len(locs) if len(keep) == 1 else list(keep)
     if len(keeps) != len(locs):
-        raise PlanError(f"--keep has {len(keeps)} values for {len(locs)} locations")
+        raise PlanError(f"has {len(keeps)} values for {len(locs)} locations", "keep")
+    for rho in keeps:
+        if isinstance(rho, bool) or not isinstance(rho, numbers.Real):
+            raise PlanError(f"must be numbers, got {rho!r}", "keep")
+    keeps = [float(rho) for rho in keeps]
     for rho in keeps:
         if not (0.0 < rho <= 1.0) or math.isnan(rho):
-            raise PlanError(f"--keep must be in (0, 1], got {rho}")
+            raise PlanError(f"must be in (0, 1], got {rho}", "keep")
     scorer = VARIANTS[variant][0]
     locations: list[Location] = []
     for block_index, rho in zip(locs, keeps, strict=True):
@@ -216,8 +233,3 @@ def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
                     "the table is indexed by token position and cannot follow the kept tokens, "
                     f"so {plan.variant} is refused rather than giving wrong logits")
     return None
-
-
-def plan_from_json(data: dict[str, Any]) -> Plan:
-    return Plan(variant=data["variant"], policy=data["policy"],
-                locations=[Location(**loc) for loc in data["locations"]])
