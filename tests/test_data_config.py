@@ -276,6 +276,9 @@ def test_finetune_records_the_config_it_trained_with_and_eval_uses_it(tmp_path):
     used = {"mean": [0.5] * 3, "std": [0.5] * 3, "interpolation": "bilinear", "crop_pct": 1.0,
             "crop_mode": "center"}
     assert summary["data_config"] == used  # finetune's metrics name it
+    [start] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+               if json.loads(line)["type"] == "start"]
+    assert start["data_config"] == used and start["step"] == 0
     assert {"mean", "std", "interpolation", "crop_pct"} <= set(summary["from_recipe"])
     assert "note:" not in result.stderr  # the recipe stated everything
     meta = read_meta(out)

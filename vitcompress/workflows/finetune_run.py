@@ -62,6 +62,8 @@ from vitcompress.workflows.run_directory import (
 
 # The warm-up warning and the resume note are the public function's messages.
 log = logging.getLogger("vitcompress.workflows.finetune")
+# What the caller's ``extra`` says about the inputs, repeated on each run's ``start`` metrics line.
+RUN_RECORD_KEYS = ("data", "data_config")
 
 
 class _StopAgreed(Exception):
@@ -543,12 +545,22 @@ class FinetuneRun:
                                     {"finetune": {**result, "weights": "ema"}})
         accelerator.wait_for_everyone()
 
+    def _write_start_record(self, resume_from: Path | None) -> None:
+        """One ``start`` line per invocation, so the metrics log names what the numbers after it
+        were measured on (the data config among them) and where a resumed run picked up."""
+        record: dict[str, Any] = {"type": "start", "step": self.position.global_step,
+                                  "resumed_from": str(resume_from) if resume_from else None}
+        record.update({key: self.config.extra[key] for key in RUN_RECORD_KEYS
+                       if key in self.config.extra})
+        self.metrics.write(record)
+
     def run(self) -> dict[str, Any]:
         """Set up, resume if asked, train, write the artifact; return the summary."""
         resume_from = self.setup()
         try:
             if resume_from is not None:
                 self.resume(resume_from)
+            self._write_start_record(resume_from)
             self.train()
         finally:
             self.taps.remove()
