@@ -170,3 +170,20 @@ def test_the_picture_has_a_legend_of_what_it_shows(tmp_path, image, monkeypatch,
     result = run("visualize", "--model", art, "--image", image, "--out", tmp_path / "v.png")
     assert result.exit_code == 0, result.output
     assert legends == [expected]
+
+
+def test_the_image_is_fed_with_the_models_own_data_config(image):
+    """visualize normalises and resizes as eval does for this model, not with ImageNet's values."""
+    from PIL import Image
+
+    from vitcompress.data import DataConfig
+
+    half = DataConfig(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), interpolation="bilinear")
+    _, tensor = load_image(image, (3, 32, 32), half)
+    with Image.open(image) as opened:
+        resized = opened.convert("RGB").resize((32, 32), Image.Resampling.BILINEAR)
+    pixels = torch.tensor(list(resized.getdata()), dtype=torch.float32).reshape(32, 32, 3)
+    expected = (pixels.permute(2, 0, 1) / 255.0 - 0.5) / 0.5
+    torch.testing.assert_close(tensor[0], expected)
+    _, default = load_image(image, (3, 32, 32))  # no config: ImageNet's, as before
+    assert not torch.allclose(default, tensor)

@@ -65,6 +65,7 @@ def visualize(ctx: click.Context, model_spec, model_args, checkpoint, pretrained
               image: str, out: str, as_json: bool) -> None:
     """Draw which tokens a compressed model keeps at each location, and for TPS variants which
     kept token (host) each pruned token is squeezed into."""
+    from vitcompress.data import resolve_data_config
     from vitcompress.workflows.visualize import (
         draw_locations,
         load_image,
@@ -73,7 +74,9 @@ def visualize(ctx: click.Context, model_spec, model_args, checkpoint, pretrained
 
     try:
         loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
-        picture, tensor = load_image(image, loaded.input_size)
+        # Fed as eval feeds it: the model's own normalisation and resize interpolation.
+        data_config = resolve_data_config(loaded.model, loaded.input_size[0])
+        picture, tensor = load_image(image, loaded.input_size, data_config)
         records, logits = record_locations(loaded.model, tensor)
         draw_locations(picture, records, out, title=f"{model_spec}: "
                        f"{loaded.model.vitcompress_plan['variant']}, predicted class "

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vitcompress.data.config import DataConfig
 from vitcompress.method import match_hosts_cosine
 from vitcompress.modules.reducers import AttentionReducer, PredictorReducer
 from vitcompress.workflows.report import ReportError, import_pyplot
@@ -61,12 +62,12 @@ class LocationRecord:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_image(path: str | Path, input_size: Sequence[int]) -> tuple[Any, Tensor]:
-    """The image resized to the model's input (PIL, for drawing) and as a normalised (1, C, H, W)
-    tensor, normalised as ``eval`` does (ImageNet mean/std)."""
+def load_image(path: str | Path, input_size: Sequence[int],
+               data_config: DataConfig | None = None) -> tuple[Any, Tensor]:
+    """The image resized whole to the model's input (PIL, for drawing; no crop, so every token
+    drawn covers what the picture shows) and as a (1, C, H, W) tensor normalised with the model's
+    data config as ``eval`` resolves it (``None``: the defaults, ImageNet's mean/std, bicubic)."""
     from PIL import Image, UnidentifiedImageError
-
-    from vitcompress.data.transforms import normalisation
 
     channels, height, width = (int(v) for v in input_size)
     try:
@@ -77,15 +78,17 @@ def load_image(path: str | Path, input_size: Sequence[int]) -> tuple[Any, Tensor
         raise VisualizeError(f"cannot read image {path}: no such file") from e
     except (OSError, UnidentifiedImageError, ValueError) as e:
         raise VisualizeError(f"cannot read image {path}: {e}") from e
-    image = image.resize((width, height), Image.Resampling.BICUBIC)
+    config = (data_config or DataConfig()).for_channels(channels) if channels in (1, 3) else None
+    resample = Image.Resampling[(config.interpolation if config else "bicubic").upper()]
+    image = image.resize((width, height), resample)
     model_image = image if channels == 3 else image.convert("L")
     if channels not in (1, 3):
         raise VisualizeError(f"the model takes {channels} channels; only 1 and 3 can be read "
                              f"from an image")
     pixels = torch.frombuffer(bytearray(model_image.tobytes()), dtype=torch.uint8)
     tensor = pixels.reshape(height, width, channels).permute(2, 0, 1).float() / 255.0
-    mean, std = normalisation(channels, None, None)
-    tensor = (tensor - torch.tensor(mean).view(-1, 1, 1)) / torch.tensor(std).view(-1, 1, 1)
+    mean, std = torch.tensor(config.mean), torch.tensor(config.std)
+    tensor = (tensor - mean.view(-1, 1, 1)) / std.view(-1, 1, 1)
     return image, tensor.unsqueeze(0)
 
 
