@@ -25,7 +25,7 @@ import torch.fx as fx
 from vitcompress.graph import ops
 from vitcompress.graph.capture import CapturedGraph
 from vitcompress.graph.model_map import AttentionCore, Block, GridOp, ModelMap, Stage
-from vitcompress.graph.positions import find_position_uses
+from vitcompress.graph.positions import find_head_position_use, find_position_uses
 
 
 class MappingError(Exception):
@@ -372,6 +372,11 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                                              anc)
     input_shape = ops.shape(image)
     last = by_name[blocks[-1].output_node]
+    head_use = find_head_position_use(
+        gm, image, last, blocks[-1].tokens, stages[-1].prefix_tokens,
+        by_name.get(stages[-1].exit_grid_node or ""), anc.is_ancestor)
+    if head_use is not None:  # any reduction in the last stage reaches the head
+        blocks[-1].position_uses.append(head_use)
     cls_token = stages[-1].prefix_tokens > 0 and _reads_first_token(last, anc)
     return ModelMap(
         capture=captured.method,

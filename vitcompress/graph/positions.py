@@ -20,6 +20,9 @@ the tracer folded into a constant is named by its shape.
 
 from __future__ import annotations
 
+import math
+import operator
+
 import torch.fx as fx
 
 from vitcompress.graph import ops
@@ -119,3 +122,175 @@ def find_position_uses(gm: fx.GraphModule, image: fx.Node, branches: dict[str, l
                     shape=tuple(shape),
                 ))
     return found
+
+
+# --- The head: what reads the last stage's tokens --------------------------------------------
+
+HEAD_KIND = "head"  # PositionUse.kind of a head that reads tokens by their position
+
+# Ops that pool over the token axis: they do not care about the tokens' order.
+_POOL_NAMES = {"mean", "sum", "amax", "amin", "max", "min", "logsumexp", "nansum", "nanmean",
+               "adaptive_avg_pool1d", "adaptive_max_pool1d", "avg_pool1d", "max_pool1d"}
+_ATTENTION_NAMES = {"scaled_dot_product_attention", "softmax", "_softmax"}
+
+
+def _op_name(gm: fx.GraphModule, node: fx.Node) -> str:
+    if node.op == "call_module":
+        return type(gm.get_submodule(str(node.target))).__name__
+    if node.op == "call_method":
+        return str(node.target)
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    return str(name).split(".")[-1] if "." in str(name) else str(name)
+
+
+def _pools_tokens(gm: fx.GraphModule, node: fx.Node) -> bool:
+    name = _op_name(gm, node)
+    base = name.split(".")[0].lower().removesuffix("_")
+    if node.op == "call_module":
+        return "pool" in base
+    return base in _POOL_NAMES or "pool" in base
+
+
+def _dims(value, ndim: int) -> set[int] | None:
+    """A reduction's ``dim`` argument as non-negative axes; ``None`` for all of them."""
+    if value is None:
+        return None
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return {v % ndim for v in values if isinstance(v, int)}
+
+
+def _follow(gm: fx.GraphModule, user: fx.Node, node: fx.Node, axis: int) -> int | None | str:
+    """Where the token axis of ``node`` (at ``axis``) is in ``user``'s output: an int; ``None``
+    when ``user`` consumes it without caring for the order (a pool over it, attention over it);
+    ``"lost"`` when the axis disappears some other way."""
+    in_shape, out_shape = ops.shape(node), ops.shape(user)
+    size = in_shape[axis]
+    ndim = len(in_shape)
+    if ops.is_sdpa(user) or ops.is_softmax(user, gm):
+        return None if out_shape is None or size not in out_shape[axis:axis + 1] else axis
+    if _pools_tokens(gm, user):
+        if user.op == "call_module":
+            return None if axis == ndim - 1 else axis
+        dim = user.kwargs.get("dim", user.args[1] if len(user.args) > 1 else None)
+        dims = _dims(dim, ndim)
+        if dims is None or axis in dims:
+            return None
+        keep = user.kwargs.get("keepdim", len(user.args) > 2 and user.args[2] is True)
+        return axis if keep else axis - sum(1 for d in dims if d < axis)
+    if out_shape is None:
+        return axis  # a tuple (unbind, split): its items are followed
+    name = _op_name(gm, user)
+    if name in ("transpose", "swapaxes", "permute") or name.startswith(("transpose", "permute")):
+        rest = [a for a in user.args[1:]]
+        order = list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+        if name.startswith("permute") and len(order) == ndim:
+            return [o % ndim for o in order].index(axis)
+        if len(order) == 2:
+            a, b = (o % ndim for o in order)
+            return b if axis == a else a if axis == b else axis
+    if ops.is_layout(user):
+        # A reshape keeps the axis where the dims before it multiply to the same count.
+        before = math.prod(in_shape[:axis])
+        for i, out_size in enumerate(out_shape):
+            if out_size == size and math.prod(out_shape[:i]) == before:
+                return i
+        return "lost"
+    if len(out_shape) == ndim and out_shape[axis] == size:
+        return axis  # per-token ops: norms, linears over channels, adds, activations
+    return "lost"
+
+
+def _index_reading(node: fx.Node, axis: int) -> object:
+    """What a getitem / select takes along ``axis``: an int, a slice, or ``None``."""
+    if node.target is operator.getitem:
+        index = node.args[1]
+        index = index if isinstance(index, tuple) else (index,)
+        return index[axis] if axis < len(index) else slice(None)
+    if len(node.args) >= 3 and node.args[1] == axis:  # aten.select(x, dim, index)
+        return node.args[2]
+    return None
+
+
+def head_refusal(use: PositionUse, block: int, variant: str) -> str:
+    """The one-line refusal of a plan reducing tokens that a position-reading head then sees."""
+    # The predictor variants re-sort the tokens by score even when they keep all of them.
+    resorted = " (it re-sorts them even at keep 1)" if variant in ("dtps", "dynamicvit") else ""
+    return (f"the head reads the last stage's tokens by position: {use.table}; {variant} "
+            f"drops and reorders them from block {block}{resorted}, so it is refused in that "
+            "stage rather than giving wrong logits (a head that pools the tokens or reads the "
+            "cls token is fine)")
+
+
+def find_head_position_use(gm: fx.GraphModule, image: fx.Node, last_output: fx.Node,
+                           tokens: int, prefix_tokens: int, exit_grid: fx.Node | None,
+                           is_ancestor) -> PositionUse | None:
+    """Where the head reads the last stage's tokens by their position, else ``None``.
+
+    From the last block's output (tokens on axis 1) the token axis is followed through every op
+    that keeps it (norms, linears on channels, transposes, slices over all patch tokens). Where
+    an op consumes it, the op must be order-free: a pool over the tokens (mean, max, an adaptive
+    pool), attention over them (an attention-pooling head), the stage's exit grid (reduced
+    tokens get the full grid back there), or reading a prefix token (``x[:, 0]``). Anything
+    else, such as a flatten that merges the token axis into the features or reading patch token
+    5, depends on the tokens' order, which a reduction changes (dTPS re-sorts them even at
+    keep 1): a :data:`HEAD_KIND` use naming the op.
+    """
+    if tokens <= 1:
+        return None  # a class-attention stage: one token, no order
+    axes: dict[fx.Node, tuple[int, int]] = {last_output: (1, prefix_tokens)}
+    frontier = [last_output]
+    while frontier:
+        node = frontier.pop(0)
+        axis, prefix = axes[node]
+        for user in node.users:
+            if user in axes or user.op == "output" or user is exit_grid:
+                continue
+            if not user.meta.get("carries_tensor", True):
+                continue  # reads a size only (x.shape)
+            if ops.shape(node) is None:  # an item of a tuple of tokens
+                if ops.shape(user) is not None and len(ops.shape(user)) > axis:
+                    axes[user] = (axis, prefix)
+                    frontier.append(user)
+                continue
+            problem, where = _consumed(gm, user, node, axis, prefix, image, is_ancestor)
+            if problem is not None:
+                return PositionUse(table=problem, kind=HEAD_KIND, branch=HEAD_KIND,
+                                   path=ops.module_path(user) or user.name, node=user.name,
+                                   table_node=node.name, shape=tuple(ops.shape(node))[1:])
+            if where is not None:
+                axes[user] = where
+                frontier.append(user)
+    return None
+
+
+def _consumed(gm: fx.GraphModule, user: fx.Node, node: fx.Node, axis: int, prefix: int,
+              image: fx.Node, is_ancestor) -> tuple[str | None, tuple[int, int] | None]:
+    """(how ``user`` depends on the order of ``node``'s tokens, for the refusal, or ``None``;
+    where the token axis and its prefix count are in ``user``'s output, or ``None``)."""
+    name = _op_name(gm, user)
+    shape = tuple(ops.shape(node))
+    per_image = shape[1:]  # as the user knows it, without the example's batch
+    size = shape[axis]
+    if user.op == "call_function" and (user.target is operator.getitem
+                                       or name.startswith("select")):
+        index = _index_reading(user, axis)
+        if isinstance(index, int) and 0 <= index < prefix:
+            return None, None  # a prefix token (cls, distillation): it stays first
+        if isinstance(index, slice) and index.step in (None, 1) and index.stop in (None, size) \
+                and (index.start or 0) <= prefix:
+            return None, (axis, prefix - (index.start or 0))  # all patch tokens, in any order
+        return f"{name} ({user.name}) reads token(s) {index!r} of the {size} by position", None
+    where = _follow(gm, user, node, axis)
+    if where is None:
+        return None, None
+    if where != "lost":
+        return None, (where, prefix)
+    if ops.is_layout(user):
+        return (f"{name} ({user.name}) merges the token axis of {per_image} into features, "
+                "so every token's features land at a fixed place"), None
+    if ops.is_matmul(user) or ops.is_einsum(user):
+        others = [a for a in user.all_input_nodes if a is not node]
+        if all(a is image or is_ancestor(image, a) for a in others):
+            return None, None  # attention over the tokens, weighted by the tokens themselves
+    return f"{name} ({user.name}) combines the {size} tokens of {per_image} by position", None

@@ -1,0 +1,67 @@
+"""A head that reads the last stage's tokens by position (a flatten of all tokens into one
+feature vector, or a fixed patch token) would silently change after a reduction (dTPS re-sorts
+the tokens even at keep 1): refused with one line naming the op. Pooling heads and cls heads
+stay exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vitcompress
+import vitcompress.graph.plan
+from tests.fixtures import issue10
+from vitcompress import map_model
+from vitcompress.graph.plan import PlanError
+
+VARIANTS = ["dtps", "etps", "dynamicvit", "evit"]
+SIZE = (3, 32, 32)
+
+
+def _model(factory):
+    torch.manual_seed(0)
+    return factory().eval()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("factory, names", [
+    (issue10.flatten_head_vit, "flatten (flatten_1) merges the token axis of (65, 32)"),
+    (issue10.patch_token_head_vit, "getitem (getitem_25) reads token(s) 5 of the 65 by position"),
+])
+def test_a_head_reading_tokens_by_position_is_refused_naming_the_op(factory, names, variant):
+    for keep in (1.0, 0.7):
+        with pytest.raises(PlanError) as refused:
+            vitcompress.compress(_model(factory), variant, keep=keep, locs=[1], input_size=SIZE)
+        message = str(refused.value)
+        assert "\n" not in message and names in message
+        assert message.startswith("the head reads the last stage's tokens by position")
+        assert f"{variant} drops and reorders them from block 1" in message
+
+
+def test_the_map_shows_the_head_s_use_on_the_last_block():
+    blocks = map_model(_model(issue10.flatten_head_vit), SIZE).to_json()["blocks"]
+    assert [u["kind"] for u in blocks[-1]["position_uses"]] == ["head"]
+    assert all(not b["position_uses"] for b in blocks[:-1])
+
+
+def test_without_the_refusal_the_flatten_head_gives_other_logits_at_keep_1(monkeypatch):
+    """What the refusal prevents: a mere re-sort (dTPS at keep 1) changes the logits."""
+    model = _model(issue10.flatten_head_vit)
+    monkeypatch.setattr(vitcompress.graph.plan, "position_refusal", lambda *args: None)
+    resorted = vitcompress.compress(model, "dtps", keep=1.0, locs=[1], input_size=SIZE).eval()
+    x = torch.randn(2, *SIZE, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = model(x)
+        assert (resorted(x) - base).abs().max() > 1e-3 * base.abs().max()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("factory", [issue10.mean_head_vit, issue10.TinyViT])
+def test_order_free_heads_stay_exact_at_keep_1_and_reduce(factory, variant):
+    model = _model(factory)
+    x = torch.randn(2, *SIZE, generator=torch.Generator().manual_seed(1))
+    exact = vitcompress.compress(model, variant, keep=1.0, locs=[1], input_size=SIZE).eval()
+    reduced = vitcompress.compress(model, variant, keep=0.7, locs=[1], input_size=SIZE).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exact(x), model(x), rtol=1e-4, atol=1e-5)
+        assert reduced(x).shape == (2, 10)
