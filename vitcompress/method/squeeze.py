@@ -101,25 +101,44 @@ def squeeze_dense(hosts: Tensor, donors: Tensor) -> Tensor:
     return (numerator / denominator.unsqueeze(-1)).to(hosts.dtype)
 
 
+_NO_MATCH = -100.0  # the official code's similarity for "cannot be this row's host"
+
+
 def squeeze_masked(x: Tensor, host_mask: Tensor, donor_mask: Tensor) -> Tensor:
     """TPS in training: nothing is dropped; masks over all N tokens say who hosts and who donates.
 
     ``host_mask`` (B, N): tokens kept at this location; ``donor_mask`` (B, N): tokens pruned AT this
-    location (earlier-dropped tokens are neither). Masks may carry straight-through gradients:
-    the argmax uses their hard values, the weights use the masks themselves, so gradient reaches
-    the predictor. Returns ``x`` with hosts replaced by their fused value; other tokens unchanged.
+    location (earlier-dropped tokens are neither). Follows the training branch of the official
+    ``TPSModule`` in its gradients as well as its forward, because a fine-tune's predictor learns
+    from exactly these paths:
+
+    - no token matches itself (the diagonal of ``c`` is -100), so a kept token, whose donor weight
+      is 0 but whose straight-through gradient is not, is matched to another kept token;
+    - the host mask enters only as a boolean (-100 in the columns of tokens not kept): no gradient
+      reaches it here;
+    - ``M_ij = [j = host(i)] * P_i`` carries the donor mask's gradient, and enters twice:
+      ``W_ij = exp(M_ij c_ij) M_ij``;
+    - every token ``j`` becomes ``x_j e / d_j + sum_i W_ij x_i / d_j`` with ``d_j = e + sum_i W_ij``
+      (a token that hosts nobody has ``d_j = e``: unchanged), with no output gate.
+
+    One host per donor (the first maximum), where the official ``c == max`` would split a donor
+    between tied hosts. A donor with no kept token to go to is fused nowhere (the official code's
+    weight there is exp(-100) * 1, i.e. 0 in float32). Computed in float32, returned in x's dtype.
     """
+    n = x.shape[1]
     similarity = cosine_similarity(x, x)  # (B, N donors, N hosts)
-    can_host = host_mask.detach().unsqueeze(1) > 0.5
-    host_index = similarity.masked_fill(~can_host, float("-inf")).argmax(dim=-1)  # (B, N)
-    match = torch.nn.functional.one_hot(host_index, x.shape[1]).float()
-    match = match * donor_mask.float().unsqueeze(-1) * host_mask.float().unsqueeze(1)
-    weight = similarity.exp() * match  # (B, N, N): donor i -> host j
-    numerator = SELF_WEIGHT * x.float() + weight.transpose(1, 2) @ x.float()
-    denominator = SELF_WEIGHT + weight.sum(dim=1)
-    fused = numerator / denominator.unsqueeze(-1)
-    keep = host_mask.float().unsqueeze(-1)
-    return (keep * fused + (1.0 - keep) * x.float()).to(x.dtype)
+    can_host = host_mask.detach().unsqueeze(1) > 0.5  # (B, 1, N): boolean, no gradient
+    itself = torch.eye(n, dtype=torch.bool, device=x.device)
+    similarity = similarity.masked_fill(itself, _NO_MATCH).masked_fill(~can_host, _NO_MATCH)
+    host_index = similarity.argmax(dim=-1)  # (B, N)
+    has_host = can_host.squeeze(1).gather(1, host_index)  # False only where nobody is kept
+    match = torch.nn.functional.one_hot(host_index, n).float() * has_host.unsqueeze(-1)
+    match = match * donor_mask.float().unsqueeze(-1)  # M_ij: gradient through the donor mask only
+    weight = (match * similarity).exp() * match  # W_ij: donor i -> host j
+    denominator = (SELF_WEIGHT + weight.sum(dim=1)).unsqueeze(-1)  # (B, N hosts, 1)
+    tokens = x.float()
+    fused = tokens * (SELF_WEIGHT / denominator) + (weight.transpose(1, 2) / denominator) @ tokens
+    return fused.to(x.dtype)
 
 
 def evit_fuse(donors: Tensor, donor_scores: Tensor) -> Tensor:
