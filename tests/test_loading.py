@@ -8,7 +8,6 @@ import pickle
 import sys
 import textwrap
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from vitcompress import loading
+import vitcompress.api
+from vitcompress.cli.options import parse_input_size, parse_model_args
 from vitcompress.loading import (
     LoadedModel,
     ModelLoadError,
@@ -24,8 +24,7 @@ from vitcompress.loading import (
     default_input_size,
     load_checkpoint,
     load_model,
-    parse_input_size,
-    parse_model_args,
+    timm_hub,
 )
 
 TIMM_NAME = "vit_tiny_patch16_224"
@@ -227,14 +226,14 @@ def test_pretrained_unreachable_host_fails_fast(
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "https://huggingface.co")
     # No proxy, whatever this machine's environment says; NO_PROXY alone must not stop the probe.
-    monkeypatch.setattr(loading.urllib.request, "getproxies", lambda: {"no": "localhost"})
+    monkeypatch.setattr(timm_hub.urllib.request, "getproxies", lambda: {"no": "localhost"})
     probed: list[tuple[str, int]] = []
 
     def refuse(address: tuple[str, int], timeout: float | None = None) -> None:
         probed.append(address)
         raise OSError(101, "Network is unreachable")
 
-    monkeypatch.setattr(loading.socket, "create_connection", refuse)
+    monkeypatch.setattr(timm_hub.socket, "create_connection", refuse)
     start = time.monotonic()
     with pytest.raises(ModelLoadError) as info:
         load_model(TIMM_NAME, pretrained=True)
@@ -622,8 +621,12 @@ def test_model_source_rejects_what_it_cannot_record() -> None:
         ModelSource.from_json({"spec": "x", "pretrained": "yes"})
 
 
-def test_artifact_directory_is_delegated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_artifact_directory_is_for_the_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # vitcompress.api decides that a spec is an artifact; loading builds only base models and
+    # says where to go instead of treating the directory as a model file or a timm name.
     (tmp_path / "vitcompress.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="is a compressed model; load it with vitcompress"):
+        load_model(str(tmp_path))
     calls: list[str] = []
 
     def fake_load_artifact(spec: str) -> LoadedModel:
@@ -632,17 +635,22 @@ def test_artifact_directory_is_delegated(tmp_path: Path, monkeypatch: pytest.Mon
         model = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 2)).train()
         return LoadedModel(model, ModelSource(TIMM_NAME, TINY, None, False), (3, 32, 32))
 
-    fake = types.ModuleType("vitcompress.artifact")
-    fake.load_artifact = fake_load_artifact  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "vitcompress.artifact", fake)
+    monkeypatch.setattr(vitcompress.api, "load_artifact", fake_load_artifact)
 
-    loaded = load_model(str(tmp_path))
+    loaded = vitcompress.api.load_model(str(tmp_path))
     assert calls == [str(tmp_path)]
     assert loaded.input_size == (3, 32, 32) and not loaded.model.training
-    assert load_model(str(tmp_path), input_size=(3, 64, 64)).input_size == (3, 64, 64)
+    assert vitcompress.api.load_model(str(tmp_path), input_size=(3, 64, 64)).input_size == (
+        3, 64, 64)
+    with pytest.raises(ModelLoadError, match="does not run on --input-size 1,64,64"):
+        vitcompress.api.load_model(str(tmp_path), input_size=(1, 64, 64))
+    with pytest.raises(ModelLoadError, match="three positive integers"):
+        vitcompress.api.load_model(str(tmp_path), input_size=(3, 64))
 
     with pytest.raises(ModelLoadError, match="drop --checkpoint"):
-        load_model(str(tmp_path), checkpoint="w.pth")
+        vitcompress.api.load_model(str(tmp_path), checkpoint="w.pth")
+    # Base models go to loading, as they are.
+    assert vitcompress.api.load_model(TIMM_NAME, TINY).input_size == (3, 32, 32)
 
 
 def test_errors_pickle_like_normal_exceptions() -> None:

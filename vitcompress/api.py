@@ -1,159 +1,86 @@
-"""The Python API: ``compress``, ``save``, ``load``."""
+"""The Python API: ``compress``, ``save``, ``load``, and ``load_model`` for any ``--model`` spec.
+
+This module sits above ``vitcompress.loading`` (base models), ``vitcompress.compression`` and
+``vitcompress.artifact`` (compressed models on disk), and is the one place that decides which of
+them a spec needs.
+"""
 
 from __future__ import annotations
 
-import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-import torch
 from torch import nn
 
-from vitcompress.graph.analyse import analyse
-from vitcompress.graph.capture import CapturedGraph, CaptureError, capture
-from vitcompress.graph.model_map import ModelMap
-from vitcompress.graph.plan import default_keep, make_plan
-from vitcompress.graph.rewrite import rewrite
-from vitcompress.loading import LoadedModel, ModelInputError, ModelLoadError, ModelSource, one_line
-from vitcompress.metadata import attach
-from vitcompress.model_args import readable_timm_args
+from vitcompress import loading
+from vitcompress.artifact import load_artifact, save_artifact
+from vitcompress.compression import (
+    EXAMPLE_BATCH,
+    capture_and_map,
+    compress,
+    compress_loaded,
+    compress_mapped,
+    example_input,
+    map_model,
+    resolve_input_size,
+)
+from vitcompress.loading import LoadedModel, ModelLoadError, ModelSource, is_artifact_directory
+from vitcompress.loading.input_size import check_runs, checked_input_size
 
-EXAMPLE_BATCH = 2  # batch 1 would hide which dimension is the batch
-
-
-def example_input(input_size: tuple[int, int, int]) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(0)
-    return torch.randn(EXAMPLE_BATCH, *input_size, generator=generator)
-
-
-def resolve_input_size(model: nn.Module,
-                       input_size: tuple[int, int, int] | None) -> tuple[int, int, int]:
-    if input_size is not None:
-        return tuple(input_size)
-    from vitcompress.loading import default_input_size
-
-    size = default_input_size(model)
-    if size is None:
-        raise ValueError("the model does not say its input size; pass input_size=(C, H, W)")
-    return size
-
-
-def capture_and_map(model: nn.Module,
-                    input_size: tuple[int, int, int]) -> tuple[CapturedGraph, ModelMap]:
-    """Capture ``model`` on an example of ``input_size`` and analyse it.
-
-    A model that does not run on that input at all (a wrong input size, a model that is no
-    image model) is the caller's mistake, not a capture failure: that is told apart by running
-    the model itself, only after the capture failed, and raised as ``ModelInputError``.
-    """
-    example = example_input(input_size)
-    try:
-        captured = capture(model, example)
-    except CaptureError:
-        raise
-    except Exception as capture_error:
-        problem = _run_problem(model, example)
-        if problem is None:
-            raise  # the model runs: the failure is ours, not the input's
-        raise ModelInputError(
-            f"the model does not run on input {','.join(map(str, input_size))}: {problem}; pass "
-            "the input size it was built for (--input-size C,H,W)") from capture_error
-    return captured, analyse(captured)
+__all__ = [
+    "EXAMPLE_BATCH",
+    "capture_and_map",
+    "compress",
+    "compress_loaded",
+    "compress_mapped",
+    "example_input",
+    "load",
+    "load_model",
+    "map_model",
+    "resolve_input_size",
+    "save",
+]
 
 
-def _run_problem(model: nn.Module, example: torch.Tensor) -> str | None:
-    import copy
-
-    probe = copy.deepcopy(model).eval()  # the caller's model keeps its mode and state
-    try:
-        with torch.no_grad():
-            probe(example)
-    except Exception as e:  # noqa: BLE001 - any failure means the input does not fit
-        return one_line(e)
-    return None
-
-
-def map_model(model: nn.Module, input_size: tuple[int, int, int] | None = None) -> ModelMap:
-    """Capture ``model`` and return its model map (blocks, attention, prefix tokens, grid ops)."""
-    return capture_and_map(model, resolve_input_size(model, input_size))[1]
-
-
-def compress(model: nn.Module, variant: str = "etps", keep: float | list[float] | None = None,
-             locs: list[int] | None = None, input_size: tuple[int, int, int] | None = None,
-             policy: str = "score") -> nn.Module:
-    """Return a compressed copy of ``model`` (left unchanged): an ordinary ``nn.Module`` whose
-    ``.eval()`` drops tokens physically and whose ``.train()`` runs its variant's training path.
-
-    The result carries ``vitcompress_plan`` and ``vitcompress_map`` (plain dicts) for reports.
-    """
-    if getattr(model, "vitcompress_plan", None) is not None:
-        raise ModelLoadError("the model is already compressed; compress its base model instead")
-    size = resolve_input_size(model, input_size)
-    captured, model_map = capture_and_map(model, size)
-    return compress_mapped(model, captured, model_map, size, variant, keep, locs, policy)
-
-
-def compress_mapped(model: nn.Module, captured: CapturedGraph, model_map: ModelMap,
-                    size: tuple[int, int, int], variant: str,
-                    keep: float | list[float] | None, locs: list[int] | None,
-                    policy: str) -> nn.Module:
-    """``compress`` from a capture of ``model`` made by :func:`capture_and_map` (consumed)."""
-    plan = make_plan(model_map, variant, _keep_ratios(keep, model_map), locs, policy)
-    compressed = rewrite(captured.module, model_map, plan)
-    metadata = dict(
-        vitcompress_plan=plan.to_json(),
-        vitcompress_map=model_map.to_json(),
-        vitcompress_input_size=size,
-        # The attention residual add keeps the token count the block was entered with.
-        vitcompress_block_nodes=[b.attn_add_node for b in model_map.blocks],
-    )
-    from vitcompress.data.config import stated_data_config
-
-    # What the base states of its preprocessing, recorded by save(); the graph drops attributes.
-    data_config, data_config_from = stated_data_config(model)
-    if data_config:
-        metadata.update(vitcompress_data_config=data_config,
-                        vitcompress_data_config_from=data_config_from)
-    cfg = getattr(model, "pretrained_cfg", None)
-    if isinstance(cfg, dict) and cfg.get("architecture"):
-        # What the base shows of its constructor arguments: the compressed graph no longer has
-        # the attributes they are read from, and ``save`` needs them to rebuild the base.
-        metadata["vitcompress_base_cfg"] = {"architecture": cfg["architecture"],
-                                            "model_args": readable_timm_args(model)}
-    attach(compressed, **metadata)
-    compressed.train(model.training)
-    return compressed
-
-
-def _keep_ratios(keep: float | Sequence[float] | None, model_map: ModelMap) -> list[float]:
-    """The API takes one ratio or one per location; ``None`` is the paper's ratio for the model.
-    Anything else goes to ``make_plan`` as it is, whose error says what it must be."""
-    if keep is None:
-        return [default_keep(model_map)]
-    if isinstance(keep, numbers.Real) and not isinstance(keep, bool):
-        return [float(keep)]
-    return list(keep) if isinstance(keep, tuple) else keep
-
-
-def compress_loaded(loaded: LoadedModel, variant: str = "etps", keep: float | list[float] | None = None,
-                    locs: list[int] | None = None, policy: str = "score") -> LoadedModel:
-    """``compress`` for a model from :func:`vitcompress.loading.load_model`, keeping its source
-    so the result can be saved and rebuilt."""
-    model = compress(loaded.model, variant, keep, locs, loaded.input_size, policy)
-    attach(model, vitcompress_source=loaded.source)
-    return LoadedModel(model=model, source=loaded.source, input_size=loaded.input_size)
+def load_model(
+    spec: str,
+    model_args: Mapping[str, Any] | None = None,
+    checkpoint: str | Path | None = None,
+    pretrained: bool = False,
+    input_size: Sequence[int] | None = None,
+) -> LoadedModel:
+    """The model ``spec`` names, in eval mode: a compressed model directory (an artifact) is
+    rebuilt by :func:`vitcompress.artifact.load_artifact`, anything else is built by
+    :func:`vitcompress.loading.load_model`."""
+    if not spec or not is_artifact_directory(spec):
+        return loading.load_model(spec, model_args, checkpoint, pretrained, input_size)
+    size = checked_input_size(input_size)
+    # An artifact fixes architecture and weights; silently ignoring these would mislead the user.
+    given = [name for name, used in (("model arguments", model_args),
+                                     ("--checkpoint", checkpoint),
+                                     ("--pretrained", pretrained)) if used]
+    if given:
+        raise ModelLoadError(
+            f"'{spec}' is a compressed model that already fixes its architecture and weights; "
+            f"drop {', '.join(given)}"
+        )
+    loaded = load_artifact(spec)
+    loaded.model.eval()
+    if size is None or size == loaded.input_size:
+        return loaded
+    # A plan's token counts were made for the artifact's own input size.
+    check_runs(loaded.model, size, spec, given=True)
+    return replace(loaded, input_size=size)
 
 
 def save(model: nn.Module, directory: str | Path, source: str | ModelSource | None = None,
          input_size: tuple[int, int, int] | None = None) -> Path:
     """Write a compressed model as an artifact directory (safetensors weights + JSON plan)."""
-    from vitcompress.artifact import save_artifact
-
     return save_artifact(model, directory, source=source, input_size=input_size)
 
 
 def load(directory: str | Path) -> nn.Module:
     """Rebuild a compressed model saved with :func:`save` (in eval mode)."""
-    from vitcompress.artifact import load_artifact
-
     return load_artifact(directory).model

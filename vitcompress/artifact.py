@@ -26,7 +26,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from vitcompress import __version__
+from vitcompress.compression import capture_and_map, compress_mapped
+from vitcompress.data.config import artifact_data_config
 from vitcompress.fingerprint import (
     SAVE_RTOL,
     Fingerprint,
@@ -38,15 +39,20 @@ from vitcompress.fingerprint import (
     shape_differences,
     state_shapes,
 )
-from vitcompress.graph.plan import Plan, PlanError
+from vitcompress.graph.analyse import MappingError
+from vitcompress.graph.capture import CaptureError
+from vitcompress.graph.rewrite import RewriteError
 from vitcompress.loading import (
     ARTIFACT_MARKER,
     LoadedModel,
     ModelLoadError,
     ModelSource,
+    load_model,
     one_line,
 )
 from vitcompress.metadata import attach
+from vitcompress.plan import PlanError, plan_from_json
+from vitcompress.version import __version__
 
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
@@ -85,7 +91,7 @@ def _source_hint(source: ModelSource) -> str:
 
 def _plan_words(error: PlanError) -> str:
     # The plan comes from the artifact, not from options the user passed now.
-    return f"the plan's {error.parameter} {error.detail}" if error.parameter else str(error)
+    return str(error).replace("--locs", "the plan's locs").replace("--keep", "the plan's keep")
 
 
 def _normalised(value: Any) -> Any:
@@ -97,12 +103,6 @@ def _rebuild(source: ModelSource, size: tuple[int, int, int], plan_json: dict[st
              fail: Callable[[str], ArtifactError]) -> tuple[nn.Module, ModelSource]:
     """The compressed model (with fresh weights) that ``source`` and the plan build, and the
     base's source as loading resolved it. ``fail(what differs)`` makes the error to raise."""
-    from vitcompress.api import capture_and_map, compress_mapped
-    from vitcompress.graph.analyse import MappingError
-    from vitcompress.graph.capture import CaptureError
-    from vitcompress.graph.rewrite import RewriteError
-    from vitcompress.loading import load_model
-
     try:
         base = load_model(source.spec, source.model_args, input_size=size)
         captured, model_map = capture_and_map(base.model, size)
@@ -113,7 +113,7 @@ def _rebuild(source: ModelSource, size: tuple[int, int, int], plan_json: dict[st
         if differences:
             raise fail(f"model map: {'; '.join(differences)}")
     try:
-        plan = Plan.from_json(plan_json)
+        plan = plan_from_json(plan_json)
         model = compress_mapped(base.model, captured, model_map, size, plan.variant, plan.keep,
                                 plan.locs, plan.policy)
     except PlanError as e:
@@ -360,8 +360,6 @@ def load_artifact_base(directory: str | Path,
     Raises ``ArtifactError`` when those weights cannot be had: a base with other weights would
     make any comparison with the artifact meaningless.
     """
-    from vitcompress.loading import load_model
-
     meta = read_meta(directory)
     source = base_source(meta)
     problem = base_weights_problem(source, meta)
@@ -439,8 +437,6 @@ def load_artifact(directory: str | Path) -> LoadedModel:
         if difference is not None:
             raise refuse(difference)
     model.eval()
-    from vitcompress.data.config import artifact_data_config
-
     data_config, data_config_from = artifact_data_config(meta, model, str(directory))
     attach(model, vitcompress_artifact=str(Path(directory).resolve()), vitcompress_source=source,
            vitcompress_data_config=data_config or None,

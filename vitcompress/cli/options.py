@@ -1,21 +1,17 @@
-"""Options shared by every command, and turning them into a loaded model."""
+"""Options shared by every command: the text a user typed, parsed, and turned into a model."""
 
 from __future__ import annotations
 
+import ast
 import functools
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import click
 
-from vitcompress.loading import (
-    ARTIFACT_MARKER,
-    LoadedModel,
-    ModelLoadError,
-    load_model,
-    parse_input_size,
-    parse_model_args,
-)
+from vitcompress.api import load_model
+from vitcompress.artifact import load_artifact_base
+from vitcompress.loading import LoadedModel, ModelLoadError, is_artifact_directory
 from vitcompress.workflows.gates import GATES, Bounds
 from vitcompress.workflows.measure_models import DEFAULT_BENCH_SECONDS, TimingOptions
 
@@ -37,6 +33,47 @@ def model_options(command: Callable) -> Callable:
     for decorator in reversed(decorators):
         command = decorator(command)
     return command
+
+
+def parse_model_args(pairs: Sequence[str]) -> dict[str, Any]:
+    """Parse ``key=value`` pairs; values are Python literals where they parse, else plain strings.
+
+    ``depth=2`` gives an int, ``img_size=(32,32)`` a tuple, ``act=gelu`` the string ``"gelu"``.
+    """
+    args: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ModelLoadError(f"model argument '{pair}' has no '=': write it as key=value")
+        if not key.isidentifier():
+            raise ModelLoadError(f"model argument '{pair}': '{key}' is not a valid argument name")
+        if key in args:
+            raise ModelLoadError(f"model argument '{key}' is given twice")
+        args[key] = _parse_value(text.strip())
+    return args
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        # Not a literal (e.g. ``gelu`` or ``layer_norm``): the user meant the word itself.
+        return text
+
+
+def parse_input_size(text: str) -> tuple[int, int, int]:
+    """Parse ``"C,H,W"`` such as ``"3,224,224"``."""
+    parts = [part.strip() for part in text.split(",")]
+    try:
+        size = tuple(int(part) for part in parts)
+    except ValueError:
+        size = ()
+    if len(size) != 3 or min(size) <= 0:
+        raise ModelLoadError(
+            f"input size '{text}' is not C,H,W with three positive integers (e.g. 3,224,224)"
+        )
+    return size  # type: ignore[return-value]  # length checked above
 
 
 def load_from_options(model_spec: str, model_args: tuple[str, ...], checkpoint: str | None,
@@ -66,10 +103,8 @@ def load_base_from_options(base_spec: str, base_args: tuple[str, ...],
                            model: LoadedModel) -> LoadedModel:
     """The ``--base`` model, at ``model``'s input size. ``--base source`` rebuilds the base a
     compressed ``model`` records (spec, model arguments and base weights)."""
-    from vitcompress.artifact import load_artifact_base
-
     given = base_options_given(base_args, base_checkpoint, base_pretrained)
-    if given and os.path.isfile(os.path.join(base_spec, ARTIFACT_MARKER)):
+    if given and is_artifact_directory(base_spec):
         raise ModelLoadError(f"--base {base_spec} is a compressed model that fixes its "
                              f"architecture and weights; drop {', '.join(given)}")
     if base_spec != BASE_FROM_ARTIFACT:

@@ -1,0 +1,157 @@
+"""The import graph of ``vitcompress`` has no cycles, read statically from the source with ``ast``.
+
+Every import counts, also one inside a function: a lazy import that goes back up the layers
+(loading -> artifact -> api -> loading) is still a cycle, only hidden from the interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "vitcompress"
+
+# Known cycles another change removes; each entry is a set of units (see ``_unit``).
+# TODO(issue 11 §6): remove this entry once the plan moves into vitcompress/graph/.
+KNOWN_CYCLES: list[frozenset[str]] = [frozenset({"vitcompress.graph", "vitcompress.plan"})]
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The vitcompress modules ``name`` imports (``from a import b`` counts ``a.b`` if it is a
+    module, else ``a``). A package's ``__init__`` that Python runs on the way to a submodule
+    is not counted: it is the package's public face, not a dependency of its own modules."""
+
+    def known(candidate: str) -> str | None:
+        while candidate and candidate not in modules:
+            candidate = candidate.rpartition(".")[0]
+        return candidate or None
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package holding this module
+                package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{base}" if base else package
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                targets.append(full if full in modules else base)
+        for target in targets:
+            if target.split(".")[0] == "vitcompress":
+                resolved = known(target)
+                if resolved is not None and resolved != name:
+                    found.add(resolved)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one node (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(component)
+    return components
+
+
+def _unit(module: str) -> str:
+    """The layer a module belongs to: ``vitcompress.graph.rewrite`` -> ``vitcompress.graph``."""
+    return ".".join(module.split(".")[:2])
+
+
+def _module_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _unexpected(cycles: list[set[str]]) -> list[list[str]]:
+    return [sorted(c) for c in cycles if not any(c <= known for known in KNOWN_CYCLES)]
+
+
+def test_cycle_finder_finds_a_lazy_cycle(tmp_path: Path) -> None:
+    # The finder itself: a lazy import back up the layers is a cycle, a one-way chain is not.
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [{"a", "b", "c"}]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    (tmp_path / "low.py").write_text("def f():\n    from vitcompress.high import g\n")
+    modules = {"vitcompress.low": tmp_path / "low.py", "vitcompress.high": tmp_path / "x.py"}
+    assert _imports("vitcompress.low", tmp_path / "low.py", modules) == {"vitcompress.high"}
+
+
+def test_no_import_cycle_between_modules() -> None:
+    assert _unexpected(_cycles(_module_graph())) == []
+
+
+def test_no_import_cycle_between_layers() -> None:
+    units: dict[str, set[str]] = {}
+    for module, imported in _module_graph().items():
+        units.setdefault(_unit(module), set()).update(
+            _unit(other) for other in imported if _unit(other) != _unit(module))
+    assert _unexpected(_cycles(units)) == []
+
+
+def test_loading_builds_on_nothing_above_it() -> None:
+    graph = _module_graph()
+    above = {"vitcompress.api", "vitcompress.artifact", "vitcompress.compression",
+             "vitcompress.cli", "vitcompress.workflows"}
+    for module, imported in graph.items():
+        if module.startswith("vitcompress.loading"):
+            assert not {_unit(m) for m in imported} & above, module
+
+
+def test_every_module_imports_in_a_fresh_interpreter() -> None:
+    # One process, every module in sorted order: a name left behind by a move fails here.
+    names = sorted(_module_graph())
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    result = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

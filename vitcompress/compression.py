@@ -1,0 +1,137 @@
+"""Compression itself: capture and map a model, make its plan, rewrite it, attach metadata.
+
+``vitcompress.api`` is the public face of this module (with ``save``, ``load`` and
+``load_model``); ``vitcompress.artifact`` rebuilds saved models with it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from vitcompress.data.config import stated_data_config
+from vitcompress.graph.analyse import analyse
+from vitcompress.graph.capture import CapturedGraph, CaptureError, capture
+from vitcompress.graph.model_map import ModelMap
+from vitcompress.graph.rewrite import rewrite
+from vitcompress.loading import (
+    LoadedModel,
+    ModelInputError,
+    ModelLoadError,
+    default_input_size,
+    one_line,
+)
+from vitcompress.metadata import attach
+from vitcompress.model_args import readable_timm_args
+from vitcompress.plan import make_plan
+
+EXAMPLE_BATCH = 2  # batch 1 would hide which dimension is the batch
+
+
+def example_input(input_size: tuple[int, int, int]) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(EXAMPLE_BATCH, *input_size, generator=generator)
+
+
+def resolve_input_size(model: nn.Module,
+                       input_size: tuple[int, int, int] | None) -> tuple[int, int, int]:
+    if input_size is not None:
+        return tuple(input_size)
+    size = default_input_size(model)
+    if size is None:
+        raise ValueError("the model does not say its input size; pass input_size=(C, H, W)")
+    return size
+
+
+def capture_and_map(model: nn.Module,
+                    input_size: tuple[int, int, int]) -> tuple[CapturedGraph, ModelMap]:
+    """Capture ``model`` on an example of ``input_size`` and analyse it.
+
+    A model that does not run on that input at all (a wrong input size, a model that is no
+    image model) is the caller's mistake, not a capture failure: that is told apart by running
+    the model itself, only after the capture failed, and raised as ``ModelInputError``.
+    """
+    example = example_input(input_size)
+    try:
+        captured = capture(model, example)
+    except CaptureError:
+        raise
+    except Exception as capture_error:
+        problem = _run_problem(model, example)
+        if problem is None:
+            raise  # the model runs: the failure is ours, not the input's
+        raise ModelInputError(
+            f"the model does not run on input {','.join(map(str, input_size))}: {problem}; pass "
+            "the input size it was built for (--input-size C,H,W)") from capture_error
+    return captured, analyse(captured)
+
+
+def _run_problem(model: nn.Module, example: torch.Tensor) -> str | None:
+    probe = copy.deepcopy(model).eval()  # the caller's model keeps its mode and state
+    try:
+        with torch.no_grad():
+            probe(example)
+    except Exception as e:  # noqa: BLE001 - any failure means the input does not fit
+        return one_line(e)
+    return None
+
+
+def map_model(model: nn.Module, input_size: tuple[int, int, int] | None = None) -> ModelMap:
+    """Capture ``model`` and return its model map (blocks, attention, prefix tokens, grid ops)."""
+    return capture_and_map(model, resolve_input_size(model, input_size))[1]
+
+
+def compress(model: nn.Module, variant: str = "etps", keep: float | list[float] | None = None,
+             locs: list[int] | None = None, input_size: tuple[int, int, int] | None = None,
+             policy: str = "score") -> nn.Module:
+    """Return a compressed copy of ``model`` (left unchanged): an ordinary ``nn.Module`` whose
+    ``.eval()`` drops tokens physically and whose ``.train()`` runs its variant's training path.
+
+    The result carries ``vitcompress_plan`` and ``vitcompress_map`` (plain dicts) for reports.
+    """
+    if getattr(model, "vitcompress_plan", None) is not None:
+        raise ModelLoadError("the model is already compressed; compress its base model instead")
+    size = resolve_input_size(model, input_size)
+    captured, model_map = capture_and_map(model, size)
+    return compress_mapped(model, captured, model_map, size, variant, keep, locs, policy)
+
+
+def compress_mapped(model: nn.Module, captured: CapturedGraph, model_map: ModelMap,
+                    size: tuple[int, int, int], variant: str,
+                    keep: float | list[float] | None, locs: list[int] | None,
+                    policy: str) -> nn.Module:
+    """``compress`` from a capture of ``model`` made by :func:`capture_and_map` (consumed)."""
+    plan = make_plan(model_map, variant, keep, locs, policy)
+    compressed = rewrite(captured.module, model_map, plan)
+    metadata = dict(
+        vitcompress_plan=plan.to_json(),
+        vitcompress_map=model_map.to_json(),
+        vitcompress_input_size=size,
+        # The attention residual add keeps the token count the block was entered with.
+        vitcompress_block_nodes=[b.attn_add_node for b in model_map.blocks],
+    )
+    # What the base states of its preprocessing, recorded by save(); the graph drops attributes.
+    data_config, data_config_from = stated_data_config(model)
+    if data_config:
+        metadata.update(vitcompress_data_config=data_config,
+                        vitcompress_data_config_from=data_config_from)
+    cfg = getattr(model, "pretrained_cfg", None)
+    if isinstance(cfg, dict) and cfg.get("architecture"):
+        # What the base shows of its constructor arguments: the compressed graph no longer has
+        # the attributes they are read from, and ``save`` needs them to rebuild the base.
+        metadata["vitcompress_base_cfg"] = {"architecture": cfg["architecture"],
+                                            "model_args": readable_timm_args(model)}
+    attach(compressed, **metadata)
+    compressed.train(model.training)
+    return compressed
+
+
+def compress_loaded(loaded: LoadedModel, variant: str = "etps", keep: float | list[float] | None = None,
+                    locs: list[int] | None = None, policy: str = "score") -> LoadedModel:
+    """``compress`` for a model from :func:`vitcompress.loading.load_model`, keeping its source
+    so the result can be saved and rebuilt."""
+    model = compress(loaded.model, variant, keep, locs, loaded.input_size, policy)
+    attach(model, vitcompress_source=loaded.source)
+    return LoadedModel(model=model, source=loaded.source, input_size=loaded.input_size)
