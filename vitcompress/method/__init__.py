@@ -6,6 +6,7 @@ refer to positions along ``N``.
 """
 
 from vitcompress.method.attention import masked_attention, masked_softmax
+from vitcompress.method.keep import CumulativeKeep, KeepListError, per_location_keep
 from vitcompress.method.score import (
     cls_attention_score,
     key_scores_to_tokens,
@@ -25,6 +26,8 @@ from vitcompress.method.squeeze import (
 )
 
 __all__ = [
+    "CumulativeKeep",
+    "KeepListError",
     "cls_attention_score",
     "cosine_similarity",
     "evit_fuse",
@@ -34,6 +37,7 @@ __all__ = [
     "key_scores_to_tokens",
     "masked_attention",
     "masked_softmax",
+    "per_location_keep",
     "match_hosts",
     "match_hosts_cosine",
     "received_attention_score",
