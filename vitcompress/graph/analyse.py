@@ -21,6 +21,8 @@ import operator
 from dataclasses import dataclass
 
 import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
 
 from vitcompress.graph import ops
 from vitcompress.graph.capture import CapturedGraph
@@ -298,6 +300,9 @@ def analyse(captured: CapturedGraph) -> ModelMap:
             f"windowed attention: tokens cannot be dropped without breaking the windows "
             f"({windowed[0].path} attends within {windowed[0].batch // image_batch} windows of "
             f"{windowed[0].query_tokens} tokens per image)")
+    windowed_3d = _windowed_batched_attention(gm, image_batch)
+    if windowed_3d is not None:
+        raise MappingError(windowed_3d)
     by_name = {n.name: n for n in gm.graph.nodes}
 
     def cores_in(residual: _Residual) -> list[AttentionCore]:
@@ -315,7 +320,8 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         mlp = other_residuals.get(attn.add)
         inner = cores_in(attn)
         if mlp is None or len(inner) != 1:
-            continue
+            # Left out, the block would be missing from the map and the plan: never silently.
+            raise MappingError(_unpaired_block(attn, inner))
         pairs.append((attn, mlp, inner[0]))
 
     if not pairs:
@@ -386,6 +392,63 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         leaves=list(captured.leaves),
         cls_token=cls_token,
     )
+
+
+def _unpaired_block(attn: _Residual, cores: list[AttentionCore]) -> str:
+    """Why an attention residual is not a block this tool can reduce at: parallel branches."""
+    path = ops.common_path([ops.module_path(n) for n in attn.nodes if ops.module_path(n)])
+    where = f"{path or attn.add.name} (residual add {attn.add.name})"
+    if len(cores) > 1:
+        what = (f"{len(cores)} attention cores ({', '.join(c.path for c in cores)}) are added "
+                "to one residual in parallel")
+    else:
+        what = ("its attention is not followed by an MLP residual on its output (attention and "
+                "MLP in parallel on one residual, x + attn(x) + mlp(x), or no MLP)")
+    return (f"parallel block at {where}: {what}; token reduction needs one attention then an "
+            "MLP residual per block (a scoring attention before a place to drop tokens), so "
+            "such blocks are not supported")
+
+
+def _projection_of(gm: fx.GraphModule, query: fx.Node) -> fx.Node | None:
+    """The linear projection a query is computed by, through layout ops and tuple items."""
+    node: fx.Node | None = query
+    for _ in range(16):
+        if node is None:
+            return None
+        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.Linear):
+            return node
+        if node.op == "call_function" and getattr(node.target, "__name__", "").startswith(
+                "linear") or node.target is F.linear:
+            return node
+        inputs = node.all_input_nodes
+        node = inputs[0] if inputs else None
+    return None
+
+
+def _windowed_batched_attention(gm: fx.GraphModule, image_batch: int) -> str | None:
+    """The windowed refusal for attention written on 3-D (batch x heads, N, D) tensors (SAM):
+    such a core is not a token-attention core, but where the tokens entering its projection are
+    batched as images x windows, the model attends within windows all the same."""
+    for node in gm.graph.nodes:
+        if ops.is_sdpa(node):
+            query = node.args[0]
+        elif ops.is_softmax(node, gm):
+            query = ops.walk_back(node.args[0], lambda n: ops.is_matmul(n) or ops.is_einsum(n), 8)
+        else:
+            continue
+        shape = ops.shape(query) if query is not None else None
+        if shape is None or len(shape) != 3:
+            continue
+        projection = _projection_of(gm, query)
+        tokens = ops.shape(projection.args[0]) if projection is not None else None
+        if tokens is None or len(tokens) < 3:
+            continue
+        if tokens[0] > image_batch and tokens[0] % image_batch == 0:
+            per_window = math.prod(tokens[1:-1])
+            return (f"windowed attention: tokens cannot be dropped without breaking the windows "
+                    f"({ops.module_path(node)} attends within {tokens[0] // image_batch} windows "
+                    f"of {per_window} tokens per image)")
+    return None
 
 
 def _exit_bypass(out: fx.Node, end: fx.Node, exit_grid: fx.Node | None,
