@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vitcompress.graph.model_map import Block, ModelMap
+from vitcompress.graph.positions import HEAD_KIND, head_refusal
 from vitcompress.method import keep_count
 
 # variant -> (where it scores, how pruned tokens are kept)
@@ -226,6 +227,8 @@ def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
         if loc is None or block.index < loc.block:
             continue
         for use in block.position_uses:
+            if use.kind == HEAD_KIND:  # the head sees whatever the stage's reduction left
+                return head_refusal(use, loc.block, plan.variant)
             if block.index == loc.block and plan.scorer == "attention" and use.branch != "mlp":
                 continue
             return (f"block {block.index} ({use.path}) applies the position table {use.table} "
