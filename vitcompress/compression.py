@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -15,7 +16,9 @@ from vitcompress.data.config import stated_data_config
 from vitcompress.graph.analyse import analyse
 from vitcompress.graph.capture import CapturedGraph, CaptureError, capture
 from vitcompress.graph.model_map import ModelMap
+from vitcompress.graph.plan import PlanError
 from vitcompress.graph.rewrite import rewrite
+from vitcompress.keep_lists import plan_from_cumulative
 from vitcompress.loading import (
     LoadedModel,
     ModelInputError,
@@ -24,6 +27,7 @@ from vitcompress.loading import (
     one_line,
 )
 from vitcompress.metadata import attach
+from vitcompress.method import CumulativeKeep
 from vitcompress.model_args import readable_timm_args
 from vitcompress.plan import make_plan
 
@@ -83,16 +87,26 @@ def map_model(model: nn.Module, input_size: tuple[int, int, int] | None = None) 
     return capture_and_map(model, resolve_input_size(model, input_size))[1]
 
 
-def compress(model: nn.Module, variant: str = "etps", keep: float | list[float] | None = None,
+def compress(model: nn.Module, variant: str = "etps",
+             keep: float | list[float] | CumulativeKeep | None = None,
              locs: list[int] | None = None, input_size: tuple[int, int, int] | None = None,
-             policy: str = "score") -> nn.Module:
+             policy: str = "score", keep_cumulative: Sequence[float] | None = None) -> nn.Module:
     """Return a compressed copy of ``model`` (left unchanged): an ordinary ``nn.Module`` whose
     ``.eval()`` drops tokens physically and whose ``.train()`` runs its variant's training path.
+
+    ``keep`` is a ratio per location (``0.7`` or ``[0.7, 0.7, 0.7]``); ``keep_cumulative``, the
+    official configs' form, gives instead the fraction of the stage's initial patch count kept
+    after each location (``[0.7, 0.49, 0.343]``: 137, 96 and 67 of DeiT-S's 196), dtps and
+    dynamicvit only. Give one of the two.
 
     The result carries ``vitcompress_plan`` and ``vitcompress_map`` (plain dicts) for reports.
     """
     if getattr(model, "vitcompress_plan", None) is not None:
         raise ModelLoadError("the model is already compressed; compress its base model instead")
+    if keep_cumulative is not None:
+        if keep is not None:
+            raise PlanError("keep and keep_cumulative exclude each other; give one")
+        keep = CumulativeKeep(tuple(keep_cumulative))
     size = resolve_input_size(model, input_size)
     captured, model_map = capture_and_map(model, size)
     return compress_mapped(model, captured, model_map, size, variant, keep, locs, policy)
@@ -100,10 +114,13 @@ def compress(model: nn.Module, variant: str = "etps", keep: float | list[float] 
 
 def compress_mapped(model: nn.Module, captured: CapturedGraph, model_map: ModelMap,
                     size: tuple[int, int, int], variant: str,
-                    keep: float | list[float] | None, locs: list[int] | None,
+                    keep: float | list[float] | CumulativeKeep | None, locs: list[int] | None,
                     policy: str) -> nn.Module:
     """``compress`` from a capture of ``model`` made by :func:`capture_and_map` (consumed)."""
-    plan = make_plan(model_map, variant, keep, locs, policy)
+    if isinstance(keep, CumulativeKeep):
+        plan = plan_from_cumulative(model_map, variant, keep, locs, policy)
+    else:
+        plan = make_plan(model_map, variant, keep, locs, policy)
     compressed = rewrite(captured.module, model_map, plan)
     metadata = dict(
         vitcompress_plan=plan.to_json(),

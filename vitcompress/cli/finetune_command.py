@@ -17,6 +17,7 @@ from vitcompress.cli.app import (
 )
 from vitcompress.cli.data_options import data_config_options
 from vitcompress.cli.options import load_from_options, model_options
+from vitcompress.cli.plan_options import keep_cumulative_option
 from vitcompress.plan import VARIANTS
 
 
@@ -42,7 +43,8 @@ def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) 
         name = aliases.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
         if name not in names or name == "recipe":
             raise click.BadParameter(f"{value}: unknown option {key!r}", ctx=ctx, param=param)
-        if isinstance(item, list) and name in ("keep", "locs", "input_size", "mean", "std"):
+        if isinstance(item, list) and name in ("keep", "keep_cumulative", "locs", "input_size",
+                                               "mean", "std"):
             item = ",".join(str(v) for v in item)
         if name == "model_args" and isinstance(item, dict):
             item = [f"{k}={v!r}" for k, v in item.items()]
@@ -58,6 +60,7 @@ def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) 
 @model_options
 @click.option("--variant", type=click.Choice(list(VARIANTS)), default="dtps", show_default=True)
 @click.option("--keep", default=None, help="Keep ratio per location, or a comma list.")
+@keep_cumulative_option
 @click.option("--locs", default=None, help="0-based block indices, e.g. 3,6,9.")
 @click.option("--policy", type=click.Choice(["score", "random"]), default="score",
               show_default=True)
@@ -129,7 +132,7 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
     student, teacher, from_artifact = student_and_teacher(loaded, variant, keep, locs, policy)
     if from_artifact and any(ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT
-                             for n in ("variant", "keep", "locs", "policy")):
+                             for n in ("variant", "keep", "keep_cumulative", "locs", "policy")):
         err_console.print("[yellow]warning:[/] --model is a compressed model: its own plan is "
                           "used, --variant/--keep/--locs/--policy are ignored")
     preset = {"deit": AugmentConfig.deit, "light": AugmentConfig.light,

@@ -24,7 +24,7 @@ from vitcompress.cli.options import (
     model_options,
     timing_options,
 )
-from vitcompress.cli.plan_options import parse_keep, parse_locs
+from vitcompress.cli.plan_options import keep_cumulative_option, parse_keep, parse_locs
 from vitcompress.graph.plan import VARIANTS
 from vitcompress.measure.paired import MIN_PAIRS_FOR_INTERVAL
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, check_gates, require
@@ -130,6 +130,7 @@ def bench(model_spec, model_args, checkpoint, pretrained, input_size, timing, bo
 @click.option("--keep", default=None,
               help="Keep ratio per location, or a comma list with one per location (default: "
                    "0.7; 0.5 for CvT-like models, as in the paper).")
+@keep_cumulative_option
 @click.option("--locs", default=None, help="0-based block indices, e.g. 3,6,9 (default: "
               "1/4, 1/2, 3/4 of the depth; stage starts for pyramids; stage 3 for CvT).")
 @click.option("--policy", type=click.Choice(["score", "random"]), default="score",
