@@ -49,6 +49,7 @@ from vitcompress.measure import (
     verdict,
 )
 from vitcompress.measure import paired_ratios as pair_samples
+from vitcompress.metadata import compression_info
 
 INPUT_SIZE = (3, 224, 224)
 VARIANTS = ("dtps", "etps", "dynamicvit", "evit")
@@ -237,7 +238,7 @@ def part_overhead(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
         if got != want:
             raise SystemExit(f"{variant}: token counts differ from the idealised model:\n"
                              f"  compressed {got}\n  idealised  {want}")
-        plan_tokens = [loc["keep_tokens"] for loc in compressed.vitcompress_plan["locations"]]
+        plan_tokens = [loc.keep_tokens for loc in compression_info(compressed).plan.locations]
         if variant in PREDICTOR_VARIANTS:
             schedule = token_schedule(variant, base.patch_embed.num_patches, args.keep, locs)
             assert plan_tokens == schedule, (plan_tokens, schedule)
@@ -296,7 +297,7 @@ def part_headline(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
                                 locs=args.headline_locs, input_size=INPUT_SIZE).eval()
     names = {"deit_small+dtps": dtps, "deit_tiny": tiny, "deit_small": small}
     macs = {name: gmacs(model) for name, model in names.items()}
-    keep_tokens = [loc["keep_tokens"] for loc in dtps.vitcompress_plan["locations"]]
+    keep_tokens = [loc.keep_tokens for loc in compression_info(dtps).plan.locations]
     log(f"dtps keep_tokens per location: {keep_tokens}; GMACs: "
         + ", ".join(f"{name} {value:.3f}" for name, value in macs.items())
         + f"; dtps/deit_small = {macs['deit_small+dtps'] / macs['deit_small']:.1%}")

@@ -41,6 +41,7 @@ from vitcompress.fingerprint import (
 )
 from vitcompress.graph.analyse import MappingError
 from vitcompress.graph.capture import CaptureError
+from vitcompress.graph.plan import Plan, PlanError
 from vitcompress.graph.rewrite import RewriteError
 from vitcompress.loading import (
     ARTIFACT_MARKER,
@@ -50,8 +51,7 @@ from vitcompress.loading import (
     load_model,
     one_line,
 )
-from vitcompress.metadata import attach
-from vitcompress.plan import PlanError, plan_from_json
+from vitcompress.metadata import attach, compression_info
 from vitcompress.version import __version__
 
 FORMAT_VERSION = 1
@@ -91,11 +91,7 @@ def _source_hint(source: ModelSource) -> str:
 
 def _plan_words(error: PlanError) -> str:
     # The plan comes from the artifact, not from options the user passed now.
-    return str(error).replace("--locs", "the plan's locs").replace("--keep", "the plan's keep")
-
-
-def _normalised(value: Any) -> Any:
-    return json.loads(json.dumps(value))
+    return f"the plan's {error.parameter} {error.detail}" if error.parameter else str(error)
 
 
 def _rebuild(source: ModelSource, size: tuple[int, int, int], plan_json: dict[str, Any],
@@ -113,7 +109,7 @@ def _rebuild(source: ModelSource, size: tuple[int, int, int], plan_json: dict[st
         if differences:
             raise fail(f"model map: {'; '.join(differences)}")
     try:
-        plan = plan_from_json(plan_json)
+        plan = Plan.from_json(plan_json)
         model = compress_mapped(base.model, captured, model_map, size, plan.variant, plan.keep,
                                 plan.locs, plan.policy)
     except PlanError as e:
@@ -123,7 +119,7 @@ def _rebuild(source: ModelSource, size: tuple[int, int, int], plan_json: dict[st
         raise fail(f"its plan is malformed ({type(e).__name__}: {e})") from e
     except RewriteError as e:
         raise fail(f"its plan cannot be applied to the rebuilt base: {e}") from e
-    if _normalised(model.vitcompress_plan) != _normalised(plan_json):
+    if compression_info(model).plan != plan:
         raise fail("the plan made for the rebuilt base keeps other token counts")
     return model, base.source
 
@@ -173,25 +169,26 @@ def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource |
     the timm architecture with the constructor arguments the model shows), the plan applied and
     the weights loaded; a model that differs from ``model`` is refused before anything is written.
     """
-    plan = getattr(model, "vitcompress_plan", None)
-    if plan is None:
+    try:
+        info = compression_info(model)
+    except ModelLoadError as e:
+        raise ArtifactError(f"cannot save {directory}: {e}") from e
+    if info is None:
         raise ArtifactError("only a model returned by vitcompress.compress can be saved")
+    plan, model_map = info.plan.to_json(), info.model_map.to_json()
     if isinstance(source, str):
         source = ModelSource(spec=source)
-    source = source or getattr(model, "vitcompress_source", None) or _infer_source(model)
+    source = source or info.source or _infer_source(model)
     if source is None:
         raise ArtifactError(
             "cannot tell how to rebuild the base model; pass source='timm_name' or "
             "'path/to/file.py:factory' to save()"
         )
-    size = input_size or getattr(model, "vitcompress_input_size", None)
+    size = input_size or info.input_size
     if size is None:
         raise ArtifactError("cannot tell the model's input size; pass input_size=(C, H, W)")
     size = tuple(int(v) for v in size)
     directory = Path(directory)
-    model_map = getattr(model, "vitcompress_map", None)
-    if not isinstance(model_map, dict):
-        raise ArtifactError("the model carries no model map (vitcompress_map); compress it again")
 
     def refuse(what_differs: str) -> ArtifactError:
         return ArtifactError(f"cannot save {directory}: the model rebuilt from "

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import copy
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -16,7 +17,7 @@ from vitcompress.data.config import stated_data_config
 from vitcompress.graph.analyse import analyse
 from vitcompress.graph.capture import CapturedGraph, CaptureError, capture
 from vitcompress.graph.model_map import ModelMap
-from vitcompress.graph.plan import PlanError
+from vitcompress.graph.plan import PlanError, default_keep, make_plan
 from vitcompress.graph.rewrite import rewrite
 from vitcompress.keep_lists import plan_from_cumulative
 from vitcompress.loading import (
@@ -26,10 +27,9 @@ from vitcompress.loading import (
     default_input_size,
     one_line,
 )
-from vitcompress.metadata import attach
+from vitcompress.metadata import attach, compression_info
 from vitcompress.method import CumulativeKeep
 from vitcompress.model_args import readable_timm_args
-from vitcompress.plan import make_plan
 
 EXAMPLE_BATCH = 2  # batch 1 would hide which dimension is the batch
 
@@ -99,9 +99,10 @@ def compress(model: nn.Module, variant: str = "etps",
     after each location (``[0.7, 0.49, 0.343]``: 137, 96 and 67 of DeiT-S's 196), dtps and
     dynamicvit only. Give one of the two.
 
-    The result carries ``vitcompress_plan`` and ``vitcompress_map`` (plain dicts) for reports.
+    The result carries its plan and model map (read them with
+    :func:`vitcompress.metadata.compression_info`).
     """
-    if getattr(model, "vitcompress_plan", None) is not None:
+    if compression_info(model) is not None:
         raise ModelLoadError("the model is already compressed; compress its base model instead")
     if keep_cumulative is not None:
         if keep is not None:
@@ -120,7 +121,7 @@ def compress_mapped(model: nn.Module, captured: CapturedGraph, model_map: ModelM
     if isinstance(keep, CumulativeKeep):
         plan = plan_from_cumulative(model_map, variant, keep, locs, policy)
     else:
-        plan = make_plan(model_map, variant, keep, locs, policy)
+        plan = make_plan(model_map, variant, _keep_ratios(keep, model_map), locs, policy)
     compressed = rewrite(captured.module, model_map, plan)
     metadata = dict(
         vitcompress_plan=plan.to_json(),
@@ -143,6 +144,16 @@ def compress_mapped(model: nn.Module, captured: CapturedGraph, model_map: ModelM
     attach(compressed, **metadata)
     compressed.train(model.training)
     return compressed
+
+
+def _keep_ratios(keep: float | Sequence[float] | None, model_map: ModelMap) -> list[float]:
+    """The API takes one ratio or one per location; ``None`` is the paper's ratio for the model.
+    Anything else goes to ``make_plan`` as it is, whose error says what it must be."""
+    if keep is None:
+        return [default_keep(model_map)]
+    if isinstance(keep, numbers.Real) and not isinstance(keep, bool):
+        return [float(keep)]
+    return list(keep) if isinstance(keep, tuple) else keep
 
 
 def compress_loaded(loaded: LoadedModel, variant: str = "etps", keep: float | list[float] | None = None,

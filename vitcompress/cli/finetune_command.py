@@ -17,8 +17,8 @@ from vitcompress.cli.app import (
 )
 from vitcompress.cli.data_options import data_config_options
 from vitcompress.cli.options import load_from_options, model_options
-from vitcompress.cli.plan_options import keep_cumulative_option
-from vitcompress.plan import VARIANTS
+from vitcompress.cli.plan_options import keep_cumulative_option, parse_keep, parse_locs
+from vitcompress.graph.plan import VARIANTS
 
 
 def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -112,7 +112,7 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
     from vitcompress.cli.progress import LogLines, RichProgress
     from vitcompress.data import AugmentConfig, build_dataset, num_classes, resolve_data_config
     from vitcompress.data.config import defaults_note
-    from vitcompress.metadata import attach
+    from vitcompress.metadata import attach, compression_info
     from vitcompress.workflows.finetune import (
         FinetuneConfig,
         FinetuneError,
@@ -130,7 +130,8 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
     from_recipe = sorted(name for name in ctx.params
                          if ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT_MAP)
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
-    student, teacher, from_artifact = student_and_teacher(loaded, variant, keep, locs, policy)
+    student, teacher, from_artifact = student_and_teacher(
+        loaded, variant, parse_keep(keep), parse_locs(locs), policy)
     if from_artifact and any(ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT
                              for n in ("variant", "keep", "keep_cumulative", "locs", "policy")):
         err_console.print("[yellow]warning:[/] --model is a compressed model: its own plan is "
@@ -152,7 +153,7 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
     classes = num_classes(train_set)
     if preset is None:
         preset = AugmentConfig.light() if "mnist" in data.lower() else AugmentConfig.deit()
-    plan = student.model.vitcompress_plan
+    plan = compression_info(student.model).plan  # compressed: student_and_teacher made it so
     config = FinetuneConfig(
         epochs=epochs, batch_size=batch_size, accum=accum, lr=lr, warmup_epochs=warmup_epochs,
         weight_decay=weight_decay, ratio_weight=ratio_weight, distill_weight=distill_weight,
@@ -163,7 +164,7 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
         extra={"data": data, "data_config": used.to_json(),
                "data_config_sources": dict(used.sources), "augment": augment,
                "recipe": recipe, "from_recipe": from_recipe,
-               "variant": plan["variant"], "keep": plan["keep"], "locs": plan["locs"]})
+               "variant": plan.variant, "keep": plan.keep, "locs": plan.locs})
     try:
         result = run_finetune(student, teacher, train_set, val_set, out, config,
                               progress=RichProgress() if show_bar else LogLines(log_every))
@@ -187,7 +188,7 @@ def finetune(ctx: click.Context, recipe, model_spec, model_args, checkpoint, pre
         table.add_row(str(row["epoch"] + 1), str(row["step"]), f"{row['train_loss']:.4f}",
                       f"{100 * top1:.2f}" if top1 is not None else "-")
     console.print(table)
-    console.print(f"{plan['variant']} keep {plan['keep']} at blocks {plan['locs']}; "
+    console.print(f"{plan.variant} keep {plan.keep} at blocks {plan.locs}; "
                   f"{result['steps']} steps, lr {result['lr']:.3g}, effective batch "
                   f"{result['effective_batch']}, {result['seconds']:.0f} s")
     console.print(f"saved to {out} (load with --model {out})")

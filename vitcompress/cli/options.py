@@ -12,6 +12,7 @@ import click
 from vitcompress.api import load_model
 from vitcompress.artifact import load_artifact_base
 from vitcompress.loading import LoadedModel, ModelLoadError, is_artifact_directory
+from vitcompress.metadata import compression_info
 from vitcompress.workflows.gates import GATES, Bounds
 from vitcompress.workflows.measure_models import DEFAULT_BENCH_SECONDS, TimingOptions
 
@@ -113,11 +114,11 @@ def load_base_from_options(base_spec: str, base_args: tuple[str, ...],
     if given:
         raise ModelLoadError(f"--base {BASE_FROM_ARTIFACT} takes the base's arguments and "
                              f"weights from the artifact; drop {', '.join(given)}")
-    artifact = getattr(model.model, "vitcompress_artifact", None)
-    if artifact is None:
+    info = compression_info(model.model)
+    if info is None or info.artifact is None:
         raise ModelLoadError(f"--base {BASE_FROM_ARTIFACT} needs --model to be a compressed "
                              "model directory")
-    return load_artifact_base(artifact, model.input_size)
+    return load_artifact_base(info.artifact, model.input_size)
 
 
 def timing_options(command: Callable) -> Callable:

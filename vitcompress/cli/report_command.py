@@ -7,6 +7,7 @@ from rich.table import Table
 
 from vitcompress.cli.app import EXIT_USAGE, cli, console, emit_json
 from vitcompress.cli.options import load_from_options, model_options
+from vitcompress.metadata import compression_info
 
 
 @cli.command()
@@ -79,7 +80,7 @@ def visualize(ctx: click.Context, model_spec, model_args, checkpoint, pretrained
         picture, tensor = load_image(image, loaded.input_size, data_config)
         records, logits = record_locations(loaded.model, tensor)
         draw_locations(picture, records, out, title=f"{model_spec}: "
-                       f"{loaded.model.vitcompress_plan['variant']}, predicted class "
+                       f"{compression_info(loaded.model).plan.variant}, predicted class "
                        f"{int(logits.argmax(-1)[0])}")
     except OSError as e:  # VisualizeError and ReportError are the group's user errors already
         click.echo(f"error: {e.filename or out}: {e.strerror or e}", err=True)

@@ -26,6 +26,7 @@ from torch import nn
 
 from vitcompress.graph import ops
 from vitcompress.graph.capture import CapturedGraph
+from vitcompress.graph.final_norm import find_final_norm
 from vitcompress.graph.model_map import AttentionCore, Block, GridOp, ModelMap, Stage
 from vitcompress.graph.positions import find_head_position_use, find_position_uses
 
@@ -391,6 +392,7 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         blocks=blocks,
         leaves=list(captured.leaves),
         cls_token=cls_token,
+        final_norm=find_final_norm(gm, last),
     )
 
 

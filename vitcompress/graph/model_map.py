@@ -3,6 +3,11 @@
 Everything here is derived from a captured graph (see ``analyse.py``); nothing is looked up by class
 or attribute name. Node names refer to nodes of the captured ``torch.fx.GraphModule`` so that the
 rewriter can find the places again without re-running the analysis.
+
+``to_json`` writes what the map says about the model, without the node names (they mean nothing
+outside the captured graph); ``ModelMap.from_json`` reads that back. A map read back describes the
+model (blocks, tokens, stages, grid ops, position tables) but names no nodes, so it cannot be
+used to rewrite a graph (``ModelMap.has_nodes``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ class GridOp:
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "kind": self.kind, "branch": self.branch, "grid": list(self.grid)}
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GridOp:
+        return cls(path=data["path"], kind=data["kind"], branch=data["branch"],
+                   grid=_pair(data["grid"]), to_grid_node="", tokens_node="", op_node="")
+
 
 @dataclass
 class PositionUse:
@@ -47,6 +57,11 @@ class PositionUse:
     def to_json(self) -> dict[str, Any]:
         return {"table": self.table, "kind": self.kind, "branch": self.branch, "path": self.path,
                 "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PositionUse:
+        return cls(table=data["table"], kind=data["kind"], branch=data["branch"],
+                   path=data["path"], node="", table_node="", shape=tuple(data["shape"]))
 
 
 @dataclass
@@ -87,6 +102,9 @@ class Block:
             "dim": self.dim,
             "heads": self.heads,
             "attention": self.attention.kind,
+            # Fewer query tokens than the block's own: class attention (CaiT), nothing to reduce.
+            "query_tokens": self.attention.query_tokens,
+            "key_tokens": self.attention.key_tokens,
             "stage": self.stage,
             "grid": list(self.grid),
             "prefix_tokens": self.prefix_tokens,
@@ -95,6 +113,20 @@ class Block:
             "position_uses": list({json.dumps(u.to_json()): u.to_json()
                                    for u in self.position_uses}.values()),
         }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Block:
+        attention = AttentionCore(kind=data["attention"], node="", heads=data["heads"], path="",
+                                  query_tokens=data.get("query_tokens"),
+                                  key_tokens=data.get("key_tokens"))
+        return cls(index=data["index"], path=data["path"], tokens=data["tokens"],
+                   dim=data["dim"], heads=data["heads"], attention=attention,
+                   stage=data["stage"], grid=_pair(data["grid"]),
+                   prefix_tokens=data["prefix_tokens"], input_node="", attn_add_node="",
+                   output_node="",
+                   grid_ops=[GridOp.from_json(op) for op in data.get("grid_ops", [])],
+                   position_uses=[PositionUse.from_json(use)
+                                  for use in data.get("position_uses", [])])
 
 
 @dataclass
@@ -117,6 +149,12 @@ class Stage:
     # over the token order, say): reduced tokens cannot follow them there.
     exit_bypass: str | None = None
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Stage:
+        return cls(index=data["index"], grid=_pair(data["grid"]),
+                   prefix_tokens=data["prefix_tokens"], blocks=list(data["blocks"]),
+                   entry_node="", embed_node="", exit_bypass=data.get("exit_bypass"))
+
 
 @dataclass
 class ModelMap:
@@ -128,6 +166,10 @@ class ModelMap:
     # The head reads token 0 of the last stage: its first prefix token is a cls token. Without
     # one (global pooling, registers only), eTPS/EViT score by the attention a token receives.
     cls_token: bool = False
+    # Module path of the norm applied to the token stream after the last block (``final_norm.py``),
+    # the place token distillation compares tokens; ``None`` when the head pools or takes the cls
+    # token before any norm.
+    final_norm: str | None = None
 
     @property
     def prefix_tokens(self) -> int:
@@ -140,6 +182,12 @@ class ModelMap:
     @property
     def is_hybrid(self) -> bool:
         return len(self.stages) > 1 or any(b.grid_ops for b in self.blocks)
+
+    @property
+    def has_nodes(self) -> bool:
+        """Whether the map names the nodes of a captured graph (a map read back from JSON
+        does not, and cannot be used to rewrite one)."""
+        return all(b.input_node for b in self.blocks)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -155,4 +203,18 @@ class ModelMap:
             ],
             "blocks": [b.to_json() for b in self.blocks],
             "leaves": self.leaves,
+            "final_norm": self.final_norm,
         }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelMap:
+        """The map :meth:`to_json` wrote, without node names (see the module's docstring)."""
+        return cls(capture=data["capture"], input_size=tuple(data["input_size"]),
+                   stages=[Stage.from_json(stage) for stage in data["stages"]],
+                   blocks=[Block.from_json(block) for block in data["blocks"]],
+                   leaves=list(data.get("leaves", [])), cls_token=bool(data.get("cls_token")),
+                   final_norm=data.get("final_norm"))
+
+
+def _pair(values: list[int]) -> tuple[int, int]:
+    return (int(values[0]), int(values[1]))

@@ -181,3 +181,19 @@ _LAYOUT_FUNCS = (
 def is_layout(node: fx.Node) -> bool:
     """An op that only rearranges elements (transpose, permute, reshape, flatten ...)."""
     return _is_call(node, _LAYOUT_FUNCS, _LAYOUT_METHODS)
+
+
+_NORM_FUNCS = (
+    {F.layer_norm, F.group_norm, torch.layer_norm, torch.group_norm}
+    | {f for f in (getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None)) if f}
+    | _aten("layer_norm") | _aten("native_layer_norm") | _aten("rms_norm")
+    | _aten("group_norm") | _aten("native_group_norm")
+)
+_NORM_MODULES = tuple(m for m in (nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", None)) if m)
+
+
+def is_norm(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A layer/RMS/group norm: a functional call, or a call of such a module kept whole (its
+    subclasses included: what it computes counts, not what it is called)."""
+    return isinstance(_module(gm, node), _NORM_MODULES) or _is_call(
+        node, _NORM_FUNCS, {"layer_norm", "rms_norm", "group_norm"})

@@ -201,4 +201,7 @@ class _Rewriter:
 
 def rewrite(gm: fx.GraphModule, model_map: ModelMap, plan: Plan) -> fx.GraphModule:
     """Apply ``plan`` to ``gm`` in place and return it."""
+    if not model_map.has_nodes:
+        raise RewriteError("the model map names no graph nodes (it was read back from JSON); "
+                           "rewrite with the map the analysis of this graph made")
     return _Rewriter(gm, model_map, plan).run()

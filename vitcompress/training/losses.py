@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import Tensor, nn
 
+from vitcompress.metadata import compression_info
+
 log = logging.getLogger(__name__)
 
 # Variants whose reducers learn a keep mask; only they get the ratio loss.
@@ -59,29 +61,6 @@ def token_distillation(student_tokens: Tensor, teacher_tokens: Tensor, keep: Ten
     return (diff * weight).sum() / denominator
 
 
-def find_final_norm(model: nn.Module, block_paths: list[str]) -> str | None:
-    """Path of the norm applied to the token stream after the last block, or None.
-
-    timm calls it ``norm``; in-house models name it as they like, so take the last norm-like
-    module (in registration order) outside the blocks. ``nn.Identity`` does not count: such models
-    (global pooling with ``fc_norm``) have no final-norm token stream to distil.
-    """
-    candidates = []
-    for name, module in model.named_modules():
-        if not name or any(name == p or name.startswith(p + ".") for p in block_paths):
-            continue
-        if name.startswith("tps.") or name == "tps":
-            continue
-        if isinstance(module, nn.LayerNorm | nn.RMSNorm) or (
-                "norm" in type(module).__name__.lower() and not isinstance(module, nn.Identity)
-                and not list(module.children())):
-            candidates.append(name)
-    if "norm" in candidates:
-        return "norm"
-    candidates = [c for c in candidates if "fc_norm" not in c and "head" not in c]
-    return candidates[-1] if candidates else None
-
-
 @dataclass
 class _Captured:
     masks: list[Tensor | None] = field(default_factory=list)
@@ -96,8 +75,8 @@ class DistillationTaps:
     def __init__(self, student: nn.Module, teacher: nn.Module | None, token_distill: bool) -> None:
         self.captured = _Captured()
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
-        plan = getattr(student, "vitcompress_plan", None) or {}
-        self.variant: str = plan.get("variant", "")
+        info = compression_info(student)
+        self.variant: str = info.plan.variant if info is not None else ""
         tps = student.get_submodule("tps") if hasattr(student, "tps") else None
         self.reducers = list(tps.children()) if tps is not None else []
         self.learned = self.variant in LEARNED_VARIANTS and all(
@@ -108,10 +87,9 @@ class DistillationTaps:
                 self.handles.append(reducer.register_forward_hook(self._mask_hook(i)))
         # Prefix tokens at the final norm: a hybrid may add its cls token only in the last stage,
         # after the last location (PVT), so the last reducer's count is not always the one.
-        model_map = getattr(student, "vitcompress_map", None) or {}
-        blocks = model_map.get("blocks") or [{}]
-        self.final_prefix: int = int(blocks[-1].get(
-            "prefix_tokens", self.reducers[-1].prefix_tokens if self.reducers else 0))
+        blocks = info.model_map.blocks if info is not None else []
+        self.final_prefix: int = (blocks[-1].prefix_tokens if blocks
+                                  else self.reducers[-1].prefix_tokens if self.reducers else 0)
         self.norm_path: str | None = None
         self.token_distill = False
         self._graph_tap: tuple | None = None
@@ -124,11 +102,12 @@ class DistillationTaps:
         return hook
 
     def _tap_tokens(self, student: nn.Module, teacher: nn.Module) -> None:
-        model_map = getattr(student, "vitcompress_map", None) or {}
-        blocks = [b["path"] for b in model_map.get("blocks", [])]
-        path = find_final_norm(teacher, blocks)
+        # The analysis found the norm on the token stream after the last block, by the graph.
+        info = compression_info(student)
+        path = info.model_map.final_norm if info is not None else None
         student_tap = _graph_tap(student, path) if path else None
-        if student_tap is None:
+        teacher_norm = _submodule(teacher, path) if path else None
+        if student_tap is None or teacher_norm is None:
             log.warning("token distillation disabled: the final norm feeding the head was not "
                         "found in both models")
             return
@@ -142,7 +121,7 @@ class DistillationTaps:
             return hook
 
         self.handles.append(student_tap[0].register_forward_hook(save("student_tokens")))
-        self.handles.append(teacher.get_submodule(path).register_forward_hook(save("teacher_tokens")))
+        self.handles.append(teacher_norm.register_forward_hook(save("teacher_tokens")))
         if self.reducers:
             # Where the tokens left after the last location came from: eTPS/EViT drop tokens in
             # training too, and these grid positions pair them with the teacher's.
@@ -167,6 +146,13 @@ class DistillationTaps:
 
 
 TAP_NAME = "vitcompress_token_tap"
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _graph_tap(model: nn.Module, path: str) -> tuple[nn.Module, tuple | None] | None:

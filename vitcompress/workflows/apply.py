@@ -10,6 +10,7 @@ from typing import Any
 from vitcompress.api import compress_loaded
 from vitcompress.artifact import ArtifactError, describe_source, load_artifact_base, save_artifact
 from vitcompress.loading import LoadedModel, ModelLoadError
+from vitcompress.metadata import compression_info
 from vitcompress.workflows.measure_models import (
     Measurement,
     TimingOptions,
@@ -50,23 +51,24 @@ class ApplyResult:
         }
 
 
-def apply(loaded: LoadedModel, variant: str, keep: float | list[float] | str | None,
-          locs: list[int] | str | None = None, policy: str = "score",
+def apply(loaded: LoadedModel, variant: str, keep: float | list[float] | None,
+          locs: list[int] | None = None, policy: str = "score",
           out: str | Path | None = None, timing: TimingOptions | None = None) -> ApplyResult:
     loaded = base_to_compress(loaded)
     compressed = compress_loaded(loaded, variant=variant, keep=keep, locs=locs, policy=policy)
     model = compressed.model.eval()
     measured, environment = measure_models(
         {"base": loaded.model.eval(), "compressed": model}, loaded.input_size, timing)
-    blocks = model.vitcompress_map["blocks"]
+    info = compression_info(model)
+    assert info is not None  # compress_loaded attached it
     saved = save_artifact(model, out, source=loaded.source,
                           input_size=loaded.input_size) if out is not None else None
     return ApplyResult(
         base=measured["base"],
         compressed=measured["compressed"],
         tokens_per_block=tokens_per_block(model, loaded.input_size),
-        base_tokens_per_block=[b["tokens"] for b in blocks],
-        plan=model.vitcompress_plan,
+        base_tokens_per_block=[b.tokens for b in info.model_map.blocks],
+        plan=info.plan.to_json(),
         environment=environment,
         out=saved,
     )
@@ -76,9 +78,10 @@ def base_to_compress(loaded: LoadedModel) -> LoadedModel:
     """``loaded`` itself, or for a compressed artifact the base it records, rebuilt with its base
     weights: a plan applies to an uncompressed model, and compressing the artifact's base again
     is what asking to compress the artifact with a new plan means. Said on stderr."""
-    artifact = getattr(loaded.model, "vitcompress_artifact", None)
-    if getattr(loaded.model, "vitcompress_plan", None) is None:
+    info = compression_info(loaded.model)
+    if info is None:
         return loaded
+    artifact = info.artifact
     if artifact is None:
         raise ModelLoadError("the model is already compressed; pass its base model instead")
     try:

@@ -69,9 +69,11 @@ def student_and_teacher(loaded: LoadedModel, variant: str, keep: Any, locs: Any,
     Returns ``(student, teacher, from_artifact)``.
     """
     from vitcompress.api import compress_loaded
+    from vitcompress.metadata import compression_info
 
-    artifact = getattr(loaded.model, "vitcompress_artifact", None)
-    if getattr(loaded.model, "vitcompress_plan", None) is None or artifact is None:
+    info = compression_info(loaded.model)
+    artifact = info.artifact if info is not None else None
+    if artifact is None:
         student = compress_loaded(loaded, variant=variant, keep=keep, locs=locs, policy=policy)
         return student, loaded.model, False
     from vitcompress.artifact import base_source, base_weights_problem, read_meta

@@ -18,6 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from vitcompress.data.config import DataConfig
+from vitcompress.graph.plan import Location
+from vitcompress.metadata import CompressionInfo, compression_info
 from vitcompress.method import match_hosts_cosine
 from vitcompress.modules.reducers import AttentionReducer, PredictorReducer
 from vitcompress.workflows.report import ReportError, import_pyplot
@@ -97,28 +99,21 @@ def load_image(path: str | Path, input_size: Sequence[int],
 # --------------------------------------------------------------------------------------------------
 
 
-def _reducers(model: nn.Module) -> list[nn.Module]:
-    plan = getattr(model, "vitcompress_plan", None)
+def _reducers(model: nn.Module, info: CompressionInfo | None) -> list[nn.Module]:
     tps = getattr(model, "tps", None)
-    if not plan or tps is None:
+    if info is None or tps is None:
         raise VisualizeError("the model is not compressed (no TPS plan); compress it with "
                              "`vitcompress apply --out DIR` and pass that directory")
-    reducers = [tps.get_submodule(str(i)) for i in range(len(plan["locations"]))]
+    reducers = [tps.get_submodule(str(i)) for i in range(len(info.plan.locations))]
     for r in reducers:
         if not isinstance(r, PredictorReducer | AttentionReducer):
             raise VisualizeError(f"unknown reducer {type(r).__name__} in model.tps")
     return reducers
 
 
-def _location_grid(model: nn.Module, location: dict[str, Any]) -> tuple[int, int]:
-    model_map = getattr(model, "vitcompress_map", None) or {}
-    stages = model_map.get("stages") or []
-    stage = int(location.get("stage", 0))
-    if stage < len(stages) and stages[stage].get("grid"):
-        h, w = stages[stage]["grid"]
-    else:
-        h, w = model_map["grid"]
-    return int(h), int(w)
+def _location_grid(info: CompressionInfo, location: Location) -> tuple[int, int]:
+    """The patch grid of the location's stage (a pyramid's later stages have smaller ones)."""
+    return info.model_map.stages[location.stage].grid
 
 
 def _input_positions(reducer: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
@@ -155,13 +150,14 @@ def _hosts(reducer: nn.Module, x: Tensor, present: list[int], kept: list[int]
 def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationRecord], Tensor]:
     """Run ``image`` (1, C, H, W) through the model in eval mode; one record per location, and
     the logits. The model's mode is restored afterwards."""
-    plan = getattr(model, "vitcompress_plan", None) or {}
-    reducers = _reducers(model)
+    info = compression_info(model)
+    reducers = _reducers(model, info)
+    assert info is not None  # _reducers refused an uncompressed model
     records: list[LocationRecord] = []
     failures: list[BaseException] = []
 
     def make_hook(i: int) -> Callable[..., None]:
-        location = plan["locations"][i]
+        location = info.plan.locations[i]
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             try:
@@ -174,8 +170,8 @@ def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationReco
                 kept = [p for p in out_positions if p >= 0]
                 kept_set = set(kept)
                 record = LocationRecord(
-                    index=i, block=int(location["block"]), stage=int(location.get("stage", 0)),
-                    grid=_location_grid(model, location), variant=str(plan["variant"]),
+                    index=i, block=location.block, stage=location.stage,
+                    grid=_location_grid(info, location), variant=info.plan.variant,
                     present=[p for p in present if p >= 0], kept=kept,
                     pruned=[p for p in present if p >= 0 and p not in kept_set],
                     # EViT appends a fused token whenever it prunes (it returns x unchanged
