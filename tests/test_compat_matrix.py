@@ -1,0 +1,119 @@
+"""The compatibility matrix script (benchmarks/compat_matrix.py): its row function gives the right
+columns for a working family, a refused one and a hybrid, catches a silently wrong model, and
+bounds each cell in time. The full matrix is a slow test."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import vitcompress.graph.plan
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "compat_matrix.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("compat_matrix", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+matrix = _load_script()
+
+
+def test_a_working_vit_is_exact_at_keep_one_and_cheaper_trains_and_exports():
+    row = matrix.matrix_row("deit", "deit_tiny_patch16_224", variants=("dtps", "evit"))
+    assert row["build"]["kwargs"] == matrix.SMALL_VIT and row["build"]["input_size"] == [3, 32, 32]
+    assert row["maps"]["status"] == "ok" and row["maps"]["blocks"] == 4
+    for variant in ("dtps", "evit"):
+        cell = row["variants"][variant]
+        assert cell["status"] == "ok", cell
+        assert cell["exact"] and cell["keep1_max_diff"] < 1e-4 and cell["keep1_relative_diff"] < 1e-4
+        assert 0.5 < cell["gmac_ratio"] < 1.0
+        assert cell["train"]["ok"] and cell["train"]["params_with_grad"].split("/")[0] != "0"
+        assert cell["onnx"]["ok"] and cell["onnx"]["max_abs_diff"] < 1e-4
+
+
+def test_a_relative_position_family_is_refused_with_a_line_naming_the_table():
+    row = matrix.matrix_row("beit", "beit_base_patch16_224", variants=("dtps", "etps"))
+    assert row["maps"]["status"] == "ok"
+    for variant, block in (("dtps", 1), ("etps", 2)):
+        cell = row["variants"][variant]
+        assert cell["status"] == "refused"
+        assert "\n" not in cell["line"]
+        assert f"blocks.{block}.attn.relative_position_bias_table" in cell["line"]
+    summary = matrix.summarise([{**row, "variants": {v: row["variants"]["dtps"]
+                                                      for v in matrix.VARIANTS}}])
+    assert summary["refused_by_reason"] == {"position table after the reduction": ["beit"]}
+
+
+def test_the_matrix_catches_a_silently_wrong_model(monkeypatch):
+    """Without the position-table refusal, dTPS at keep 1 re-sorts BEiT's tokens under a bias
+    table indexed by position: the sharpened weights make the change visible and the cell says
+    WRONG, never ok."""
+    monkeypatch.setattr(vitcompress.graph.plan, "position_refusal", lambda model_map, plan: None)
+    cell = matrix.matrix_row("beit", "beit_base_patch16_224", variants=("dtps",))["variants"]["dtps"]
+    assert cell["status"] == "wrong" and not cell["exact"] and cell["keep1_relative_diff"] > 1e-3
+    summary = matrix.summarise([{"family": "beit", "model": "beit_base_patch16_224",
+                                 "variants": {v: cell for v in matrix.VARIANTS}}])
+    assert summary["wrong_logits"] == ["beit"] and summary["failing_families"] == ["beit"]
+    assert "**WRONG**" in matrix.cell_text(cell)
+
+
+def test_a_hybrid_pyramid_maps_its_stages_and_compresses():
+    row = matrix.matrix_row("pvt_v2", "pvt_v2_b0", variants=("etps",))
+    assert row["build"]["input_size"] == [3, 64, 64]
+    assert row["maps"]["status"] == "ok" and row["maps"]["stages"] == 4
+    cell = row["variants"]["etps"]
+    assert cell["status"] == "ok", cell
+    assert cell["keep1_max_diff"] < 1e-4 and cell["gmac_ratio"] < 1.0
+
+
+def test_windowed_attention_is_refused_for_the_whole_row():
+    row = matrix.matrix_row("swin", "swin_tiny_patch4_window7_224")
+    assert row["maps"]["status"] == "refused"
+    assert row["maps"]["line"].startswith("windowed attention: tokens cannot be dropped")
+    assert {cell["status"] for cell in row["variants"].values()} == {"refused"}
+
+
+def test_a_cell_past_its_time_is_a_timeout_not_a_hang():
+    row = matrix.matrix_row("deit", "deit_tiny_patch16_224", cell_seconds=0.001)
+    assert row["maps"]["status"] == "timeout"
+    assert {cell["status"] for cell in row["variants"].values()} == {"timeout"}
+
+
+def test_every_family_the_matrix_promises_has_its_smallest_model():
+    chosen = dict(matrix.family_models())
+    for family in ("vit", "deit", "deit3", "beit", "beitv2", "eva02", "vit_relpos", "vit_rope",
+                   "cait", "xcit", "levit", "efficientformer", "pvt_v2", "twins_svt", "swin",
+                   "maxvit", "hiera", "samvit", "flexivit", "vit_reg", "vit_pwee", "naflexvit",
+                   "mvitv2", "crossvit", "tnt", "volo", "coat", "convit", "sequencer"):
+        assert chosen.get(family), family
+    assert chosen["deit"] == "deit_tiny_patch16_224"
+    assert chosen["levit"] == "levit_128s"
+    assert chosen["pvt_v2"] == "pvt_v2_b0"
+    assert chosen["pvt (zoo)"] == "pvt_tiny" and chosen["cvt (zoo)"] == "cvt_13"
+    # A model is in one family only.
+    models = [m for m in chosen.values() if m]
+    assert len(models) == len(set(models))
+
+
+@pytest.mark.slow
+def test_the_full_matrix_has_no_silently_wrong_family(tmp_path):
+    out_json, out_doc = tmp_path / "matrix.json", tmp_path / "compatibility.md"
+    assert matrix.main(["--json", str(out_json), "--doc", str(out_doc)]) == 0
+    result = json.loads(out_json.read_text())
+    summary = result["meta"]["summary"]
+    assert summary["wrong_logits"] == []
+    assert summary["families"] >= 60
+    statuses = {cell["status"] for row in result["rows"] if row.get("model")
+                for cell in row["variants"].values()}
+    assert statuses <= {"ok", "refused", "error", "timeout"}
+    doc = out_doc.read_text()
+    assert "## Summary" in doc and "benchmarks/compat_matrix.py" in doc
