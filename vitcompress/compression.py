@@ -30,6 +30,11 @@ from vitcompress.loading import (
 from vitcompress.metadata import attach, compression_info
 from vitcompress.method import CumulativeKeep
 from vitcompress.model_args import readable_timm_args
+from vitcompress.weight_decay import (
+    NO_WEIGHT_DECAY_ATTRIBUTE,
+    no_weight_decay_parameters,
+    parameter_names,
+)
 
 EXAMPLE_BATCH = 2  # batch 1 would hide which dimension is the batch
 
@@ -122,6 +127,8 @@ def compress_mapped(model: nn.Module, captured: CapturedGraph, model_map: ModelM
         plan = plan_from_cumulative(model_map, variant, keep, locs, policy)
     else:
         plan = make_plan(model_map, variant, _keep_ratios(keep, model_map), locs, policy)
+    # Found before the rewrite, which changes the graph they are read from.
+    no_decay = no_weight_decay_parameters(model, captured.module, EXAMPLE_BATCH)
     compressed = rewrite(captured.module, model_map, plan)
     metadata = dict(
         vitcompress_plan=plan.to_json(),
@@ -129,6 +136,8 @@ def compress_mapped(model: nn.Module, captured: CapturedGraph, model_map: ModelM
         vitcompress_input_size=size,
         # The attention residual add keeps the token count the block was entered with.
         vitcompress_block_nodes=[b.attn_add_node for b in model_map.blocks],
+        # The graph does not forward the base's no_weight_decay(): training reads this.
+        **{NO_WEIGHT_DECAY_ATTRIBUTE: parameter_names(compressed, no_decay)},
     )
     # What the base states of its preprocessing, recorded by save(); the graph drops attributes.
     data_config, data_config_from = stated_data_config(model)

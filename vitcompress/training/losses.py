@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import Tensor, nn
 
+from vitcompress.graph.rewrite import REDUCER_PREFIX
 from vitcompress.metadata import compression_info
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,8 @@ class DistillationTaps:
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         info = compression_info(student)
         self.variant: str = info.plan.variant if info is not None else ""
-        tps = student.get_submodule("tps") if hasattr(student, "tps") else None
-        self.reducers = list(tps.children()) if tps is not None else []
+        tps = getattr(student, REDUCER_PREFIX, None)
+        self.reducers = list(tps.children()) if isinstance(tps, nn.Module) else []
         self.learned = self.variant in LEARNED_VARIANTS and all(
             hasattr(r, "keep_ratio") for r in self.reducers) and bool(self.reducers)
         self.captured.masks = [None] * len(self.reducers)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from vitcompress.weight_decay import NO_WEIGHT_DECAY_ATTRIBUTE, declared_no_weight_decay
+
 BASE_LR = 2.5e-4  # per 1024 images (the paper's lr = batch / 1024 * 2.5e-4)
-NO_DECAY_NAMES = ("pos_embed", "cls_token", "dist_token", "reg_token")
+# Layers whose weights are ordinary weights even when their first dimension is 1 (a head with one
+# output, a convolution with one filter).
+_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.MultiheadAttention)
 
 
 def default_lr(batch_size: int, accumulation: int = 1, world_size: int = 1) -> float:
@@ -16,17 +21,36 @@ def default_lr(batch_size: int, accumulation: int = 1, world_size: int = 1) -> f
     return batch_size * accumulation * world_size / 1024 * BASE_LR
 
 
-def no_weight_decay(name: str, param: nn.Parameter) -> bool:
-    """Norm weights, biases, position embeddings and prefix tokens are not decayed (DeiT/timm)."""
-    return param.ndim <= 1 or any(key in name for key in NO_DECAY_NAMES)
+def no_weight_decay_rule(model: nn.Module) -> Callable[[str, nn.Parameter], bool]:
+    """Which of ``model``'s parameters are not decayed (DeiT/timm): those of one dimension or
+    less (norm weights, biases), and position tables and prefix tokens, taken from, in order:
+
+    * the set recorded at compression time (``vitcompress/weight_decay.py``): the base's
+      ``no_weight_decay()``, else the parameters the graph adds or concatenates to the tokens;
+    * the model's own ``no_weight_decay()`` (names or ``fnmatch`` patterns, as in timm);
+    * else, with no graph to read, parameters of a leading dimension of 1 held by a module
+      itself rather than by one of torch's layers (the shape of a table broadcast over the batch).
+    """
+    recorded = getattr(model, NO_WEIGHT_DECAY_ATTRIBUTE, None)
+    if recorded is not None:
+        names = set(recorded)
+        return lambda name, param: param.ndim <= 1 or name in names
+    declared = declared_no_weight_decay(model)
+    if declared is not None:
+        return lambda name, param: param.ndim <= 1 or declared(name)
+    layer_params = {id(p) for m in model.modules() if isinstance(m, _LAYERS)
+                    for p in m.parameters(recurse=False)}
+    return lambda name, param: param.ndim <= 1 or (
+        param.shape[0] == 1 and id(param) not in layer_params)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    skip = no_weight_decay_rule(model)
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if no_weight_decay(name, param) else decay).append(param)
+        (no_decay if skip(name, param) else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from vitcompress.data.config import DataConfig
 from vitcompress.graph.plan import Location
+from vitcompress.graph.rewrite import REDUCER_PREFIX
 from vitcompress.metadata import CompressionInfo, compression_info
 from vitcompress.method import match_hosts_cosine
 from vitcompress.modules.reducers import AttentionReducer, PredictorReducer
@@ -100,14 +101,15 @@ def load_image(path: str | Path, input_size: Sequence[int],
 
 
 def _reducers(model: nn.Module, info: CompressionInfo | None) -> list[nn.Module]:
-    tps = getattr(model, "tps", None)
+    tps = getattr(model, REDUCER_PREFIX, None)
     if info is None or tps is None:
         raise VisualizeError("the model is not compressed (no TPS plan); compress it with "
                              "`vitcompress apply --out DIR` and pass that directory")
     reducers = [tps.get_submodule(str(i)) for i in range(len(info.plan.locations))]
     for r in reducers:
         if not isinstance(r, PredictorReducer | AttentionReducer):
-            raise VisualizeError(f"unknown reducer {type(r).__name__} in model.tps")
+            raise VisualizeError(f"unknown reducer {type(r).__name__} in "
+                                 f"model.{REDUCER_PREFIX}")
     return reducers
 
 
