@@ -219,10 +219,14 @@ def time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+class AlreadyOneLine(Exception):  # noqa: N818 - carries a line already written, type included
+    """An error recorded earlier, passed on as its line."""
+
+
 def one_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = lines[0] if lines else ""
-    if isinstance(error, USER_ERRORS):
+    if isinstance(error, (*USER_ERRORS, AlreadyOneLine)):
         return text or type(error).__name__
     return f"{type(error).__name__}: {text}".rstrip(": ")
 
@@ -304,8 +308,10 @@ def _train_step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
 
 
 def variant_cell(model: nn.Module, input_size: tuple[int, int, int], variant: str,
-                 base_logits: torch.Tensor, base_macs: int, x: torch.Tensor) -> dict[str, Any]:
-    """Every column of one variant; the first refusal ends the cell, a raw error only its step."""
+                 base_logits: torch.Tensor, base_macs: int | str,
+                 x: torch.Tensor) -> dict[str, Any]:
+    """Every column of one variant; the first refusal ends the cell, a raw error only its step.
+    ``base_macs`` is the base's MAC count, or the line saying why it could not be counted."""
     cell: dict[str, Any] = {"status": None, "line": None}
     errors: list[str] = []
 
@@ -337,7 +343,7 @@ def variant_cell(model: nn.Module, input_size: tuple[int, int, int], variant: st
         return cell
     if reduced is not None:
         steps = (
-            ("gmac_ratio", lambda: round(count_macs(reduced, input_size) / base_macs, 4)),
+            ("gmac_ratio", lambda: _ratio(count_macs(reduced, input_size), base_macs)),
             ("train", lambda: _train_step(reduced, x)),
             ("onnx", lambda: _onnx(reduced, input_size)),
         )
@@ -363,6 +369,12 @@ def variant_cell(model: nn.Module, input_size: tuple[int, int, int], variant: st
     if errors:
         cell["errors"] = errors
     return cell
+
+
+def _ratio(macs: int, base_macs: int | str) -> float:
+    if isinstance(base_macs, str):
+        raise AlreadyOneLine(base_macs)
+    return round(macs / base_macs, 4)
 
 
 def _onnx(model: nn.Module, input_size: tuple[int, int, int]) -> dict[str, Any]:
@@ -400,7 +412,6 @@ def matrix_row(family: str, model_name: str, cell_seconds: float = CELL_SECONDS,
     try:
         with time_limit(cell_seconds):
             model_map = vitcompress.map_model(model, input_size).to_json()
-            base_macs = count_macs(model, input_size)
     except CellTimeout as e:
         row["maps"] = {"status": "timeout", "line": str(e)}
         return _finish(row, variants, "timeout", str(e), start)
@@ -412,7 +423,16 @@ def matrix_row(family: str, model_name: str, cell_seconds: float = CELL_SECONDS,
         return _finish(row, variants, "error", f"map: {one_line(e)}", start)
     row["maps"] = {"status": "ok", "capture": model_map["capture"],
                    "blocks": len(model_map["blocks"]), "stages": len(model_map["stages"]),
-                   "prefix_tokens": model_map["prefix_tokens"], "base_macs": base_macs}
+                   "prefix_tokens": model_map["prefix_tokens"]}
+    # The base's MACs apart from the map: a failure there is the MAC column's, not the map's.
+    try:
+        with time_limit(cell_seconds):
+            base_macs: int | str = count_macs(model, input_size)
+        row["maps"]["base_macs"] = base_macs
+    except CellTimeout as e:
+        base_macs = f"base MACs: {e}"
+    except Exception as e:  # noqa: BLE001
+        base_macs = f"base MACs: {one_line(e)}"
     row["variants"] = {}
     for variant in variants:
         try:
