@@ -509,6 +509,9 @@ REASONS = [
     ("no transformer block found", "no transformer block found"),
     ("class-attention", "class-attention blocks only"),
     ("does not run on input", "input size"),
+    ("no 2-D patch grid", "no 2-D patch grid"),
+    ("reach the next stage", "a stage's tokens leave it other than through its grid"),
+    ("image-derived token sets", "two image-derived token sets (multi-branch)"),
 ]
 
 
