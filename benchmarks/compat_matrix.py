@@ -60,23 +60,77 @@ SMALL_VIT = dict(img_size=32, patch_size=4, depth=4, embed_dim=64, num_heads=2)
 # Families whose small configuration needs more than the generic tries below.
 # (constructor arguments, image side)
 FAMILY_TRIES: dict[str, list[tuple[dict[str, Any], int]]] = {
-    "samvit": [(dict(img_size=64, patch_size=8, window_size=4, depth=2, embed_dim=64,
-                     num_heads=2, global_attn_indexes=(1,)), 64)],
-    "swin": [(dict(img_size=64, window_size=4, embed_dim=32, depths=(1, 1, 2, 1),
-                   num_heads=(1, 2, 4, 8)), 64)],
+    "samvit": [
+        (
+            dict(
+                img_size=64,
+                patch_size=8,
+                window_size=4,
+                depth=2,
+                embed_dim=64,
+                num_heads=2,
+                global_attn_indexes=(1,),
+            ),
+            64,
+        )
+    ],
+    "swin": [
+        (
+            dict(
+                img_size=64,
+                window_size=4,
+                embed_dim=32,
+                depths=(1, 1, 2, 1),
+                num_heads=(1, 2, 4, 8),
+            ),
+            64,
+        )
+    ],
     "cait": [(dict(SMALL_VIT, depth_token_only=1), 32)],
     "pvt_v2": [(dict(depths=(1, 1, 1, 1)), 64)],
 }
 # Then, in order, the first that builds and runs wins: the small ViT, a 64-pixel image (as a
 # constructor argument, or only as the input where the model takes none), the model's default.
 GENERIC_TRIES: list[tuple[dict[str, Any], int | None]] = [
-    (SMALL_VIT, 32), (dict(img_size=64), 64), ({}, 64), ({}, None)]
+    (SMALL_VIT, 32),
+    (dict(img_size=64), 64),
+    ({}, 64),
+    ({}, None),
+]
 NUM_CLASSES = 10
 
 # Size words in timm names, smallest first; a trailing number is dropped first ("s18" -> "s").
-SIZE_WORDS = ["atto", "femto", "pico", "nano", "xx", "xxs", "xxtiny", "ti", "t", "tiny", "x", "xs",
-              "xtiny", "xsmall", "s", "small", "m", "medium", "mediumd", "betwixt", "b", "base",
-              "l", "large", "h", "huge", "g", "giant", "gigantic"]
+SIZE_WORDS = [
+    "atto",
+    "femto",
+    "pico",
+    "nano",
+    "xx",
+    "xxs",
+    "xxtiny",
+    "ti",
+    "t",
+    "tiny",
+    "x",
+    "xs",
+    "xtiny",
+    "xsmall",
+    "s",
+    "small",
+    "m",
+    "medium",
+    "mediumd",
+    "betwixt",
+    "b",
+    "base",
+    "l",
+    "large",
+    "h",
+    "huge",
+    "g",
+    "giant",
+    "gigantic",
+]
 
 
 @dataclass(frozen=True)
@@ -190,9 +244,13 @@ def family_models() -> list[tuple[str, str | None]]:
     taken: set[str] = set()
     chosen: list[tuple[str, str | None]] = []
     for family in FAMILIES:
-        members = [n for n in names if n not in taken and re.search(family.pattern, n)
-                   and (family.module is None
-                        or _registry._model_to_module.get(n) == family.module)]
+        members = [
+            n
+            for n in names
+            if n not in taken
+            and re.search(family.pattern, n)
+            and (family.module is None or _registry._model_to_module.get(n) == family.module)
+        ]
         taken.update(members)
         chosen.append((family.name, min(members, key=size_rank) if members else None))
     chosen.extend(ZOO.items())
@@ -235,8 +293,9 @@ def seeded_input(input_size: tuple[int, int, int], batch: int = 2) -> torch.Tens
     return torch.randn(batch, *input_size, generator=torch.Generator().manual_seed(SEED + 1))
 
 
-def build_small(family: str, model_name: str) -> tuple[nn.Module, tuple[int, int, int],
-                                                       dict[str, Any]]:
+def build_small(
+    family: str, model_name: str
+) -> tuple[nn.Module, tuple[int, int, int], dict[str, Any]]:
     """The model at the first small configuration that builds and runs, in eval mode."""
     failures = []
     for kwargs, side in FAMILY_TRIES.get(family, []) + GENERIC_TRIES:
@@ -261,8 +320,12 @@ def sharpen(model: nn.Module) -> nn.Module:
     with torch.no_grad():
         for name, param in model.named_parameters():
             leaf = name.rsplit(".", 2)
-            if ("rel_pos" in name or "relative_position" in name
-                    or "attention_biases" in name or "pos_bias" in name):
+            if (
+                "rel_pos" in name
+                or "relative_position" in name
+                or "attention_biases" in name
+                or "pos_bias" in name
+            ):
                 param.copy_(torch.randn(param.shape, generator=generator))
             elif name.endswith("qkv.weight") and param.shape[0] % 3 == 0:
                 param[: 2 * param.shape[0] // 3] *= 3.0  # the q and k rows of a fused projection
@@ -271,7 +334,8 @@ def sharpen(model: nn.Module) -> nn.Module:
             elif name.endswith("kv.weight") and param.shape[0] % 2 == 0:
                 param[: param.shape[0] // 2] *= 3.0  # the k rows of a fused k/v projection
             elif leaf[-1] in ("gamma", "gamma_1", "gamma_2", "gamma1", "gamma2") or (
-                    len(leaf) > 1 and leaf[-2].startswith("ls") and leaf[-1] == "gamma"):
+                len(leaf) > 1 and leaf[-2].startswith("ls") and leaf[-1] == "gamma"
+            ):
                 param.fill_(1.0)
     return model.eval()
 
@@ -301,15 +365,25 @@ def _train_step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     with_grad = [g for g in grads if g is not None]
-    finite = math.isfinite(float(loss.detach())) and all(bool(torch.isfinite(g).all()) for g in with_grad)
+    finite = math.isfinite(float(loss.detach())) and all(
+        bool(torch.isfinite(g).all()) for g in with_grad
+    )
     model.eval()
-    return {"ok": finite and bool(with_grad), "loss": float(loss.detach()),
-            "params_with_grad": f"{len(with_grad)}/{len(grads)}"}
+    return {
+        "ok": finite and bool(with_grad),
+        "loss": float(loss.detach()),
+        "params_with_grad": f"{len(with_grad)}/{len(grads)}",
+    }
 
 
-def variant_cell(model: nn.Module, input_size: tuple[int, int, int], variant: str,
-                 base_logits: torch.Tensor, base_macs: int | str,
-                 x: torch.Tensor) -> dict[str, Any]:
+def variant_cell(
+    model: nn.Module,
+    input_size: tuple[int, int, int],
+    variant: str,
+    base_logits: torch.Tensor,
+    base_macs: int | str,
+    x: torch.Tensor,
+) -> dict[str, Any]:
     """Every column of one variant; the first refusal ends the cell, a raw error only its step.
     ``base_macs`` is the base's MAC count, or the line saying why it could not be counted."""
     cell: dict[str, Any] = {"status": None, "line": None}
@@ -333,8 +407,9 @@ def variant_cell(model: nn.Module, input_size: tuple[int, int, int], variant: st
                 diff = _max_diff(_logits(same.eval()(x)), base_logits)
             # Relative: some heads are initialised near zero (BEiT's logits are ~1e-4 here).
             relative = diff / max(float(base_logits.abs().max()), 1e-30)
-            cell.update(keep1_max_diff=diff, keep1_relative_diff=relative,
-                        exact=relative <= EXACT_TOLERANCE)
+            cell.update(
+                keep1_max_diff=diff, keep1_relative_diff=relative, exact=relative <= EXACT_TOLERANCE
+            )
         except Exception as e:  # noqa: BLE001
             errors.append(f"keep 1 forward: {one_line(e)}")
         del same
@@ -357,11 +432,15 @@ def variant_cell(model: nn.Module, input_size: tuple[int, int, int], variant: st
         if isinstance(cell.get("onnx"), dict) and not cell["onnx"]["ok"]:
             errors.append(f"onnx: {cell['onnx']['line']}")
         if isinstance(cell.get("gmac_ratio"), float) and not cell["gmac_ratio"] < 1.0:
-            errors.append(f"gmac_ratio: keep {REDUCED_KEEP} does not cut MACs "
-                          f"({cell['gmac_ratio']})")
+            errors.append(
+                f"gmac_ratio: keep {REDUCED_KEEP} does not cut MACs ({cell['gmac_ratio']})"
+            )
     if cell.get("exact") is False:
-        cell.update(status="wrong", line="keep 1 changes the logits by "
-                    f"{cell['keep1_relative_diff']:.2g} of their scale with no error")
+        cell.update(
+            status="wrong",
+            line="keep 1 changes the logits by "
+            f"{cell['keep1_relative_diff']:.2g} of their scale with no error",
+        )
     elif errors:
         cell.update(status="error", line=errors[0])
     else:
@@ -386,8 +465,12 @@ def _onnx(model: nn.Module, input_size: tuple[int, int, int]) -> dict[str, Any]:
     return {"ok": True, "max_abs_diff": result["max_abs_diff"]}
 
 
-def matrix_row(family: str, model_name: str, cell_seconds: float = CELL_SECONDS,
-               variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
+def matrix_row(
+    family: str,
+    model_name: str,
+    cell_seconds: float = CELL_SECONDS,
+    variants: tuple[str, ...] = VARIANTS,
+) -> dict[str, Any]:
     """One family's row: build small, sharpen, map, then each variant's cell within
     ``cell_seconds``."""
     row: dict[str, Any] = {"family": family, "model": model_name}
@@ -405,10 +488,12 @@ def matrix_row(family: str, model_name: str, cell_seconds: float = CELL_SECONDS,
     except Exception as e:  # noqa: BLE001
         row["build"] = {"status": "error", "line": one_line(e)}
         return _finish(row, variants, "error", f"build: {one_line(e)}", start)
-    row["build"] = {"status": "ok", "kwargs": {k: list(v) if isinstance(v, tuple) else v
-                                               for k, v in kwargs.items()},
-                    "input_size": list(input_size),
-                    "params": sum(p.numel() for p in model.parameters())}
+    row["build"] = {
+        "status": "ok",
+        "kwargs": {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()},
+        "input_size": list(input_size),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     try:
         with time_limit(cell_seconds):
             model_map = vitcompress.map_model(model, input_size).to_json()
@@ -421,9 +506,13 @@ def matrix_row(family: str, model_name: str, cell_seconds: float = CELL_SECONDS,
     except Exception as e:  # noqa: BLE001
         row["maps"] = {"status": "error", "line": one_line(e)}
         return _finish(row, variants, "error", f"map: {one_line(e)}", start)
-    row["maps"] = {"status": "ok", "capture": model_map["capture"],
-                   "blocks": len(model_map["blocks"]), "stages": len(model_map["stages"]),
-                   "prefix_tokens": model_map["prefix_tokens"]}
+    row["maps"] = {
+        "status": "ok",
+        "capture": model_map["capture"],
+        "blocks": len(model_map["blocks"]),
+        "stages": len(model_map["stages"]),
+        "prefix_tokens": model_map["prefix_tokens"],
+    }
     # The base's MACs apart from the map: a failure there is the MAC column's, not the map's.
     try:
         with time_limit(cell_seconds):
@@ -437,16 +526,18 @@ def matrix_row(family: str, model_name: str, cell_seconds: float = CELL_SECONDS,
     for variant in variants:
         try:
             with time_limit(cell_seconds):
-                row["variants"][variant] = variant_cell(model, input_size, variant, base_logits,
-                                                        base_macs, x)
+                row["variants"][variant] = variant_cell(
+                    model, input_size, variant, base_logits, base_macs, x
+                )
         except CellTimeout as e:
             row["variants"][variant] = {"status": "timeout", "line": str(e)}
     row["seconds"] = round(time.monotonic() - start, 1)
     return row
 
 
-def _finish(row: dict[str, Any], variants: tuple[str, ...], status: str, line: str,
-            start: float) -> dict[str, Any]:
+def _finish(
+    row: dict[str, Any], variants: tuple[str, ...], status: str, line: str, start: float
+) -> dict[str, Any]:
     row["variants"] = {v: {"status": status, "line": line} for v in variants}
     row["seconds"] = round(time.monotonic() - start, 1)
     return row
@@ -459,8 +550,15 @@ def _finish(row: dict[str, Any], variants: tuple[str, ...], status: str, line: s
 def run_row_process(family: str, model_name: str, cell_seconds: float) -> dict[str, Any]:
     """``matrix_row`` in a child process, bounded by the sum of its cells' limits."""
     limit = BUILD_SECONDS + cell_seconds * (len(VARIANTS) + 1) + 60
-    command = [sys.executable, str(Path(__file__).resolve()), "--row", family, model_name,
-               "--cell-seconds", str(cell_seconds)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--row",
+        family,
+        model_name,
+        "--cell-seconds",
+        str(cell_seconds),
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=limit, cwd=ROOT)
     except subprocess.TimeoutExpired:
@@ -475,25 +573,45 @@ def run_row_process(family: str, model_name: str, cell_seconds: float) -> dict[s
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    statuses = {row["family"]: {v: row["variants"][v]["status"] for v in VARIANTS}
-                for row in rows if row.get("model")}
+    statuses = {
+        row["family"]: {v: row["variants"][v]["status"] for v in VARIANTS}
+        for row in rows
+        if row.get("model")
+    }
     all_ok = [f for f, s in statuses.items() if set(s.values()) == {"ok"}]
     some_ok = [f for f, s in statuses.items() if "ok" in s.values() and f not in all_ok]
-    refused = {row["family"]: _refusal(row) for row in rows
-               if row.get("model") and set(statuses[row["family"]].values()) == {"refused"}}
-    failing = [{"family": row["family"], "model": row["model"], "variant": v,
-                "status": cell["status"], "line": cell.get("line")}
-               for row in rows if row.get("model")
-               for v, cell in row["variants"].items()
-               if cell["status"] in ("error", "wrong", "timeout")]
+    refused = {
+        row["family"]: _refusal(row)
+        for row in rows
+        if row.get("model") and set(statuses[row["family"]].values()) == {"refused"}
+    }
+    failing = [
+        {
+            "family": row["family"],
+            "model": row["model"],
+            "variant": v,
+            "status": cell["status"],
+            "line": cell.get("line"),
+        }
+        for row in rows
+        if row.get("model")
+        for v, cell in row["variants"].items()
+        if cell["status"] in ("error", "wrong", "timeout")
+    ]
     by_reason: dict[str, list[str]] = {}
     for family, line in refused.items():
         by_reason.setdefault(refusal_reason(line), []).append(family)
-    return {"families": len(statuses), "absent": [r["family"] for r in rows if not r.get("model")],
-            "working_all_variants": all_ok, "working_some_variants": some_ok,
-            "refused": refused, "refused_by_reason": by_reason,
-            "failing": failing, "failing_families": sorted({f["family"] for f in failing}),
-            "wrong_logits": sorted({f["family"] for f in failing if f["status"] == "wrong"})}
+    return {
+        "families": len(statuses),
+        "absent": [r["family"] for r in rows if not r.get("model")],
+        "working_all_variants": all_ok,
+        "working_some_variants": some_ok,
+        "refused": refused,
+        "refused_by_reason": by_reason,
+        "failing": failing,
+        "failing_families": sorted({f["family"] for f in failing}),
+        "wrong_logits": sorted({f["family"] for f in failing if f["status"] == "wrong"}),
+    }
 
 
 def _refusal(row: dict[str, Any]) -> str:
@@ -581,16 +699,22 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     ]
     for reason, families in sorted(summary["refused_by_reason"].items()):
         out.append(f"  - {reason}: {len(families)} ({', '.join(families)})")
-    out.append(f"- Failing with a raw error, a wrong model or a timeout (bugs): "
-               f"{len(summary['failing_families'])} "
-               f"({', '.join(summary['failing_families']) or 'none'})")
+    out.append(
+        f"- Failing with a raw error, a wrong model or a timeout (bugs): "
+        f"{len(summary['failing_families'])} "
+        f"({', '.join(summary['failing_families']) or 'none'})"
+    )
     if summary["wrong_logits"]:
         out.append(f"- **Wrong logits without an error**: {', '.join(summary['wrong_logits'])}")
     if summary["absent"]:
         out.append(f"- Not in this timm: {', '.join(summary['absent'])}")
-    out += ["", "## Matrix", "",
-            "| family | model | size | maps | " + " | ".join(VARIANTS) + " |",
-            "|---|---|---|---|" + "---|" * len(VARIANTS)]
+    out += [
+        "",
+        "## Matrix",
+        "",
+        "| family | model | size | maps | " + " | ".join(VARIANTS) + " |",
+        "|---|---|---|---|" + "---|" * len(VARIANTS),
+    ]
     for row in rows:
         if not row.get("model"):
             continue
@@ -604,23 +728,38 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     out += ["", "## Refusals", "", "| family | line |", "|---|---|"]
     for family, line in summary["refused"].items():
         out.append(f"| {family} | {_md(line)} |")
-    partial = [(row["family"], v, cell["line"]) for row in rows if row.get("model")
-               for v, cell in row["variants"].items()
-               if cell["status"] == "refused" and row["family"] not in summary["refused"]]
+    partial = [
+        (row["family"], v, cell["line"])
+        for row in rows
+        if row.get("model")
+        for v, cell in row["variants"].items()
+        if cell["status"] == "refused" and row["family"] not in summary["refused"]
+    ]
     if partial:
-        out += ["", "Refused for some variants only:", "", "| family | variant | line |",
-                "|---|---|---|"]
+        out += [
+            "",
+            "Refused for some variants only:",
+            "",
+            "| family | variant | line |",
+            "|---|---|---|",
+        ]
         out += [f"| {f} | {v} | {_md(line)} |" for f, v, line in partial]
     out += ["", "## Failures (bugs)", ""]
     if summary["failing"]:
         out += ["| family | model | variant | status | line |", "|---|---|---|---|---|"]
-        out += [f"| {f['family']} | `{f['model']}` | {f['variant']} | {f['status']} | "
-                f"{_md(f['line'] or '')} |" for f in summary["failing"]]
+        out += [
+            f"| {f['family']} | `{f['model']}` | {f['variant']} | {f['status']} | "
+            f"{_md(f['line'] or '')} |"
+            for f in summary["failing"]
+        ]
     else:
         out.append("None.")
-    out += ["", "Raw numbers (keep-1 differences, GMAC ratios, losses, ONNX differences, the "
-            "configuration each model was built with): `benchmarks/results/compat_matrix.json`.",
-            ""]
+    out += [
+        "",
+        "Raw numbers (keep-1 differences, GMAC ratios, losses, ONNX differences, the "
+        "configuration each model was built with): `benchmarks/results/compat_matrix.json`.",
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -635,10 +774,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", help="comma list of families (default: all)")
     parser.add_argument("--cell-seconds", type=float, default=CELL_SECONDS)
-    parser.add_argument("--json", type=Path, help=f"default {JSON_OUT.relative_to(ROOT)} "
-                        "for a full run")
-    parser.add_argument("--doc", type=Path, help=f"default {DOC_OUT.relative_to(ROOT)} for a "
-                        "full run")
+    parser.add_argument(
+        "--json", type=Path, help=f"default {JSON_OUT.relative_to(ROOT)} for a full run"
+    )
+    parser.add_argument(
+        "--doc", type=Path, help=f"default {DOC_OUT.relative_to(ROOT)} for a full run"
+    )
     parser.add_argument("--list", action="store_true", help="print the families and models")
     parser.add_argument("--row", nargs=2, metavar=("FAMILY", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -668,14 +809,21 @@ def main(argv: list[str] | None = None) -> int:
             continue
         row = run_row_process(family, model, args.cell_seconds)
         rows.append(row)
-        print(f"{family:20} {model:40} "
-              + " ".join(f"{v}={row['variants'][v]['status']}" for v in VARIANTS)
-              + f"  ({row.get('seconds', '?')} s)", file=sys.stderr, flush=True)
+        print(
+            f"{family:20} {model:40} "
+            + " ".join(f"{v}={row['variants'][v]['status']}" for v in VARIANTS)
+            + f"  ({row.get('seconds', '?')} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     meta = {
-        "command": "nice -n 10 python " + " ".join(
-            shlex.quote(a) for a in ["benchmarks/compat_matrix.py", *(argv or sys.argv[1:])]),
+        "command": "nice -n 10 python "
+        + " ".join(
+            shlex.quote(a) for a in ["benchmarks/compat_matrix.py", *(argv or sys.argv[1:])]
+        ),
         "date": datetime.date.today().isoformat(),
-        "timm": timm.__version__, "torch": torch.__version__,
+        "timm": timm.__version__,
+        "torch": torch.__version__,
         "vitcompress": vitcompress.__version__,
         "machine": f"{torch.get_num_threads()} CPU threads",
         "minutes": (time.monotonic() - started) / 60,

@@ -57,8 +57,16 @@ from vitcompress.workflows.evaluate import evaluate
 from vitcompress.workflows.finetune import FinetuneConfig, finetune
 
 SPEC = "vit_small_patch16_224"
-MODEL_ARGS: dict[str, Any] = dict(img_size=28, patch_size=4, in_chans=1, num_classes=10,
-                                  embed_dim=64, depth=6, num_heads=2, mlp_ratio=2.0)
+MODEL_ARGS: dict[str, Any] = dict(
+    img_size=28,
+    patch_size=4,
+    in_chans=1,
+    num_classes=10,
+    embed_dim=64,
+    depth=6,
+    num_heads=2,
+    mlp_ratio=2.0,
+)
 INPUT_SIZE = (1, 28, 28)
 METHODS = ("dynamicvit", "evit", "dtps", "etps")
 TPS_OF = {"dtps": "dynamicvit", "etps": "evit"}  # each TPS variant and the baseline it extends
@@ -90,19 +98,22 @@ class TensorImages(Dataset):
             height, width = image.shape[-2:]
             padded = F.pad(image, (self.pad,) * 4, value=self.fill)
             top, left = torch.randint(0, 2 * self.pad + 1, (2,)).tolist()
-            image = padded[:, top:top + height, left:left + width]
+            image = padded[:, top : top + height, left : left + width]
             if torch.rand(()) < 0.5:
                 image = image.flip(-1)
         return image, int(self.labels[index])
 
 
-def tensor_split(split: str, data_dir: str | None, cache: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def tensor_split(
+    split: str, data_dir: str | None, cache: Path
+) -> tuple[torch.Tensor, torch.Tensor]:
     path = cache / f"fmnist_{split}.pt"
     if path.is_file():
         saved = torch.load(path, weights_only=True)
         return saved["images"], saved["labels"]
-    dataset = build_dataset("fashion-mnist", split, INPUT_SIZE, augment=AugmentConfig.none(),
-                            data_dir=data_dir)
+    dataset = build_dataset(
+        "fashion-mnist", split, INPUT_SIZE, augment=AugmentConfig.none(), data_dir=data_dir
+    )
     images = torch.stack([dataset[i][0] for i in range(len(dataset))])
     labels = torch.as_tensor(dataset.targets)
     torch.save({"images": images, "labels": labels}, path)
@@ -114,8 +125,15 @@ def tensor_split(split: str, data_dir: str | None, cache: Path) -> tuple[torch.T
 # --------------------------------------------------------------------------------------------------
 
 
-def train_base(train_set: Dataset, test_set: Dataset, args: argparse.Namespace, path: Path,
-               epochs: int, lr: float, info: dict[str, Any] | None = None) -> dict[str, Any]:
+def train_base(
+    train_set: Dataset,
+    test_set: Dataset,
+    args: argparse.Namespace,
+    path: Path,
+    epochs: int,
+    lr: float,
+    info: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One cosine cycle (1 warm-up epoch) of ``epochs`` at peak ``lr``: from scratch when ``info``
     is None, else a warm restart from the weights at ``path`` (whose record ``info`` is)."""
     cycle = len(info["cycles"]) if info else 0
@@ -126,8 +144,9 @@ def train_base(train_set: Dataset, test_set: Dataset, args: argparse.Namespace, 
         model = load_base(path).model
     model.train()
     generator = torch.Generator().manual_seed(args.seed + cycle)
-    loader = DataLoader(train_set, batch_size=args.batch, shuffle=True, drop_last=True,
-                        generator=generator)
+    loader = DataLoader(
+        train_set, batch_size=args.batch, shuffle=True, drop_last=True, generator=generator
+    )
     optimizer = build_optimizer(model, lr, weight_decay=0.05)
     scheduler = build_scheduler(optimizer, len(loader) * epochs, len(loader))
     history = []
@@ -143,32 +162,71 @@ def train_base(train_set: Dataset, test_set: Dataset, args: argparse.Namespace, 
             scheduler.step()
             total += float(loss.detach())
         top1 = evaluate(model, test_set, batch_size=256)["top1"]
-        history.append({"epoch": epoch + 1, "loss": total / len(loader), "top1": top1,
-                        "seconds": time.perf_counter() - started})
-        print(f"base cycle {cycle + 1}, epoch {epoch + 1}/{epochs}: loss "
-              f"{total / len(loader):.4f}, test top-1 {top1:.2f}% "
-              f"({time.perf_counter() - started:.0f} s)", flush=True)
+        history.append(
+            {
+                "epoch": epoch + 1,
+                "loss": total / len(loader),
+                "top1": top1,
+                "seconds": time.perf_counter() - started,
+            }
+        )
+        print(
+            f"base cycle {cycle + 1}, epoch {epoch + 1}/{epochs}: loss "
+            f"{total / len(loader):.4f}, test top-1 {top1:.2f}% "
+            f"({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
     cycles = (info["cycles"] if info else []) + [
-        {"epochs": epochs, "lr": lr, "seconds": time.perf_counter() - started,
-         "history": history}]
-    info = {"settings": base_settings(args), "epochs": sum(c["epochs"] for c in cycles),
-            "top1": history[-1]["top1"], "seconds": sum(c["seconds"] for c in cycles),
-            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "cycles": cycles}
+        {"epochs": epochs, "lr": lr, "seconds": time.perf_counter() - started, "history": history}
+    ]
+    info = {
+        "settings": base_settings(args),
+        "epochs": sum(c["epochs"] for c in cycles),
+        "top1": history[-1]["top1"],
+        "seconds": sum(c["seconds"] for c in cycles),
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "cycles": cycles,
+    }
     path.with_suffix(".json").write_text(json.dumps(info, indent=2))
     return info
 
 
 def base_settings(args: argparse.Namespace) -> dict[str, Any]:
     """What a cached base must have been trained with to be reused."""
-    return {"model_args": MODEL_ARGS, **{name: getattr(args, name) for name in (
-        "batch", "seed", "limit_train", "base_epochs", "base_lr", "base_extra_epochs")}}
+    return {
+        "model_args": MODEL_ARGS,
+        **{
+            name: getattr(args, name)
+            for name in (
+                "batch",
+                "seed",
+                "limit_train",
+                "base_epochs",
+                "base_lr",
+                "base_extra_epochs",
+            )
+        },
+    }
 
 
 def run_settings(args: argparse.Namespace, method: str) -> dict[str, Any]:
     """What a cached fine-tuning result must have been made with to be reused."""
-    settings = {"locs": list(args.locs), **{name: getattr(args, name) for name in (
-        "batch", "seed", "limit_train", "ft_epochs", "ft_lr", "ft_warmup", "random_repeats")}}
+    settings = {
+        "locs": list(args.locs),
+        **{
+            name: getattr(args, name)
+            for name in (
+                "batch",
+                "seed",
+                "limit_train",
+                "ft_epochs",
+                "ft_lr",
+                "ft_warmup",
+                "random_repeats",
+            )
+        },
+    }
     if method in ("etps", "evit"):
         # Token distillation reaches these since it pairs tokens by grid position; results
         # fine-tuned without it are not reused.
@@ -218,9 +276,16 @@ def random_policy_top1(model: nn.Module, test_set: Dataset, repeats: int) -> lis
         set_policy(model, "score")
 
 
-def run_one(method: str, keep: float, base_path: Path, base_sha256: str, train_set: Dataset,
-            test_set: Dataset, args: argparse.Namespace, runs_dir: Path
-            ) -> tuple[dict[str, Any], nn.Module]:
+def run_one(
+    method: str,
+    keep: float,
+    base_path: Path,
+    base_sha256: str,
+    train_set: Dataset,
+    test_set: Dataset,
+    args: argparse.Namespace,
+    runs_dir: Path,
+) -> tuple[dict[str, Any], nn.Module]:
     """Compress the base, fine-tune, evaluate; a cached result counts only for the same base."""
     name = f"{method}_keep{keep}"
     result_path = runs_dir / f"{name}.json"
@@ -236,23 +301,42 @@ def run_one(method: str, keep: float, base_path: Path, base_sha256: str, train_s
     student = compress_loaded(load_base(base_path), variant=method, keep=keep, locs=args.locs)
     before = evaluate(student.model, test_set, batch_size=256)["top1"]
     shutil.rmtree(out, ignore_errors=True)
-    config = FinetuneConfig(epochs=args.ft_epochs, batch_size=args.batch, lr=args.ft_lr,
-                            warmup_epochs=args.ft_warmup, seed=args.seed, smoothing=0.1,
-                            log_every=50, keep_checkpoints=1)
+    config = FinetuneConfig(
+        epochs=args.ft_epochs,
+        batch_size=args.batch,
+        lr=args.ft_lr,
+        warmup_epochs=args.ft_warmup,
+        seed=args.seed,
+        smoothing=0.1,
+        log_every=50,
+        keep_checkpoints=1,
+    )
     started = time.perf_counter()
     summary = finetune(student, teacher.model, train_set, None, out, config)
     seconds = time.perf_counter() - started
     model = student.model.eval()
     after = evaluate(model, test_set, batch_size=256)["top1"]
     randoms = random_policy_top1(model, test_set, args.random_repeats)
-    result = {"method": method, "keep": keep, "top1_before": before, "top1": after,
-              "top1_random": statistics.mean(randoms), "top1_random_draws": randoms,
-              "finetune_seconds": seconds, "steps": summary["steps"],
-              "params": count_params(model), "macs": count_macs(model, INPUT_SIZE),
-              "base_sha256": base_sha256, "settings": settings}
+    result = {
+        "method": method,
+        "keep": keep,
+        "top1_before": before,
+        "top1": after,
+        "top1_random": statistics.mean(randoms),
+        "top1_random_draws": randoms,
+        "finetune_seconds": seconds,
+        "steps": summary["steps"],
+        "params": count_params(model),
+        "macs": count_macs(model, INPUT_SIZE),
+        "base_sha256": base_sha256,
+        "settings": settings,
+    }
     result_path.write_text(json.dumps(result, indent=2))
-    print(f"{name}: top-1 {before:.2f}% -> {after:.2f}% after fine-tuning, random policy "
-          f"{result['top1_random']:.2f}% ({seconds:.0f} s)", flush=True)
+    print(
+        f"{name}: top-1 {before:.2f}% -> {after:.2f}% after fine-tuning, random policy "
+        f"{result['top1_random']:.2f}% ({seconds:.0f} s)",
+        flush=True,
+    )
     return result, model
 
 
@@ -261,8 +345,9 @@ def run_one(method: str, keep: float, base_path: Path, base_sha256: str, train_s
 # --------------------------------------------------------------------------------------------------
 
 
-def markdown(base: dict[str, Any], results: list[dict[str, Any]], speed: dict[str, float],
-             locs: list[int]) -> str:
+def markdown(
+    base: dict[str, Any], results: list[dict[str, Any]], speed: dict[str, float], locs: list[int]
+) -> str:
     lines = [
         f"Base: {base['top1']:.2f}% top-1, {base['macs'] / 1e6:.2f} MMACs, "
         f"{base['params'] / 1e3:.1f}k params, {speed['base']:.0f} img/s. "
@@ -278,9 +363,14 @@ def markdown(base: dict[str, Any], results: list[dict[str, Any]], speed: dict[st
             f"| {r['method']} | {r['keep']} | {r['macs'] / 1e6:.2f} | {r['params'] / 1e3:.1f}k | "
             f"{speed[name]:.0f} ({speed[name] / speed['base']:.2f}×) | {r['top1_before']:.2f} | "
             f"{r['top1']:.2f} | {r['top1'] - base['top1']:+.2f} | {r['top1_random']:.2f} | "
-            f"{r['top1_random'] - r['top1']:+.2f} |")
-    lines += ["", "| keep | dtps − dynamicvit | etps − evit | Δ random dtps / dynamicvit | "
-              "Δ random etps / evit |", "|---|---|---|---|---|"]
+            f"{r['top1_random'] - r['top1']:+.2f} |"
+        )
+    lines += [
+        "",
+        "| keep | dtps − dynamicvit | etps − evit | Δ random dtps / dynamicvit | "
+        "Δ random etps / evit |",
+        "|---|---|---|---|---|",
+    ]
     by = {(r["method"], r["keep"]): r for r in results}
     for keep in sorted({r["keep"] for r in results}, reverse=True):
         cells = []
@@ -289,8 +379,11 @@ def markdown(base: dict[str, Any], results: list[dict[str, Any]], speed: dict[st
             cells.append(f"{a['top1'] - b['top1']:+.2f}" if a and b else "—")
         for tps, baseline in TPS_OF.items():
             a, b = by.get((tps, keep)), by.get((baseline, keep))
-            cells.append(f"{a['top1_random'] - a['top1']:+.2f} / "
-                         f"{b['top1_random'] - b['top1']:+.2f}" if a and b else "—")
+            cells.append(
+                f"{a['top1_random'] - a['top1']:+.2f} / {b['top1_random'] - b['top1']:+.2f}"
+                if a and b
+                else "—"
+            )
         lines.append(f"| {keep} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -302,25 +395,50 @@ def plot(base: dict[str, Any], results: list[dict[str, Any]], path: Path) -> Non
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4.2))
-    styles = {"dtps": ("tab:red", "o", "-"), "dynamicvit": ("tab:red", "s", "--"),
-              "etps": ("tab:blue", "o", "-"), "evit": ("tab:blue", "s", "--")}
+    styles = {
+        "dtps": ("tab:red", "o", "-"),
+        "dynamicvit": ("tab:red", "s", "--"),
+        "etps": ("tab:blue", "o", "-"),
+        "evit": ("tab:blue", "s", "--"),
+    }
     for method in METHODS:
-        points = sorted((r["macs"] / 1e6, r["top1"], r["keep"]) for r in results
-                        if r["method"] == method)
+        points = sorted(
+            (r["macs"] / 1e6, r["top1"], r["keep"]) for r in results if r["method"] == method
+        )
         if not points:
             continue
         color, marker, line = styles[method]
-        ax.plot([p[0] for p in points], [p[1] for p in points], line, color=color, marker=marker,
-                label=method)
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            line,
+            color=color,
+            marker=marker,
+            label=method,
+        )
         for x, y, keep in points:
-            ax.annotate(f"{keep}", (x, y), textcoords="offset points", xytext=(4, -10),
-                        fontsize=7, color=color)
-    ax.scatter([base["macs"] / 1e6], [base["top1"]], color="black", marker="*", s=90, zorder=3,
-               label="base (no pruning)")
+            ax.annotate(
+                f"{keep}",
+                (x, y),
+                textcoords="offset points",
+                xytext=(4, -10),
+                fontsize=7,
+                color=color,
+            )
+    ax.scatter(
+        [base["macs"] / 1e6],
+        [base["top1"]],
+        color="black",
+        marker="*",
+        s=90,
+        zorder=3,
+        label="base (no pruning)",
+    )
     ax.set_xlabel("MMACs per image")
     ax.set_ylabel("Fashion-MNIST test top-1 (%)")
-    ax.set_title("Top-1 against compute after equal fine-tuning (keep rate beside each point)",
-                 fontsize=9)
+    ax.set_title(
+        "Top-1 against compute after equal fine-tuning (keep rate beside each point)", fontsize=9
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -335,19 +453,30 @@ def plot(base: dict[str, Any], results: list[dict[str, Any]], path: Path) -> Non
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cache", type=Path, default=Path("benchmarks/cache/fashion_mnist"))
-    p.add_argument("--data-dir", default=None, help="Fashion-MNIST IDX folder (default: the "
-                   "Debian package's, else a download)")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="Fashion-MNIST IDX folder (default: the Debian package's, else a download)",
+    )
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--keeps", default="0.7,0.5")
     p.add_argument("--locs", default=None, help="default: the model's default three locations")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--base-epochs", type=int, default=18)
     p.add_argument("--base-lr", type=float, default=2e-3)
-    p.add_argument("--base-target", type=float, default=90.0, help="test top-1 (%%) the base "
-                   "must reach; below it, warm restarts follow")
+    p.add_argument(
+        "--base-target",
+        type=float,
+        default=90.0,
+        help="test top-1 (%%) the base must reach; below it, warm restarts follow",
+    )
     p.add_argument("--base-cycles", type=int, default=3, help="at most this many cosine cycles")
-    p.add_argument("--base-extra-epochs", type=int, default=8, help="epochs of each warm "
-                   "restart (peak lr: --base-lr / 2)")
+    p.add_argument(
+        "--base-extra-epochs",
+        type=int,
+        default=8,
+        help="epochs of each warm restart (peak lr: --base-lr / 2)",
+    )
     p.add_argument("--ft-epochs", type=float, default=2)
     p.add_argument("--ft-lr", type=float, default=5e-4)
     p.add_argument("--ft-warmup", type=float, default=0.2, help="warm-up, in epochs")
@@ -355,8 +484,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--throughput-runs", type=int, default=15)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit-train", type=int, default=0, help="use the first N training images "
-                   "only (a smoke run)")
+    p.add_argument(
+        "--limit-train",
+        type=int,
+        default=0,
+        help="use the first N training images only (a smoke run)",
+    )
     p.add_argument("--fresh", action="store_true", help="discard the cached fine-tuning runs")
     p.add_argument("--md-out", type=Path)
     p.add_argument("--plot", type=Path)
@@ -381,7 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     train_images, train_labels = tensor_split("train", args.data_dir, cache)
     test_images, test_labels = tensor_split("val", args.data_dir, cache)  # the test split
     if args.limit_train:
-        train_images, train_labels = train_images[:args.limit_train], train_labels[:args.limit_train]
+        train_images, train_labels = (
+            train_images[: args.limit_train],
+            train_labels[: args.limit_train],
+        )
     train_set = TensorImages(train_images, train_labels, pad=2)
     test_set = TensorImages(test_images, test_labels)
 
@@ -393,35 +529,52 @@ def main(argv: list[str] | None = None) -> int:
     if base_info is not None:
         print(f"base: cached ({base_info['top1']:.2f}% top-1)", flush=True)
     else:
-        base_info = train_base(train_set, test_set, args, base_path, args.base_epochs,
-                               args.base_lr)
+        base_info = train_base(train_set, test_set, args, base_path, args.base_epochs, args.base_lr)
     # Warm restarts until the base reaches the target (a cosine cycle ends in a flat minimum;
     # a new cycle at a lower peak lr continues from it).
     while base_info["top1"] < args.base_target and len(base_info["cycles"]) < args.base_cycles:
-        base_info = train_base(train_set, test_set, args, base_path, args.base_extra_epochs,
-                               args.base_lr / 2, base_info)
+        base_info = train_base(
+            train_set,
+            test_set,
+            args,
+            base_path,
+            args.base_extra_epochs,
+            args.base_lr / 2,
+            base_info,
+        )
     if base_info["top1"] < args.base_target:
-        print(f"warning: the base reached {base_info['top1']:.2f}%, below the "
-              f"{args.base_target}% target, after {len(base_info['cycles'])} cycles", flush=True)
+        print(
+            f"warning: the base reached {base_info['top1']:.2f}%, below the "
+            f"{args.base_target}% target, after {len(base_info['cycles'])} cycles",
+            flush=True,
+        )
     base = load_base(base_path)
-    locs = ([int(v) for v in args.locs.split(",")] if args.locs
-            else default_locs(map_model(base.model, INPUT_SIZE)))
+    locs = (
+        [int(v) for v in args.locs.split(",")]
+        if args.locs
+        else default_locs(map_model(base.model, INPUT_SIZE))
+    )
     args.locs = locs
-    base_row = {"top1": evaluate(base.model, test_set, batch_size=256)["top1"],
-                "params": count_params(base.model), "macs": count_macs(base.model, INPUT_SIZE),
-                "train": base_info}
+    base_row = {
+        "top1": evaluate(base.model, test_set, batch_size=256)["top1"],
+        "params": count_params(base.model),
+        "macs": count_macs(base.model, INPUT_SIZE),
+        "train": base_info,
+    }
 
     results, models = [], {"base": base.model}
     for keep in (float(k) for k in args.keeps.split(",")):
         for method in args.methods.split(","):
-            result, model = run_one(method, keep, base_path, base_info["sha256"], train_set,
-                                    test_set, args, runs_dir)
+            result, model = run_one(
+                method, keep, base_path, base_info["sha256"], train_set, test_set, args, runs_dir
+            )
             results.append(result)
             models[f"{method}_keep{keep}"] = model
 
     print("timing all models, interleaved ...", flush=True)
-    report = measure_throughput(models, INPUT_SIZE, batch_size=args.batch,
-                                runs=args.throughput_runs)
+    report = measure_throughput(
+        models, INPUT_SIZE, batch_size=args.batch, runs=args.throughput_runs
+    )
     speed = {name: r.median for name, r in report.results.items()}
     table = markdown(base_row, results, speed, locs)
     print(table)
@@ -432,10 +585,21 @@ def main(argv: list[str] | None = None) -> int:
         plot(base_row, results, args.plot)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(
-            {"base": base_row, "locs": locs, "results": results, "throughput": report.to_json(),
-             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-             "command": " ".join(sys.argv)}, indent=2))
+        args.json_out.write_text(
+            json.dumps(
+                {
+                    "base": base_row,
+                    "locs": locs,
+                    "results": results,
+                    "throughput": report.to_json(),
+                    "config": {
+                        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                    },
+                    "command": " ".join(sys.argv),
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -65,15 +65,20 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def keep_first(x: torch.Tensor, prefix: int, tokens: int) -> torch.Tensor:
     """The prefix tokens and the first ``tokens`` non-prefix tokens of ``x`` (B, N, C)."""
-    return torch.cat([x[:, :prefix], x[:, prefix:prefix + tokens]], dim=1)
+    return torch.cat([x[:, :prefix], x[:, prefix : prefix + tokens]], dim=1)
 
 
 class SlicedBlock(nn.Module):
     """A timm ``Block`` that slices tokens before it (``before``) or after its attention residual
     add (``after_attn``), i.e. where dTPS/DynamicViT and eTPS/EViT reduce tokens."""
 
-    def __init__(self, block: nn.Module, prefix: int, before: int | None = None,
-                 after_attn: int | None = None) -> None:
+    def __init__(
+        self,
+        block: nn.Module,
+        prefix: int,
+        before: int | None = None,
+        after_attn: int | None = None,
+    ) -> None:
         super().__init__()
         self.block = block
         self.prefix = prefix
@@ -113,11 +118,11 @@ def idealised(base: nn.Module, variant: str, keep: float, locs: Sequence[int]) -
     model = copy.deepcopy(base)
     prefix = model.num_prefix_tokens
     patch_tokens = model.patch_embed.num_patches
-    for block_index, count in zip(locs, token_schedule(variant, patch_tokens, keep, locs),
-                                  strict=True):
+    for block_index, count in zip(
+        locs, token_schedule(variant, patch_tokens, keep, locs), strict=True
+    ):
         where = "before" if variant in PREDICTOR_VARIANTS else "after_attn"
-        model.blocks[block_index] = SlicedBlock(model.blocks[block_index], prefix,
-                                                **{where: count})
+        model.blocks[block_index] = SlicedBlock(model.blocks[block_index], prefix, **{where: count})
     return model.eval()
 
 
@@ -164,8 +169,9 @@ def tokens_per_block(model: nn.Module, depth: int) -> list[tuple[int, int]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def timed_rounds(models: dict[str, nn.Module], args: argparse.Namespace,
-                 log: Callable[[str], None]) -> tuple[dict[str, list[float]], list[dict]]:
+def timed_rounds(
+    models: dict[str, nn.Module], args: argparse.Namespace, log: Callable[[str], None]
+) -> tuple[dict[str, list[float]], list[dict]]:
     """``args.rounds`` calls of ``measure_throughput`` over all models, the order rotated each
     round. Returns the pooled samples per model and the per-round reports."""
     names = list(models)
@@ -173,18 +179,27 @@ def timed_rounds(models: dict[str, nn.Module], args: argparse.Namespace,
     reports = []
     for r in range(args.rounds):
         load_before = os.getloadavg()[0]
-        order = names[r % len(names):] + names[:r % len(names)]
-        report = measure_throughput({name: models[name] for name in order}, INPUT_SIZE,
-                                    batch_size=args.batch_size, warmup=args.warmup, runs=args.runs,
-                                    device=args.device, dtype=DTYPES[args.amp or "fp32"],
-                                    amp=args.amp is not None, compile=args.compile)
+        order = names[r % len(names) :] + names[: r % len(names)]
+        report = measure_throughput(
+            {name: models[name] for name in order},
+            INPUT_SIZE,
+            batch_size=args.batch_size,
+            warmup=args.warmup,
+            runs=args.runs,
+            device=args.device,
+            dtype=DTYPES[args.amp or "fp32"],
+            amp=args.amp is not None,
+            compile=args.compile,
+        )
         for name in names:
             pooled[name].extend(report.results[name].samples)
         reports.append(report.to_json() | {"loadavg_1min": [load_before, os.getloadavg()[0]]})
-        log(f"  round {r + 1}/{args.rounds} (1-min load {load_before:.1f} -> "
+        log(
+            f"  round {r + 1}/{args.rounds} (1-min load {load_before:.1f} -> "
             f"{os.getloadavg()[0]:.1f}): "
             + ", ".join(f"{name} {report.results[name].median:.2f}" for name in names)
-            + " img/s")
+            + " img/s"
+        )
     return pooled, reports
 
 
@@ -203,14 +218,19 @@ def paired_ratios(reports: list[dict], a: str, b: str) -> list[float]:
     ran seconds apart: a slow spell of the machine hits both, which pooled medians taken over
     minutes cannot cancel.
     """
-    return [ratio for rep in reports
-            for ratio in pair_samples(rep["results"][a]["samples"], rep["results"][b]["samples"])]
+    return [
+        ratio
+        for rep in reports
+        for ratio in pair_samples(rep["results"][a]["samples"], rep["results"][b]["samples"])
+    ]
 
 
 def machine_line(env: dict[str, Any]) -> str:
-    return (f"{env['device_name']} ({env['device']}), {env['threads']} threads "
-            f"({env['cpu_count']} CPUs), torch {env['torch']}, batch {env['batch_size']}, "
-            f"{env['dtype']}, warmup {env['warmup']} + {env['runs']} runs per round")
+    return (
+        f"{env['device_name']} ({env['device']}), {env['threads']} threads "
+        f"({env['cpu_count']} CPUs), torch {env['torch']}, batch {env['batch_size']}, "
+        f"{env['dtype']}, warmup {env['warmup']} + {env['runs']} runs per round"
+    )
 
 
 def gmacs(model: nn.Module) -> float:
@@ -231,13 +251,16 @@ def part_overhead(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
     if args.with_base:
         models[args.model] = base
     for variant in args.variants:
-        compressed = vitcompress.compress(base, variant=variant, keep=args.keep, locs=locs,
-                                          input_size=INPUT_SIZE).eval()
+        compressed = vitcompress.compress(
+            base, variant=variant, keep=args.keep, locs=locs, input_size=INPUT_SIZE
+        ).eval()
         ideal = idealised(base, variant, args.keep, locs)
         got, want = tokens_per_block(compressed, depth), tokens_per_block(ideal, depth)
         if got != want:
-            raise SystemExit(f"{variant}: token counts differ from the idealised model:\n"
-                             f"  compressed {got}\n  idealised  {want}")
+            raise SystemExit(
+                f"{variant}: token counts differ from the idealised model:\n"
+                f"  compressed {got}\n  idealised  {want}"
+            )
         plan_tokens = [loc.keep_tokens for loc in compression_info(compressed).plan.locations]
         if variant in PREDICTOR_VARIANTS:
             schedule = token_schedule(variant, base.patch_embed.num_patches, args.keep, locs)
@@ -250,8 +273,10 @@ def part_overhead(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
             "params_compressed": count_params(compressed),
             "params_idealised": count_params(ideal),
         }
-        log(f"{variant}: tokens (attn, mlp) per block {got} - same in both; GMACs compressed "
-            f"{macs_c:.4f} vs idealised {macs_i:.4f} (+{100 * (macs_c / macs_i - 1):.2f}%)")
+        log(
+            f"{variant}: tokens (attn, mlp) per block {got} - same in both; GMACs compressed "
+            f"{macs_c:.4f} vs idealised {macs_i:.4f} (+{100 * (macs_c / macs_i - 1):.2f}%)"
+        )
         models[variant] = compressed
         models[f"{variant}-ideal"] = ideal
 
@@ -263,44 +288,79 @@ def part_overhead(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
         per_round = round_ratios(reports, variant, f"{variant}-ideal")
         pairs = paired_ratios(reports, variant, f"{variant}-ideal")
         interval = bootstrap_median_ci(pairs)
-        rows.append({"variant": variant, "compressed": c, "idealised": i, "ratio": c / i,
-                     "round_ratios": per_round, "paired_median": median(pairs),
-                     "paired_ci95": list(interval), "verdict": verdict(interval, TARGET),
-                     "meets_target": verdict(interval, TARGET) == "yes", **info[variant]})
+        rows.append(
+            {
+                "variant": variant,
+                "compressed": c,
+                "idealised": i,
+                "ratio": c / i,
+                "round_ratios": per_round,
+                "paired_median": median(pairs),
+                "paired_ci95": list(interval),
+                "verdict": verdict(interval, TARGET),
+                "meets_target": verdict(interval, TARGET) == "yes",
+                **info[variant],
+            }
+        )
     base_row = median(pooled[args.model]) if args.with_base else None
 
-    print(f"\n### TPS overhead vs idealised slicing ({args.model}, locs "
-          f"{','.join(map(str, locs))}, keep {args.keep})\n")
-    print(f"Machine: {machine_line(env)}; {args.rounds} rounds, medians over all "
-          f"{args.rounds * args.runs} timed batches per model.\n")
-    print("| variant | GMACs compressed | GMACs idealised | compressed img/s | idealised img/s "
-          f"| ratio of medians | paired ratio, median [95% CI] | >= {TARGET:.0%} |")
+    print(
+        f"\n### TPS overhead vs idealised slicing ({args.model}, locs "
+        f"{','.join(map(str, locs))}, keep {args.keep})\n"
+    )
+    print(
+        f"Machine: {machine_line(env)}; {args.rounds} rounds, medians over all "
+        f"{args.rounds * args.runs} timed batches per model.\n"
+    )
+    print(
+        "| variant | GMACs compressed | GMACs idealised | compressed img/s | idealised img/s "
+        f"| ratio of medians | paired ratio, median [95% CI] | >= {TARGET:.0%} |"
+    )
     print("|---|---:|---:|---:|---:|---:|---|:---:|")
     for row in rows:
         low, high = row["paired_ci95"]
-        print(f"| {row['variant']} | {row['gmacs_compressed']:.3f} | {row['gmacs_idealised']:.3f} "
-              f"| {row['compressed']:.2f} | {row['idealised']:.2f} | {row['ratio']:.3f} "
-              f"| {row['paired_median']:.3f} [{low:.3f}, {high:.3f}] | {row['verdict']} |")
-    print("\nThe verdict uses the paired ratios (one batch of each model per sweep) and the "
-          "bootstrap interval of their median: 'yes' when all of it is at or above the target, "
-          "'no' when all of it is below, else 'undecided'.")
+        print(
+            f"| {row['variant']} | {row['gmacs_compressed']:.3f} | {row['gmacs_idealised']:.3f} "
+            f"| {row['compressed']:.2f} | {row['idealised']:.2f} | {row['ratio']:.3f} "
+            f"| {row['paired_median']:.3f} [{low:.3f}, {high:.3f}] | {row['verdict']} |"
+        )
+    print(
+        "\nThe verdict uses the paired ratios (one batch of each model per sweep) and the "
+        "bootstrap interval of their median: 'yes' when all of it is at or above the target, "
+        "'no' when all of it is below, else 'undecided'."
+    )
     if base_row is not None:
         print(f"\nUncompressed {args.model}: {gmacs(base):.3f} GMACs, {base_row:.2f} img/s.")
-    return {"model": args.model, "locs": locs, "keep": args.keep, "target": TARGET,
-            "rows": rows, "base_img_s": base_row, "environment": env, "rounds": reports}
+    return {
+        "model": args.model,
+        "locs": locs,
+        "keep": args.keep,
+        "target": TARGET,
+        "rows": rows,
+        "base_img_s": base_row,
+        "environment": env,
+        "rounds": reports,
+    }
 
 
 def part_headline(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     small = timm.create_model("deit_small_patch16_224", pretrained=False).eval()
     tiny = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
-    dtps = vitcompress.compress(small, variant="dtps", keep=args.headline_keep,
-                                locs=args.headline_locs, input_size=INPUT_SIZE).eval()
+    dtps = vitcompress.compress(
+        small,
+        variant="dtps",
+        keep=args.headline_keep,
+        locs=args.headline_locs,
+        input_size=INPUT_SIZE,
+    ).eval()
     names = {"deit_small+dtps": dtps, "deit_tiny": tiny, "deit_small": small}
     macs = {name: gmacs(model) for name, model in names.items()}
     keep_tokens = [loc.keep_tokens for loc in compression_info(dtps).plan.locations]
-    log(f"dtps keep_tokens per location: {keep_tokens}; GMACs: "
+    log(
+        f"dtps keep_tokens per location: {keep_tokens}; GMACs: "
         + ", ".join(f"{name} {value:.3f}" for name, value in macs.items())
-        + f"; dtps/deit_small = {macs['deit_small+dtps'] / macs['deit_small']:.1%}")
+        + f"; dtps/deit_small = {macs['deit_small+dtps'] / macs['deit_small']:.1%}"
+    )
 
     pooled, reports = timed_rounds(names, args, log)
     env = reports[-1]["environment"]
@@ -308,21 +368,37 @@ def part_headline(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
     ratio = med["deit_small+dtps"] / med["deit_tiny"]
     per_round = round_ratios(reports, "deit_small+dtps", "deit_tiny")
 
-    print(f"\n### Headline: DeiT-S + dTPS (locs {','.join(map(str, args.headline_locs))}, keep "
-          f"{args.headline_keep}) vs DeiT-T\n")
-    print(f"Machine: {machine_line(env)}; {args.rounds} rounds, medians over all "
-          f"{args.rounds * args.runs} timed batches per model.\n")
+    print(
+        f"\n### Headline: DeiT-S + dTPS (locs {','.join(map(str, args.headline_locs))}, keep "
+        f"{args.headline_keep}) vs DeiT-T\n"
+    )
+    print(
+        f"Machine: {machine_line(env)}; {args.rounds} rounds, medians over all "
+        f"{args.rounds * args.runs} timed batches per model.\n"
+    )
     print("| model | GMACs | params (M) | img/s | vs deit_tiny |")
     print("|---|---:|---:|---:|---:|")
     for name, model in names.items():
-        print(f"| {name} | {macs[name]:.3f} | {count_params(model) / 1e6:.2f} | {med[name]:.2f} "
-              f"| {med[name] / med['deit_tiny']:.3f} |")
-    print(f"\ndeit_small+dtps / deit_tiny = {ratio:.3f} (per round: "
-          f"{', '.join(f'{r:.3f}' for r in per_round)}); paper (RTX 2080Ti): 1745 / 1686 = 1.035. "
-          f"dtps GMACs = {macs['deit_small+dtps'] / macs['deit_small']:.1%} of deit_small.")
-    return {"locs": args.headline_locs, "keep": args.headline_keep, "keep_tokens": keep_tokens,
-            "gmacs": macs, "img_s": med, "ratio_dtps_vs_tiny": ratio,
-            "round_ratios": per_round, "environment": env, "rounds": reports}
+        print(
+            f"| {name} | {macs[name]:.3f} | {count_params(model) / 1e6:.2f} | {med[name]:.2f} "
+            f"| {med[name] / med['deit_tiny']:.3f} |"
+        )
+    print(
+        f"\ndeit_small+dtps / deit_tiny = {ratio:.3f} (per round: "
+        f"{', '.join(f'{r:.3f}' for r in per_round)}); paper (RTX 2080Ti): 1745 / 1686 = 1.035. "
+        f"dtps GMACs = {macs['deit_small+dtps'] / macs['deit_small']:.1%} of deit_small."
+    )
+    return {
+        "locs": args.headline_locs,
+        "keep": args.headline_keep,
+        "keep_tokens": keep_tokens,
+        "gmacs": macs,
+        "img_s": med,
+        "ratio_dtps_vs_tiny": ratio,
+        "round_ratios": per_round,
+        "environment": env,
+        "rounds": reports,
+    }
 
 
 def reducer_time_share(model: nn.Module, x: torch.Tensor, runs: int) -> dict[str, float]:
@@ -332,11 +408,17 @@ def reducer_time_share(model: nn.Module, x: torch.Tensor, runs: int) -> dict[str
     started: dict[str, float] = {}
     handles = []
     tps = getattr(model, "tps", None)
-    watched = [] if tps is None else [
-        (f"tps.{n}", m) for n, m in tps.named_modules()
-        if n and ("." not in n or n.endswith(".predictor"))  # the reducers and their predictors
-    ]
+    watched = (
+        []
+        if tps is None
+        else [
+            (f"tps.{n}", m)
+            for n, m in tps.named_modules()
+            if n and ("." not in n or n.endswith(".predictor"))  # the reducers and their predictors
+        ]
+    )
     for name, module in watched:
+
         def pre(_m: nn.Module, _a: Any, name: str = name) -> None:
             started[name] = time.perf_counter()
 
@@ -364,8 +446,9 @@ def profile(args: argparse.Namespace, variant: str) -> None:
 
     base = timm.create_model(args.model, pretrained=False).eval()
     models = {
-        variant: vitcompress.compress(base, variant=variant, keep=args.keep, locs=args.locs,
-                                      input_size=INPUT_SIZE).eval(),
+        variant: vitcompress.compress(
+            base, variant=variant, keep=args.keep, locs=args.locs, input_size=INPUT_SIZE
+        ).eval(),
         f"{variant}-ideal": idealised(base, variant, args.keep, args.locs),
     }
     x = torch.randn(args.batch_size, *INPUT_SIZE)
@@ -377,8 +460,10 @@ def profile(args: argparse.Namespace, variant: str) -> None:
     print(f"\n### {variant}: wall time per batch of {args.batch_size} (ms, mean of {args.runs})\n")
     for name, parts in times.items():
         total = parts.pop("forward")
-        print(f"{name}: forward {total:.1f} ms"
-              + "".join(f"; {k} {v:.2f} ms ({v / total:.1%})" for k, v in parts.items()))
+        print(
+            f"{name}: forward {total:.1f} ms"
+            + "".join(f"; {k} {v:.2f} ms ({v / total:.1%})" for k, v in parts.items())
+        )
     for name, model in models.items():
         with torch.inference_mode(), torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(args.runs):
@@ -395,31 +480,54 @@ def ints(text: str) -> list[int]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--part", choices=("overhead", "headline", "all"), default="all")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--warmup", type=int, default=2, help="warm-up batches per model per round")
     p.add_argument("--runs", type=int, default=7, help="timed batches per model per round")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="measure_throughput calls per part (model order rotated each round)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="measure_throughput calls per part (model order rotated each round)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
-    p.add_argument("--amp", choices=("bf16", "fp16"), default=None,
-                   help="autocast in this dtype (CUDA only); default: float32")
+    p.add_argument(
+        "--amp",
+        choices=("bf16", "fp16"),
+        default=None,
+        help="autocast in this dtype (CUDA only); default: float32",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile every model (inductor)")
     p.add_argument("--model", default="deit_small_patch16_224", help="overhead part: base model")
-    p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
-                   help="overhead part: comma list of variants")
+    p.add_argument(
+        "--variants",
+        type=lambda s: s.split(","),
+        default=list(VARIANTS),
+        help="overhead part: comma list of variants",
+    )
     p.add_argument("--locs", type=ints, default=[3, 6, 9], help="overhead part: locations")
     p.add_argument("--keep", type=float, default=0.7, help="overhead part: keep ratio")
-    p.add_argument("--base", dest="with_base", action=argparse.BooleanOptionalAction,
-                   default=True, help="overhead part: also time the uncompressed model")
+    p.add_argument(
+        "--base",
+        dest="with_base",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="overhead part: also time the uncompressed model",
+    )
     p.add_argument("--headline-locs", type=ints, default=[2, 4, 6, 8])
     p.add_argument("--headline-keep", type=float, default=0.5)
-    p.add_argument("--profile", metavar="VARIANT", choices=VARIANTS, default=None,
-                   help="instead of timing, profile VARIANT's compressed and idealised models "
-                        "(overhead settings) with torch.profiler")
+    p.add_argument(
+        "--profile",
+        metavar="VARIANT",
+        choices=VARIANTS,
+        default=None,
+        help="instead of timing, profile VARIANT's compressed and idealised models "
+        "(overhead settings) with torch.profiler",
+    )
     p.add_argument("--top", type=int, default=25, help="--profile: ops listed per model")
     p.add_argument("--json-out", default=None, help="write all numbers and samples as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

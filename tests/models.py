@@ -19,11 +19,14 @@ def timm_small(name: str, **extra):
 # name -> (factory, input size, prefix tokens, attention kind)
 VANILLA = {
     "vit": (lambda: timm_small("vit_small_patch16_224"), (3, 32, 32), 1, "sdpa"),
-    "deit_distilled": (lambda: timm_small("deit_tiny_distilled_patch16_224"), (3, 32, 32), 2,
-                       "sdpa"),
+    "deit_distilled": (
+        lambda: timm_small("deit_tiny_distilled_patch16_224"),
+        (3, 32, 32),
+        2,
+        "sdpa",
+    ),
     "deit3": (lambda: timm_small("deit3_small_patch16_224"), (3, 32, 32), 1, "sdpa"),
-    "vit_registers": (lambda: timm_small("vit_base_patch16_reg4_gap_256"), (3, 32, 32), 4,
-                      "sdpa"),
+    "vit_registers": (lambda: timm_small("vit_base_patch16_reg4_gap_256"), (3, 32, 32), 4, "sdpa"),
     "inhouse_mha": (inhouse.mha_vit, (3, 32, 32), 1, "multihead_attention"),
     "inhouse_einsum": (inhouse.einsum_vit, (3, 32, 32), 0, "einsum_softmax"),
     "inhouse_registers": (inhouse.register_vit, (3, 32, 32), 4, "matmul_softmax"),

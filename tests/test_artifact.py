@@ -18,8 +18,14 @@ from vitcompress.fingerprint import fixed_input
 from vitcompress.loading import ModelLoadError, ModelSource, load_model
 
 NAME = "vit_tiny_patch16_224"
-TINY = {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 64, "num_heads": 2,
-        "num_classes": 10}
+TINY = {
+    "img_size": 32,
+    "patch_size": 8,
+    "depth": 2,
+    "embed_dim": 64,
+    "num_heads": 2,
+    "num_classes": 10,
+}
 
 FACTORY = textwrap.dedent(
     """
@@ -149,7 +155,8 @@ def test_the_fingerprint_is_recorded(factory_artifact: tuple[Path, Path]) -> Non
 
 
 def test_a_base_that_now_builds_another_model_is_refused(
-        factory_artifact: tuple[Path, Path]) -> None:
+    factory_artifact: tuple[Path, Path],
+) -> None:
     factory, art = factory_artifact
     # Same shapes, other activation: the file changed after the artifact was written.
     factory.write_text(FACTORY.replace('act="gelu"', 'act="relu"'))
@@ -161,14 +168,18 @@ def test_a_base_that_now_builds_another_model_is_refused(
 
 
 def test_a_base_with_other_blocks_is_refused_by_the_model_map(
-        factory_artifact: tuple[Path, Path]) -> None:
+    factory_artifact: tuple[Path, Path],
+) -> None:
     factory, art = factory_artifact
     factory.write_text(FACTORY.replace("img_size=32, patch_size=8", "img_size=32, patch_size=4"))
     with pytest.raises(ArtifactError) as info:
         vitcompress.load(art)
     message = one_line(info.value)
-    assert str(art) in message and "tokens: [17, 17, 17, 17] saved, [65, 65, 65, 65] rebuilt" \
-        in message and "--locs" not in message
+    assert (
+        str(art) in message
+        and "tokens: [17, 17, 17, 17] saved, [65, 65, 65, 65] rebuilt" in message
+        and "--locs" not in message
+    )
 
 
 def test_a_tampered_fingerprint_is_refused(factory_artifact: tuple[Path, Path]) -> None:
@@ -203,7 +214,8 @@ def test_weights_of_another_shape_are_named(factory_artifact: tuple[Path, Path])
 
 
 def test_an_artifact_without_fingerprint_loads_with_a_warning(
-        factory_artifact: tuple[Path, Path], caplog: pytest.LogCaptureFixture) -> None:
+    factory_artifact: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
     _, art = factory_artifact
     expected = vitcompress.load(art)
     meta = json.loads((art / "vitcompress.json").read_text())
@@ -240,8 +252,10 @@ def test_a_wrong_input_size_is_a_user_error() -> None:
 
 def test_a_factory_that_returns_no_image_model_is_a_user_error(tmp_path: Path) -> None:
     factory = tmp_path / "not_vit.py"
-    factory.write_text("from torch import nn\n\ndef build():\n    m = nn.Linear(10, 10)\n"
-                       "    m.default_input_size = (3, 32, 32)\n    return m\n")
+    factory.write_text(
+        "from torch import nn\n\ndef build():\n    m = nn.Linear(10, 10)\n"
+        "    m.default_input_size = (3, 32, 32)\n    return m\n"
+    )
     with pytest.raises(ModelLoadError, match="does not run on its input size 3,32,32"):
         load_model(f"{factory}:build")
 

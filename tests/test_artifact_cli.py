@@ -21,8 +21,14 @@ from vitcompress.artifact import read_meta
 from vitcompress.cli.main import cli
 
 NAME = "vit_tiny_patch16_224"
-TINY = {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 64, "num_heads": 2,
-        "num_classes": 10}
+TINY = {
+    "img_size": 32,
+    "patch_size": 8,
+    "depth": 2,
+    "embed_dim": 64,
+    "num_heads": 2,
+    "num_classes": 10,
+}
 TINY_ARGS = [arg for key, value in TINY.items() for arg in ("--model-arg", f"{key}={value}")]
 
 
@@ -45,8 +51,9 @@ def base_weights(tmp_path: Path) -> Path:
 
 
 def apply_to(model: str, out: Path, *plan: str, extra: tuple[str, ...] = ()) -> Result:
-    return run("apply", "--model", model, *extra, *plan, "--out", str(out), "--no-throughput",
-               "--json")
+    return run(
+        "apply", "--model", model, *extra, *plan, "--out", str(out), "--no-throughput", "--json"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -56,12 +63,18 @@ def apply_to(model: str, out: Path, *plan: str, extra: tuple[str, ...] = ()) -> 
 
 # The second plan is parameter-free, so the result can be compared with compressing the base.
 @pytest.mark.parametrize("first, second", [("dtps", "etps"), ("evit", "etps"), ("etps", "evit")])
-def test_apply_to_an_artifact_compresses_its_base_again(tmp_path: Path, base_weights: Path,
-                                                        first: str, second: str,
-                                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_apply_to_an_artifact_compresses_its_base_again(
+    tmp_path: Path, base_weights: Path, first: str, second: str, caplog: pytest.LogCaptureFixture
+) -> None:
     plan = ("--keep", "0.5", "--locs", "1")
-    made = apply_to(NAME, tmp_path / "first", "--variant", first, *plan,
-                    extra=(*TINY_ARGS, "--checkpoint", str(base_weights)))
+    made = apply_to(
+        NAME,
+        tmp_path / "first",
+        "--variant",
+        first,
+        *plan,
+        extra=(*TINY_ARGS, "--checkpoint", str(base_weights)),
+    )
     assert made.exit_code == 0, made.output
     again = apply_to(str(tmp_path / "first"), tmp_path / "second", "--variant", second, *plan)
     assert again.exit_code == 0, again.output
@@ -82,8 +95,17 @@ def test_apply_to_an_artifact_compresses_its_base_again(tmp_path: Path, base_wei
 
 
 def test_apply_to_an_artifact_without_base_weights_says_what_to_pass(tmp_path: Path) -> None:
-    made = apply_to(NAME, tmp_path / "first", "--variant", "etps", "--keep", "0.5", "--locs", "1",
-                    extra=tuple(TINY_ARGS))
+    made = apply_to(
+        NAME,
+        tmp_path / "first",
+        "--variant",
+        "etps",
+        "--keep",
+        "0.5",
+        "--locs",
+        "1",
+        extra=tuple(TINY_ARGS),
+    )
     assert made.exit_code == 0, made.output
     again = apply_to(str(tmp_path / "first"), tmp_path / "second", "--variant", "dtps")
     assert again.exit_code == 2
@@ -108,8 +130,10 @@ def test_a_wrong_input_size_exits_2(command: str) -> None:
 
 def test_a_factory_that_returns_no_vit_exits_2(tmp_path: Path) -> None:
     factory = tmp_path / "not_vit.py"
-    factory.write_text("from torch import nn\n\ndef build():\n    m = nn.Linear(10, 10)\n"
-                       "    m.default_input_size = (3, 32, 32)\n    return m\n")
+    factory.write_text(
+        "from torch import nn\n\ndef build():\n    m = nn.Linear(10, 10)\n"
+        "    m.default_input_size = (3, 32, 32)\n    return m\n"
+    )
     result = run("inspect", "--model", f"{factory}:build")
     assert result.exit_code == 2, result.output
     assert "does not run on its input size 3,32,32" in one_error_line(result)
@@ -126,7 +150,8 @@ def test_a_refused_save_exits_2_and_writes_nothing(tmp_path: Path) -> None:
         "    act = 'relu' if calls.exists() else 'gelu'\n"
         "    calls.write_text('called')\n"
         "    return timm.create_model('vit_tiny_patch16_224', img_size=32, patch_size=8, depth=2,\n"
-        "                             embed_dim=64, num_heads=2, num_classes=10, act_layer=act)\n")
+        "                             embed_dim=64, num_heads=2, num_classes=10, act_layer=act)\n"
+    )
     result = apply_to(f"{factory}:build", tmp_path / "art", "--variant", "etps")
     assert result.exit_code == 2, result.output
     assert "differs from the one being saved" in one_error_line(result)

@@ -17,14 +17,14 @@ from vitcompress.cli.main import cli
 
 MHA = f"{FIXTURES}:mha_vit"
 SMALL = ["--model-arg", "depth=2", "--model-arg", "dim=32"]
-CNN_SOURCE = '''
+CNN_SOURCE = """
 from torch import nn
 
 
 def small_cnn(num_classes=10):
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
                          nn.Flatten(), nn.Linear(8, num_classes))
-'''
+"""
 
 
 def run(*args: str) -> Result:
@@ -46,43 +46,69 @@ def assert_one_error(result: Result, code: int, *words: str) -> str:
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("art") / "mha_etps"
-    result = run("apply", "--model", MHA, *SMALL, "--keep", "0.5", "--locs", "1",
-                 "--no-throughput", "--out", str(out))
+    result = run(
+        "apply",
+        "--model",
+        MHA,
+        *SMALL,
+        "--keep",
+        "0.5",
+        "--locs",
+        "1",
+        "--no-throughput",
+        "--out",
+        str(out),
+    )
     assert result.exit_code == 0, result.output
     return out
 
 
 def test_unknown_model_suggests_close_names() -> None:
-    assert_one_error(run("bench", "--model", "deit_smal", "--no-throughput"), 2,
-                     "unknown model", "deit_small_patch16_224")
+    assert_one_error(
+        run("bench", "--model", "deit_smal", "--no-throughput"),
+        2,
+        "unknown model",
+        "deit_small_patch16_224",
+    )
 
 
-@pytest.mark.parametrize("keep, words", [
-    ("1.5", ["--keep", "(0, 1]"]),
-    ("0", ["--keep", "(0, 1]"]),
-    ("-0.2", ["--keep", "(0, 1]"]),
-    ("abc", ["--keep", "number"]),
-])
+@pytest.mark.parametrize(
+    "keep, words",
+    [
+        ("1.5", ["--keep", "(0, 1]"]),
+        ("0", ["--keep", "(0, 1]"]),
+        ("-0.2", ["--keep", "(0, 1]"]),
+        ("abc", ["--keep", "number"]),
+    ],
+)
 def test_keep_outside_0_1_or_not_a_number(keep: str, words: list[str]) -> None:
-    assert_one_error(run("apply", "--model", MHA, *SMALL, "--keep", keep, "--no-throughput"), 2,
-                     *words)
+    assert_one_error(
+        run("apply", "--model", MHA, *SMALL, "--keep", keep, "--no-throughput"), 2, *words
+    )
 
 
-@pytest.mark.parametrize("locs, word", [
-    ("5", "out of range"),
-    ("1,0", "strictly increasing"),
-    ("1,1", "strictly increasing"),
-])
+@pytest.mark.parametrize(
+    "locs, word",
+    [
+        ("5", "out of range"),
+        ("1,0", "strictly increasing"),
+        ("1,1", "strictly increasing"),
+    ],
+)
 def test_bad_locs(locs: str, word: str) -> None:
-    assert_one_error(run("apply", "--model", MHA, *SMALL, "--locs", locs, "--no-throughput"), 2,
-                     "--locs", word)
+    assert_one_error(
+        run("apply", "--model", MHA, *SMALL, "--locs", locs, "--no-throughput"), 2, "--locs", word
+    )
 
 
 def test_a_model_without_attention(tmp_path: Path) -> None:
     path = tmp_path / "cnn.py"
     path.write_text(CNN_SOURCE)
-    assert_one_error(run("apply", "--model", f"{path}:small_cnn", "--input-size", "3,32,32",
-                         "--no-throughput"), 2, "attention")
+    assert_one_error(
+        run("apply", "--model", f"{path}:small_cnn", "--input-size", "3,32,32", "--no-throughput"),
+        2,
+        "attention",
+    )
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
@@ -98,15 +124,20 @@ def test_truncated_checkpoint(tmp_path: Path, suffix: str) -> None:
     else:
         save_file(state, str(path))
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    assert_one_error(run("bench", "--model", MHA, *SMALL, "--checkpoint", str(path),
-                         "--no-throughput"), 2, str(path), "truncated")
+    assert_one_error(
+        run("bench", "--model", MHA, *SMALL, "--checkpoint", str(path), "--no-throughput"),
+        2,
+        str(path),
+        "truncated",
+    )
 
 
 def test_corrupt_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "garbage.pth"
     path.write_bytes(b"this is not a checkpoint at all" * 10)
-    assert_one_error(run("inspect", "--model", MHA, *SMALL, "--checkpoint", str(path)), 2,
-                     "corrupt")
+    assert_one_error(
+        run("inspect", "--model", MHA, *SMALL, "--checkpoint", str(path)), 2, "corrupt"
+    )
 
 
 def test_checkpoint_for_another_model(tmp_path: Path) -> None:
@@ -114,8 +145,11 @@ def test_checkpoint_for_another_model(tmp_path: Path) -> None:
 
     path = tmp_path / "einsum.pt"
     torch.save(einsum_vit(depth=2, dim=32).state_dict(), path)
-    assert_one_error(run("bench", "--model", MHA, *SMALL, "--checkpoint", str(path),
-                         "--no-throughput"), 2, "does not fit")
+    assert_one_error(
+        run("bench", "--model", MHA, *SMALL, "--checkpoint", str(path), "--no-throughput"),
+        2,
+        "does not fit",
+    )
 
 
 class _Payload:
@@ -132,15 +166,23 @@ def test_a_pickle_payload_is_refused_not_run(tmp_path: Path) -> None:
     marker = tmp_path / "code-ran"
     path = tmp_path / "evil.pt"
     torch.save({"weight": torch.zeros(1), "payload": _Payload(marker)}, path)
-    assert_one_error(run("bench", "--model", MHA, *SMALL, "--checkpoint", str(path),
-                         "--no-throughput"), 2, "pickled Python objects", "arbitrary code")
+    assert_one_error(
+        run("bench", "--model", MHA, *SMALL, "--checkpoint", str(path), "--no-throughput"),
+        2,
+        "pickled Python objects",
+        "arbitrary code",
+    )
     assert not marker.exists()
 
 
 def test_missing_data_folder(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-data"
-    assert_one_error(run("eval", "--model", MHA, *SMALL, "--data", str(missing),
-                         "--no-throughput"), 2, str(missing), "does not exist")
+    assert_one_error(
+        run("eval", "--model", MHA, *SMALL, "--data", str(missing), "--no-throughput"),
+        2,
+        str(missing),
+        "does not exist",
+    )
 
 
 @pytest.mark.parametrize("workers", ["0", "1"])
@@ -148,9 +190,26 @@ def test_unreadable_image(tmp_path: Path, workers: str) -> None:
     root = write_image_folder(tmp_path / "imgs", per_class=2, size=32)
     bad = root / "val" / "cat" / "1.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"broken" * 20)
-    assert_one_error(run("eval", "--model", MHA, *SMALL, "--model-arg", "num_classes=2",
-                         "--data", str(root), "--batch-size", "4", "--workers", workers,
-                         "--no-throughput"), 2, "cannot read image", str(bad))
+    assert_one_error(
+        run(
+            "eval",
+            "--model",
+            MHA,
+            *SMALL,
+            "--model-arg",
+            "num_classes=2",
+            "--data",
+            str(root),
+            "--batch-size",
+            "4",
+            "--workers",
+            workers,
+            "--no-throughput",
+        ),
+        2,
+        "cannot read image",
+        str(bad),
+    )
 
 
 def _assert_artifact_intact(out: Path, before: dict[str, bytes]) -> None:
@@ -162,16 +221,28 @@ def _assert_artifact_intact(out: Path, before: dict[str, bytes]) -> None:
 
 
 @pytest.mark.parametrize("target", ["safetensors.torch.save_model", "os.replace"])
-def test_full_disk_keeps_the_previous_artifact(artifact: Path, target: str,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_disk_keeps_the_previous_artifact(
+    artifact: Path, target: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     before = {p.name: p.read_bytes() for p in artifact.iterdir()}
 
     def no_space(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(target, no_space)
-    result = run("apply", "--model", MHA, *SMALL, "--keep", "0.7", "--locs", "0",
-                 "--no-throughput", "--out", str(artifact))
+    result = run(
+        "apply",
+        "--model",
+        MHA,
+        *SMALL,
+        "--keep",
+        "0.7",
+        "--locs",
+        "0",
+        "--no-throughput",
+        "--out",
+        str(artifact),
+    )
     monkeypatch.undo()
     assert_one_error(result, 2, str(artifact), "No space left on device")
     _assert_artifact_intact(artifact, before)
@@ -190,8 +261,12 @@ def test_an_unexpected_exception_is_one_line_and_exit_1(monkeypatch: pytest.Monk
         raise RuntimeError("something inside broke\nsecond line")
 
     monkeypatch.setattr("vitcompress.cli.options.load_model", bug)
-    assert_one_error(run("bench", "--model", MHA, "--no-throughput"), 1,
-                     "RuntimeError: something inside broke", "--debug")
+    assert_one_error(
+        run("bench", "--model", MHA, "--no-throughput"),
+        1,
+        "RuntimeError: something inside broke",
+        "--debug",
+    )
     debug = run("--debug", "bench", "--model", MHA, "--no-throughput")
     assert debug.exit_code == 1
     assert "Traceback" in debug.stderr and "second line" in debug.stderr

@@ -28,7 +28,8 @@ def test_inspect_json_on_an_inhouse_model():
     assert data["prefix_tokens"] == 0 and data["grid"] == [8, 8]
     assert [b["attention"] for b in data["blocks"]] == ["einsum_softmax"] * 4
     assert {"index", "path", "tokens", "dim", "heads", "attention", "grid_ops"} <= set(
-        data["blocks"][0])
+        data["blocks"][0]
+    )
 
 
 def test_inspect_table_and_model_args():
@@ -42,16 +43,31 @@ def test_bench_json():
     result = run("bench", "--model", MHA, *FAST, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert data["params"] == sum(p.numel() for p in __import__("tests.fixtures.inhouse",
-                                 fromlist=["x"]).mha_vit().parameters())
+    assert data["params"] == sum(
+        p.numel()
+        for p in __import__("tests.fixtures.inhouse", fromlist=["x"]).mha_vit().parameters()
+    )
     assert data["macs"] > 0 and data["throughput"] > 0
     assert data["environment"]["batch_size"] == 4
 
 
 def test_apply_writes_an_artifact_every_command_loads(tmp_path):
     out = tmp_path / "mha_dtps"
-    result = run("apply", "--model", MHA, "--variant", "dtps", "--keep", "0.5", "--locs", "1,2",
-                 "--out", str(out), *FAST, "--json")
+    result = run(
+        "apply",
+        "--model",
+        MHA,
+        "--variant",
+        "dtps",
+        "--keep",
+        "0.5",
+        "--locs",
+        "1,2",
+        "--out",
+        str(out),
+        *FAST,
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["tokens_per_block"] == [65, 33, 17, 17]
@@ -68,23 +84,27 @@ def test_apply_writes_an_artifact_every_command_loads(tmp_path):
 
 
 def test_apply_table_output():
-    result = run("apply", "--model", EINSUM, "--variant", "evit", "--keep", "0.5",
-                 "--no-throughput")
+    result = run(
+        "apply", "--model", EINSUM, "--variant", "evit", "--keep", "0.5", "--no-throughput"
+    )
     assert result.exit_code == 0, result.output
     # default locations 1, 2, 3; EViT keeps ceil(0.5 n) and adds its fused token
     text = " ".join(result.output.split())
     assert "tokens per block: 64 64 64->33 64->18" in text
 
 
-@pytest.mark.parametrize("args, message", [
-    (["inspect", "--model", "deit_smal"], "closest: deit_small_patch16_224"),
-    (["apply", "--model", MHA, "--keep", "1.5", "--no-throughput"], "--keep must be in (0, 1]"),
-    (["apply", "--model", MHA, "--keep", "abc", "--no-throughput"], "--keep must be a number"),
-    (["apply", "--model", MHA, "--locs", "9", "--no-throughput"], "out of range"),
-    (["apply", "--model", MHA, "--locs", "2,1", "--no-throughput"], "strictly increasing"),
-    (["apply", "--model", MHA, "--locs", "1,1", "--no-throughput"], "strictly increasing"),
-    (["inspect", "--model", f"{FIXTURES}:nope"], "nope"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["inspect", "--model", "deit_smal"], "closest: deit_small_patch16_224"),
+        (["apply", "--model", MHA, "--keep", "1.5", "--no-throughput"], "--keep must be in (0, 1]"),
+        (["apply", "--model", MHA, "--keep", "abc", "--no-throughput"], "--keep must be a number"),
+        (["apply", "--model", MHA, "--locs", "9", "--no-throughput"], "out of range"),
+        (["apply", "--model", MHA, "--locs", "2,1", "--no-throughput"], "strictly increasing"),
+        (["apply", "--model", MHA, "--locs", "1,1", "--no-throughput"], "strictly increasing"),
+        (["inspect", "--model", f"{FIXTURES}:nope"], "nope"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, message):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2, result.output
@@ -107,11 +127,18 @@ def test_a_checkpoint_for_another_model_fails_cleanly(tmp_path):
 def test_console_script_runs_as_a_subprocess():
     proc = subprocess.run(
         [sys.executable, "-m", "vitcompress.cli.main", "inspect", "--model", EINSUM, "--json"],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["blocks"][0]["attention"] == "einsum_softmax"
-    bad = subprocess.run([sys.executable, "-m", "vitcompress.cli.main", "inspect", "--model",
-                          "deit_smal"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "vitcompress.cli.main", "inspect", "--model", "deit_smal"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and bad.stderr.startswith("error: unknown model")
     assert "Traceback" not in bad.stderr
 
@@ -127,28 +154,69 @@ def test_help_lists_only_the_gates_a_command_accepts():
 
 
 def test_apply_speedup_is_the_paired_median_with_its_interval(tmp_path):
-    result = run("apply", "--model", MHA, "--variant", "etps", "--keep", "0.5",
-                 "--batch-size", "2", "--warmup", "1", "--runs", "6", "--json")
+    result = run(
+        "apply",
+        "--model",
+        MHA,
+        "--variant",
+        "etps",
+        "--keep",
+        "0.5",
+        "--batch-size",
+        "2",
+        "--warmup",
+        "1",
+        "--runs",
+        "6",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["speedup_pairs"] == 6 and data["environment"]["runs"] == 6
     low, high = data["speedup_ci95"]
     assert low <= data["speedup"] <= high
     assert data["speedup_ratio_of_medians"] == pytest.approx(
-        data["compressed"]["throughput"] / data["base"]["throughput"])
-    table = run("apply", "--model", MHA, "--variant", "etps", "--keep", "0.5",
-                "--batch-size", "2", "--warmup", "0", "--runs", "2")
+        data["compressed"]["throughput"] / data["base"]["throughput"]
+    )
+    table = run(
+        "apply",
+        "--model",
+        MHA,
+        "--variant",
+        "etps",
+        "--keep",
+        "0.5",
+        "--batch-size",
+        "2",
+        "--warmup",
+        "0",
+        "--runs",
+        "2",
+    )
     assert "median of 2 paired rounds (an interval needs 5; raise --runs)" in table.output
 
 
 def test_bench_seconds_bounds_the_timing_and_warns_on_stderr():
-    result = run("bench", "--model", MHA, "--batch-size", "2", "--warmup", "0", "--runs",
-                 "100000", "--bench-seconds", "0.2", "--json")
+    result = run(
+        "bench",
+        "--model",
+        MHA,
+        "--batch-size",
+        "2",
+        "--warmup",
+        "0",
+        "--runs",
+        "100000",
+        "--bench-seconds",
+        "0.2",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)  # stdout stays pure JSON
     assert 1 <= data["environment"]["runs"] < 100000
-    assert data["environment"]["warnings"] == [line.removeprefix("warning: ")
-                                               for line in result.stderr.splitlines()]
+    assert data["environment"]["warnings"] == [
+        line.removeprefix("warning: ") for line in result.stderr.splitlines()
+    ]
     assert "0.2 s budget" in result.stderr
 
 
@@ -159,21 +227,27 @@ def test_a_busy_machine_is_warned_about_on_stderr(monkeypatch):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["environment"]["loadavg_1min"] == [threads + 3.0] * 2
     [line] = result.stderr.splitlines()
-    assert line.startswith(f"warning: the 1-minute load average was {threads + 3.0:.1f} with "
-                           f"{threads} torch threads")
+    assert line.startswith(
+        f"warning: the 1-minute load average was {threads + 3.0:.1f} with {threads} torch threads"
+    )
 
 
 def test_progress_goes_to_stderr_only_when_asked_off_a_terminal(tmp_path):
     quiet = run("apply", "--model", MHA, "--variant", "etps", *FAST, "--json")
     assert quiet.exit_code == 0 and quiet.stderr == ""  # not a terminal: nothing by default
-    plain = run("--progress", "plain", "apply", "--model", MHA, "--variant", "etps", *FAST,
-                "--json")
+    plain = run(
+        "--progress", "plain", "apply", "--model", MHA, "--variant", "etps", *FAST, "--json"
+    )
     assert plain.exit_code == 0, plain.output
     json.loads(plain.stdout)
     steps = [line for line in plain.stderr.splitlines() if not line.startswith("  ")]
-    assert steps == [f"loading {MHA} ...", f"compressing {MHA} with etps ...",
-                     "counting MACs of base ...", "counting MACs of compressed ...",
-                     "timing base and compressed (batch 4, at most 60 s) ..."]
+    assert steps == [
+        f"loading {MHA} ...",
+        f"compressing {MHA} with etps ...",
+        "counting MACs of base ...",
+        "counting MACs of compressed ...",
+        "timing base and compressed (batch 4, at most 60 s) ...",
+    ]
     rounds = [line.strip() for line in plain.stderr.splitlines() if line.startswith("  ")]
     assert rounds[0].startswith("warm-up round 1/1") and rounds[-1].startswith("timed round 2/2")
 
@@ -225,17 +299,21 @@ def test_inspect_on_a_narrow_terminal_folds_instead_of_cutting(monkeypatch):
     assert result.exit_code == 0, result.output
     assert "…" not in result.output
     assert max(len(line) for line in result.output.splitlines()) <= 70
-    cells = "".join(line.split("│")[1].strip() for line in result.output.splitlines()
-                    if line.count("│") >= 7)
+    cells = "".join(
+        line.split("│")[1].strip() for line in result.output.splitlines() if line.count("│") >= 7
+    )
     assert "pyramid.0.blocks.0" in cells  # folded over two lines, every character kept
 
 
-@pytest.mark.parametrize("stages, cls, text", [
-    ([1], True, "prefix tokens 1 (cls)"),
-    ([0], False, "prefix tokens 0"),
-    ([4], False, "prefix tokens 4 (no cls)"),
-    ([0, 0, 1], True, "prefix tokens per stage 0, 0, 1 (cls)"),  # CvT
-])
+@pytest.mark.parametrize(
+    "stages, cls, text",
+    [
+        ([1], True, "prefix tokens 1 (cls)"),
+        ([0], False, "prefix tokens 0"),
+        ([4], False, "prefix tokens 4 (no cls)"),
+        ([0, 0, 1], True, "prefix tokens per stage 0, 0, 1 (cls)"),  # CvT
+    ],
+)
 def test_inspect_says_which_prefix_tokens_there_are(stages, cls, text):
     from vitcompress.cli.model_commands import prefix_text
 

@@ -34,7 +34,9 @@ def test_a_working_vit_is_exact_at_keep_one_and_cheaper_trains_and_exports():
     for variant in ("dtps", "evit"):
         cell = row["variants"][variant]
         assert cell["status"] == "ok", cell
-        assert cell["exact"] and cell["keep1_max_diff"] < 1e-4 and cell["keep1_relative_diff"] < 1e-4
+        assert (
+            cell["exact"] and cell["keep1_max_diff"] < 1e-4 and cell["keep1_relative_diff"] < 1e-4
+        )
         assert 0.5 < cell["gmac_ratio"] < 1.0
         assert cell["train"]["ok"] and cell["train"]["params_with_grad"].split("/")[0] != "0"
         assert cell["onnx"]["ok"] and cell["onnx"]["max_abs_diff"] < 1e-4
@@ -48,8 +50,9 @@ def test_a_relative_position_family_is_refused_with_a_line_naming_the_table():
         assert cell["status"] == "refused"
         assert "\n" not in cell["line"]
         assert f"blocks.{block}.attn.relative_position_bias_table" in cell["line"]
-    summary = matrix.summarise([{**row, "variants": {v: row["variants"]["dtps"]
-                                                      for v in matrix.VARIANTS}}])
+    summary = matrix.summarise(
+        [{**row, "variants": {v: row["variants"]["dtps"] for v in matrix.VARIANTS}}]
+    )
     assert summary["refused_by_reason"] == {"position table after the reduction": ["beit"]}
 
 
@@ -58,10 +61,19 @@ def test_the_matrix_catches_a_silently_wrong_model(monkeypatch):
     table indexed by position: the sharpened weights make the change visible and the cell says
     WRONG, never ok."""
     monkeypatch.setattr(vitcompress.graph.plan, "position_refusal", lambda model_map, plan: None)
-    cell = matrix.matrix_row("beit", "beit_base_patch16_224", variants=("dtps",))["variants"]["dtps"]
+    cell = matrix.matrix_row("beit", "beit_base_patch16_224", variants=("dtps",))["variants"][
+        "dtps"
+    ]
     assert cell["status"] == "wrong" and not cell["exact"] and cell["keep1_relative_diff"] > 1e-3
-    summary = matrix.summarise([{"family": "beit", "model": "beit_base_patch16_224",
-                                 "variants": {v: cell for v in matrix.VARIANTS}}])
+    summary = matrix.summarise(
+        [
+            {
+                "family": "beit",
+                "model": "beit_base_patch16_224",
+                "variants": {v: cell for v in matrix.VARIANTS},
+            }
+        ]
+    )
     assert summary["wrong_logits"] == ["beit"] and summary["failing_families"] == ["beit"]
     assert "**WRONG**" in matrix.cell_text(cell)
 
@@ -90,10 +102,37 @@ def test_a_cell_past_its_time_is_a_timeout_not_a_hang():
 
 def test_every_family_the_matrix_promises_has_its_smallest_model():
     chosen = dict(matrix.family_models())
-    for family in ("vit", "deit", "deit3", "beit", "beitv2", "eva02", "vit_relpos", "vit_rope",
-                   "cait", "xcit", "levit", "efficientformer", "pvt_v2", "twins_svt", "swin",
-                   "maxvit", "hiera", "samvit", "flexivit", "vit_reg", "vit_pwee", "naflexvit",
-                   "mvitv2", "crossvit", "tnt", "volo", "coat", "convit", "sequencer"):
+    for family in (
+        "vit",
+        "deit",
+        "deit3",
+        "beit",
+        "beitv2",
+        "eva02",
+        "vit_relpos",
+        "vit_rope",
+        "cait",
+        "xcit",
+        "levit",
+        "efficientformer",
+        "pvt_v2",
+        "twins_svt",
+        "swin",
+        "maxvit",
+        "hiera",
+        "samvit",
+        "flexivit",
+        "vit_reg",
+        "vit_pwee",
+        "naflexvit",
+        "mvitv2",
+        "crossvit",
+        "tnt",
+        "volo",
+        "coat",
+        "convit",
+        "sequencer",
+    ):
         assert chosen.get(family), family
     assert chosen["deit"] == "deit_tiny_patch16_224"
     assert chosen["levit"] == "levit_128s"
@@ -112,8 +151,12 @@ def test_the_full_matrix_has_no_silently_wrong_family(tmp_path):
     summary = result["meta"]["summary"]
     assert summary["wrong_logits"] == []
     assert summary["families"] >= 60
-    statuses = {cell["status"] for row in result["rows"] if row.get("model")
-                for cell in row["variants"].values()}
+    statuses = {
+        cell["status"]
+        for row in result["rows"]
+        if row.get("model")
+        for cell in row["variants"].values()
+    }
     assert statuses <= {"ok", "refused", "error", "timeout"}
     doc = out_doc.read_text()
     assert "## Summary" in doc and "benchmarks/compat_matrix.py" in doc

@@ -78,8 +78,10 @@ def test_predictor_training_path_masks_instead_of_dropping(name, variant):
     compressed = vitcompress.compress(model, variant, keep=0.5, locs=[1, 2], input_size=size)
     compressed.train()
     masks = []
-    handles = [module.register_forward_hook(lambda m, i, o: masks.append(o[1]))
-               for module in compressed.tps.children()]
+    handles = [
+        module.register_forward_hook(lambda m, i, o: masks.append(o[1]))
+        for module in compressed.tps.children()
+    ]
     x = torch.randn(3, *size)
     out = compressed(x)
     out.logsumexp(-1).sum().backward()
@@ -139,8 +141,9 @@ def test_reported_macs_equal_an_analytic_count():
     # per-token local half and one global row per image), cosine of 32 donors x 32 hosts.
     compressed = vitcompress.compress(model, "dtps", keep=0.5, locs=[2], input_size=size)
     half = c // 2
-    predictor = (5 * 64 * c + 64 * c * c + 64 * half * half + half * half
-                 + 64 * (half * c // 4 + c // 4 * 2))
+    predictor = (
+        5 * 64 * c + 64 * c * c + 64 * half * half + half * half + 64 * (half * c // 4 + c // 4 * 2)
+    )
     squeeze = 32 * 32 * c
     expected = _vit_macs([65, 65, 33, 33], c, 64, 4, 10) + predictor + squeeze
     assert count_macs(compressed, size) == expected
@@ -149,11 +152,22 @@ def test_reported_macs_equal_an_analytic_count():
     # already sees 33 tokens.
     compressed = vitcompress.compress(model, "etps", keep=0.5, locs=[2], input_size=size)
     n_full, n_kept = 65, 33
-    block2 = (n_full * c * 3 * c + 2 * n_full * n_full * c + n_full * c * c + 5 * n_full * c
-              + 2 * n_kept * c * 4 * c + 5 * n_kept * c)
+    block2 = (
+        n_full * c * 3 * c
+        + 2 * n_full * n_full * c
+        + n_full * c * c
+        + 5 * n_full * c
+        + 2 * n_kept * c * 4 * c
+        + 5 * n_kept * c
+    )
     score = n_full * c
-    expected = (_vit_macs([65, 65, 33, 33], c, 64, 4, 10) - _block_macs(33, c) + block2 + score
-                + 32 * 32 * c)
+    expected = (
+        _vit_macs([65, 65, 33, 33], c, 64, 4, 10)
+        - _block_macs(33, c)
+        + block2
+        + score
+        + 32 * 32 * c
+    )
     assert count_macs(compressed, size) == expected
 
 
@@ -161,17 +175,23 @@ def test_random_policy_selects_differently():
     model, size = _build("vit")
     x = torch.randn(2, *size)
     scored = vitcompress.compress(model, "etps", keep=0.5, locs=[1], input_size=size).eval()
-    rand = vitcompress.compress(model, "etps", keep=0.5, locs=[1], input_size=size,
-                                policy="random").eval()
+    rand = vitcompress.compress(
+        model, "etps", keep=0.5, locs=[1], input_size=size, policy="random"
+    ).eval()
     with torch.no_grad():
         assert not torch.allclose(scored(x), rand(x))
 
 
 @pytest.mark.parametrize(
     "keep, locs, message",
-    [(1.5, [1], "^keep must be in"), (0.0, [1], "^keep must be in"),
-     (0.5, [4], "out of range"), (0.5, [2, 1], "strictly increasing"),
-     (0.5, [1, 1], "strictly increasing"), ([0.5, 0.5], [1], "2 values for 1")],
+    [
+        (1.5, [1], "^keep must be in"),
+        (0.0, [1], "^keep must be in"),
+        (0.5, [4], "out of range"),
+        (0.5, [2, 1], "strictly increasing"),
+        (0.5, [1, 1], "strictly increasing"),
+        ([0.5, 0.5], [1], "2 values for 1"),
+    ],
 )
 def test_bad_plans_are_refused(keep, locs, message):
     model, size = _build("vit")
@@ -196,8 +216,9 @@ def test_a_deep_copy_is_still_a_compressed_model(tmp_path):
     # EMA and users copy models with copy.deepcopy, which rebuilds a GraphModule from scratch.
     import copy
 
-    compressed = vitcompress.compress(timm_small("vit_small_patch16_224"), "etps", keep=0.5,
-                                      locs=[1], input_size=(3, 32, 32))
+    compressed = vitcompress.compress(
+        timm_small("vit_small_patch16_224"), "etps", keep=0.5, locs=[1], input_size=(3, 32, 32)
+    )
     clone = copy.deepcopy(compressed)
     assert clone.vitcompress_plan == compressed.vitcompress_plan
     assert clone.vitcompress_block_nodes == compressed.vitcompress_block_nodes

@@ -30,11 +30,14 @@ def _cait() -> torch.nn.Module:
     return timm.create_model("cait_xxs24_224", **{**SMALL, "depth": 4})  # + 2 class-attention
 
 
-@pytest.mark.parametrize("factory, size", [
-    (lambda: inhouse.mha_vit(**MHA_ARGS), SIZE),
-    (inhouse.tiny_pyramid, (3, 64, 64)),  # stages, grid ops, exits
-    (_cait, SIZE),  # class-attention blocks: query and key tokens matter
-])
+@pytest.mark.parametrize(
+    "factory, size",
+    [
+        (lambda: inhouse.mha_vit(**MHA_ARGS), SIZE),
+        (inhouse.tiny_pyramid, (3, 64, 64)),  # stages, grid ops, exits
+        (_cait, SIZE),  # class-attention blocks: query and key tokens matter
+    ],
+)
 def test_a_model_map_reads_back_what_it_wrote(factory, size) -> None:
     torch.manual_seed(0)
     model_map = vitcompress.map_model(factory().eval(), size)
@@ -77,13 +80,13 @@ def test_compression_info_names_source_and_artifact(tmp_path: Path) -> None:
     vitcompress.save(compressed, tmp_path / "art")
     info = compression_info(vitcompress.load(tmp_path / "art"))
     assert info.artifact == (tmp_path / "art").resolve()
-    assert info.source.spec == loaded.source.spec and info.plan == compression_info(
-        compressed).plan
+    assert info.source.spec == loaded.source.spec and info.plan == compression_info(compressed).plan
 
 
 def test_a_model_missing_its_map_is_refused_in_one_line(tmp_path: Path) -> None:
-    compressed = vitcompress.compress(inhouse.mha_vit(**MHA_ARGS), "etps", keep=0.5, locs=[1],
-                                      input_size=SIZE)
+    compressed = vitcompress.compress(
+        inhouse.mha_vit(**MHA_ARGS), "etps", keep=0.5, locs=[1], input_size=SIZE
+    )
     del compressed.vitcompress_map
     with pytest.raises(ModelLoadError, match="no model map") as raised:
         compression_info(compressed)

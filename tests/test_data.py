@@ -15,8 +15,9 @@ from vitcompress.data.datasets import DEBIAN_FASHION_MNIST
 from vitcompress.data.transforms import build_transform
 
 
-def write_image_folder(root: Path, classes=("cat", "dog"), per_class: int = 3,
-                       size: int = 40) -> Path:
+def write_image_folder(
+    root: Path, classes=("cat", "dog"), per_class: int = 3, size: int = 40
+) -> Path:
     """root/{train,val}/<class>/<i>.png with a distinct colour per class."""
     rng = np.random.default_rng(0)
     for split in ("train", "val"):
@@ -29,13 +30,16 @@ def write_image_folder(root: Path, classes=("cat", "dog"), per_class: int = 3,
     return root
 
 
-def write_idx(folder: Path, prefix: str, images: np.ndarray, labels: np.ndarray,
-              gz: bool = False) -> None:
+def write_idx(
+    folder: Path, prefix: str, images: np.ndarray, labels: np.ndarray, gz: bool = False
+) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     image_bytes = struct.pack(">IIII", 0x803, *images.shape) + images.astype(np.uint8).tobytes()
     label_bytes = struct.pack(">II", 0x801, len(labels)) + labels.astype(np.uint8).tobytes()
-    for name, raw in ((f"{prefix}-images-idx3-ubyte", image_bytes),
-                      (f"{prefix}-labels-idx1-ubyte", label_bytes)):
+    for name, raw in (
+        (f"{prefix}-images-idx3-ubyte", image_bytes),
+        (f"{prefix}-labels-idx1-ubyte", label_bytes),
+    ):
         if gz:
             (folder / f"{name}.gz").write_bytes(gzip.compress(raw))
         else:
@@ -82,8 +86,9 @@ def test_fashion_mnist_from_data_dir(idx_dir, size):
     if size[0] == 3:  # the gray channel is repeated for RGB models (then normalised per channel)
         mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
         raw = x * std[:, None, None] + mean[:, None, None]
-        assert torch.allclose(raw[0], raw[1], atol=1e-5) and torch.allclose(raw[1], raw[2],
-                                                                             atol=1e-5)
+        assert torch.allclose(raw[0], raw[1], atol=1e-5) and torch.allclose(
+            raw[1], raw[2], atol=1e-5
+        )
 
 
 def test_val_is_the_exact_image_when_sizes_match(idx_dir):
@@ -91,8 +96,9 @@ def test_val_is_the_exact_image_when_sizes_match(idx_dir):
     from vitcompress.data.datasets import read_idx
 
     pixels = read_idx(idx_dir / "t10k-images-idx3-ubyte.gz", ndim=3)[0]
-    x, _ = build_dataset("fashion-mnist", "val", (1, 28, 28), data_dir=str(idx_dir),
-                         mean=[0.0], std=[1.0])[0]
+    x, _ = build_dataset(
+        "fashion-mnist", "val", (1, 28, 28), data_dir=str(idx_dir), mean=[0.0], std=[1.0]
+    )[0]
     assert torch.allclose(x[0], torch.from_numpy(pixels.astype(np.float32) / 255), atol=1e-6)
 
 
@@ -102,12 +108,14 @@ def test_train_augment_is_random_and_val_deterministic(image_folder, idx_dir):
     val = build_dataset(str(image_folder), "val", (3, 32, 32), augment=AugmentConfig.deit())
     assert not torch.equal(train[0][0], train[0][0])
     assert torch.equal(val[0][0], val[0][0])
-    light = build_dataset("fashion-mnist", "train", (1, 32, 32), data_dir=str(idx_dir),
-                          augment=AugmentConfig.light())
+    light = build_dataset(
+        "fashion-mnist", "train", (1, 32, 32), data_dir=str(idx_dir), augment=AugmentConfig.light()
+    )
     assert not all(torch.equal(light[0][0], light[0][0]) for _ in range(5))
     # none(): the train split gets the evaluation transform
-    off = build_dataset("fashion-mnist", "train", (3, 32, 32), data_dir=str(idx_dir),
-                        augment=AugmentConfig.none())
+    off = build_dataset(
+        "fashion-mnist", "train", (3, 32, 32), data_dir=str(idx_dir), augment=AugmentConfig.none()
+    )
     assert torch.equal(off[1][0], off[1][0])
 
 
@@ -115,8 +123,9 @@ def test_deit_augment_survives_grayscale_models(idx_dir):
     """RandAugment, erasing and crops on 1-channel 28-px images, many draws."""
     torch.manual_seed(0)
     random.seed(0)  # timm's RandAugment draws from Python's generator
-    ds = build_dataset("fashion-mnist", "train", (1, 32, 32), data_dir=str(idx_dir),
-                       augment=AugmentConfig.deit())
+    ds = build_dataset(
+        "fashion-mnist", "train", (1, 32, 32), data_dir=str(idx_dir), augment=AugmentConfig.deit()
+    )
     for _ in range(10):
         for i in range(len(ds)):
             assert ds[i][0].shape == (1, 32, 32)
@@ -133,7 +142,11 @@ def test_presets():
     Mixup(**args)  # timm accepts the keyword set
     light = AugmentConfig.light()
     assert (light.rand_augment, light.random_erasing, light.crop_scale, light.hflip) == (
-        None, 0.0, (0.8, 1.0), 0.5)
+        None,
+        0.0,
+        (0.8, 1.0),
+        0.5,
+    )
 
 
 def _error(**kwargs) -> str:
@@ -175,7 +188,8 @@ def test_idx_errors(tmp_path, idx_dir):
     assert "is not a folder" in fm_error(tmp_path / "absent")
     (tmp_path / "empty").mkdir()
     assert "train-images-idx3-ubyte (or train-images-idx3-ubyte.gz) missing" in fm_error(
-        tmp_path / "empty")
+        tmp_path / "empty"
+    )
     images = idx_dir / "train-images-idx3-ubyte"
     raw = images.read_bytes()
     images.write_bytes(raw[:-10])
@@ -189,9 +203,11 @@ def test_idx_errors(tmp_path, idx_dir):
     assert "cannot read IDX file" in fm_error(idx_dir, split="val")
 
 
-@pytest.mark.skipif(not (DEBIAN_FASHION_MNIST / "train-images-idx3-ubyte.gz").exists()
-                    and not (DEBIAN_FASHION_MNIST / "train-images-idx3-ubyte").exists(),
-                    reason="package dataset-fashion-mnist not installed")
+@pytest.mark.skipif(
+    not (DEBIAN_FASHION_MNIST / "train-images-idx3-ubyte.gz").exists()
+    and not (DEBIAN_FASHION_MNIST / "train-images-idx3-ubyte").exists(),
+    reason="package dataset-fashion-mnist not installed",
+)
 def test_real_fashion_mnist_from_the_debian_package():
     train = build_dataset("fashion-mnist", "train", (3, 32, 32), data_dir=str(DEBIAN_FASHION_MNIST))
     val = build_dataset("fashion-mnist", "val", (3, 32, 32))  # found without --data-dir
@@ -207,8 +223,13 @@ def test_strongest_posterize_gives_black_not_an_error(mode):
     the training transform must answer it with TensorFlow's black image."""
     from timm.data.auto_augment import RandAugment
 
-    transform = build_transform((len(mode), 32, 32), True, AugmentConfig.deit(),
-                                mean=(0.5,) * len(mode), std=(0.5,) * len(mode))
+    transform = build_transform(
+        (len(mode), 32, 32),
+        True,
+        AugmentConfig.deit(),
+        mean=(0.5,) * len(mode),
+        std=(0.5,) * len(mode),
+    )
     rand_augment = next(t for t in transform.transforms if isinstance(t, RandAugment))
     posterize = next(op for op in rand_augment.ops if op.name == "PosterizeIncreasing")
     posterize.prob, posterize.magnitude, posterize.magnitude_std = 1.0, 10, 0

@@ -99,18 +99,38 @@ def gray_folder(tmp_path_factory) -> Path:
 
 
 def test_eval_feeds_the_model_the_mean_its_config_states(factory, gray_folder):
-    stated = ok_json(run("eval", "--model", f"{factory}:stated", "--data", gray_folder,
-                         "--no-throughput", "--json"))
+    stated = ok_json(
+        run(
+            "eval",
+            "--model",
+            f"{factory}:stated",
+            "--data",
+            gray_folder,
+            "--no-throughput",
+            "--json",
+        )
+    )
     assert stated["data_config"]["mean"] == [0.5, 0.5, 0.5]
     assert stated["data_config"]["std"] == [0.5, 0.5, 0.5]
     assert stated["data_config"]["interpolation"] == "bilinear"
     assert stated["data_config_sources"]["mean"] == "the model's data_config attribute"
     assert stated["top1"] == 100.0  # the 0.5 was used, not only reported
-    assert "note:" not in run("eval", "--model", f"{factory}:stated", "--data", gray_folder,
-                              "--no-throughput", "--json").stderr
+    assert (
+        "note:"
+        not in run(
+            "eval",
+            "--model",
+            f"{factory}:stated",
+            "--data",
+            gray_folder,
+            "--no-throughput",
+            "--json",
+        ).stderr
+    )
 
-    unstated = run("eval", "--model", f"{factory}:unstated", "--data", gray_folder,
-                   "--no-throughput", "--json")
+    unstated = run(
+        "eval", "--model", f"{factory}:unstated", "--data", gray_folder, "--no-throughput", "--json"
+    )
     data = ok_json(unstated)
     assert data["data_config"]["mean"] == pytest.approx(IMAGENET_MEAN)
     assert data["data_config"]["interpolation"] == "bicubic" and data["top1"] == 50.0
@@ -119,39 +139,87 @@ def test_eval_feeds_the_model_the_mean_its_config_states(factory, gray_folder):
     assert "--mean/--std/--interpolation/--crop-pct" in note
 
     # Options override what the model states, and the defaults.
-    given = ok_json(run("eval", "--model", f"{factory}:unstated", "--data", gray_folder,
-                        "--mean", "0.5", "--std", "inception", "--no-throughput", "--json"))
+    given = ok_json(
+        run(
+            "eval",
+            "--model",
+            f"{factory}:unstated",
+            "--data",
+            gray_folder,
+            "--mean",
+            "0.5",
+            "--std",
+            "inception",
+            "--no-throughput",
+            "--json",
+        )
+    )
     assert given["top1"] == 100.0 and given["data_config"]["std"] == [0.5, 0.5, 0.5]
     assert given["data_config_sources"]["mean"] == "--mean"
-    overridden = ok_json(run("eval", "--model", f"{factory}:stated", "--data", gray_folder,
-                             "--mean", "imagenet", "--std", "imagenet", "--no-throughput",
-                             "--json"))
+    overridden = ok_json(
+        run(
+            "eval",
+            "--model",
+            f"{factory}:stated",
+            "--data",
+            gray_folder,
+            "--mean",
+            "imagenet",
+            "--std",
+            "imagenet",
+            "--no-throughput",
+            "--json",
+        )
+    )
     assert overridden["top1"] == 50.0
 
 
 def test_timm_models_bring_their_pretrained_cfg(gray_folder):
-    small = ["--model-arg", "img_size=8", "--model-arg", "patch_size=4", "--model-arg",
-             "depth=1", "--model-arg", "embed_dim=16", "--model-arg", "num_heads=2",
-             "--model-arg", "num_classes=2", "--data", gray_folder, "--no-throughput", "--json"]
+    small = [
+        "--model-arg",
+        "img_size=8",
+        "--model-arg",
+        "patch_size=4",
+        "--model-arg",
+        "depth=1",
+        "--model-arg",
+        "embed_dim=16",
+        "--model-arg",
+        "num_heads=2",
+        "--model-arg",
+        "num_classes=2",
+        "--data",
+        gray_folder,
+        "--no-throughput",
+        "--json",
+    ]
     vit = ok_json(run("eval", "--model", "vit_small_patch16_224", *small))
-    assert vit["data_config"] == {"mean": [0.5] * 3, "std": [0.5] * 3,
-                                  "interpolation": "bicubic", "crop_pct": 0.9,
-                                  "crop_mode": "center"}
+    assert vit["data_config"] == {
+        "mean": [0.5] * 3,
+        "std": [0.5] * 3,
+        "interpolation": "bicubic",
+        "crop_pct": 0.9,
+        "crop_mode": "center",
+    }
     assert vit["data_config_sources"]["crop_pct"] == "the model's pretrained_cfg (timm)"
     deit = ok_json(run("eval", "--model", "deit_tiny_patch16_224", *small))
     timm_says = timm.data.resolve_model_data_config(timm.create_model("deit_tiny_patch16_224"))
-    assert deit["data_config"] == {"mean": pytest.approx(IMAGENET_MEAN),
-                                   "std": pytest.approx(IMAGENET_STD),
-                                   **{k: timm_says[k]
-                                      for k in ("interpolation", "crop_pct", "crop_mode")}}
+    assert deit["data_config"] == {
+        "mean": pytest.approx(IMAGENET_MEAN),
+        "std": pytest.approx(IMAGENET_STD),
+        **{k: timm_says[k] for k in ("interpolation", "crop_pct", "crop_mode")},
+    }
 
 
-@pytest.mark.parametrize(("args", "expected"), [
-    (["--mean", "0.5,x"], "--mean '0.5,x' is not a comma list of numbers"),
-    (["--std", "0.5,0,0.5"], "std [0.5, 0.0, 0.5] must be positive"),
-    (["--mean", "0.5,0.5"], "mean has 2 values (--mean) but the model takes 3 channels"),
-    (["--model", "{factory}:misspelt"], "the model's data_config attribute: unknown key meen"),
-])
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--mean", "0.5,x"], "--mean '0.5,x' is not a comma list of numbers"),
+        (["--std", "0.5,0,0.5"], "std [0.5, 0.0, 0.5] must be positive"),
+        (["--mean", "0.5,0.5"], "mean has 2 values (--mean) but the model takes 3 channels"),
+        (["--model", "{factory}:misspelt"], "the model's data_config attribute: unknown key meen"),
+    ],
+)
 def test_bad_data_configs_are_one_line_exit_2(factory, gray_folder, args, expected):
     args = [a.format(factory=factory) for a in args]
     model = [] if "--model" in args else ["--model", f"{factory}:stated"]
@@ -167,7 +235,8 @@ def test_build_dataset_applies_interpolation_and_crop(gray_folder, tmp_path):
     for split in ("train", "val"):
         (folder / split / "a").mkdir(parents=True)
         Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(
-            folder / split / "a" / "0.png")
+            folder / split / "a" / "0.png"
+        )
     image = Image.open(folder / "val" / "a" / "0.png").convert("RGB")
 
     def first(config: DataConfig) -> torch.Tensor:
@@ -179,12 +248,16 @@ def test_build_dataset_applies_interpolation_and_crop(gray_folder, tmp_path):
 
     half = dict(mean=(0.5,) * 3, std=(0.5,) * 3)
     squash = image.resize((16, 16), Image.BILINEAR)  # crop 1.0: resize only
-    assert torch.allclose(first(DataConfig(**half, interpolation="bilinear", crop_pct=1.0)),
-                          expected(squash), atol=1e-6)
+    assert torch.allclose(
+        first(DataConfig(**half, interpolation="bilinear", crop_pct=1.0)),
+        expected(squash),
+        atol=1e-6,
+    )
     # crop 0.8: resized to 20, then the center 16
     cropped = image.resize((20, 20), Image.BICUBIC).crop((2, 2, 18, 18))
-    dataset = build_dataset(str(folder), "val", (3, 16, 16),
-                            data_config=DataConfig(**half, crop_pct=0.8))
+    dataset = build_dataset(
+        str(folder), "val", (3, 16, 16), data_config=DataConfig(**half, crop_pct=0.8)
+    )
     assert torch.allclose(dataset[0][0], expected(cropped), atol=1e-6)
     assert dataset.data_config.crop_pct == 0.8
     # Nobody states a crop: these 20-px images are larger than the input, so timm's 0.875.
@@ -206,17 +279,35 @@ def test_a_one_channel_model_averages_a_stated_rgb_config_but_not_a_given_one():
 # Artifacts
 
 
-VIT_ARGS = ["--model-arg", "depth=2", "--model-arg", "dim=32", "--model-arg", "heads=2",
-            "--model-arg", "num_classes=2"]
+VIT_ARGS = [
+    "--model-arg",
+    "depth=2",
+    "--model-arg",
+    "dim=32",
+    "--model-arg",
+    "heads=2",
+    "--model-arg",
+    "num_classes=2",
+]
 
 
 def test_an_artifact_keeps_its_config_across_save_and_load(factory, tmp_path):
     out = tmp_path / "art"
-    result = run("apply", "--model", f"{factory}:stated_vit", *VIT_ARGS, "--variant", "etps",
-                 "--keep", "0.5", "--no-throughput", "--out", out)
+    result = run(
+        "apply",
+        "--model",
+        f"{factory}:stated_vit",
+        *VIT_ARGS,
+        "--variant",
+        "etps",
+        "--keep",
+        "0.5",
+        "--no-throughput",
+        "--out",
+        out,
+    )
     assert result.exit_code == 0, result.output
-    stated = {"mean": [0.5] * 3, "std": [0.25] * 3, "interpolation": "bilinear",
-              "crop_pct": 0.95}
+    stated = {"mean": [0.5] * 3, "std": [0.25] * 3, "interpolation": "bilinear", "crop_pct": 0.95}
     assert read_meta(out)["data_config"] == stated
     loaded = vitcompress.load(out)
     config = resolve_data_config(loaded, channels=3)
@@ -225,8 +316,9 @@ def test_an_artifact_keeps_its_config_across_save_and_load(factory, tmp_path):
     vitcompress.save(loaded, tmp_path / "again")
     assert read_meta(tmp_path / "again")["data_config"] == stated
     again = vitcompress.load(tmp_path / "again")
-    assert stated_data_config(again)[0] == {k: tuple(v) if isinstance(v, list) else v
-                                            for k, v in stated.items()}
+    assert stated_data_config(again)[0] == {
+        k: tuple(v) if isinstance(v, list) else v for k, v in stated.items()
+    }
 
 
 FINETUNE_RECIPE = """\
@@ -273,19 +365,28 @@ def test_finetune_records_the_config_it_trained_with_and_eval_uses_it(tmp_path):
     out = tmp_path / "ft"
     result = run("finetune", "--recipe", recipe, "--out", out, "--json")
     summary = ok_json(result)
-    used = {"mean": [0.5] * 3, "std": [0.5] * 3, "interpolation": "bilinear", "crop_pct": 1.0,
-            "crop_mode": "center"}
+    used = {
+        "mean": [0.5] * 3,
+        "std": [0.5] * 3,
+        "interpolation": "bilinear",
+        "crop_pct": 1.0,
+        "crop_mode": "center",
+    }
     assert summary["data_config"] == used  # finetune's metrics name it
-    [start] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-               if json.loads(line)["type"] == "start"]
+    [start] = [
+        json.loads(line)
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["type"] == "start"
+    ]
     assert start["data_config"] == used and start["step"] == 0
     assert {"mean", "std", "interpolation", "crop_pct"} <= set(summary["from_recipe"])
     assert "note:" not in result.stderr  # the recipe stated everything
     meta = read_meta(out)
     assert meta["data_config"] == used and meta["finetune"]["data_config"] == used
 
-    evaluated = ok_json(run("eval", "--model", out, "--data", data, "--base", "source",
-                            "--no-throughput", "--json"))
+    evaluated = ok_json(
+        run("eval", "--model", out, "--data", data, "--base", "source", "--no-throughput", "--json")
+    )
     assert evaluated["data_config"] == used
     assert evaluated["data_config_sources"]["mean"] == f"{out}/vitcompress.json"
     # The base is fed its own config: it states none, so the defaults, and a note says so.
@@ -319,14 +420,17 @@ def fmnist_vit():
 def own_preprocessing(images: np.ndarray) -> torch.Tensor:
     """The owner's pipeline, written without vitcompress: bilinear resize of the 28-px image to
     32x32, pixels / 255, (x - 0.5) / 0.5, the gray channel repeated for the RGB stem."""
-    resized = np.stack([np.asarray(Image.fromarray(image).resize((32, 32), Image.BILINEAR))
-                        for image in images])
+    resized = np.stack(
+        [np.asarray(Image.fromarray(image).resize((32, 32), Image.BILINEAR)) for image in images]
+    )
     x = torch.from_numpy(resized).float().div(255).sub(0.5).div(0.5)
     return x[:, None].expand(-1, 3, -1, -1).contiguous()
 
 
-@pytest.mark.skipif(not (FASHION / "t10k-images-idx3-ubyte.gz").exists(),
-                    reason="package dataset-fashion-mnist not installed")
+@pytest.mark.skipif(
+    not (FASHION / "t10k-images-idx3-ubyte.gz").exists(),
+    reason="package dataset-fashion-mnist not installed",
+)
 def test_a_model_trained_with_its_own_normalisation_scores_the_same_through_eval(tmp_path):
     from safetensors.torch import save_file
 
@@ -354,19 +458,38 @@ def test_a_model_trained_with_its_own_normalisation_scores_the_same_through_eval
     model.eval()
     test_images, test_labels = load_fashion_mnist("val")
     with torch.no_grad():
-        predicted = torch.cat([model(chunk).argmax(-1)
-                               for chunk in own_preprocessing(test_images).split(250)])
-    plain_top1 = 100.0 * (predicted == torch.from_numpy(test_labels.astype(np.int64))).sum() \
-        .item() / len(test_labels)
+        predicted = torch.cat(
+            [model(chunk).argmax(-1) for chunk in own_preprocessing(test_images).split(250)]
+        )
+    plain_top1 = (
+        100.0
+        * (predicted == torch.from_numpy(test_labels.astype(np.int64))).sum().item()
+        / len(test_labels)
+    )
     assert plain_top1 > 60  # trained: the comparison below means something
 
-    common = ["eval", "--model", spec, "--checkpoint", checkpoint, "--data", "fashion-mnist",
-              "--batch-size", "250", "--no-throughput", "--json"]
+    common = [
+        "eval",
+        "--model",
+        spec,
+        "--checkpoint",
+        checkpoint,
+        "--data",
+        "fashion-mnist",
+        "--batch-size",
+        "250",
+        "--no-throughput",
+        "--json",
+    ]
     own = ok_json(run(*common, "--mean", "0.5", "--std", "0.5", "--interpolation", "bilinear"))
     assert own["images"] == 10000 and own["top1"] == plain_top1
-    assert own["data_config"] == {"mean": [0.5] * 3, "std": [0.5] * 3,
-                                  "interpolation": "bilinear", "crop_pct": 1.0,
-                                  "crop_mode": "center"}
+    assert own["data_config"] == {
+        "mean": [0.5] * 3,
+        "std": [0.5] * 3,
+        "interpolation": "bilinear",
+        "crop_pct": 1.0,
+        "crop_mode": "center",
+    }
     # Without the options: ImageNet's statistics, a lower score, and a note that says why.
     defaults = run(*common)
     assert ok_json(defaults)["top1"] < plain_top1 - 5

@@ -58,8 +58,18 @@ def run(*args):
 
 
 def test_eval_cli_json(folder, model):
-    result = run("eval", "--model", EINSUM, "--model-arg", "num_classes=2", "--data", str(folder),
-                 "--batch-size", "4", "--json")
+    result = run(
+        "eval",
+        "--model",
+        EINSUM,
+        "--model-arg",
+        "num_classes=2",
+        "--data",
+        str(folder),
+        "--batch-size",
+        "4",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["images"] == 10 and data["top5"] == 100.0 and 0 <= data["top1"] <= 100
@@ -67,15 +77,34 @@ def test_eval_cli_json(folder, model):
 
 
 def test_eval_cli_table(folder):
-    result = run("eval", "--model", EINSUM, "--model-arg", "num_classes=2", "--data", str(folder),
-                 "--no-throughput")
+    result = run(
+        "eval",
+        "--model",
+        EINSUM,
+        "--model-arg",
+        "num_classes=2",
+        "--data",
+        str(folder),
+        "--no-throughput",
+    )
     assert result.exit_code == 0, result.output
     assert "top-1" in result.output and "10 images" in result.output
 
 
 def test_eval_cli_against_a_base(folder):
-    result = run("eval", "--model", EINSUM, "--model-arg", "num_classes=2", "--data", str(folder),
-                 "--base", MHA, *FAST, "--json")
+    result = run(
+        "eval",
+        "--model",
+        EINSUM,
+        "--model-arg",
+        "num_classes=2",
+        "--data",
+        str(folder),
+        "--base",
+        MHA,
+        *FAST,
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["delta_top1"] == pytest.approx(data["top1"] - data["base"]["top1"])
@@ -84,19 +113,31 @@ def test_eval_cli_against_a_base(folder):
     for key in ("base", "compressed"):
         assert data[key]["throughput"] > 0 and data[key]["gmacs"] > 0
     assert data["base"]["spec"] == MHA and data["environment"]["batch_size"] == 4
-    table = run("eval", "--model", EINSUM, "--model-arg", "num_classes=2", "--data", str(folder),
-                "--base", MHA, "--no-throughput")
+    table = run(
+        "eval",
+        "--model",
+        EINSUM,
+        "--model-arg",
+        "num_classes=2",
+        "--data",
+        str(folder),
+        "--base",
+        MHA,
+        "--no-throughput",
+    )
     assert table.exit_code == 0, table.output
     assert "delta" in table.output and "GMACs" in table.output
 
 
 def test_eval_cli_missing_data_is_one_line_exit_2(tmp_path):
-    result = CliRunner().invoke(cli, ["eval", "--model", EINSUM, "--data",
-                                      str(tmp_path / "nope")])
+    result = CliRunner().invoke(cli, ["eval", "--model", EINSUM, "--data", str(tmp_path / "nope")])
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: data folder") and "does not exist" in \
-        lines[0]
+    assert (
+        len(lines) == 1
+        and lines[0].startswith("error: data folder")
+        and "does not exist" in lines[0]
+    )
 
 
 def _always_class_2(tmp_path):
@@ -116,9 +157,22 @@ def _always_class_2(tmp_path):
 
 def _artifact(tmp_path, checkpoint):
     out = tmp_path / "compressed"
-    result = run("apply", "--model", EINSUM, "--model-arg", "num_classes=3", "--checkpoint",
-                 str(checkpoint), "--variant", "etps", "--keep", "0.7", "--no-throughput",
-                 "--out", str(out))
+    result = run(
+        "apply",
+        "--model",
+        EINSUM,
+        "--model-arg",
+        "num_classes=3",
+        "--checkpoint",
+        str(checkpoint),
+        "--variant",
+        "etps",
+        "--keep",
+        "0.7",
+        "--no-throughput",
+        "--out",
+        str(out),
+    )
     assert result.exit_code == 0, result.output
     return out
 
@@ -130,16 +184,37 @@ def test_eval_base_source_rebuilds_the_artifacts_base_with_its_weights(folder, t
     artifact = _artifact(tmp_path, checkpoint)
     base = load_artifact_base(artifact).model
     assert all(torch.equal(base.state_dict()[k], v) for k, v in state.items())
-    result = run("eval", "--model", str(artifact), "--data", str(folder), "--base", "source",
-                 "--no-throughput", "--json")
+    result = run(
+        "eval",
+        "--model",
+        str(artifact),
+        "--data",
+        str(folder),
+        "--base",
+        "source",
+        "--no-throughput",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["base"]["top1"] == 0.0 and data["top1"] == 0.0  # the weights, not a random base
     assert data["base"]["params"] == sum(v.numel() for v in state.values())
     # The same base given explicitly, with its own arguments and weights.
-    explicit = run("eval", "--model", str(artifact), "--data", str(folder), "--base", EINSUM,
-                   "--base-model-arg", "num_classes=3", "--base-checkpoint", str(checkpoint),
-                   "--no-throughput", "--json")
+    explicit = run(
+        "eval",
+        "--model",
+        str(artifact),
+        "--data",
+        str(folder),
+        "--base",
+        EINSUM,
+        "--base-model-arg",
+        "num_classes=3",
+        "--base-checkpoint",
+        str(checkpoint),
+        "--no-throughput",
+        "--json",
+    )
     assert explicit.exit_code == 0, explicit.output
     assert data["base"]["spec"] == EINSUM  # what "source" stood for
     assert data["base"]["weights"] == str(checkpoint.resolve())
@@ -157,10 +232,18 @@ def test_artifact_saved_again_keeps_its_base_weights(tmp_path):
     assert read_meta(tmp_path / "again")["base_weights"] == str(checkpoint.resolve())
 
 
-@pytest.mark.parametrize("case", ["not an artifact", "no base weights", "weights gone",
-                                  "weights changed",
-                                  "options with source", "options with an artifact base",
-                                  "options without base"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "not an artifact",
+        "no base weights",
+        "weights gone",
+        "weights changed",
+        "options with source",
+        "options with an artifact base",
+        "options without base",
+    ],
+)
 def test_eval_base_refusals_are_one_line_exit_2(folder, tmp_path, case):
     checkpoint, _ = _always_class_2(tmp_path)
     if case == "not an artifact":
@@ -188,8 +271,9 @@ def test_eval_base_refusals_are_one_line_exit_2(folder, tmp_path, case):
     elif case == "options with an artifact base":
         artifact = _artifact(tmp_path, checkpoint)
         args = ["--model", str(artifact), "--base", str(artifact), "--base-model-arg", "depth=2"]
-        expected = "is a compressed model that fixes its architecture and weights; drop " \
-                   "--base-model-arg"
+        expected = (
+            "is a compressed model that fixes its architecture and weights; drop --base-model-arg"
+        )
     else:
         args = ["--model", EINSUM, "--base-pretrained"]
         expected = "need --base"

@@ -45,14 +45,19 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], tuple[int, int, int]]] = {
     "timm vit (32px, depth 4)": (lambda: timm_small("vit_small_patch16_224"), (3, 32, 32)),
     "in-house pyramid (64px)": (inhouse.tiny_pyramid, (3, 64, 64)),
     "timm deit distilled (32px, depth 4)": (
-        lambda: timm_small("deit_tiny_distilled_patch16_224"), (3, 32, 32)),
+        lambda: timm_small("deit_tiny_distilled_patch16_224"),
+        (3, 32, 32),
+    ),
     "in-house nn.MultiheadAttention vit": (inhouse.mha_vit, (3, 32, 32)),
-    "timm pvt_v2_b0 (64px)": (lambda: timm.create_model("pvt_v2_b0", num_classes=10),
-                              (3, 64, 64)),
-    "zoo pvt_tiny (64px)": (lambda: timm.create_model("pvt_tiny", num_classes=10, img_size=64),
-                            (3, 64, 64)),
-    "zoo cvt_13 (64px)": (lambda: timm.create_model("cvt_13", num_classes=10, img_size=64),
-                          (3, 64, 64)),
+    "timm pvt_v2_b0 (64px)": (lambda: timm.create_model("pvt_v2_b0", num_classes=10), (3, 64, 64)),
+    "zoo pvt_tiny (64px)": (
+        lambda: timm.create_model("pvt_tiny", num_classes=10, img_size=64),
+        (3, 64, 64),
+    ),
+    "zoo cvt_13 (64px)": (
+        lambda: timm.create_model("cvt_13", num_classes=10, img_size=64),
+        (3, 64, 64),
+    ),
 }
 # The first two run in every test run; the rest complete the matrix with `pytest -m slow`.
 FAST_FAMILIES = ("timm vit (32px, depth 4)", "in-house pyramid (64px)")
@@ -80,8 +85,9 @@ def _cases() -> Iterator[pytest.param]:
                 if family not in FAST_FAMILIES:
                     marks.append(pytest.mark.slow)
                 key = family.split("(")[0].strip().replace(" ", "_")
-                yield pytest.param(family, variant, check, marks=marks,
-                                   id=f"{key}-{variant}-{check}")
+                yield pytest.param(
+                    family, variant, check, marks=marks, id=f"{key}-{variant}-{check}"
+                )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -101,14 +107,18 @@ def _write_matrix() -> Iterator[None]:
             lines.append("| " + " | ".join([family, variant, *cells]) + " |")
     import onnxruntime
 
-    lines += ["", f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, batch "
-                  f"{BATCH}, keep 0.7 at the default locations; cells: max |diff| to PyTorch "
-                  f"(tolerance {ATOL:g}); compile: graphs compiled over two batches (backend "
-                  f"`eager`)."]
+    lines += [
+        "",
+        f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, batch "
+        f"{BATCH}, keep 0.7 at the default locations; cells: max |diff| to PyTorch "
+        f"(tolerance {ATOL:g}); compile: graphs compiled over two batches (backend "
+        f"`eager`).",
+    ]
     text = DOC.read_text()
     block = f"{START}\n" + "\n".join(lines) + f"\n{END}"
-    DOC.write_text(re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, text,
-                          flags=re.S))
+    DOC.write_text(
+        re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, text, flags=re.S)
+    )
 
 
 @pytest.mark.parametrize("family,variant,check", list(_cases()))
@@ -123,8 +133,9 @@ def test_matrix(family: str, variant: str, check: str, tmp_path: Path) -> None:
             assert result["max_abs_diff"] <= ATOL
             cell = f"pass ({result['frames']} graph, {result['recompiles']} recompiles)"
         else:
-            result = export_model(model, size, check, tmp_path / f"model{SUFFIXES[check]}",
-                                  batch_size=BATCH)
+            result = export_model(
+                model, size, check, tmp_path / f"model{SUFFIXES[check]}", batch_size=BATCH
+            )
             assert result["checked"] and result["max_abs_diff"] <= ATOL
             assert result.get("static_shapes", True), "the ONNX graph has symbolic dimensions"
             cell = f"pass ({result['max_abs_diff']:.1e})"
@@ -159,23 +170,47 @@ def test_export_rejects_directory_and_bad_batch(tmp_path: Path) -> None:
 def test_cli_exports_an_artifact(tmp_path: Path) -> None:
     model, size = _compressed("timm vit (32px, depth 4)", "dtps")
     artifact = tmp_path / "artifact"
-    vitcompress.save(model, artifact, source=ModelSource(spec="vit_small_patch16_224",
-                                                         model_args=dict(SMALL)), input_size=size)
+    vitcompress.save(
+        model,
+        artifact,
+        source=ModelSource(spec="vit_small_patch16_224", model_args=dict(SMALL)),
+        input_size=size,
+    )
     out = tmp_path / "sub" / "model.onnx"
-    result = CliRunner().invoke(cli, ["export", "--model", str(artifact), "--format", "onnx",
-                                      "--out", str(out), "--batch-size", "2", "--json"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            "--model",
+            str(artifact),
+            "--format",
+            "onnx",
+            "--out",
+            str(out),
+            "--batch-size",
+            "2",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert out.is_file() and data["input_shape"] == [2, *size] and data["batch"] == "fixed"
     assert data["static_shapes"] and data["max_abs_diff"] <= ATOL
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--model", "no_such_model_xyz", "--format", "torchscript", "--out", "{tmp}/m.pt"],
-     "no_such_model_xyz"),
-    (["--model", "{fixtures}:tiny_pyramid", "--format", "torchscript", "--out", "{tmp}"],
-     "is a directory"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--model", "no_such_model_xyz", "--format", "torchscript", "--out", "{tmp}/m.pt"],
+            "no_such_model_xyz",
+        ),
+        (
+            ["--model", "{fixtures}:tiny_pyramid", "--format", "torchscript", "--out", "{tmp}"],
+            "is a directory",
+        ),
+    ],
+)
 def test_cli_user_errors_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
     fixtures = Path(inhouse.__file__)
     args = [a.format(tmp=tmp_path, fixtures=fixtures) for a in args]

@@ -54,18 +54,24 @@ class OddNormViT(nn.Module):
         return self.head(self.tail(x)[:, 0])
 
 
-@pytest.mark.parametrize("ending, final_norm", [
-    ("tail", "tail"), ("pooled", None), ("functional", None)])
+@pytest.mark.parametrize(
+    "ending, final_norm", [("tail", "tail"), ("pooled", None), ("functional", None)]
+)
 def test_the_analysis_finds_the_final_norm_by_the_graph(ending, final_norm) -> None:
     model_map = vitcompress.map_model(OddNormViT(ending).eval(), SIZE)
     assert model_map.final_norm == final_norm
     assert model_map.to_json()["final_norm"] == final_norm
 
 
-@pytest.mark.parametrize("name, final_norm", [
-    ("vit", "norm"), ("inhouse_mha", "final_ln"), ("inhouse_registers", "out_norm"),
-    ("vit_registers", None),  # global pooling, then fc_norm: no norm on the token stream
-])
+@pytest.mark.parametrize(
+    "name, final_norm",
+    [
+        ("vit", "norm"),
+        ("inhouse_mha", "final_ln"),
+        ("inhouse_registers", "out_norm"),
+        ("vit_registers", None),  # global pooling, then fc_norm: no norm on the token stream
+    ],
+)
 def test_the_final_norm_of_the_families(name, final_norm) -> None:
     factory, size, _, _ = VANILLA[name]
     assert vitcompress.map_model(factory().eval(), size).final_norm == final_norm

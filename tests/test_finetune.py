@@ -72,9 +72,14 @@ def _data(n: int = 16) -> TensorDataset:
 
 
 def _config(**kwargs) -> FinetuneConfig:
-    defaults = dict(epochs=2, batch_size=4, lr=1e-3, warmup_epochs=1, log_every=1,
-                    mixup=dict(mixup_alpha=0.8, cutmix_alpha=1.0, num_classes=2,
-                               label_smoothing=0.1))
+    defaults = dict(
+        epochs=2,
+        batch_size=4,
+        lr=1e-3,
+        warmup_epochs=1,
+        log_every=1,
+        mixup=dict(mixup_alpha=0.8, cutmix_alpha=1.0, num_classes=2, label_smoothing=0.1),
+    )
     return FinetuneConfig(**{**defaults, **kwargs})
 
 
@@ -202,8 +207,9 @@ def test_two_epoch_run_writes_a_loadable_artifact(tmp_path):
     after = loaded.state_dict()
     assert set(after) == set(before)
     assert any(not torch.equal(after[k], before[k]) for k in before)
-    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
-             .splitlines()]
+    lines = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     steps = [r for r in lines if r["type"] == "step"]
     assert len(steps) == 8 and {"ce", "ratio", "distill", "token_distill"} <= set(steps[0])
     assert [r["epoch"] for r in lines if r["type"] == "epoch"] == [0, 1]
@@ -214,8 +220,7 @@ def test_two_epoch_run_writes_a_loadable_artifact(tmp_path):
 
 def test_ema_weights_are_written_as_their_own_artifact(tmp_path):
     student, teacher = _models()
-    result = finetune(student, teacher, _data(), _data(8), tmp_path / "run",
-                      _config(ema_decay=0.5))
+    result = finetune(student, teacher, _data(), _data(8), tmp_path / "run", _config(ema_decay=0.5))
     assert all("val_top1_ema" in epoch for epoch in result["history"])
     trained = vitcompress.load(tmp_path / "run").state_dict()
     ema = vitcompress.load(tmp_path / "run" / "ema").state_dict()
@@ -239,12 +244,20 @@ def test_resume_mid_epoch_gives_the_same_weights(tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        finetune(student, teacher, _data(), None, tmp_path / "b", _config(accum=2, epochs=3),
-                 on_step=stop)
+        finetune(
+            student,
+            teacher,
+            _data(),
+            None,
+            tmp_path / "b",
+            _config(accum=2, epochs=3),
+            on_step=stop,
+        )
     assert load_checkpoint(find_latest(tmp_path / "b" / "checkpoints"))["global_step"] == 3
     student, teacher = _models()
-    finetune(student, teacher, _data(), None, tmp_path / "b", _config(accum=2, epochs=3,
-                                                                    resume=True))
+    finetune(
+        student, teacher, _data(), None, tmp_path / "b", _config(accum=2, epochs=3, resume=True)
+    )
     resumed = vitcompress.load(tmp_path / "b").state_dict()
     for key, value in uninterrupted.items():
         assert torch.equal(resumed[key], value), key
@@ -278,15 +291,43 @@ def test_progress_hears_every_epoch_and_step_also_when_interrupted_and_resumed(t
     first, second = _Recorder(), _Recorder()
     student, teacher = _models()
     with pytest.raises(KeyboardInterrupt):  # 4 batches per epoch, accum 2: 2 steps per epoch
-        finetune(student, teacher, _data(), _data(8), tmp_path / "run",
-                 _config(accum=2), on_step=interrupt, progress=first)
-    assert first.calls == [("start", 2, 2), ("epoch", 0, 0), ("step", 1), ("step", 2),
-                           ("done", 0, True), ("epoch", 1, 0), ("step", 3), ("stop",)]
+        finetune(
+            student,
+            teacher,
+            _data(),
+            _data(8),
+            tmp_path / "run",
+            _config(accum=2),
+            on_step=interrupt,
+            progress=first,
+        )
+    assert first.calls == [
+        ("start", 2, 2),
+        ("epoch", 0, 0),
+        ("step", 1),
+        ("step", 2),
+        ("done", 0, True),
+        ("epoch", 1, 0),
+        ("step", 3),
+        ("stop",),
+    ]
     student, teacher = _models()
-    finetune(student, teacher, _data(), _data(8), tmp_path / "run",
-             _config(accum=2, resume=True), progress=second)
-    assert second.calls == [("start", 2, 2), ("epoch", 1, 1), ("step", 4), ("done", 1, True),
-                            ("stop",)]
+    finetune(
+        student,
+        teacher,
+        _data(),
+        _data(8),
+        tmp_path / "run",
+        _config(accum=2, resume=True),
+        progress=second,
+    )
+    assert second.calls == [
+        ("start", 2, 2),
+        ("epoch", 1, 1),
+        ("step", 4),
+        ("done", 1, True),
+        ("stop",),
+    ]
 
 
 def test_rich_progress_renders_epoch_step_loss_and_accuracy(monkeypatch):
@@ -297,8 +338,11 @@ def test_rich_progress_renders_epoch_step_loss_and_accuracy(monkeypatch):
     import vitcompress.cli.progress as progress_module
 
     buffer = io.StringIO()
-    monkeypatch.setattr(progress_module, "console",
-                        Console(file=buffer, force_terminal=True, width=200, color_system=None))
+    monkeypatch.setattr(
+        progress_module,
+        "console",
+        Console(file=buffer, force_terminal=True, width=200, color_system=None),
+    )
     bar = progress_module.RichProgress()
     bar.start(2, 4)
     bar.start_epoch(1, 1)
@@ -320,10 +364,14 @@ class _Labelled(TensorDataset):
 def test_a_head_that_cannot_fit_the_data_is_refused_before_training(tmp_path):
     student, teacher = _models()  # two outputs
     out = tmp_path / "run"
-    with pytest.raises(FinetuneError, match=r"predicts 2 classes but the data has 3.*"
-                                            r"num_classes=3"):
-        finetune(student, teacher, _Labelled(_data(), ["a", "b", "c"]), None, out,
-                 _config(mixup=None))
+    with pytest.raises(
+        FinetuneError,
+        match=r"predicts 2 classes but the data has 3.*"
+        r"num_classes=3",
+    ):
+        finetune(
+            student, teacher, _Labelled(_data(), ["a", "b", "c"]), None, out, _config(mixup=None)
+        )
     assert not out.exists()
     # A larger head fits hard labels, but not mixup's one-column-per-class targets.
     with pytest.raises(FinetuneError, match=r"predicts 2 classes but the data has 1.*mixup"):
@@ -342,8 +390,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
                 model.get_parameter("head.weight").fill_(math.inf)
 
     with pytest.raises(TrainingDiverged, match="step 3"):
-        finetune(student, teacher, _data(), None, tmp_path / "run",
-                 _config(save_every=1), on_step=poison)
+        finetune(
+            student, teacher, _data(), None, tmp_path / "run", _config(save_every=1), on_step=poison
+        )
     latest = find_latest(tmp_path / "run" / "checkpoints")
     state = load_checkpoint(latest)
     assert state["global_step"] == 2
@@ -368,17 +417,33 @@ def test_two_processes_end_with_identical_weights(tmp_path):
     script = tmp_path / "ddp_run.py"
     script.write_text(DDP_SCRIPT.format(root=str(ROOT)))
     (tmp_path / "out-dump").mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "ACCELERATE_USE_CPU": "true"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "ACCELERATE_USE_CPU": "true",
+    }
     # torchrun sets RANK/WORLD_SIZE/MASTER_* and ACCELERATE_USE_CPU selects gloo, as
     # `accelerate launch` does on GPUs; `accelerate launch --cpu` would need MPI for two ranks.
     # --standalone: a local rendezvous on a free port, so concurrent runs cannot collide. A new
     # session lets a timeout kill the workers with the launcher instead of leaving them behind.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(script), str(tmp_path / "out")],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            str(tmp_path / "out"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _, stderr = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
@@ -417,7 +482,8 @@ def _image_folder(root: Path) -> Path:
 def test_cli_with_a_recipe_and_an_override(tmp_path):
     data = _image_folder(tmp_path / "data")
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(textwrap.dedent(f"""\
+    recipe.write_text(
+        textwrap.dedent(f"""\
         model: {TINY}
         model_arg: {{img_size: 32, patch_size: 8, depth: 4, embed_dim: 32, num_heads: 2,
                     num_classes: 2}}
@@ -430,12 +496,14 @@ def test_cli_with_a_recipe_and_an_override(tmp_path):
         batch_size: 4
         lr: 0.001
         warmup_epochs: 0
-        """))
+        """)
+    )
     out = tmp_path / "run"
-    result = CliRunner().invoke(cli, ["finetune", "--recipe", str(recipe), "--epochs", "1",
-                                      "--out", str(out), "--json"])
+    result = CliRunner().invoke(
+        cli, ["finetune", "--recipe", str(recipe), "--epochs", "1", "--out", str(out), "--json"]
+    )
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.output[result.output.index("{"):])
+    summary = json.loads(result.output[result.output.index("{") :])
     assert summary["epochs"] == 1  # the command line wins over the recipe
     assert summary["steps"] == 2 and summary["variant"] == "dtps" and summary["locs"] == [1, 2]
     assert "epochs" not in summary["from_recipe"] and "batch_size" in summary["from_recipe"]
@@ -445,9 +513,25 @@ def test_cli_with_a_recipe_and_an_override(tmp_path):
         assert model(torch.randn(1, 3, 32, 32)).shape == (1, 2)
 
     # Fine-tuning the artifact again: the teacher comes from the artifact's base source.
-    again = CliRunner().invoke(cli, ["finetune", "--model", str(out), "--data", str(data),
-                                     "--augment", "none", "--epochs", "1", "--batch-size", "4",
-                                     "--out", str(tmp_path / "again"), "--json"])
+    again = CliRunner().invoke(
+        cli,
+        [
+            "finetune",
+            "--model",
+            str(out),
+            "--data",
+            str(data),
+            "--augment",
+            "none",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "4",
+            "--out",
+            str(tmp_path / "again"),
+            "--json",
+        ],
+    )
     assert again.exit_code == 0, again.output
     # An output that holds checkpoints is not overwritten without --resume.
     refused = CliRunner().invoke(cli, ["finetune", "--recipe", str(recipe), "--out", str(out)])

@@ -61,13 +61,29 @@ run("resumed", fsdp=True, resume=True)
 def _torchrun(tmp_path: Path, script: str) -> None:
     path = tmp_path / "fsdp_run.py"
     path.write_text(script)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "ACCELERATE_USE_CPU": "true"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "ACCELERATE_USE_CPU": "true",
+    }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(path), str(tmp_path / "out")],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(path),
+            str(tmp_path / "out"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _, stderr = proc.communicate(timeout=400)
     except subprocess.TimeoutExpired:
@@ -101,17 +117,18 @@ def test_fsdp_shards_during_training_and_writes_the_ddp_runs_model(tmp_path):
     # SIGTERM on process 0 at step 3: both stopped there and saved the whole state.
     assert reports[0]["interrupted"].startswith("interrupted (SIGTERM): step 3 saved in")
     assert reports[1]["interrupted"].startswith(
-        "interrupted (another process was signalled): step 3 saved in")
+        "interrupted (another process was signalled): step 3 saved in"
+    )
     resumed = vitcompress.load(out / "resumed").state_dict()
     for key in fsdp:
         assert torch.equal(resumed[key], fsdp[key]), key
     state = load_checkpoint(find_latest(out / "resumed" / "checkpoints"))
     assert state["sharding"] == "fsdp2" and state["global_step"] == 4
-    assert {k: v.shape for k, v in state["model"].items()} == {k: v.shape
-                                                               for k, v in fsdp.items()}
+    assert {k: v.shape for k, v in state["model"].items()} == {k: v.shape for k, v in fsdp.items()}
     assert set(state["optimizer"]["state"]) <= set(fsdp)  # keyed by name, whole tensors
-    assert all(s["exp_avg"].shape == fsdp[name].shape
-               for name, s in state["optimizer"]["state"].items())
+    assert all(
+        s["exp_avg"].shape == fsdp[name].shape for name, s in state["optimizer"]["state"].items()
+    )
 
 
 def test_fsdp_with_one_process_is_refused_before_anything_is_written(tmp_path):
@@ -143,4 +160,5 @@ def test_cli_fsdp_in_one_process_is_a_one_line_usage_error(tmp_path):
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().splitlines() == [
         "error: --fsdp needs several processes (start them with torchrun or accelerate launch); "
-        "one process trains without it"]
+        "one process trains without it"
+    ]

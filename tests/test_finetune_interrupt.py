@@ -34,8 +34,14 @@ def _uninterrupted(accum: int, epochs: int) -> dict[str, torch.Tensor]:
     key = (accum, epochs)
     if key not in _references:
         student, teacher = _models()
-        finetune(student, teacher, _data(), _data(8), Path(os.environ["VITC_REF_DIR"]) /
-                 f"ref-{accum}-{epochs}", _config(accum=accum, epochs=epochs))
+        finetune(
+            student,
+            teacher,
+            _data(),
+            _data(8),
+            Path(os.environ["VITC_REF_DIR"]) / f"ref-{accum}-{epochs}",
+            _config(accum=accum, epochs=epochs),
+        )
         _references[key] = {k: v.detach().clone() for k, v in student.model.state_dict().items()}
     return _references[key]
 
@@ -49,12 +55,30 @@ def _start(tmp_path: Path, point: str, at: int, accum: int = 1, epochs: int = 2)
     gates = tmp_path / "gates"
     gates.mkdir()
     # The same thread count as this process, so its arithmetic matches the reference run's.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "true",
-           "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "ACCELERATE_USE_CPU": "true",
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
+    }
     proc = subprocess.Popen(
-        [sys.executable, str(DRIVER), str(tmp_path / "run"), str(gates), point, str(at),
-         "--accum", str(accum), "--epochs", str(epochs)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            str(DRIVER),
+            str(tmp_path / "run"),
+            str(gates),
+            point,
+            str(at),
+            "--accum",
+            str(accum),
+            "--epochs",
+            str(epochs),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return proc, gates
 
 
@@ -78,8 +102,9 @@ def _finish(proc: subprocess.Popen) -> str:
     return stderr
 
 
-def _interrupt_then_resume(tmp_path: Path, point: str, at: int, sig: signal.Signals,
-                           accum: int, expected_step: int) -> None:
+def _interrupt_then_resume(
+    tmp_path: Path, point: str, at: int, sig: signal.Signals, accum: int, expected_step: int
+) -> None:
     proc, gates = _start(tmp_path, point, at, accum)
     _wait_for(gates / "ready", proc)
     proc.send_signal(sig)
@@ -97,8 +122,9 @@ def _interrupt_then_resume(tmp_path: Path, point: str, at: int, sig: signal.Sign
     assert not [p for p in checkpoint.parent.iterdir() if p.name.startswith(".tmp")]
 
     student, teacher = _models()
-    finetune(student, teacher, _data(), _data(8), tmp_path / "run",
-             _config(accum=accum, resume=True))
+    finetune(
+        student, teacher, _data(), _data(8), tmp_path / "run", _config(accum=accum, resume=True)
+    )
     resumed = vitcompress.load(tmp_path / "run").state_dict()
     for key, value in _uninterrupted(accum, 2).items():
         assert torch.equal(resumed[key], value), key
@@ -162,7 +188,12 @@ def test_checkpoints_and_the_artifact_follow_the_umask(tmp_path):
     finally:
         os.umask(old)
     run = tmp_path / "run"
-    files = [find_latest(run / "checkpoints"), run / "model.safetensors",
-             run / "vitcompress.json", run / "metrics.jsonl"]
-    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == \
-        {p.name: "0o644" for p in files}
+    files = [
+        find_latest(run / "checkpoints"),
+        run / "model.safetensors",
+        run / "vitcompress.json",
+        run / "metrics.jsonl",
+    ]
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {
+        p.name: "0o644" for p in files
+    }

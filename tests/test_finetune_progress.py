@@ -35,9 +35,20 @@ from vitcompress.training.checkpoint import find_latest, load_checkpoint
 from vitcompress.workflows.finetune import finetune
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_ARGS = ["--model-arg", "img_size=32", "--model-arg", "patch_size=8", "--model-arg",
-              "depth=4", "--model-arg", "embed_dim=32", "--model-arg", "num_heads=2",
-              "--model-arg", "num_classes=2"]
+MODEL_ARGS = [
+    "--model-arg",
+    "img_size=32",
+    "--model-arg",
+    "patch_size=8",
+    "--model-arg",
+    "depth=4",
+    "--model-arg",
+    "embed_dim=32",
+    "--model-arg",
+    "num_heads=2",
+    "--model-arg",
+    "num_classes=2",
+]
 
 
 def test_log_lines_every_n_steps_with_the_mean_rate_and_one_per_epoch():
@@ -46,10 +57,12 @@ def test_log_lines_every_n_steps_with_the_mean_rate_and_one_per_epoch():
     lines.start(2, 3, total_steps=5)
     lines.start_epoch(0, 0)
     for step, speed in ((1, 100.0), (2, 100.0), (3, 50.0), (4, 100.0), (5, 25.0)):
-        lines.step({"step": step, "epoch": (step - 1) // 3, "loss": 0.5, "lr": 1e-3,
-                    "img_per_s": speed})
-    lines.epoch_done({"epoch": 1, "step": 5, "train_loss": 0.25, "lr": 0.0, "img_per_s": 40.0,
-                      "val_top1": 0.5})
+        lines.step(
+            {"step": step, "epoch": (step - 1) // 3, "loss": 0.5, "lr": 1e-3, "img_per_s": speed}
+        )
+    lines.epoch_done(
+        {"epoch": 1, "step": 5, "train_loss": 0.25, "lr": 0.0, "img_per_s": 40.0, "val_top1": 0.5}
+    )
     assert stream.getvalue().splitlines() == [
         "step 1/5 (epoch 1/2): loss 0.5000, lr 1.00e-03, 100 img/s",
         "step 2/5 (epoch 1/2): loss 0.5000, lr 1.00e-03, 100 img/s",
@@ -62,12 +75,19 @@ def test_log_lines_every_n_steps_with_the_mean_rate_and_one_per_epoch():
 
 def test_max_steps_ends_the_run_and_sizes_the_schedule(tmp_path):
     student, teacher = _models()  # 16 images, batch 4: 4 steps per epoch
-    result = finetune(student, teacher, _data(), None, tmp_path / "run",
-                      _config(epochs=30, max_steps=5, warmup_epochs=0.25))
+    result = finetune(
+        student,
+        teacher,
+        _data(),
+        None,
+        tmp_path / "run",
+        _config(epochs=30, max_steps=5, warmup_epochs=0.25),
+    )
     assert result["steps"] == 5 and result["epochs"] == 2
     assert [(e["epoch"], e["step"]) for e in result["history"]] == [(0, 4), (1, 5)]
-    records = [json.loads(line) for line in
-               (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     lrs = [r["lr"] for r in records if r["type"] == "step"]
     assert lrs[0] == pytest.approx(1e-3)  # after the one warm-up step: the peak
     assert lrs[-1] == pytest.approx(0.0, abs=1e-12)  # the cosine ends at step 5, not 120
@@ -78,27 +98,50 @@ def test_max_steps_ends_the_run_and_sizes_the_schedule(tmp_path):
 def test_a_warm_up_as_long_as_the_run_is_warned(tmp_path, caplog):
     student, teacher = _models()
     with caplog.at_level(logging.WARNING, logger="vitcompress.workflows.finetune"):
-        finetune(student, teacher, _data(), None, tmp_path / "run",
-                 _config(epochs=1, warmup_epochs=1))
+        finetune(
+            student, teacher, _data(), None, tmp_path / "run", _config(epochs=1, warmup_epochs=1)
+        )
     assert "warm-up (4 steps) is as long as the run (4 steps)" in caplog.text
 
 
 def _cli_args(data: Path, out: Path, *extra: str, model: Path | None = None) -> list[str]:
-    spec = ["--model", str(model)] if model else ["--model", TINY, *MODEL_ARGS, "--keep", "0.5",
-                                                  "--locs", "1,2"]
-    return ["finetune", *spec, "--data", str(data), "--augment", "none", "--batch-size", "2", "--lr", "0.001",
-            "--warmup-epochs", "0", "--out", str(out), *extra]
+    spec = (
+        ["--model", str(model)]
+        if model
+        else ["--model", TINY, *MODEL_ARGS, "--keep", "0.5", "--locs", "1,2"]
+    )
+    return [
+        "finetune",
+        *spec,
+        "--data",
+        str(data),
+        "--augment",
+        "none",
+        "--batch-size",
+        "2",
+        "--lr",
+        "0.001",
+        "--warmup-epochs",
+        "0",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def test_cli_without_a_terminal_prints_log_lines(tmp_path):
     data = _image_folder(tmp_path / "data")  # 8 training images: 4 steps per epoch
-    result = CliRunner().invoke(cli, _cli_args(data, tmp_path / "run", "--max-steps", "3",
-                                               "--log-every", "2"))
+    result = CliRunner().invoke(
+        cli, _cli_args(data, tmp_path / "run", "--max-steps", "3", "--log-every", "2")
+    )
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stderr.splitlines() if line.startswith(("step", "epoch"))]
     assert [line.split(":")[0] for line in lines] == [
-        "step 1/3 (epoch 1/1)", "step 2/3 (epoch 1/1)", "step 3/3 (epoch 1/1)",
-        "epoch 1/1 done at step 3"]
+        "step 1/3 (epoch 1/1)",
+        "step 2/3 (epoch 1/1)",
+        "step 3/3 (epoch 1/1)",
+        "epoch 1/1 done at step 3",
+    ]
     assert re.search(r"loss \d\.\d{4}, lr \d\.\d\de-\d\d, \d+ img/s$", lines[1])
     assert "val top-1" in lines[-1]
 
@@ -118,13 +161,25 @@ def _compressed_artifact(folder: Path) -> Path:
 def test_cli_sigterm_on_a_log_line_then_resume_gives_the_same_weights(tmp_path):
     data = _image_folder(tmp_path / "data")
     model = _compressed_artifact(tmp_path / "model")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "true",
-           "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "ACCELERATE_USE_CPU": "true",
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
+    }
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vitcompress.cli.main",
-         *_cli_args(data, out, "--epochs", "2", "--log-every", "1", model=model)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "vitcompress.cli.main",
+            *_cli_args(data, out, "--epochs", "2", "--log-every", "1", model=model),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen = []
     try:
         for line in proc.stderr:  # the run goes on while the signal travels: any point is fair
@@ -138,16 +193,21 @@ def test_cli_sigterm_on_a_log_line_then_resume_gives_the_same_weights(tmp_path):
         raise
     assert proc.returncode == 130, "".join(seen) + rest
     last = rest.strip().splitlines()[-1]
-    saved = re.fullmatch(r"error: interrupted \(SIGTERM\): step (\d+) saved in (\S+); "
-                         r"continue with --resume", last)
+    saved = re.fullmatch(
+        r"error: interrupted \(SIGTERM\): step (\d+) saved in (\S+); "
+        r"continue with --resume",
+        last,
+    )
     assert saved is not None, last
     assert 2 <= int(saved.group(1)) < 8 and Path(saved.group(2)).is_file()
 
-    resumed = CliRunner().invoke(cli, _cli_args(data, out, "--epochs", "2", "--resume",
-                                                model=model))
+    resumed = CliRunner().invoke(
+        cli, _cli_args(data, out, "--epochs", "2", "--resume", model=model)
+    )
     assert resumed.exit_code == 0, resumed.output
-    whole = CliRunner().invoke(cli, _cli_args(data, tmp_path / "whole", "--epochs", "2",
-                                              model=model))
+    whole = CliRunner().invoke(
+        cli, _cli_args(data, tmp_path / "whole", "--epochs", "2", model=model)
+    )
     assert whole.exit_code == 0, whole.output
     a, b = vitcompress.load(out).state_dict(), vitcompress.load(tmp_path / "whole").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in b)

@@ -24,6 +24,7 @@ def _stop_at(step_to_stop: int):
     def stop(step: int, model: nn.Module) -> None:
         if step == step_to_stop:
             raise KeyboardInterrupt
+
     return stop
 
 
@@ -48,8 +49,7 @@ def test_checkpoint_holds_the_boundary_then_the_next_epochs_start(tmp_path):
         run.end_epoch(summary)  # evaluates, records the epoch, saves the next epoch's start
         state = load_checkpoint(find_latest(tmp_path / "run" / "checkpoints"))
         assert (state["epoch"], state["batches_done"], state["global_step"]) == (1, 0, 2)
-        assert state["epoch_totals"] == {"loss_sum": 0.0, "batches": 0, "images": 0,
-                                         "seconds": 0.0}
+        assert state["epoch_totals"] == {"loss_sum": 0.0, "batches": 0, "images": 0, "seconds": 0.0}
         assert [h["epoch"] for h in state["history"]] == [0]
         assert 0 <= state["history"][0]["val_top1"] <= 1
     finally:
@@ -57,11 +57,16 @@ def test_checkpoint_holds_the_boundary_then_the_next_epochs_start(tmp_path):
 
 
 def test_a_resumed_run_restores_its_place_and_reports_the_whole_run(tmp_path):
-    whole = finetune(*_models(), _data(), _data(8), tmp_path / "whole", _config(accum=2,
-                                                                                 epochs=3))
+    whole = finetune(*_models(), _data(), _data(8), tmp_path / "whole", _config(accum=2, epochs=3))
     with pytest.raises(KeyboardInterrupt):  # step 3: inside the second epoch, after 2 batches
-        finetune(*_models(), _data(), _data(8), tmp_path / "run", _config(accum=2, epochs=3),
-                 on_step=_stop_at(3))
+        finetune(
+            *_models(),
+            _data(),
+            _data(8),
+            tmp_path / "run",
+            _config(accum=2, epochs=3),
+            on_step=_stop_at(3),
+        )
     saved = load_checkpoint(find_latest(tmp_path / "run" / "checkpoints"))
 
     run = _run(tmp_path / "run", accum=2, epochs=3, resume=True)
@@ -85,8 +90,9 @@ def test_a_resumed_run_restores_its_place_and_reports_the_whole_run(tmp_path):
     # Every epoch, with the numbers of the uninterrupted run (the resumed epoch's train loss
     # covers its batches before the interrupt too); images/s is a timing and differs.
     drop = ("img_per_s",)
-    assert [{k: v for k, v in h.items() if k not in drop} for h in resumed["history"]] == \
-        [{k: v for k, v in h.items() if k not in drop} for h in whole["history"]]
+    assert [{k: v for k, v in h.items() if k not in drop} for h in resumed["history"]] == [
+        {k: v for k, v in h.items() if k not in drop} for h in whole["history"]
+    ]
     assert resumed["val_top1"] == whole["val_top1"]
 
 
@@ -94,7 +100,6 @@ def test_an_epoch_cut_by_max_steps_and_continued_is_reported_once(tmp_path):
     out = tmp_path / "run"  # 4 steps per epoch
     first = finetune(*_models(), _data(), None, out, _config(epochs=30, max_steps=5))
     assert [(h["epoch"], h["step"]) for h in first["history"]] == [(0, 4), (1, 5)]
-    longer = finetune(*_models(), _data(), None, out, _config(epochs=30, max_steps=7,
-                                                              resume=True))
+    longer = finetune(*_models(), _data(), None, out, _config(epochs=30, max_steps=7, resume=True))
     assert [(h["epoch"], h["step"]) for h in longer["history"]] == [(0, 4), (1, 7)]
     assert longer["history"][0] == first["history"][0]

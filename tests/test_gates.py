@@ -35,10 +35,18 @@ def test_each_bound_compares_in_its_direction() -> None:
     bounds = Bounds(max_acc_drop=1.0, min_speedup=1.2, max_gmacs=3.0)
     results = check_gates(bounds, {"acc_drop": 1.0, "speedup": 1.07, "gmacs": 3.5})
     assert [(r.name, r.passed) for r in results] == [
-        ("max_acc_drop", True), ("min_speedup", False), ("max_gmacs", False)]
+        ("max_acc_drop", True),
+        ("min_speedup", False),
+        ("max_gmacs", False),
+    ]
     assert [r.name for r in failed(results)] == ["min_speedup", "max_gmacs"]
-    assert results[1].to_json() == {"name": "min_speedup", "bound": 1.2, "value": 1.07,
-                                    "interval": None, "passed": False}
+    assert results[1].to_json() == {
+        "name": "min_speedup",
+        "bound": 1.2,
+        "value": 1.07,
+        "interval": None,
+        "passed": False,
+    }
     assert results[1].message() == "--min-speedup 1.20 but measured 1.07x"
     assert results[2].message() == "--max-gmacs 3.000 but measured 3.500 GMACs"
     assert results[0].message() == "--max-acc-drop 1.00 and measured 1.00 points"
@@ -68,23 +76,41 @@ def test_require_names_the_flag_and_the_reason() -> None:
 
 def gate_lines(result: Result) -> list[str]:
     # eval adds "note:" lines about the data config it assumed; the gates are what is checked here
-    return [line for line in result.stderr.splitlines()
-            if line.strip() and not line.startswith("note: ")]
+    return [
+        line
+        for line in result.stderr.splitlines()
+        if line.strip() and not line.startswith("note: ")
+    ]
 
 
 def test_apply_passes_and_reports_gates_in_json() -> None:
-    result = run("apply", "--model", MHA, *SMALL, "--keep", "0.5", *FAST, "--json",
-                 "--max-gmacs", "10", "--min-speedup", "1e-6")
+    result = run(
+        "apply",
+        "--model",
+        MHA,
+        *SMALL,
+        "--keep",
+        "0.5",
+        *FAST,
+        "--json",
+        "--max-gmacs",
+        "10",
+        "--min-speedup",
+        "1e-6",
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert [(g["name"], g["passed"]) for g in data["gates"]] == [
-        ("min_speedup", True), ("max_gmacs", True)]
+        ("min_speedup", True),
+        ("max_gmacs", True),
+    ]
     assert data["gates"][1]["value"] == pytest.approx(data["compressed"]["gmacs"])
 
 
 def test_apply_missed_bound_exits_3_after_the_report() -> None:
-    result = run("apply", "--model", MHA, *SMALL, "--keep", "0.5", "--no-throughput",
-                 "--max-gmacs", "0.0001")
+    result = run(
+        "apply", "--model", MHA, *SMALL, "--keep", "0.5", "--no-throughput", "--max-gmacs", "0.0001"
+    )
     assert result.exit_code == 3, result.output
     assert "tokens per block" in result.stdout  # the report came first
     assert "gate FAILED" in result.stdout
@@ -93,8 +119,20 @@ def test_apply_missed_bound_exits_3_after_the_report() -> None:
 
 
 def test_apply_json_is_printed_before_failing() -> None:
-    result = run("apply", "--model", MHA, *SMALL, "--keep", "0.5", *FAST, "--json",
-                 "--min-speedup", "1000", "--max-gmacs", "0.0001")
+    result = run(
+        "apply",
+        "--model",
+        MHA,
+        *SMALL,
+        "--keep",
+        "0.5",
+        *FAST,
+        "--json",
+        "--min-speedup",
+        "1000",
+        "--max-gmacs",
+        "0.0001",
+    )
     assert result.exit_code == 3
     data = json.loads(result.stdout)
     assert [g["passed"] for g in data["gates"]] == [False, False]
@@ -102,12 +140,15 @@ def test_apply_json_is_printed_before_failing() -> None:
     assert len(lines) == 2 and lines[0].startswith("gate failed: --min-speedup 1000.00 but ")
 
 
-@pytest.mark.parametrize("args, words", [
-    (["apply", "--no-throughput", "--min-speedup", "1.1"], "--no-throughput"),
-    (["apply", "--no-throughput", "--max-acc-drop", "1"], "eval --base"),
-    (["bench", "--no-throughput", "--min-speedup", "1.1"], "one model"),
-    (["bench", "--no-throughput", "--max-acc-drop", "1"], "no accuracy"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["apply", "--no-throughput", "--min-speedup", "1.1"], "--no-throughput"),
+        (["apply", "--no-throughput", "--max-acc-drop", "1"], "eval --base"),
+        (["bench", "--no-throughput", "--min-speedup", "1.1"], "one model"),
+        (["bench", "--no-throughput", "--max-acc-drop", "1"], "no accuracy"),
+    ],
+)
 def test_bounds_a_command_cannot_check_are_input_errors(args: list[str], words: str) -> None:
     result = run(*args, "--model", MHA, *SMALL)
     assert result.exit_code == 2, result.output
@@ -130,8 +171,19 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_eval_gates_need_base_but_max_gmacs_does_not(folder: Path) -> None:
-    common = ["eval", "--model", MHA, *SMALL, "--model-arg", "num_classes=2", "--data",
-              str(folder), "--batch-size", "4", "--no-throughput"]
+    common = [
+        "eval",
+        "--model",
+        MHA,
+        *SMALL,
+        "--model-arg",
+        "num_classes=2",
+        "--data",
+        str(folder),
+        "--batch-size",
+        "4",
+        "--no-throughput",
+    ]
     result = run(*common, "--max-acc-drop", "1")
     assert result.exit_code == 2 and "--max-acc-drop: needs --base" in result.stderr
     result = run(*common, "--max-gmacs", "10", "--json")

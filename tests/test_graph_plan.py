@@ -20,8 +20,15 @@ from vitcompress.graph.plan import Plan, PlanError, make_plan
 PACKAGE = Path(vitcompress.__file__).parent
 GRAPH = PACKAGE / "graph"
 # The graph layer builds on method and modules only; these sit above it.
-ABOVE_GRAPH = ("vitcompress.cli", "vitcompress.workflows", "vitcompress.plan", "vitcompress.api",
-               "vitcompress.training", "vitcompress.artifact", "vitcompress.compression")
+ABOVE_GRAPH = (
+    "vitcompress.cli",
+    "vitcompress.workflows",
+    "vitcompress.plan",
+    "vitcompress.api",
+    "vitcompress.training",
+    "vitcompress.artifact",
+    "vitcompress.compression",
+)
 MHA = f"{FIXTURES}:mha_vit"
 SMALL = ["--model-arg", "depth=2", "--model-arg", "dim=32"]
 
@@ -55,8 +62,9 @@ def test_the_graph_layer_imports_nothing_above_it() -> None:
 
 def test_the_import_check_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
     source = tmp_path / "probe.py"
-    source.write_text("def f():\n    from vitcompress.cli import app\n"
-                      "from ..workflows import apply\n")
+    source.write_text(
+        "def f():\n    from vitcompress.cli import app\nfrom ..workflows import apply\n"
+    )
     names = _imported_modules(source)
     assert "vitcompress.cli" in names and "vitcompress.workflows.apply" in names
 
@@ -69,17 +77,20 @@ def model_map():
     return map_model(inhouse.mha_vit(dim=32), SIZE)  # 4 blocks
 
 
-@pytest.mark.parametrize("keep, locs, parameter, detail", [
-    ([1.5], [1], "keep", "must be in (0, 1], got 1.5"),
-    ([], [1], "keep", "must not be empty"),
-    ([0.5, 0.5], [1], "keep", "has 2 values for 1 locations"),
-    (0.5, [1], "keep", "must be a list of keep ratios, got 0.5"),
-    (["0.5"], [1], "keep", "must be numbers, got '0.5'"),
-    ([0.5], [4], "locs", "4 is out of range: the model has 4 blocks (0..3)"),
-    ([0.5], [], "locs", "must not be empty"),
-    ([0.5], [2, 1], "locs", "must be strictly increasing without duplicates, got [2, 1]"),
-    ([0.5], "1,2", "locs", "must be a list of block indices or None, got '1,2'"),
-])
+@pytest.mark.parametrize(
+    "keep, locs, parameter, detail",
+    [
+        ([1.5], [1], "keep", "must be in (0, 1], got 1.5"),
+        ([], [1], "keep", "must not be empty"),
+        ([0.5, 0.5], [1], "keep", "has 2 values for 1 locations"),
+        (0.5, [1], "keep", "must be a list of keep ratios, got 0.5"),
+        (["0.5"], [1], "keep", "must be numbers, got '0.5'"),
+        ([0.5], [4], "locs", "4 is out of range: the model has 4 blocks (0..3)"),
+        ([0.5], [], "locs", "must not be empty"),
+        ([0.5], [2, 1], "locs", "must be strictly increasing without duplicates, got [2, 1]"),
+        ([0.5], "1,2", "locs", "must be a list of block indices or None, got '1,2'"),
+    ],
+)
 def test_plan_errors_name_the_parameter(model_map, keep, locs, parameter, detail) -> None:
     with pytest.raises(PlanError) as raised:
         make_plan(model_map, "etps", keep, locs)
@@ -104,10 +115,12 @@ def test_one_keep_ratio_applies_to_every_location(model_map) -> None:
 
 
 def test_the_api_takes_one_ratio_or_a_list() -> None:
-    one = vitcompress.compress(inhouse.mha_vit(dim=32), "etps", keep=0.5, locs=[1, 2],
-                               input_size=SIZE)
-    listed = vitcompress.compress(inhouse.mha_vit(dim=32), "etps", keep=[0.5, 0.5], locs=(1, 2),
-                                  input_size=SIZE)
+    one = vitcompress.compress(
+        inhouse.mha_vit(dim=32), "etps", keep=0.5, locs=[1, 2], input_size=SIZE
+    )
+    listed = vitcompress.compress(
+        inhouse.mha_vit(dim=32), "etps", keep=[0.5, 0.5], locs=(1, 2), input_size=SIZE
+    )
     assert one.vitcompress_plan == listed.vitcompress_plan
     assert one.vitcompress_plan["keep"] == [0.5, 0.5]
 
@@ -130,11 +143,14 @@ def test_a_plan_refusal_without_a_parameter_is_told_as_it_is() -> None:
     assert error.parameter is None and plan_error_line(error) == str(error)
 
 
-@pytest.mark.parametrize("args, line", [
-    (["--locs", "7"], "error: --locs 7 is out of range: the model has 2 blocks (0..1)"),
-    (["--keep", "0.5,0.5,0.5"], "error: --keep has 3 values for 1 locations"),
-    (["--keep", ""], "error: --keep must not be empty"),
-])
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--locs", "7"], "error: --locs 7 is out of range: the model has 2 blocks (0..1)"),
+        (["--keep", "0.5,0.5,0.5"], "error: --keep has 3 values for 1 locations"),
+        (["--keep", ""], "error: --keep must not be empty"),
+    ],
+)
 def test_the_command_line_names_its_options(args: list[str], line: str) -> None:
     result = CliRunner().invoke(cli, ["apply", "--model", MHA, *SMALL, "--no-throughput", *args])
     assert result.exit_code == 2, result.output

@@ -23,8 +23,7 @@ def _small(name):
 # Every variant on the small pyramids; the full-width zoo models with one variant of each kind
 # (predictor, attention) to keep the suite within its budget on two cores.
 CASES = [(name, variant) for name in ("inhouse_pyramid", "pvt_v2_b0") for variant in VARIANTS]
-CASES += [("pvt_tiny", "dtps"), ("pvt_tiny", "evit"), ("cvt_13", "dynamicvit"),
-          ("cvt_13", "etps")]
+CASES += [("pvt_tiny", "dtps"), ("pvt_tiny", "evit"), ("cvt_13", "dynamicvit"), ("cvt_13", "etps")]
 
 
 @pytest.mark.parametrize("name, variant", CASES)
@@ -88,8 +87,20 @@ def test_pvt_tiny_paper_setting_as_the_user_writes_it():
 
     from vitcompress.cli.main import cli
 
-    result = CliRunner().invoke(cli, ["apply", "--model", "pvt_tiny", "--variant", "dtps",
-                                      "--keep", "0.7", "--no-throughput", "--json"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "apply",
+            "--model",
+            "pvt_tiny",
+            "--variant",
+            "dtps",
+            "--keep",
+            "0.7",
+            "--no-throughput",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     import json
 

@@ -24,10 +24,16 @@ def _model(factory):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("factory, names", [
-    (issue10.flatten_head_vit, "flatten (flatten_1) merges the token axis of (65, 32)"),
-    (issue10.patch_token_head_vit, "getitem (getitem_25) reads token(s) 5 of the 65 by position"),
-])
+@pytest.mark.parametrize(
+    "factory, names",
+    [
+        (issue10.flatten_head_vit, "flatten (flatten_1) merges the token axis of (65, 32)"),
+        (
+            issue10.patch_token_head_vit,
+            "getitem (getitem_25) reads token(s) 5 of the 65 by position",
+        ),
+    ],
+)
 def test_a_head_reading_tokens_by_position_is_refused_naming_the_op(factory, names, variant):
     for keep in (1.0, 0.7):
         with pytest.raises(PlanError) as refused:

@@ -16,13 +16,18 @@ from vitcompress.graph.analyse import MappingError
 SIZE = (3, 32, 32)
 
 
-@pytest.mark.parametrize("factory, blocker", [
-    (issue10.parallel_vit, "its attention is not followed by an MLP residual"),
-    (issue10.two_attentions_vit,
-     "2 attention cores (blocks.0.attns.0, blocks.0.attns.1) are added to one residual"),
-    (lambda: timm_small("vit_small_patch16_18x2_224"), "2 attention cores"),
-    (lambda: timm_small("vit_pwee_patch16_reg1_gap_256"), "not followed by an MLP residual"),
-])
+@pytest.mark.parametrize(
+    "factory, blocker",
+    [
+        (issue10.parallel_vit, "its attention is not followed by an MLP residual"),
+        (
+            issue10.two_attentions_vit,
+            "2 attention cores (blocks.0.attns.0, blocks.0.attns.1) are added to one residual",
+        ),
+        (lambda: timm_small("vit_small_patch16_18x2_224"), "2 attention cores"),
+        (lambda: timm_small("vit_pwee_patch16_reg1_gap_256"), "not followed by an MLP residual"),
+    ],
+)
 def test_parallel_blocks_are_refused_naming_the_blocker(factory, blocker):
     with pytest.raises(MappingError) as refused:
         map_model(factory().eval(), SIZE)
@@ -33,10 +38,19 @@ def test_parallel_blocks_are_refused_naming_the_blocker(factory, blocker):
 
 def test_sam_windowed_attention_on_3d_tensors_gets_the_windowed_line():
     torch.manual_seed(0)
-    sam = timm.create_model("samvit_base_patch16", img_size=64, patch_size=8, window_size=4,
-                            depth=2, embed_dim=64, num_heads=2, global_attn_indexes=(1,)).eval()
+    sam = timm.create_model(
+        "samvit_base_patch16",
+        img_size=64,
+        patch_size=8,
+        window_size=4,
+        depth=2,
+        embed_dim=64,
+        num_heads=2,
+        global_attn_indexes=(1,),
+    ).eval()
     with pytest.raises(MappingError) as refused:
         map_model(sam, (3, 64, 64))
     assert str(refused.value) == (
         "windowed attention: tokens cannot be dropped without breaking the windows "
-        "(blocks.0.attn attends within 4 windows of 16 tokens per image)")
+        "(blocks.0.attn attends within 4 windows of 16 tokens per image)"
+    )

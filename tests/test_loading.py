@@ -641,7 +641,10 @@ def test_artifact_directory_is_for_the_api(tmp_path: Path, monkeypatch: pytest.M
     assert calls == [str(tmp_path)]
     assert loaded.input_size == (3, 32, 32) and not loaded.model.training
     assert vitcompress.api.load_model(str(tmp_path), input_size=(3, 64, 64)).input_size == (
-        3, 64, 64)
+        3,
+        64,
+        64,
+    )
     with pytest.raises(ModelLoadError, match="does not run on --input-size 1,64,64"):
         vitcompress.api.load_model(str(tmp_path), input_size=(1, 64, 64))
     with pytest.raises(ModelLoadError, match="three positive integers"):

@@ -293,8 +293,15 @@ class Sleepy(nn.Module):
 
 def test_time_budget_stops_the_rounds_and_says_so() -> None:
     rounds: list[RoundProgress] = []
-    report = measure_throughput({"a": Sleepy(0.02), "b": Sleepy(0.02)}, INPUT, batch_size=1,
-                                warmup=50, runs=1000, time_budget=0.3, on_round=rounds.append)
+    report = measure_throughput(
+        {"a": Sleepy(0.02), "b": Sleepy(0.02)},
+        INPUT,
+        batch_size=1,
+        warmup=50,
+        runs=1000,
+        time_budget=0.3,
+        on_round=rounds.append,
+    )
     env = report.environment
     timed = len(report.results["a"].samples)
     assert 1 <= timed < 1000 and env["runs"] == timed and env["runs_requested"] == 1000
@@ -306,8 +313,9 @@ def test_time_budget_stops_the_rounds_and_says_so() -> None:
 
 
 def test_a_spent_budget_still_times_one_round() -> None:
-    report = measure_throughput({"m": Sleepy(0.01)}, INPUT, batch_size=1, warmup=3, runs=5,
-                                time_budget=1e-9)
+    report = measure_throughput(
+        {"m": Sleepy(0.01)}, INPUT, batch_size=1, warmup=3, runs=5, time_budget=1e-9
+    )
     assert report.environment["warmup"] == 1 and len(report.results["m"].samples) == 1
     with pytest.raises(ValueError, match="time_budget"):
         measure_throughput({"m": Sleepy(0.0)}, INPUT, time_budget=0)

@@ -83,8 +83,7 @@ def test_squeeze_with_prefix_is_the_concatenation_and_leaves_its_inputs(grad):
         assert torch.equal(given.detach(), copy)
     if grad:
         out.square().sum().backward()
-        assert all(t.grad is not None and t.grad.abs().sum() > 0
-                   for t in (prefix, hosts, donors))
+        assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (prefix, hosts, donors))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -29,9 +29,14 @@ def reference_predictor(p: dict[str, Tensor], x: Tensor, previous: Tensor) -> Te
     """LayerNorm -> Linear -> GELU; local half, mask-weighted global mean of the other half;
     Linear(C, C/2) -> GELU -> Linear(C/2, C/4) -> GELU -> Linear(C/4, 2) -> log-softmax."""
     c = x.shape[-1]
-    z = F.gelu(F.linear(F.layer_norm(x, (c,), p["in_conv.0.weight"], p["in_conv.0.bias"]),
-                        p["in_conv.1.weight"], p["in_conv.1.bias"]))
-    local, rest = z[..., : c // 2], z[..., c // 2:]
+    z = F.gelu(
+        F.linear(
+            F.layer_norm(x, (c,), p["in_conv.0.weight"], p["in_conv.0.bias"]),
+            p["in_conv.1.weight"],
+            p["in_conv.1.bias"],
+        )
+    )
+    local, rest = z[..., : c // 2], z[..., c // 2 :]
     d = previous.unsqueeze(-1)
     global_ = (rest * d).sum(dim=1, keepdim=True) / d.sum(dim=1, keepdim=True)
     h = torch.cat([local, global_.expand_as(local)], dim=-1)
@@ -60,8 +65,9 @@ def reference_squeeze(x: Tensor, keep: Tensor, pruned: Tensor) -> Tensor:
     return x * (math.e / den).unsqueeze(-1) + (w.transpose(1, 2) / den.unsqueeze(-1)) @ x
 
 
-def reference_location(p: dict[str, Tensor], x: Tensor, previous: Tensor,
-                       noise: Tensor) -> tuple[Tensor, Tensor]:
+def reference_location(
+    p: dict[str, Tensor], x: Tensor, previous: Tensor, noise: Tensor
+) -> tuple[Tensor, Tensor]:
     """One dTPS location on the patch tokens: the new patch tokens and the keep mask D_s."""
     keep = straight_through_gumbel(reference_predictor(p, x, previous), noise)[..., 0] * previous
     pruned = (1.0 - keep) * previous
@@ -89,7 +95,8 @@ def relative_difference(got: list[Tensor], expected: list[Tensor]) -> float:
 def assert_close_per_location(got: list[list[Tensor]], expected: list[list[Tensor]]) -> None:
     differences = [relative_difference(g, e) for g, e in zip(got, expected, strict=True)]
     assert max(differences) < RELATIVE_TOLERANCE, "predictor gradients apart per location: " + (
-        ", ".join(f"{d:.2%}" for d in differences))
+        ", ".join(f"{d:.2%}" for d in differences)
+    )
 
 
 def gradients(module: torch.nn.Module) -> list[Tensor]:
@@ -138,8 +145,9 @@ def test_predictor_gradients_match_the_reference_per_location(monkeypatch: pytes
     mixer = torch.randn(c, c) / math.sqrt(c)
     probe = torch.randn(b, prefix + n, c)
     noises = noise_for((b, n), len(keeps), seed=13)
-    library = [PredictorReducer(c, prefix, keep_tokens=int(n * k), keep_ratio=k).train()
-               for k in keeps]
+    library = [
+        PredictorReducer(c, prefix, keep_tokens=int(n * k), keep_ratio=k).train() for k in keeps
+    ]
     reference = [copy.deepcopy(r.predictor) for r in library]
 
     def block(tokens: Tensor) -> Tensor:
@@ -171,8 +179,7 @@ def test_predictor_gradients_match_the_reference_per_location(monkeypatch: pytes
     assert all(0 < m.sum() < m.numel() for m in masks)  # both hosts and donors at each location
 
 
-def test_compressed_vit_trains_with_the_official_squeeze_gradients(
-        monkeypatch: pytest.MonkeyPatch):
+def test_compressed_vit_trains_with_the_official_squeeze_gradients(monkeypatch: pytest.MonkeyPatch):
     # A whole compressed ViT in training mode (masked attention in the blocks between): the
     # library's squeeze against the reference squeeze put in its place, same noise, same loss.
     torch.manual_seed(14)
@@ -193,6 +200,7 @@ def test_compressed_vit_trains_with_the_official_squeeze_gradients(
 
     got = predictor_gradients(reducers.squeeze_masked)
     expected = predictor_gradients(
-        lambda x, host_mask, donor_mask: reference_squeeze(x, host_mask, donor_mask))
+        lambda x, host_mask, donor_mask: reference_squeeze(x, host_mask, donor_mask)
+    )
     assert all(torch.cat([t.flatten() for t in e]).norm() > 0 for e in expected)
     assert_close_per_location(got, expected)

@@ -62,16 +62,19 @@ def test_fractions_restart_at_each_stage():
     assert ratios == [0.7, 0.7, 0.7]
 
 
-@pytest.mark.parametrize("fractions, message", [
-    ([0.7, 0.8, 0.5], "must not increase"),
-    ([0.7, 0.49], "has 2 values for 3 locations"),
-    ([0.7, 0.49, 0.343, 0.2], "has 4 values for 3 locations"),
-    ([1.2, 0.49, 0.343], "must be in (0, 1]"),
-    ([0.7, 0.49, 0.0], "must be in (0, 1]"),
-    ([0.7, 0.49, -0.3], "must be in (0, 1]"),
-    ([0.7, float("nan"), 0.3], "must be in (0, 1]"),
-    ([0.7, "x", 0.3], "must be numbers"),
-])
+@pytest.mark.parametrize(
+    "fractions, message",
+    [
+        ([0.7, 0.8, 0.5], "must not increase"),
+        ([0.7, 0.49], "has 2 values for 3 locations"),
+        ([0.7, 0.49, 0.343, 0.2], "has 4 values for 3 locations"),
+        ([1.2, 0.49, 0.343], "must be in (0, 1]"),
+        ([0.7, 0.49, 0.0], "must be in (0, 1]"),
+        ([0.7, 0.49, -0.3], "must be in (0, 1]"),
+        ([0.7, float("nan"), 0.3], "must be in (0, 1]"),
+        ([0.7, "x", 0.3], "must be numbers"),
+    ],
+)
 def test_bad_lists_are_one_line(fractions, message):
     with pytest.raises(KeepListError, match=message.replace("(", r"\(").replace("]", r"\]")) as e:
         per_location_keep(fractions, [0, 0, 0], [196] * 3)

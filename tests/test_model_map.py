@@ -37,12 +37,15 @@ def test_block_paths_and_cls_detection():
     assert not map_model(inhouse.einsum_vit(), (3, 32, 32)).cls_token
 
 
-@pytest.mark.parametrize("name, prefix, heads", [
-    ("deit_small_patch16_224", 1, 6),
-    ("deit_tiny_distilled_patch16_224", 2, 3),
-    ("deit3_small_patch16_224", 1, 6),
-    ("vit_base_patch16_224", 1, 12),
-])
+@pytest.mark.parametrize(
+    "name, prefix, heads",
+    [
+        ("deit_small_patch16_224", 1, 6),
+        ("deit_tiny_distilled_patch16_224", 2, 3),
+        ("deit3_small_patch16_224", 1, 6),
+        ("vit_base_patch16_224", 1, 12),
+    ],
+)
 def test_full_size_timm_vits(name, prefix, heads):
     model_map = map_model(timm.create_model(name)).to_json()
     assert model_map["prefix_tokens"] == prefix and model_map["grid"] == [14, 14]
@@ -54,7 +57,9 @@ def test_full_size_timm_vits(name, prefix, heads):
 def test_pvt_v2_stages_and_grid_ops():
     model_map = map_model(timm.create_model("pvt_v2_b0")).to_json()
     assert [s["grid"] for s in model_map["stages"]] == [[56, 56], [28, 28], [14, 14], [7, 7]]
-    assert [b["tokens"] for b in model_map["blocks"]] == [3136] * 2 + [784] * 2 + [196] * 2 + [49] * 2
+    assert [b["tokens"] for b in model_map["blocks"]] == [3136] * 2 + [784] * 2 + [196] * 2 + [
+        49
+    ] * 2
     first = model_map["blocks"][0]["grid_ops"]
     assert [(op["path"], op["branch"], op["grid"]) for op in first] == [
         ("stages.0.blocks.0.attn.sr", "attention", [56, 56]),
@@ -73,8 +78,9 @@ def test_inhouse_pyramid():
 
 
 def test_a_model_without_attention_says_what_is_missing():
-    cnn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                        nn.Linear(8, 2))
+    cnn = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2)
+    )
     with pytest.raises(MappingError, match="no transformer block found: 0 attention core"):
         map_model(cnn, (3, 16, 16))
 

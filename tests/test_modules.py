@@ -10,10 +10,10 @@ def _reference(predictor: ScorePredictor, tokens, keep_mask):
     x = predictor.in_conv(tokens)
     b, n, c = x.shape
     if keep_mask is None:
-        global_ = x[..., c // 2:].mean(dim=1, keepdim=True)
+        global_ = x[..., c // 2 :].mean(dim=1, keepdim=True)
     else:
         w = keep_mask.unsqueeze(-1)
-        global_ = (x[..., c // 2:] * w).sum(dim=1, keepdim=True) / w.sum(dim=1, keepdim=True)
+        global_ = (x[..., c // 2 :] * w).sum(dim=1, keepdim=True) / w.sum(dim=1, keepdim=True)
     return predictor.out_conv(torch.cat([x[..., : c // 2], global_.expand(b, n, c // 2)], -1))
 
 
@@ -37,5 +37,10 @@ def test_keep_score_orders_like_the_keep_log_probability():
 
 def test_dynamicvit_state_dict_layout():
     keys = set(ScorePredictor(16).state_dict())
-    assert {"in_conv.0.weight", "in_conv.1.weight", "out_conv.0.weight", "out_conv.2.weight",
-            "out_conv.4.weight"} <= keys
+    assert {
+        "in_conv.0.weight",
+        "in_conv.1.weight",
+        "out_conv.0.weight",
+        "out_conv.2.weight",
+        "out_conv.4.weight",
+    } <= keys

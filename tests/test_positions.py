@@ -20,8 +20,11 @@ SIZE = (3, 32, 32)
 
 # name -> (timm model, the table the refusal names, where it meets the tokens)
 POSITION_FAMILIES = {
-    "beit": ("beit_base_patch16_224", "blocks.{}.attn.relative_position_bias_table",
-             "attention logits"),
+    "beit": (
+        "beit_base_patch16_224",
+        "blocks.{}.attn.relative_position_bias_table",
+        "attention logits",
+    ),
     "vit_relpos": ("vit_relpos_base_patch16_224", "blocks.{}.attn.rel_pos", "attention logits"),
     "rope": ("vit_small_patch16_rope_224", "<constant (64, 32)>", "queries/keys"),
     # RoPE sized from the patch grid at run time: reading a size does not make it image-derived.
@@ -85,13 +88,20 @@ def test_without_the_refusal_the_logits_would_silently_change(name, monkeypatch)
 def test_the_map_lists_every_block_s_position_table():
     beit = map_model(timm_small("beit_base_patch16_224"), SIZE).to_json()
     for i, block in enumerate(beit["blocks"]):
-        assert block["position_uses"] == [{
-            "table": f"blocks.{i}.attn.relative_position_bias_table", "kind": "attention bias",
-            "branch": "attention", "path": f"blocks.{i}.attn", "shape": [1, 2, 65, 65]}]
+        assert block["position_uses"] == [
+            {
+                "table": f"blocks.{i}.attn.relative_position_bias_table",
+                "kind": "attention bias",
+                "branch": "attention",
+                "path": f"blocks.{i}.attn",
+                "shape": [1, 2, 65, 65],
+            }
+        ]
     rope = map_model(timm_small("vit_small_patch16_rope_224"), SIZE).to_json()
     # The sin/cos rows of the 64 patch tokens (the cls token is not rotated), on q and k.
     assert {(u["kind"], tuple(u["shape"])) for u in rope["blocks"][2]["position_uses"]} == {
-        ("query/key table", (64, 32))}
+        ("query/key table", (64, 32))
+    }
 
 
 @pytest.mark.parametrize("name", list(VANILLA))
@@ -140,7 +150,8 @@ class OneBiasedBlockViT(nn.Module):
         self.cls = nn.Parameter(torch.randn(1, 1, dim))
         self.where = nn.Parameter(torch.randn(1, tokens, dim))
         self.layers = nn.ModuleList(
-            BiasedBlock(dim, heads, tokens if i == biased else None) for i in range(depth))
+            BiasedBlock(dim, heads, tokens if i == biased else None) for i in range(depth)
+        )
         self.head = nn.Linear(dim, 10)
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
@@ -155,24 +166,33 @@ def test_an_in_house_bias_is_found_in_its_block_only():
     model_map = map_model(OneBiasedBlockViT(biased=2), SIZE)
     assert [len(b.position_uses) for b in model_map.blocks] == [0, 0, 1, 0]
     use = model_map.blocks[2].position_uses[0]
-    assert (use.table, use.kind, use.path) == ("layers.2.mixer.bias", "attention bias",
-                                               "layers.2.mixer")
+    assert (use.table, use.kind, use.path) == (
+        "layers.2.mixer.bias",
+        "attention bias",
+        "layers.2.mixer",
+    )
 
 
-@pytest.mark.parametrize("variant, loc, refused", [
-    ("dtps", 2, True),  # reduced before block 2: its biased attention sees fewer tokens
-    ("dtps", 3, False),  # reduced after it
-    ("dynamicvit", 1, True),
-    ("etps", 2, False),  # reduced after block 2's attention: only its MLP sees fewer tokens
-    ("evit", 1, True),
-    ("etps", 3, False),
-])
+@pytest.mark.parametrize(
+    "variant, loc, refused",
+    [
+        ("dtps", 2, True),  # reduced before block 2: its biased attention sees fewer tokens
+        ("dtps", 3, False),  # reduced after it
+        ("dynamicvit", 1, True),
+        ("etps", 2, False),  # reduced after block 2's attention: only its MLP sees fewer tokens
+        ("evit", 1, True),
+        ("etps", 3, False),
+    ],
+)
 def test_only_a_table_after_the_reduction_refuses(variant, loc, refused):
     torch.manual_seed(0)
     model = OneBiasedBlockViT(biased=2).eval()
     if refused:
-        with pytest.raises(PlanError, match=r"block 2 \(layers\.2\.mixer\) applies the position "
-                                            r"table layers\.2\.mixer\.bias"):
+        with pytest.raises(
+            PlanError,
+            match=r"block 2 \(layers\.2\.mixer\) applies the position "
+            r"table layers\.2\.mixer\.bias",
+        ):
             vitcompress.compress(model, variant, keep=0.7, locs=[loc], input_size=SIZE)
         return
     same = vitcompress.compress(model, variant, keep=1.0, locs=[loc], input_size=SIZE).eval()
@@ -185,11 +205,20 @@ def test_only_a_table_after_the_reduction_refuses(variant, loc, refused):
 
 def test_the_cli_refuses_with_one_line_and_exit_code_2():
     args = [f"{k}={v}" for k, v in SMALL.items()]
-    result = CliRunner().invoke(cli, ["apply", "--model", "beit_base_patch16_224",
-                                      *[a for arg in args for a in ("--model-arg", arg)],
-                                      "--input-size", "3,32,32", "--variant", "etps"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "apply",
+            "--model",
+            "beit_base_patch16_224",
+            *[a for arg in args for a in ("--model-arg", arg)],
+            "--input-size",
+            "3,32,32",
+            "--variant",
+            "etps",
+        ],
+    )
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: block 2 (blocks.2.attn)"), lines
     assert "relative_position_bias_table" in lines[0]
-

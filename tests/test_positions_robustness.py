@@ -86,8 +86,11 @@ def test_cait_reduces_among_its_self_attention_blocks_only():
     class_attention = [b.index for b in model_map.blocks if b.attention.query_tokens == 1]
     assert class_attention == [4, 5]  # two class-attention blocks after four self-attention
     assert default_locs(model_map) == [1, 2, 3]
-    with pytest.raises(PlanError, match=r"^locs 4 is a class-attention block .*choose among "
-                                        r"blocks 0\.\.3"):
+    with pytest.raises(
+        PlanError,
+        match=r"^locs 4 is a class-attention block .*choose among "
+        r"blocks 0\.\.3",
+    ):
         vitcompress.compress(model, "etps", keep=0.7, locs=[2, 4], input_size=SIZE)
     _assert_keep_one_exact_and_reduced_runs(model)
 
@@ -100,11 +103,13 @@ class OptionalMaskViT(nn.Module):
         super().__init__()
         self.inner = inhouse.einsum_vit()
 
-    def forward(self, image: torch.Tensor, mask: torch.Tensor | None = None,
-                scale: float = 1.0) -> torch.Tensor:
+    def forward(
+        self, image: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0
+    ) -> torch.Tensor:
         if mask is not None:
-            image = image * mask.view(image.shape[0], 1, 8, 8).repeat_interleave(4, 2) \
-                .repeat_interleave(4, 3)
+            image = image * mask.view(image.shape[0], 1, 8, 8).repeat_interleave(
+                4, 2
+            ).repeat_interleave(4, 3)
         return self.inner(image) * scale
 
 
@@ -124,8 +129,9 @@ def test_a_resnet_stem_s_input_size_has_the_image_channels():
 
 def test_importing_vitcompress_registers_the_zoo():
     code = "import timm, vitcompress; print(timm.is_model('pvt_tiny'), timm.is_model('cvt_13'))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.split() == ["True", "True"]
 
 
@@ -137,19 +143,29 @@ def test_tokens_pooled_by_their_order_between_stages_are_refused():
     first_stage = model_map.stages[0]
     assert first_stage.exit_bypass == "blocks.10.attn.qkv"
     for variant in ("dtps", "evit"):
-        with pytest.raises(PlanError, match=r"stage 0's tokens reach the next stage at "
-                                            r"blocks\.10\.attn\.qkv"):
-            vitcompress.compress(hiera, variant, keep=1.0, locs=[first_stage.blocks[0]],
-                                 input_size=(3, 64, 64))
+        with pytest.raises(
+            PlanError,
+            match=r"stage 0's tokens reach the next stage at "
+            r"blocks\.10\.attn\.qkv",
+        ):
+            vitcompress.compress(
+                hiera, variant, keep=1.0, locs=[first_stage.blocks[0]], input_size=(3, 64, 64)
+            )
 
 
-@pytest.mark.parametrize("name, options", [
-    ("swin_tiny_patch4_window7_224", dict(depths=(1, 1, 1, 1), img_size=56, window_size=7)),
-    ("maxvit_nano_rw_256", dict(img_size=64)),
-])
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("swin_tiny_patch4_window7_224", dict(depths=(1, 1, 1, 1), img_size=56, window_size=7)),
+        ("maxvit_nano_rw_256", dict(img_size=64)),
+    ],
+)
 def test_windowed_attention_is_refused_saying_why(name, options):
     model = timm.create_model(name, num_classes=10, **options)
     size = (3, options["img_size"], options["img_size"])
-    with pytest.raises(MappingError, match=r"^windowed attention: tokens cannot be dropped "
-                                           r"without breaking the windows \(.* attends within"):
+    with pytest.raises(
+        MappingError,
+        match=r"^windowed attention: tokens cannot be dropped "
+        r"without breaking the windows \(.* attends within",
+    ):
         map_model(model, size)

@@ -34,12 +34,35 @@ def runs(tmp_path_factory):
     art = root / "mha_dtps"
     data = write_image_folder(root / "imgs", per_class=2)
     outputs = {
-        "apply": run_json("apply", "--model", MHA, "--variant", "dtps", "--keep", "0.5",
-                          "--locs", "1,2", "--out", art, "--no-throughput"),
-        "bench": run_json("bench", "--model", art, "--batch-size", "2", "--runs", "1",
-                          "--warmup", "0"),
-        "eval": run_json("eval", "--model", art, "--base", MHA, "--data", data,
-                         "--batch-size", "4", "--no-throughput"),
+        "apply": run_json(
+            "apply",
+            "--model",
+            MHA,
+            "--variant",
+            "dtps",
+            "--keep",
+            "0.5",
+            "--locs",
+            "1,2",
+            "--out",
+            art,
+            "--no-throughput",
+        ),
+        "bench": run_json(
+            "bench", "--model", art, "--batch-size", "2", "--runs", "1", "--warmup", "0"
+        ),
+        "eval": run_json(
+            "eval",
+            "--model",
+            art,
+            "--base",
+            MHA,
+            "--data",
+            data,
+            "--batch-size",
+            "4",
+            "--no-throughput",
+        ),
     }
     paths = {}
     for name, output in outputs.items():
@@ -52,24 +75,28 @@ def parse_markdown(text: str) -> dict[str, dict[str, str]]:
     lines = [line for line in text.splitlines() if line.startswith("|")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     assert tuple(header) == MARKDOWN_COLUMNS
-    rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
-            for line in lines[2:]]
+    rows = [
+        dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        for line in lines[2:]
+    ]
     return {row["name"]: row for row in rows}
 
 
 def test_report_merges_apply_bench_and_eval(runs, tmp_path):
     root, art, outputs, paths = runs
     md, png = tmp_path / "report.md", tmp_path / "report.png"
-    result = run("report", paths["apply"], paths["bench"], paths["eval"], "--out-md", md,
-                 "--out-png", png)
+    result = run(
+        "report", paths["apply"], paths["bench"], paths["eval"], "--out-md", md, "--out-png", png
+    )
     assert result.exit_code == 0, result.output
     table = parse_markdown(md.read_text())
     assert set(table) == {"mha_dtps", "inhouse.py:mha_vit"}  # one row per model, not per file
     apply, bench, evaluation = outputs["apply"], outputs["bench"], outputs["eval"]
     small = table["mha_dtps"]
     assert (small["variant"], small["keep"]) == ("dtps", "0.5")
-    assert float(small["params (M)"]) == pytest.approx(apply["compressed"]["params"] / 1e6,
-                                                       abs=1e-4)
+    assert float(small["params (M)"]) == pytest.approx(
+        apply["compressed"]["params"] / 1e6, abs=1e-4
+    )
     assert float(small["GMACs"]) == pytest.approx(apply["compressed"]["gmacs"], abs=1e-4)
     assert bench["macs"] == apply["compressed"]["macs"]
     assert float(small["throughput (img/s)"]) == pytest.approx(bench["throughput"], abs=0.05)
@@ -87,11 +114,20 @@ def test_report_json_with_the_artifact_and_a_finetune_summary(runs, tmp_path):
     root, art, outputs, paths = runs
     # The shape of `finetune --json` (its summary; top-1 as a fraction), for a fine-tuned copy.
     finetuned = tmp_path / "ft.json"
-    finetuned.write_text(json.dumps({
-        "epochs": 1, "steps": 3, "history": [{"epoch": 0, "step": 3, "train_loss": 1.0,
-                                              "val_top1": 0.75}],
-        "val_top1": 0.75, "variant": "dtps", "keep": [0.5, 0.5], "locs": [1, 2],
-        "out": str(tmp_path / "mha_dtps_ft")}))
+    finetuned.write_text(
+        json.dumps(
+            {
+                "epochs": 1,
+                "steps": 3,
+                "history": [{"epoch": 0, "step": 3, "train_loss": 1.0, "val_top1": 0.75}],
+                "val_top1": 0.75,
+                "variant": "dtps",
+                "keep": [0.5, 0.5],
+                "locs": [1, 2],
+                "out": str(tmp_path / "mha_dtps_ft"),
+            }
+        )
+    )
     data = run_json("report", paths["apply"], art / "vitcompress.json", finetuned)
     rows = {row["name"]: row for row in data["rows"]}
     assert set(rows) == {"inhouse.py:mha_vit", "mha_dtps", "mha_dtps_ft"}
@@ -102,8 +138,13 @@ def test_report_json_with_the_artifact_and_a_finetune_summary(runs, tmp_path):
 
 
 def test_rows_join_on_identity_never_on_equal_cost():
-    same = {"kind": "timm", "source": "deit_tiny_patch16_224", "model_args": {},
-            "weights": "random", "input_size": [3, 224, 224]}
+    same = {
+        "kind": "timm",
+        "source": "deit_tiny_patch16_224",
+        "model_args": {},
+        "weights": "random",
+        "input_size": [3, 224, 224],
+    }
     a = ReportRow(name="a", variant="dtps", keep="0.7", params=10, macs=20, top1=50.0)
     b = ReportRow(name="b", params=10, macs=20, throughput=5.0)  # no identity: joins nothing
     c = ReportRow(name="c", params=10, macs=20, identity=same | {"spec": "x"}, throughput=7.0)
@@ -115,8 +156,21 @@ def test_rows_join_on_identity_never_on_equal_cost():
 
 
 def _apply(model_args: tuple[str, ...], out, timing=("--no-throughput",)) -> dict:
-    return run_json("apply", "--model", MHA, *model_args, "--variant", "dtps", "--keep", "0.5",
-                    "--locs", "1,2", "--out", out, *timing)
+    return run_json(
+        "apply",
+        "--model",
+        MHA,
+        *model_args,
+        "--variant",
+        "dtps",
+        "--keep",
+        "0.5",
+        "--locs",
+        "1,2",
+        "--out",
+        out,
+        *timing,
+    )
 
 
 def test_every_result_names_its_model(runs):
@@ -134,12 +188,18 @@ def test_every_result_names_its_model(runs):
 def test_throughput_goes_to_its_own_model_not_to_one_of_equal_cost(tmp_path):
     """Two dTPS artifacts of one base: equal params and MACs, different predictor weights."""
     first, second = tmp_path / "first", tmp_path / "second"
-    files = {"first": _apply((), first), "second": _apply((), second),
-             "bench": run_json("bench", "--model", second, "--batch-size", "2", "--runs", "1",
-                               "--warmup", "0")}
+    files = {
+        "first": _apply((), first),
+        "second": _apply((), second),
+        "bench": run_json(
+            "bench", "--model", second, "--batch-size", "2", "--runs", "1", "--warmup", "0"
+        ),
+    }
     assert files["first"]["compressed"]["macs"] == files["second"]["compressed"]["macs"]
-    assert (files["first"]["compressed"]["identity"]["weights_sha256"]
-            != files["second"]["compressed"]["identity"]["weights_sha256"])
+    assert (
+        files["first"]["compressed"]["identity"]["weights_sha256"]
+        != files["second"]["compressed"]["identity"]["weights_sha256"]
+    )
     for name, data in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     data = run_json("report", *(tmp_path / f"{name}.json" for name in files))
@@ -155,8 +215,16 @@ def test_one_artifact_by_relative_and_absolute_path_is_one_row(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path / "work")
     applied = _apply((), "art")  # relative --out
     data = write_image_folder(tmp_path / "imgs", per_class=2)
-    evaluated = run_json("eval", "--model", tmp_path / "work" / "art", "--data", data,
-                         "--batch-size", "4", "--no-throughput")
+    evaluated = run_json(
+        "eval",
+        "--model",
+        tmp_path / "work" / "art",
+        "--data",
+        data,
+        "--batch-size",
+        "4",
+        "--no-throughput",
+    )
     (tmp_path / "json" / "apply.json").write_text(json.dumps(applied))
     (tmp_path / "json" / "eval.json").write_text(json.dumps(evaluated))
     monkeypatch.chdir(tmp_path)  # the report is made from elsewhere
@@ -172,17 +240,20 @@ def test_models_of_one_name_and_plan_get_unique_names_and_plot_labels(tmp_path, 
 
     labels: list[str] = []
     annotate = matplotlib.axes.Axes.annotate
-    monkeypatch.setattr(matplotlib.axes.Axes, "annotate",
-                        lambda self, text, *a, **k: labels.append(text) or annotate(self, text,
-                                                                                    *a, **k))
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "annotate",
+        lambda self, text, *a, **k: labels.append(text) or annotate(self, text, *a, **k),
+    )
     files = []
     for folder, args in (("a", ()), ("b", ("--model-arg", "depth=3"))):
         path = tmp_path / f"{folder}.json"
         timing = ("--batch-size", "2", "--runs", "1", "--warmup", "0")
         path.write_text(json.dumps(_apply(args, tmp_path / folder / "dtps", timing)))
         files.append(path)
-    result = run("report", *files, "--out-png", tmp_path / "plot.png", "--out-md",
-                 tmp_path / "t.md")
+    result = run(
+        "report", *files, "--out-png", tmp_path / "plot.png", "--out-md", tmp_path / "t.md"
+    )
     assert result.exit_code == 0, result.output
     names = list(parse_markdown((tmp_path / "t.md").read_text()))
     assert len(names) == len(set(names)) == 4  # two bases (depth 4 and 3), two artifacts
@@ -191,12 +262,15 @@ def test_models_of_one_name_and_plan_get_unique_names_and_plot_labels(tmp_path, 
     assert {"a/dtps (dtps 0.5)", "b/dtps (dtps 0.5)"} <= set(labels)
 
 
-@pytest.mark.parametrize("content, message", [
-    ("{not json", "is not JSON"),
-    ("[1, 2]", "expected a JSON object"),
-    ('{"hello": 1}', "not the JSON of apply, bench, eval or finetune"),
-    ('{"plan": {}, "base": {}, "compressed": {}}', "malformed apply output"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "is not JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"hello": 1}', "not the JSON of apply, bench, eval or finetune"),
+        ('{"plan": {}, "base": {}, "compressed": {}}', "malformed apply output"),
+    ],
+)
 def test_bad_json_is_one_line_and_exit_2(tmp_path, content, message):
     path = tmp_path / "bad.json"
     path.write_text(content)
@@ -214,8 +288,9 @@ def test_png_without_matplotlib_is_one_clear_line(runs, tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
     result = run("report", runs[3]["apply"], "--out-png", tmp_path / "x.png")
     assert result.exit_code == 2
-    assert result.output.strip() == ("error: plots need matplotlib: pip install "
-                                     "'vitcompress[plots]'")
+    assert result.output.strip() == (
+        "error: plots need matplotlib: pip install 'vitcompress[plots]'"
+    )
 
 
 def test_apply_of_an_artifact_names_the_base_it_measured(tmp_path):
@@ -223,13 +298,34 @@ def test_apply_of_an_artifact_names_the_base_it_measured(tmp_path):
 
     checkpoint = tmp_path / "base.pt"
     torch.save(mha_vit().state_dict(), checkpoint)
-    first = run_json("apply", "--model", MHA, "--checkpoint", checkpoint, "--variant", "dtps",
-                     "--keep", "0.5", "--locs", "1,2", "--out", tmp_path / "art",
-                     "--no-throughput")
+    first = run_json(
+        "apply",
+        "--model",
+        MHA,
+        "--checkpoint",
+        checkpoint,
+        "--variant",
+        "dtps",
+        "--keep",
+        "0.5",
+        "--locs",
+        "1,2",
+        "--out",
+        tmp_path / "art",
+        "--no-throughput",
+    )
     base = first["base"]["identity"]
     assert base["checkpoint_sha256"] == hashlib.sha256(checkpoint.read_bytes()).hexdigest()
-    again = run_json("apply", "--model", tmp_path / "art", "--variant", "etps", "--keep", "0.7",
-                     "--no-throughput")
+    again = run_json(
+        "apply",
+        "--model",
+        tmp_path / "art",
+        "--variant",
+        "etps",
+        "--keep",
+        "0.7",
+        "--no-throughput",
+    )
     # The artifact's recorded base was compressed again: that base, not the artifact, is "base".
     assert again["base"]["identity"] == base
     assert again["base"]["macs"] == first["base"]["macs"]

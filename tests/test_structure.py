@@ -135,14 +135,20 @@ def test_no_import_cycle_between_layers() -> None:
     units: dict[str, set[str]] = {}
     for module, imported in _module_graph().items():
         units.setdefault(_unit(module), set()).update(
-            _unit(other) for other in imported if _unit(other) != _unit(module))
+            _unit(other) for other in imported if _unit(other) != _unit(module)
+        )
     assert _unexpected(_cycles(units)) == []
 
 
 def test_loading_builds_on_nothing_above_it() -> None:
     graph = _module_graph()
-    above = {"vitcompress.api", "vitcompress.artifact", "vitcompress.compression",
-             "vitcompress.cli", "vitcompress.workflows"}
+    above = {
+        "vitcompress.api",
+        "vitcompress.artifact",
+        "vitcompress.compression",
+        "vitcompress.cli",
+        "vitcompress.workflows",
+    }
     for module, imported in graph.items():
         if module.startswith("vitcompress.loading"):
             assert not {_unit(m) for m in imported} & above, module
@@ -152,8 +158,9 @@ def test_every_module_imports_in_a_fresh_interpreter() -> None:
     # One process, every module in sorted order: a name left behind by a move fails here.
     names = sorted(_module_graph())
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
-    result = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
 
 
@@ -166,7 +173,10 @@ def test_only_the_rewrite_spells_the_reducer_prefix() -> None:
         if name == "vitcompress.graph.rewrite":
             continue
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
-                    node.value == REDUCER_PREFIX or node.value.startswith(REDUCER_PREFIX + ".")):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and (node.value == REDUCER_PREFIX or node.value.startswith(REDUCER_PREFIX + "."))
+            ):
                 spelled.append(f"{name}:{node.lineno}")
     assert spelled == []

@@ -44,8 +44,7 @@ def _save(model, directory, spec, model_args=None):
 def test_visualize_a_compressed_vit(tmp_path, image):
     torch.manual_seed(0)
     model = timm_small("vit_small_patch16_224").eval()
-    compressed = vitcompress.compress(model, "dtps", keep=0.5, locs=[1, 2],
-                                      input_size=(3, 32, 32))
+    compressed = vitcompress.compress(model, "dtps", keep=0.5, locs=[1, 2], input_size=(3, 32, 32))
     art = _save(compressed, tmp_path / "art", "vit_small_patch16_224", dict(SMALL))
     out = tmp_path / "vis.png"
     result = run("visualize", "--model", art, "--image", image, "--out", out, "--json")
@@ -65,8 +64,9 @@ def test_visualize_a_compressed_vit(tmp_path, image):
 
 def test_visualize_the_inhouse_pyramid(tmp_path, image):
     torch.manual_seed(0)
-    compressed = vitcompress.compress(inhouse.tiny_pyramid().eval(), "dtps", keep=0.5,
-                                      input_size=(3, 64, 64))
+    compressed = vitcompress.compress(
+        inhouse.tiny_pyramid().eval(), "dtps", keep=0.5, input_size=(3, 64, 64)
+    )
     art = _save(compressed, tmp_path / "pyr", f"{FIXTURES}:tiny_pyramid")
     out = tmp_path / "pyr.png"
     result = run("visualize", "--model", art, "--image", image, "--out", out)
@@ -79,8 +79,9 @@ def test_visualize_the_inhouse_pyramid(tmp_path, image):
 @pytest.mark.parametrize("variant", ["etps", "evit", "dynamicvit"])
 def test_recorded_counts_per_variant(image, variant):
     torch.manual_seed(0)
-    model = vitcompress.compress(inhouse.mha_vit().eval(), variant, keep=0.5, locs=[1, 2],
-                                 input_size=(3, 32, 32))
+    model = vitcompress.compress(
+        inhouse.mha_vit().eval(), variant, keep=0.5, locs=[1, 2], input_size=(3, 32, 32)
+    )
     _, tensor = load_image(image, (3, 32, 32))
     records, logits = record_locations(model, tensor)
     assert logits.shape == (1, 10)
@@ -100,11 +101,13 @@ def test_recorded_counts_per_variant(image, variant):
 def test_recorded_hosts_reproduce_the_squeezed_tokens(image):
     """Fusing each host with the recorded donors gives the reducer's own output tokens."""
     torch.manual_seed(0)
-    model = vitcompress.compress(inhouse.mha_vit().eval(), "etps", keep=0.5, locs=[1],
-                                 input_size=(3, 32, 32))
+    model = vitcompress.compress(
+        inhouse.mha_vit().eval(), "etps", keep=0.5, locs=[1], input_size=(3, 32, 32)
+    )
     seen = {}
     model.tps.get_submodule("0").register_forward_hook(
-        lambda m, args, out: seen.update(x=args[0], out=out[0], positions=out[2]))
+        lambda m, args, out: seen.update(x=args[0], out=out[0], positions=out[2])
+    )
     _, tensor = load_image(image, (3, 32, 32))
     (record,), _ = record_locations(model, tensor)
     patches, produced = seen["x"][0, 1:], seen["out"][0, 1:]
@@ -115,15 +118,17 @@ def test_recorded_hosts_reproduce_the_squeezed_tokens(image):
             continue
         weights = cosine_similarity(patches[donors][None], patches[host][None, None])[0, :, 0]
         weights = weights.exp()
-        expected = ((SELF_WEIGHT * patches[host] + (weights[:, None] * patches[donors]).sum(0))
-                    / (SELF_WEIGHT + weights.sum()))
+        expected = (SELF_WEIGHT * patches[host] + (weights[:, None] * patches[donors]).sum(0)) / (
+            SELF_WEIGHT + weights.sum()
+        )
         torch.testing.assert_close(produced[slot], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_unreadable_image_is_one_line_and_exit_2(tmp_path):
     torch.manual_seed(0)
-    compressed = vitcompress.compress(inhouse.mha_vit().eval(), "etps", keep=0.5,
-                                      input_size=(3, 32, 32))
+    compressed = vitcompress.compress(
+        inhouse.mha_vit().eval(), "etps", keep=0.5, input_size=(3, 32, 32)
+    )
     art = _save(compressed, tmp_path / "art", f"{FIXTURES}:mha_vit")
     bad = tmp_path / "not_an_image.png"
     bad.write_text("hello")
@@ -136,22 +141,36 @@ def test_unreadable_image_is_one_line_and_exit_2(tmp_path):
 
 
 def test_an_uncompressed_model_is_refused(tmp_path, image):
-    result = run("visualize", "--model", f"{FIXTURES}:mha_vit", "--image", image, "--out",
-                 tmp_path / "o.png")
+    result = run(
+        "visualize", "--model", f"{FIXTURES}:mha_vit", "--image", image, "--out", tmp_path / "o.png"
+    )
     assert result.exit_code == 2 and "not compressed" in result.output
 
 
-@pytest.mark.parametrize("variant, expected", [
-    ("dtps", ["host: a kept token that pruned tokens are squeezed into (outlined)",
-              "pruned here, squeezed into the host of its colour",
-              "kept, no tokens squeezed into it (grey image)",
-              "pruned at an earlier location (blank)"]),
-    ("evit", ["kept (image shown)", "pruned at this location (faint)",
-              "pruned at an earlier location (blank)",
-              "+1: EViT's fused token of the pruned ones (no cell)"]),
-])
-def test_the_picture_has_a_legend_of_what_it_shows(tmp_path, image, monkeypatch, variant,
-                                                   expected):
+@pytest.mark.parametrize(
+    "variant, expected",
+    [
+        (
+            "dtps",
+            [
+                "host: a kept token that pruned tokens are squeezed into (outlined)",
+                "pruned here, squeezed into the host of its colour",
+                "kept, no tokens squeezed into it (grey image)",
+                "pruned at an earlier location (blank)",
+            ],
+        ),
+        (
+            "evit",
+            [
+                "kept (image shown)",
+                "pruned at this location (faint)",
+                "pruned at an earlier location (blank)",
+                "+1: EViT's fused token of the pruned ones (no cell)",
+            ],
+        ),
+    ],
+)
+def test_the_picture_has_a_legend_of_what_it_shows(tmp_path, image, monkeypatch, variant, expected):
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
@@ -164,8 +183,9 @@ def test_the_picture_has_a_legend_of_what_it_shows(tmp_path, image, monkeypatch,
 
     monkeypatch.setattr(Figure, "legend", recording)
     torch.manual_seed(0)
-    compressed = vitcompress.compress(inhouse.mha_vit().eval(), variant, keep=0.5, locs=[1, 2],
-                                      input_size=(3, 32, 32))
+    compressed = vitcompress.compress(
+        inhouse.mha_vit().eval(), variant, keep=0.5, locs=[1, 2], input_size=(3, 32, 32)
+    )
     art = _save(compressed, tmp_path / "art", f"{FIXTURES}:mha_vit")
     result = run("visualize", "--model", art, "--image", image, "--out", tmp_path / "v.png")
     assert result.exit_code == 0, result.output

@@ -58,9 +58,15 @@ def load_model(
         return loading.load_model(spec, model_args, checkpoint, pretrained, input_size)
     size = checked_input_size(input_size)
     # An artifact fixes architecture and weights; silently ignoring these would mislead the user.
-    given = [name for name, used in (("model arguments", model_args),
-                                     ("--checkpoint", checkpoint),
-                                     ("--pretrained", pretrained)) if used]
+    given = [
+        name
+        for name, used in (
+            ("model arguments", model_args),
+            ("--checkpoint", checkpoint),
+            ("--pretrained", pretrained),
+        )
+        if used
+    ]
     if given:
         raise ModelLoadError(
             f"'{spec}' is a compressed model that already fixes its architecture and weights; "
@@ -75,8 +81,12 @@ def load_model(
     return replace(loaded, input_size=size)
 
 
-def save(model: nn.Module, directory: str | Path, source: str | ModelSource | None = None,
-         input_size: tuple[int, int, int] | None = None) -> Path:
+def save(
+    model: nn.Module,
+    directory: str | Path,
+    source: str | ModelSource | None = None,
+    input_size: tuple[int, int, int] | None = None,
+) -> Path:
     """Write a compressed model as an artifact directory (safetensors weights + JSON plan)."""
     return save_artifact(model, directory, source=source, input_size=input_size)
 

@@ -84,9 +84,11 @@ def describe_source(source: ModelSource) -> str:
 
 
 def _source_hint(source: ModelSource) -> str:
-    return (f"pass the constructor arguments it was built with: save(model, dir, source="
-            f"ModelSource({source.spec!r}, model_args={{...}})), or --model-arg KEY=VALUE on the "
-            "command line")
+    return (
+        f"pass the constructor arguments it was built with: save(model, dir, source="
+        f"ModelSource({source.spec!r}, model_args={{...}})), or --model-arg KEY=VALUE on the "
+        "command line"
+    )
 
 
 def _plan_words(error: PlanError) -> str:
@@ -94,9 +96,13 @@ def _plan_words(error: PlanError) -> str:
     return f"the plan's {error.parameter} {error.detail}" if error.parameter else str(error)
 
 
-def _rebuild(source: ModelSource, size: tuple[int, int, int], plan_json: dict[str, Any],
-             recorded_map: dict[str, Any] | None,
-             fail: Callable[[str], ArtifactError]) -> tuple[nn.Module, ModelSource]:
+def _rebuild(
+    source: ModelSource,
+    size: tuple[int, int, int],
+    plan_json: dict[str, Any],
+    recorded_map: dict[str, Any] | None,
+    fail: Callable[[str], ArtifactError],
+) -> tuple[nn.Module, ModelSource]:
     """The compressed model (with fresh weights) that ``source`` and the plan build, and the
     base's source as loading resolved it. ``fail(what differs)`` makes the error to raise."""
     try:
@@ -110,11 +116,14 @@ def _rebuild(source: ModelSource, size: tuple[int, int, int], plan_json: dict[st
             raise fail(f"model map: {'; '.join(differences)}")
     try:
         plan = Plan.from_json(plan_json)
-        model = compress_mapped(base.model, captured, model_map, size, plan.variant, plan.keep,
-                                plan.locs, plan.policy)
+        model = compress_mapped(
+            base.model, captured, model_map, size, plan.variant, plan.keep, plan.locs, plan.policy
+        )
     except PlanError as e:
-        raise fail(f"its plan does not fit the rebuilt base ({len(model_map.blocks)} blocks): "
-                   f"{_plan_words(e)}") from e
+        raise fail(
+            f"its plan does not fit the rebuilt base ({len(model_map.blocks)} blocks): "
+            f"{_plan_words(e)}"
+        ) from e
     except (KeyError, TypeError, ValueError) as e:
         raise fail(f"its plan is malformed ({type(e).__name__}: {e})") from e
     except RewriteError as e:
@@ -126,14 +135,21 @@ def _rebuild(source: ModelSource, size: tuple[int, int, int], plan_json: dict[st
 
 def _dtype_differences(saved: nn.Module, rebuilt: nn.Module) -> list[str]:
     rebuilt_state = rebuilt.state_dict()
-    return [f"{key} is {value.dtype} (a rebuilt model is {rebuilt_state[key].dtype}; convert "
-            "with model.float() before saving)"
-            for key, value in saved.state_dict().items()
-            if key in rebuilt_state and value.dtype != rebuilt_state[key].dtype][:1]
+    return [
+        f"{key} is {value.dtype} (a rebuilt model is {rebuilt_state[key].dtype}; convert "
+        "with model.float() before saving)"
+        for key, value in saved.state_dict().items()
+        if key in rebuilt_state and value.dtype != rebuilt_state[key].dtype
+    ][:1]
 
 
-def _check_rebuilds(model: nn.Module, rebuilt: nn.Module, size: tuple[int, int, int],
-                    directory: Path, fail: Callable[[str], ArtifactError]) -> torch.Tensor:
+def _check_rebuilds(
+    model: nn.Module,
+    rebuilt: nn.Module,
+    size: tuple[int, int, int],
+    directory: Path,
+    fail: Callable[[str], ArtifactError],
+) -> torch.Tensor:
     """Load ``model``'s weights into ``rebuilt`` and compare the two: state-dict keys, shapes
     and dtypes, then the eval output on the fingerprint's fixed input. Returns ``model``'s
     output, for the fingerprint."""
@@ -146,8 +162,10 @@ def _check_rebuilds(model: nn.Module, rebuilt: nn.Module, size: tuple[int, int, 
     except FingerprintError as e:
         raise ArtifactError(f"cannot save {directory}: {e}") from e
     except Exception as e:  # noqa: BLE001 - the model's own forward, whatever it raises
-        raise ArtifactError(f"cannot save {directory}: the model does not run on a fixed input "
-                            f"of size {','.join(map(str, size))}: {one_line(e)}") from e
+        raise ArtifactError(
+            f"cannot save {directory}: the model does not run on a fixed input "
+            f"of size {','.join(map(str, size))}: {one_line(e)}"
+        ) from e
     rebuilt.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
     rebuilt_output = eval_output(rebuilt, size)
     if saved_output.shape != rebuilt_output.shape:
@@ -159,9 +177,13 @@ def _check_rebuilds(model: nn.Module, rebuilt: nn.Module, size: tuple[int, int, 
     return saved_output
 
 
-def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource | str | None = None,
-                  input_size: tuple[int, int, int] | None = None,
-                  extra: dict[str, Any] | None = None) -> Path:
+def save_artifact(
+    model: nn.Module,
+    directory: str | Path,
+    source: ModelSource | str | None = None,
+    input_size: tuple[int, int, int] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """Write ``model`` (a result of ``compress``) to ``directory``, replacing it atomically: the
     new artifact is written beside it and renamed into place, so a failure leaves the old one.
 
@@ -191,9 +213,11 @@ def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource |
     directory = Path(directory)
 
     def refuse(what_differs: str) -> ArtifactError:
-        return ArtifactError(f"cannot save {directory}: the model rebuilt from "
-                             f"{describe_source(source)} differs from the one being saved: "
-                             f"{what_differs}; {_source_hint(source)}")
+        return ArtifactError(
+            f"cannot save {directory}: the model rebuilt from "
+            f"{describe_source(source)} differs from the one being saved: "
+            f"{what_differs}; {_source_hint(source)}"
+        )
 
     rebuilt, resolved = _rebuild(source, size, plan, map_summary(model_map), refuse)
     output = _check_rebuilds(model, rebuilt, size, directory, refuse)
@@ -202,11 +226,20 @@ def save_artifact(model: nn.Module, directory: str | Path, source: ModelSource |
         "format": FORMAT_VERSION,
         "vitcompress_version": __version__,
         # The spec as loading resolved it (a factory file's absolute path).
-        "source": {**source.to_json(), "spec": resolved.spec, "checkpoint": None,
-                   "pretrained": False},
+        "source": {
+            **source.to_json(),
+            "spec": resolved.spec,
+            "checkpoint": None,
+            "pretrained": False,
+        },
         # Absolute: the artifact is read from other working directories (eval, finetune).
-        "base_weights": (str(Path(source.checkpoint).expanduser().resolve()) if source.checkpoint
-                         else "timm pretrained" if source.pretrained else None),
+        "base_weights": (
+            str(Path(source.checkpoint).expanduser().resolve())
+            if source.checkpoint
+            else "timm pretrained"
+            if source.pretrained
+            else None
+        ),
         # A checkpoint overwritten after the save would silently give another base (eval --base
         # source, apply --model ARTIFACT, the fine-tuning teacher): its content is checked.
         BASE_WEIGHTS_SHA256: _base_weights_digest(source),
@@ -286,8 +319,10 @@ def _swap_into_place(staging: Path, directory: Path) -> None:
         try:
             os.rename(old, directory)
         except OSError as e:
-            raise ArtifactError(f"could not write {directory}; the previous artifact is kept "
-                                f"in {old}: {e.strerror or e}") from e
+            raise ArtifactError(
+                f"could not write {directory}; the previous artifact is kept "
+                f"in {old}: {e.strerror or e}"
+            ) from e
         raise
     shutil.rmtree(old, ignore_errors=True)
 
@@ -338,20 +373,25 @@ def base_weights_problem(source: ModelSource, meta: dict[str, Any] | None = None
     if source.pretrained:
         return None
     if source.checkpoint is None:
-        return ("the artifact records no base weights (it was saved without --checkpoint or "
-                "--pretrained)")
+        return (
+            "the artifact records no base weights (it was saved without --checkpoint or "
+            "--pretrained)"
+        )
     path = Path(source.checkpoint)
     if not path.is_file():
         return f"the base weights {source.checkpoint} named by the artifact are not there"
     expected = (meta or {}).get(BASE_WEIGHTS_SHA256)
     if expected is not None and file_sha256(path) != expected:
-        return (f"the base weights {source.checkpoint} changed since the artifact was saved "
-                "(their sha256 differs)")
+        return (
+            f"the base weights {source.checkpoint} changed since the artifact was saved "
+            "(their sha256 differs)"
+        )
     return None
 
 
-def load_artifact_base(directory: str | Path,
-                       input_size: tuple[int, int, int] | None = None) -> LoadedModel:
+def load_artifact_base(
+    directory: str | Path, input_size: tuple[int, int, int] | None = None
+) -> LoadedModel:
     """The uncompressed model the artifact in ``directory`` was made from, with its weights.
 
     Raises ``ArtifactError`` when those weights cannot be had: a base with other weights would
@@ -363,8 +403,13 @@ def load_artifact_base(directory: str | Path,
     if problem is not None:
         raise ArtifactError(f"cannot rebuild the base of {directory}: {problem}")
     size = input_size or tuple(meta["input_size"])
-    return load_model(source.spec, source.model_args, checkpoint=source.checkpoint,
-                      pretrained=source.pretrained, input_size=size)
+    return load_model(
+        source.spec,
+        source.model_args,
+        checkpoint=source.checkpoint,
+        pretrained=source.pretrained,
+        input_size=size,
+    )
 
 
 def _weights_file_shapes(path: Path) -> dict[str, list[int]]:
@@ -394,16 +439,25 @@ def load_artifact(directory: str | Path) -> LoadedModel:
         except FingerprintError as e:
             raise ArtifactError(f"{directory}: {e}") from e
     else:
-        log.warning("%s was written before artifacts carried a fingerprint, so the rebuilt "
-                    "model cannot be verified against the saved one; save it again to add one",
-                    directory)
+        log.warning(
+            "%s was written before artifacts carried a fingerprint, so the rebuilt "
+            "model cannot be verified against the saved one; save it again to add one",
+            directory,
+        )
 
     def refuse(what_differs: str) -> ArtifactError:
-        return ArtifactError(f"{directory} does not rebuild the model that was saved: the model "
-                             f"rebuilt from {describe_source(source)} differs: {what_differs}")
+        return ArtifactError(
+            f"{directory} does not rebuild the model that was saved: the model "
+            f"rebuilt from {describe_source(source)} differs: {what_differs}"
+        )
 
-    model, _ = _rebuild(replace(source, checkpoint=None, pretrained=False), size, meta["plan"],
-                        fingerprint.model_map if fingerprint else None, refuse)
+    model, _ = _rebuild(
+        replace(source, checkpoint=None, pretrained=False),
+        size,
+        meta["plan"],
+        fingerprint.model_map if fingerprint else None,
+        refuse,
+    )
     weights = Path(directory) / WEIGHTS_FILE
     rebuilt_shapes = state_shapes(model)
     if fingerprint is not None:
@@ -412,11 +466,13 @@ def load_artifact(directory: str | Path) -> LoadedModel:
             raise refuse("; ".join(problems))
     # Shared tensors are stored once, so the file may name fewer keys than the state dict.
     file_shapes = _weights_file_shapes(weights)
-    problems = shape_differences(file_shapes, {k: v for k, v in rebuilt_shapes.items()
-                                               if k in file_shapes})
+    problems = shape_differences(
+        file_shapes, {k: v for k, v in rebuilt_shapes.items() if k in file_shapes}
+    )
     if problems:
-        raise ArtifactError(f"weights in {weights} do not fit the rebuilt model: "
-                            f"{'; '.join(problems)}")
+        raise ArtifactError(
+            f"weights in {weights} do not fit the rebuilt model: {'; '.join(problems)}"
+        )
     try:
         missing, unexpected = safetensors.torch.load_model(model, str(weights), strict=False)
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for bad files
@@ -435,7 +491,11 @@ def load_artifact(directory: str | Path) -> LoadedModel:
             raise refuse(difference)
     model.eval()
     data_config, data_config_from = artifact_data_config(meta, model, str(directory))
-    attach(model, vitcompress_artifact=str(Path(directory).resolve()), vitcompress_source=source,
-           vitcompress_data_config=data_config or None,
-           vitcompress_data_config_from=data_config_from or None)
+    attach(
+        model,
+        vitcompress_artifact=str(Path(directory).resolve()),
+        vitcompress_source=source,
+        vitcompress_data_config=data_config or None,
+        vitcompress_data_config_from=data_config_from or None,
+    )
     return LoadedModel(model=model, source=source, input_size=size)

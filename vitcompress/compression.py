@@ -44,8 +44,9 @@ def example_input(input_size: tuple[int, int, int]) -> torch.Tensor:
     return torch.randn(EXAMPLE_BATCH, *input_size, generator=generator)
 
 
-def resolve_input_size(model: nn.Module,
-                       input_size: tuple[int, int, int] | None) -> tuple[int, int, int]:
+def resolve_input_size(
+    model: nn.Module, input_size: tuple[int, int, int] | None
+) -> tuple[int, int, int]:
     if input_size is not None:
         return tuple(input_size)
     size = default_input_size(model)
@@ -54,8 +55,9 @@ def resolve_input_size(model: nn.Module,
     return size
 
 
-def capture_and_map(model: nn.Module,
-                    input_size: tuple[int, int, int]) -> tuple[CapturedGraph, ModelMap]:
+def capture_and_map(
+    model: nn.Module, input_size: tuple[int, int, int]
+) -> tuple[CapturedGraph, ModelMap]:
     """Capture ``model`` on an example of ``input_size`` and analyse it.
 
     A model that does not run on that input at all (a wrong input size, a model that is no
@@ -73,7 +75,8 @@ def capture_and_map(model: nn.Module,
             raise  # the model runs: the failure is ours, not the input's
         raise ModelInputError(
             f"the model does not run on input {','.join(map(str, input_size))}: {problem}; pass "
-            "the input size it was built for (--input-size C,H,W)") from capture_error
+            "the input size it was built for (--input-size C,H,W)"
+        ) from capture_error
     return captured, analyse(captured)
 
 
@@ -92,10 +95,15 @@ def map_model(model: nn.Module, input_size: tuple[int, int, int] | None = None) 
     return capture_and_map(model, resolve_input_size(model, input_size))[1]
 
 
-def compress(model: nn.Module, variant: str = "etps",
-             keep: float | list[float] | CumulativeKeep | None = None,
-             locs: list[int] | None = None, input_size: tuple[int, int, int] | None = None,
-             policy: str = "score", keep_cumulative: Sequence[float] | None = None) -> nn.Module:
+def compress(
+    model: nn.Module,
+    variant: str = "etps",
+    keep: float | list[float] | CumulativeKeep | None = None,
+    locs: list[int] | None = None,
+    input_size: tuple[int, int, int] | None = None,
+    policy: str = "score",
+    keep_cumulative: Sequence[float] | None = None,
+) -> nn.Module:
     """Return a compressed copy of ``model`` (left unchanged): an ordinary ``nn.Module`` whose
     ``.eval()`` drops tokens physically and whose ``.train()`` runs its variant's training path.
 
@@ -118,10 +126,16 @@ def compress(model: nn.Module, variant: str = "etps",
     return compress_mapped(model, captured, model_map, size, variant, keep, locs, policy)
 
 
-def compress_mapped(model: nn.Module, captured: CapturedGraph, model_map: ModelMap,
-                    size: tuple[int, int, int], variant: str,
-                    keep: float | list[float] | CumulativeKeep | None, locs: list[int] | None,
-                    policy: str) -> nn.Module:
+def compress_mapped(
+    model: nn.Module,
+    captured: CapturedGraph,
+    model_map: ModelMap,
+    size: tuple[int, int, int],
+    variant: str,
+    keep: float | list[float] | CumulativeKeep | None,
+    locs: list[int] | None,
+    policy: str,
+) -> nn.Module:
     """``compress`` from a capture of ``model`` made by :func:`capture_and_map` (consumed)."""
     if isinstance(keep, CumulativeKeep):
         plan = plan_from_cumulative(model_map, variant, keep, locs, policy)
@@ -142,14 +156,17 @@ def compress_mapped(model: nn.Module, captured: CapturedGraph, model_map: ModelM
     # What the base states of its preprocessing, recorded by save(); the graph drops attributes.
     data_config, data_config_from = stated_data_config(model)
     if data_config:
-        metadata.update(vitcompress_data_config=data_config,
-                        vitcompress_data_config_from=data_config_from)
+        metadata.update(
+            vitcompress_data_config=data_config, vitcompress_data_config_from=data_config_from
+        )
     cfg = getattr(model, "pretrained_cfg", None)
     if isinstance(cfg, dict) and cfg.get("architecture"):
         # What the base shows of its constructor arguments: the compressed graph no longer has
         # the attributes they are read from, and ``save`` needs them to rebuild the base.
-        metadata["vitcompress_base_cfg"] = {"architecture": cfg["architecture"],
-                                            "model_args": readable_timm_args(model)}
+        metadata["vitcompress_base_cfg"] = {
+            "architecture": cfg["architecture"],
+            "model_args": readable_timm_args(model),
+        }
     attach(compressed, **metadata)
     compressed.train(model.training)
     return compressed
@@ -165,8 +182,13 @@ def _keep_ratios(keep: float | Sequence[float] | None, model_map: ModelMap) -> l
     return list(keep) if isinstance(keep, tuple) else keep
 
 
-def compress_loaded(loaded: LoadedModel, variant: str = "etps", keep: float | list[float] | None = None,
-                    locs: list[int] | None = None, policy: str = "score") -> LoadedModel:
+def compress_loaded(
+    loaded: LoadedModel,
+    variant: str = "etps",
+    keep: float | list[float] | None = None,
+    locs: list[int] | None = None,
+    policy: str = "score",
+) -> LoadedModel:
     """``compress`` for a model from :func:`vitcompress.loading.load_model`, keeping its source
     so the result can be saved and rebuilt."""
     model = compress(loaded.model, variant, keep, locs, loaded.input_size, policy)

@@ -95,8 +95,13 @@ def _sketch(flat: Tensor) -> list[float]:
         padded = torch.cat([flat, flat.new_zeros(-flat.numel() % SKETCH_FOLD)])
         flat = padded.reshape(-1, SKETCH_FOLD).sum(0)
     rng = random.Random(SKETCH_SEED)
-    rows = torch.tensor([rng.random() for _ in range(SKETCH_ROWS * flat.numel())],
-                        dtype=torch.float64).reshape(SKETCH_ROWS, -1) * 2 - 1
+    rows = (
+        torch.tensor(
+            [rng.random() for _ in range(SKETCH_ROWS * flat.numel())], dtype=torch.float64
+        ).reshape(SKETCH_ROWS, -1)
+        * 2
+        - 1
+    )
     return (rows @ flat.double() / math.sqrt(flat.numel())).tolist()
 
 
@@ -127,22 +132,30 @@ def state_shapes(model: nn.Module) -> dict[str, list[int]]:
 
 def map_differences(recorded: Mapping[str, Any], rebuilt: Mapping[str, Any]) -> list[str]:
     """``"blocks: 8 saved, 6 rebuilt"`` for each field of :func:`map_summary` that differs."""
-    return [f"{key}: {recorded.get(key)} saved, {rebuilt.get(key)} rebuilt"
-            for key in recorded.keys() | rebuilt.keys()
-            if recorded.get(key) != rebuilt.get(key)]
+    return [
+        f"{key}: {recorded.get(key)} saved, {rebuilt.get(key)} rebuilt"
+        for key in recorded.keys() | rebuilt.keys()
+        if recorded.get(key) != rebuilt.get(key)
+    ]
 
 
-def shape_differences(recorded: Mapping[str, list[int]],
-                      rebuilt: Mapping[str, list[int]]) -> list[str]:
+def shape_differences(
+    recorded: Mapping[str, list[int]], rebuilt: Mapping[str, list[int]]
+) -> list[str]:
     """Missing keys, unexpected keys and differing shapes, a few of each."""
     missing = [k for k in recorded if k not in rebuilt]
     unexpected = [k for k in rebuilt if k not in recorded]
-    reshaped = [f"{k} {list(recorded[k])} saved, {list(rebuilt[k])} rebuilt"
-                for k in recorded if k in rebuilt and list(recorded[k]) != list(rebuilt[k])]
+    reshaped = [
+        f"{k} {list(recorded[k])} saved, {list(rebuilt[k])} rebuilt"
+        for k in recorded
+        if k in rebuilt and list(recorded[k]) != list(rebuilt[k])
+    ]
     problems = []
-    for what, keys in (("weights the rebuilt model lacks", missing),
-                       ("weights only the rebuilt model has", unexpected),
-                       ("shapes differ", reshaped)):
+    for what, keys in (
+        ("weights the rebuilt model lacks", missing),
+        ("weights only the rebuilt model has", unexpected),
+        ("shapes differ", reshaped),
+    ):
         if keys:
             more = f" and {len(keys) - _SHOW} more" if len(keys) > _SHOW else ""
             problems.append(f"{what} ({len(keys)}): {', '.join(keys[:_SHOW])}{more}")
@@ -158,8 +171,13 @@ class Fingerprint:
     output_sketch: list[float]
 
     @classmethod
-    def of(cls, model: nn.Module, model_map: Mapping[str, Any],
-           input_size: tuple[int, int, int], output: Tensor | None = None) -> Fingerprint:
+    def of(
+        cls,
+        model: nn.Module,
+        model_map: Mapping[str, Any],
+        input_size: tuple[int, int, int],
+        output: Tensor | None = None,
+    ) -> Fingerprint:
         """Fingerprint ``model`` (its eval output may be given if already computed)."""
         flat = eval_output(model, input_size) if output is None else output
         return cls(
@@ -174,27 +192,33 @@ class Fingerprint:
         return {
             "model_map": self.model_map,
             "state_dict": self.state_dict,
-            "output": {"input": f"uniform [-2, 2) from random.Random({INPUT_SEED}), batch "
-                                f"{INPUT_BATCH}, eval mode, CPU float32",
-                       "numel": self.output_shape[0], "sha256": self.output_sha256,
-                       "sketch": self.output_sketch},
+            "output": {
+                "input": f"uniform [-2, 2) from random.Random({INPUT_SEED}), batch "
+                f"{INPUT_BATCH}, eval mode, CPU float32",
+                "numel": self.output_shape[0],
+                "sha256": self.output_sha256,
+                "sketch": self.output_sketch,
+            },
         }
 
     @classmethod
     def from_json(cls, data: Any) -> Fingerprint:
         try:
             output = data["output"]
-            fingerprint = cls(model_map=dict(data["model_map"]),
-                              state_dict={str(k): [int(d) for d in v]
-                                          for k, v in data["state_dict"].items()},
-                              output_shape=[int(output["numel"])],
-                              output_sha256=str(output["sha256"]),
-                              output_sketch=[float(v) for v in output["sketch"]])
+            fingerprint = cls(
+                model_map=dict(data["model_map"]),
+                state_dict={str(k): [int(d) for d in v] for k, v in data["state_dict"].items()},
+                output_shape=[int(output["numel"])],
+                output_sha256=str(output["sha256"]),
+                output_sketch=[float(v) for v in output["sketch"]],
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise FingerprintError(f"malformed fingerprint ({type(e).__name__}: {e})") from e
         if len(fingerprint.output_sketch) != SKETCH_ROWS:
-            raise FingerprintError(f"malformed fingerprint: the sketch has "
-                                   f"{len(fingerprint.output_sketch)} values, not {SKETCH_ROWS}")
+            raise FingerprintError(
+                f"malformed fingerprint: the sketch has "
+                f"{len(fingerprint.output_sketch)} values, not {SKETCH_ROWS}"
+            )
         return fingerprint
 
     def output_difference(self, model: nn.Module, input_size: tuple[int, int, int]) -> str | None:
@@ -205,9 +229,12 @@ class Fingerprint:
             return f"output has {flat.numel()} values, {self.output_shape[0]} saved"
         if hashlib.sha256(flat.contiguous().numpy().tobytes()).hexdigest() == self.output_sha256:
             return None
-        difference = relative_difference(torch.tensor(_sketch(flat)),
-                                         torch.tensor(self.output_sketch))
+        difference = relative_difference(
+            torch.tensor(_sketch(flat)), torch.tensor(self.output_sketch)
+        )
         if difference <= RTOL:
             return None
-        return (f"its output on the fixed input differs from the saved one (relative "
-                f"difference {difference:.2g}, tolerance {RTOL:g})")
+        return (
+            f"its output on the fixed input differs from the saved one (relative "
+            f"difference {difference:.2g}, tolerance {RTOL:g})"
+        )

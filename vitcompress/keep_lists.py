@@ -14,8 +14,9 @@ from vitcompress.method import CumulativeKeep, KeepListError, keep_count, per_lo
 PARAMETER = "keep_cumulative"  # how PlanError names it (the CLI says --keep-cumulative)
 
 
-def plan_from_cumulative(model_map: ModelMap, variant: str, keep: CumulativeKeep,
-                         locs: list[int] | None, policy: str) -> Plan:
+def plan_from_cumulative(
+    model_map: ModelMap, variant: str, keep: CumulativeKeep, locs: list[int] | None, policy: str
+) -> Plan:
     """``make_plan`` with keep given as cumulative fractions of each stage's initial patch count.
 
     Only the predictor variants (dtps, dynamicvit) count kept tokens as a fraction of N0; the
@@ -27,10 +28,13 @@ def plan_from_cumulative(model_map: ModelMap, variant: str, keep: CumulativeKeep
     locations = default_locs(model_map) if locs is None else locs
     # Indices out of range are make_plan's to refuse; only the ones in range are looked up here.
     depth = len(model_map.blocks)
-    stages = [model_map.blocks[b].stage if isinstance(b, int) and 0 <= b < depth else -1
-              for b in locations]
-    patch_tokens = [model_map.stages[s].grid[0] * model_map.stages[s].grid[1] if s >= 0 else 1
-                    for s in stages]
+    stages = [
+        model_map.blocks[b].stage if isinstance(b, int) and 0 <= b < depth else -1
+        for b in locations
+    ]
+    patch_tokens = [
+        model_map.stages[s].grid[0] * model_map.stages[s].grid[1] if s >= 0 else 1 for s in stages
+    ]
     try:
         ratios = per_location_keep(list(keep.fractions), stages, patch_tokens)
     except KeepListError as e:
@@ -38,11 +42,17 @@ def plan_from_cumulative(model_map: ModelMap, variant: str, keep: CumulativeKeep
     plan = make_plan(model_map, variant, ratios, locs, policy)
     for loc, fraction in zip(plan.locations, keep.fractions, strict=True):
         if loc.keep_tokens is None:
-            raise PlanError(f"is for dtps and dynamicvit, which keep a fraction of the initial "
-                            f"count; {variant} keeps ceil(rho * n) of the tokens present: give "
-                            "per-location ratios", PARAMETER)
+            raise PlanError(
+                f"is for dtps and dynamicvit, which keep a fraction of the initial "
+                f"count; {variant} keeps ceil(rho * n) of the tokens present: give "
+                "per-location ratios",
+                PARAMETER,
+            )
         official = keep_count(loc.patch_tokens, fraction, "floor")
         if loc.keep_tokens != official:
-            raise PlanError(f"{fraction} at block {loc.block} plans {loc.keep_tokens} tokens, not "
-                            f"int({loc.patch_tokens} * {fraction}) = {official}", PARAMETER)
+            raise PlanError(
+                f"{fraction} at block {loc.block} plans {loc.keep_tokens} tokens, not "
+                f"int({loc.patch_tokens} * {fraction}) = {official}",
+                PARAMETER,
+            )
     return plan

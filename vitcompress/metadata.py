@@ -56,13 +56,17 @@ def compression_info(model: nn.Module) -> CompressionInfo | None:
         return None
     model_map = getattr(model, "vitcompress_map", None)
     if not isinstance(plan, dict) or not isinstance(model_map, dict):
-        raise ModelLoadError("the model carries a compression plan but no model map "
-                             "(vitcompress_map); compress its base model again")
+        raise ModelLoadError(
+            "the model carries a compression plan but no model map "
+            "(vitcompress_map); compress its base model again"
+        )
     try:
         typed_plan, typed_map = Plan.from_json(plan), ModelMap.from_json(model_map)
     except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise ModelLoadError(f"the model's compression record is malformed ({type(e).__name__}: "
-                             f"{e}); compress its base model again") from e
+        raise ModelLoadError(
+            f"the model's compression record is malformed ({type(e).__name__}: "
+            f"{e}); compress its base model again"
+        ) from e
     size = getattr(model, "vitcompress_input_size", None)
     artifact = getattr(model, "vitcompress_artifact", None)
     return CompressionInfo(

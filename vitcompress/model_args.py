@@ -22,8 +22,11 @@ def _patch_embed(model: nn.Module) -> nn.Module | None:
 
 
 def _pair(value: Any) -> tuple[int, int] | None:
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
         return (value[0], value[1])
     return None
 

@@ -28,11 +28,32 @@ NO_WEIGHT_DECAY_ATTRIBUTE = "vitcompress_no_weight_decay"
 
 # Ops that only move, reshape, broadcast or cast a tensor: a parameter still is itself after them,
 # even once broadcast to the batch (``cls_token.expand(B, -1, -1)``).
-_SHAPE_OPS = frozenset({
-    "broadcast_to", "clone", "contiguous", "expand", "expand_as", "flatten", "float", "getitem",
-    "permute", "repeat", "reshape", "squeeze", "tile", "to", "transpose", "type_as", "unsqueeze",
-    "view", "_to_copy", "slice", "select", "alias",
-})
+_SHAPE_OPS = frozenset(
+    {
+        "broadcast_to",
+        "clone",
+        "contiguous",
+        "expand",
+        "expand_as",
+        "flatten",
+        "float",
+        "getitem",
+        "permute",
+        "repeat",
+        "reshape",
+        "squeeze",
+        "tile",
+        "to",
+        "transpose",
+        "type_as",
+        "unsqueeze",
+        "view",
+        "_to_copy",
+        "slice",
+        "select",
+        "alias",
+    }
+)
 _ADD_OPS = frozenset({"add", "add_", "iadd"})
 _CAT_OPS = frozenset({"cat", "concat", "concatenate"})
 _MAX_STEPS = 64  # nodes followed from one parameter before giving up (resampling a table, ...)
@@ -50,8 +71,12 @@ def _op_name(node: fx.Node) -> str | None:
 
 def _batch_shaped(node: fx.Node, batch: int) -> bool:
     shape = node.meta.get("shape")
-    return (isinstance(shape, tuple) and len(shape) >= 3 and isinstance(shape[0], int)
-            and shape[0] == batch)
+    return (
+        isinstance(shape, tuple)
+        and len(shape) >= 3
+        and isinstance(shape[0], int)
+        and shape[0] == batch
+    )
 
 
 def _meets_token_stream(start: fx.Node, batch: int) -> bool:
@@ -104,8 +129,9 @@ def declared_no_weight_decay(model: nn.Module) -> Callable[[str], bool] | None:
     return lambda name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def no_weight_decay_parameters(base: nn.Module, captured: fx.GraphModule,
-                               batch: int) -> list[torch.Tensor]:
+def no_weight_decay_parameters(
+    base: nn.Module, captured: fx.GraphModule, batch: int
+) -> list[torch.Tensor]:
     """The parameters of ``captured`` (a capture of ``base`` on ``batch`` images, before any
     rewrite) that are not decayed besides those of one dimension or less.
 
@@ -116,14 +142,20 @@ def no_weight_decay_parameters(base: nn.Module, captured: fx.GraphModule,
         own = dict(captured.named_parameters())
         return [own[name] for name in sorted(token_stream_parameters(captured, batch))]
     base_params = dict(base.named_parameters())
-    return [p for name, p in captured.named_parameters()
-            if declared(name) and name in base_params and base_params[name].shape == p.shape
-            and torch.equal(base_params[name].detach().cpu(), p.detach().cpu())]
+    return [
+        p
+        for name, p in captured.named_parameters()
+        if declared(name)
+        and name in base_params
+        and base_params[name].shape == p.shape
+        and torch.equal(base_params[name].detach().cpu(), p.detach().cpu())
+    ]
 
 
 def parameter_names(model: nn.Module, tensors: list[torch.Tensor]) -> list[str]:
     """The names under which ``model`` holds ``tensors`` (the rewrite works in place, so the
     compressed model holds the captured parameters themselves)."""
     wanted = {id(t) for t in tensors}
-    return sorted(name for name, p in model.named_parameters(remove_duplicate=False)
-                  if id(p) in wanted)
+    return sorted(
+        name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in wanted
+    )

@@ -25,8 +25,18 @@ from vitcompress.workflows.status import reporting
 from vitcompress.workflows.visualize import VisualizeError
 
 # Errors that are the user's input, not a bug: one line on stderr, exit code 2.
-USER_ERRORS = (ModelLoadError, PlanError, MappingError, CaptureError, RewriteError, DataError,
-               GateError, ExportError, ReportError, VisualizeError)
+USER_ERRORS = (
+    ModelLoadError,
+    PlanError,
+    MappingError,
+    CaptureError,
+    RewriteError,
+    DataError,
+    GateError,
+    ExportError,
+    ReportError,
+    VisualizeError,
+)
 EXIT_BUG = 1
 EXIT_USAGE = 2
 EXIT_GATE = 3
@@ -77,11 +87,15 @@ def _first_line(error: BaseException) -> str:
 @click.group(cls=VitcompressGroup)
 @click.version_option(__version__, prog_name="vitcompress")
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
-@click.option("--progress", type=click.Choice(PROGRESS_MODES), default="auto",
-              show_default=True,
-              help="Steps of long work on stderr: auto (a spinner on a terminal, nothing "
-                   "otherwise), plain (one line per step, for CI logs), none. Warnings always "
-                   "show.")
+@click.option(
+    "--progress",
+    type=click.Choice(PROGRESS_MODES),
+    default="auto",
+    show_default=True,
+    help="Steps of long work on stderr: auto (a spinner on a terminal, nothing "
+    "otherwise), plain (one line per step, for CI logs), none. Warnings always "
+    "show.",
+)
 @click.pass_context
 def cli(ctx: click.Context, debug: bool, progress: str) -> None:
     """Compress Vision Transformers by joint Token Pruning & Squeezing (TPS)."""
@@ -108,7 +122,6 @@ def print_environment(environment: dict[str, Any]) -> None:
             f"{environment.get('dtype')}, {environment.get('threads')} threads, batch "
             f"{environment.get('batch_size')}, torch {environment.get('torch')}[/]"
         )
-
 
 
 def finish_gates(results: list[GateResult], as_json: bool) -> None:

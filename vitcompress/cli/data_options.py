@@ -14,18 +14,34 @@ def data_config_options(command: Callable) -> Callable:
     """The four options, folded into ``data_overrides`` (parsed and checked, docs/data.md)."""
     names = "/".join(NAMED_STATS)
     decorators = [
-        click.option("--mean", default=None, metavar="M[,M,M]",
-                     help=f"Normalisation mean per channel (one value: every channel; or {names}). "
-                          "Default: the model's data config."),
-        click.option("--std", default=None, metavar="S[,S,S]",
-                     help=f"Normalisation std per channel (one value: every channel; or {names}). "
-                          "Default: the model's data config."),
-        click.option("--interpolation", type=click.Choice(INTERPOLATIONS), default=None,
-                     help="Resize interpolation. Default: the model's data config."),
-        click.option("--crop-pct", type=click.FloatRange(min=0, min_open=True), default=None,
-                     metavar="PCT",
-                     help="Center crop as a fraction of the resized image (1.0: resize only). "
-                          "Default: the model's data config, else by image size."),
+        click.option(
+            "--mean",
+            default=None,
+            metavar="M[,M,M]",
+            help=f"Normalisation mean per channel (one value: every channel; or {names}). "
+            "Default: the model's data config.",
+        ),
+        click.option(
+            "--std",
+            default=None,
+            metavar="S[,S,S]",
+            help=f"Normalisation std per channel (one value: every channel; or {names}). "
+            "Default: the model's data config.",
+        ),
+        click.option(
+            "--interpolation",
+            type=click.Choice(INTERPOLATIONS),
+            default=None,
+            help="Resize interpolation. Default: the model's data config.",
+        ),
+        click.option(
+            "--crop-pct",
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            metavar="PCT",
+            help="Center crop as a fraction of the resized image (1.0: resize only). "
+            "Default: the model's data config, else by image size.",
+        ),
     ]
     for decorator in reversed(decorators):
         command = decorator(command)
@@ -40,9 +56,12 @@ def data_config_options(command: Callable) -> Callable:
 
 def describe(config: DataConfig) -> str:
     """``mean (0.5, 0.5, 0.5), std (...), bilinear, crop_pct 1.0 (center)`` for a header."""
+
     def values(v: tuple[float, ...]) -> str:
         return "(" + ", ".join(f"{x:.4g}" for x in v) + ")"
 
     crop = "by image size" if config.crop_pct is None else config.crop_pct
-    return (f"mean {values(config.mean)}, std {values(config.std)}, {config.interpolation}, "
-            f"crop_pct {crop} ({config.crop_mode})")
+    return (
+        f"mean {values(config.mean)}, std {values(config.std)}, {config.interpolation}, "
+        f"crop_pct {crop} ({config.crop_mode})"
+    )

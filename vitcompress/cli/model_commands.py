@@ -55,25 +55,42 @@ def inspect(model_spec, model_args, checkpoint, pretrained, input_size, as_json)
     )
     table = Table(show_edge=False)
     for column in ("#", "path", "stage", "tokens", "dim", "heads", "attention", "grid ops"):
-        table.add_column(column, justify="right" if column in ("#", "tokens", "dim", "heads")
-                         else "left", overflow="fold")
+        table.add_column(
+            column,
+            justify="right" if column in ("#", "tokens", "dim", "heads") else "left",
+            overflow="fold",
+        )
     for block in model_map["blocks"]:
-        ops = ", ".join(f"{op['kind']} {op['path']} {op['grid'][0]}x{op['grid'][1]}"
-                        for op in block["grid_ops"]) or "-"
-        table.add_row(str(block["index"]), block["path"] or "<root>", str(block["stage"]),
-                      str(block["tokens"]), str(block["dim"]), str(block["heads"]),
-                      block["attention"], ops)
+        ops = (
+            ", ".join(
+                f"{op['kind']} {op['path']} {op['grid'][0]}x{op['grid'][1]}"
+                for op in block["grid_ops"]
+            )
+            or "-"
+        )
+        table.add_row(
+            str(block["index"]),
+            block["path"] or "<root>",
+            str(block["stage"]),
+            str(block["tokens"]),
+            str(block["dim"]),
+            str(block["heads"]),
+            block["attention"],
+            ops,
+        )
     if on_terminal:
         console.print(table)
     else:
         unbounded = console.options.update_width(1_000_000)  # measure, do not clamp to COLUMNS
         width = Measurement.get(console, unbounded, table).maximum
         # console.print never draws wider than the console: a console as wide as the table.
-        Console(file=console.file, width=max(width, console.width),
-                color_system=console.color_system).print(table)
+        Console(
+            file=console.file, width=max(width, console.width), color_system=console.color_system
+        ).print(table)
     if model_map["leaves"]:
-        console.print(f"kept whole by the tracer: {', '.join(model_map['leaves'])}",
-                      soft_wrap=not on_terminal)
+        console.print(
+            f"kept whole by the tracer: {', '.join(model_map['leaves'])}", soft_wrap=not on_terminal
+        )
 
 
 def prefix_text(model_map: dict[str, Any]) -> str:
@@ -92,22 +109,30 @@ def prefix_text(model_map: dict[str, Any]) -> str:
 @timing_options
 @gate_options(accepted=("max_gmacs",))
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def bench(model_spec, model_args, checkpoint, pretrained, input_size, timing, bounds: Bounds,
-          as_json) -> None:
+def bench(
+    model_spec, model_args, checkpoint, pretrained, input_size, timing, bounds: Bounds, as_json
+) -> None:
     """Count parameters and MACs and time the model's throughput."""
     from vitcompress.workflows.measure_models import measure_models
 
-    require(bounds, {
-        "max_acc_drop": "bench measures no accuracy; use eval --base",
-        "min_speedup": "bench times one model, so there is no speedup to check; use apply or "
-                       "eval --base",
-    })
+    require(
+        bounds,
+        {
+            "max_acc_drop": "bench measures no accuracy; use eval --base",
+            "min_speedup": "bench times one model, so there is no speedup to check; use apply or "
+            "eval --base",
+        },
+    )
     with step(f"loading {model_spec}"):
         loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
     measured, environment = measure_models({"model": loaded.model}, loaded.input_size, timing)
-    result = {"model": model_spec, "identity": model_identity(loaded, model_spec),
-              **measured["model"].to_json(), "input_size": list(loaded.input_size),
-              "environment": environment}
+    result = {
+        "model": model_spec,
+        "identity": model_identity(loaded, model_spec),
+        **measured["model"].to_json(),
+        "input_size": list(loaded.input_size),
+        "environment": environment,
+    }
     gates = check_gates(bounds, {"gmacs": result["gmacs"]})
     result["gates"] = [g.to_json() for g in gates]
     if as_json:
@@ -117,8 +142,12 @@ def bench(model_spec, model_args, checkpoint, pretrained, input_size, timing, bo
     table = Table(show_edge=False)
     for column in ("model", "params (M)", "GMACs", "throughput (img/s)"):
         table.add_column(column)
-    table.add_row(model_spec, f"{result['params'] / 1e6:.2f}", f"{result['gmacs']:.3f}",
-                  fmt_throughput(result["throughput"]))
+    table.add_row(
+        model_spec,
+        f"{result['params'] / 1e6:.2f}",
+        f"{result['gmacs']:.3f}",
+        fmt_throughput(result["throughput"]),
+    )
     console.print(table)
     print_environment(environment)
     finish_gates(gates, as_json)
@@ -127,27 +156,57 @@ def bench(model_spec, model_args, checkpoint, pretrained, input_size, timing, bo
 @cli.command()
 @model_options
 @click.option("--variant", type=click.Choice(list(VARIANTS)), default="etps", show_default=True)
-@click.option("--keep", default=None,
-              help="Keep ratio per location, or a comma list with one per location (default: "
-                   "0.7; 0.5 for CvT-like models, as in the paper).")
+@click.option(
+    "--keep",
+    default=None,
+    help="Keep ratio per location, or a comma list with one per location (default: "
+    "0.7; 0.5 for CvT-like models, as in the paper).",
+)
 @keep_cumulative_option
-@click.option("--locs", default=None, help="0-based block indices, e.g. 3,6,9 (default: "
-              "1/4, 1/2, 3/4 of the depth; stage starts for pyramids; stage 3 for CvT).")
-@click.option("--policy", type=click.Choice(["score", "random"]), default="score",
-              show_default=True, help="random: select tokens at random (robustness analysis).")
-@click.option("--out", type=click.Path(file_okay=False), default=None,
-              help="Write the compressed model here (safetensors + vitcompress.json).")
+@click.option(
+    "--locs",
+    default=None,
+    help="0-based block indices, e.g. 3,6,9 (default: "
+    "1/4, 1/2, 3/4 of the depth; stage starts for pyramids; stage 3 for CvT).",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(["score", "random"]),
+    default="score",
+    show_default=True,
+    help="random: select tokens at random (robustness analysis).",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Write the compressed model here (safetensors + vitcompress.json).",
+)
 @timing_options
 @gate_options(accepted=("min_speedup", "max_gmacs"))
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def apply(model_spec, model_args, checkpoint, pretrained, input_size, variant, keep, locs,
-          policy, out, timing, bounds: Bounds, as_json) -> None:
+def apply(
+    model_spec,
+    model_args,
+    checkpoint,
+    pretrained,
+    input_size,
+    variant,
+    keep,
+    locs,
+    policy,
+    out,
+    timing,
+    bounds: Bounds,
+    as_json,
+) -> None:
     """Compress a model and report params, GMACs and throughput, before and after."""
     from vitcompress.workflows.apply import apply as run_apply
     from vitcompress.workflows.apply import base_to_compress
 
-    unavailable = {"max_acc_drop": "apply measures no accuracy; gate the saved model with "
-                                   "eval --base"}
+    unavailable = {
+        "max_acc_drop": "apply measures no accuracy; gate the saved model with eval --base"
+    }
     if timing is None:
         unavailable["min_speedup"] = NO_THROUGHPUT
     require(bounds, unavailable)
@@ -157,8 +216,15 @@ def apply(model_spec, model_args, checkpoint, pretrained, input_size, variant, k
         # An artifact's recorded base is what gets compressed and measured as the base.
         base = base_to_compress(loaded)
     with step(f"compressing {model_spec} with {variant}"):
-        result = run_apply(base, variant=variant, keep=keep_ratios, locs=locations,
-                           policy=policy, out=out, timing=timing)
+        result = run_apply(
+            base,
+            variant=variant,
+            keep=keep_ratios,
+            locs=locations,
+            policy=policy,
+            out=out,
+            timing=timing,
+        )
     data = result.to_json()
     data["input_size"] = list(base.input_size)
     # The speed-up is the median of the round-by-round ratios (both models timed interleaved),
@@ -166,44 +232,70 @@ def apply(model_spec, model_args, checkpoint, pretrained, input_size, variant, k
     paired = speedup(result.compressed, result.base)
     data["speedup_ratio_of_medians"] = data["speedup"]
     data["speedup"] = None if paired is None else paired.median
-    data["speedup_ci95"] = None if paired is None or paired.interval is None else list(
-        paired.interval)
+    data["speedup_ci95"] = (
+        None if paired is None or paired.interval is None else list(paired.interval)
+    )
     data["speedup_pairs"] = 0 if paired is None else paired.pairs
     data["base"]["identity"] = model_identity(
-        base, model_spec if base is loaded else base.source.spec)
+        base, model_spec if base is loaded else base.source.spec
+    )
     data["compressed"]["identity"] = (
-        artifact_identity(result.out, base.input_size) if result.out is not None
-        else unsaved_identity(data["base"]["identity"], data["plan"]))
-    gates = check_gates(bounds, {"speedup": data["speedup"],
-                                 "gmacs": data["compressed"]["gmacs"]},
-                        intervals={"speedup": paired.interval if paired else None})
+        artifact_identity(result.out, base.input_size)
+        if result.out is not None
+        else unsaved_identity(data["base"]["identity"], data["plan"])
+    )
+    gates = check_gates(
+        bounds,
+        {"speedup": data["speedup"], "gmacs": data["compressed"]["gmacs"]},
+        intervals={"speedup": paired.interval if paired else None},
+    )
     data["gates"] = [g.to_json() for g in gates]
     if as_json:
         emit_json(data)
         finish_gates(gates, as_json)
         return
     plan = data["plan"]
-    console.print(f"[bold]{model_spec}[/] + {variant} at blocks {plan['locs']} keep "
-                  f"{plan['keep']} (policy {policy})")
+    console.print(
+        f"[bold]{model_spec}[/] + {variant} at blocks {plan['locs']} keep "
+        f"{plan['keep']} (policy {policy})"
+    )
     table = Table(show_edge=False)
     for column in ("", "params (M)", "GMACs", "throughput (img/s)"):
         table.add_column(column)
     for name in ("base", "compressed"):
         row = data[name]
-        table.add_row(name, f"{row['params'] / 1e6:.2f}", f"{row['gmacs']:.3f}",
-                      fmt_throughput(row["throughput"]))
+        table.add_row(
+            name,
+            f"{row['params'] / 1e6:.2f}",
+            f"{row['gmacs']:.3f}",
+            fmt_throughput(row["throughput"]),
+        )
     ratio_tp = paired.text() if paired else "-"
-    table.add_row("ratio", f"{data['compressed']['params'] / data['base']['params']:.3f}",
-                  f"{data['macs_ratio']:.3f}", ratio_tp)
+    table.add_row(
+        "ratio",
+        f"{data['compressed']['params'] / data['base']['params']:.3f}",
+        f"{data['macs_ratio']:.3f}",
+        ratio_tp,
+    )
     console.print(table)
-    console.print("tokens per block: " + " ".join(
-        f"{b}->{c}" if b != c else str(b)
-        for b, c in zip(data["base_tokens_per_block"], data["tokens_per_block"], strict=True)))
+    console.print(
+        "tokens per block: "
+        + " ".join(
+            f"{b}->{c}" if b != c else str(b)
+            for b, c in zip(data["base_tokens_per_block"], data["tokens_per_block"], strict=True)
+        )
+    )
     if paired is not None:
-        console.print(f"speed-up: median of {paired.pairs} paired rounds"
-                      + (", with its 95% interval" if paired.interval else
-                         f" (an interval needs {MIN_PAIRS_FOR_INTERVAL}; raise --runs)"),
-                      style="dim", highlight=False)
+        console.print(
+            f"speed-up: median of {paired.pairs} paired rounds"
+            + (
+                ", with its 95% interval"
+                if paired.interval
+                else f" (an interval needs {MIN_PAIRS_FOR_INTERVAL}; raise --runs)"
+            ),
+            style="dim",
+            highlight=False,
+        )
     print_environment(data["environment"])
     if data["out"]:
         console.print(f"saved to {data['out']}")

@@ -20,16 +20,34 @@ from vitcompress.workflows.measure_models import DEFAULT_BENCH_SECONDS, TimingOp
 def model_options(command: Callable) -> Callable:
     """``--model``, ``--model-arg``, ``--checkpoint``, ``--pretrained``, ``--input-size``."""
     decorators = [
-        click.option("--model", "model_spec", required=True, metavar="SPEC",
-                     help="timm name, path/to/file.py:factory, package.module:factory, or a "
-                          "compressed model directory."),
-        click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE",
-                     help="Keyword argument for the model factory (Python literal); repeatable."),
-        click.option("--checkpoint", type=click.Path(dir_okay=False), default=None,
-                     help="Weights: .safetensors, or a torch file (loaded with weights_only)."),
+        click.option(
+            "--model",
+            "model_spec",
+            required=True,
+            metavar="SPEC",
+            help="timm name, path/to/file.py:factory, package.module:factory, or a "
+            "compressed model directory.",
+        ),
+        click.option(
+            "--model-arg",
+            "model_args",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="Keyword argument for the model factory (Python literal); repeatable.",
+        ),
+        click.option(
+            "--checkpoint",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Weights: .safetensors, or a torch file (loaded with weights_only).",
+        ),
         click.option("--pretrained", is_flag=True, help="timm's hub weights (needs network)."),
-        click.option("--input-size", default=None, metavar="C,H,W",
-                     help="Input size; default: what the model's config says."),
+        click.option(
+            "--input-size",
+            default=None,
+            metavar="C,H,W",
+            help="Input size; default: what the model's config says.",
+        ),
     ]
     for decorator in reversed(decorators):
         command = decorator(command)
@@ -77,8 +95,13 @@ def parse_input_size(text: str) -> tuple[int, int, int]:
     return size  # type: ignore[return-value]  # length checked above
 
 
-def load_from_options(model_spec: str, model_args: tuple[str, ...], checkpoint: str | None,
-                      pretrained: bool, input_size: str | None) -> LoadedModel:
+def load_from_options(
+    model_spec: str,
+    model_args: tuple[str, ...],
+    checkpoint: str | None,
+    pretrained: bool,
+    input_size: str | None,
+) -> LoadedModel:
     return load_model(
         model_spec,
         parse_model_args(model_args),
@@ -91,33 +114,54 @@ def load_from_options(model_spec: str, model_args: tuple[str, ...], checkpoint: 
 BASE_FROM_ARTIFACT = "source"
 
 
-def base_options_given(base_args: tuple[str, ...], base_checkpoint: str | None,
-                       base_pretrained: bool) -> list[str]:
+def base_options_given(
+    base_args: tuple[str, ...], base_checkpoint: str | None, base_pretrained: bool
+) -> list[str]:
     """The ``--base-*`` options the user passed, by flag name (for refusals)."""
-    return [name for name, used in (("--base-model-arg", base_args),
-                                    ("--base-checkpoint", base_checkpoint),
-                                    ("--base-pretrained", base_pretrained)) if used]
+    return [
+        name
+        for name, used in (
+            ("--base-model-arg", base_args),
+            ("--base-checkpoint", base_checkpoint),
+            ("--base-pretrained", base_pretrained),
+        )
+        if used
+    ]
 
 
-def load_base_from_options(base_spec: str, base_args: tuple[str, ...],
-                           base_checkpoint: str | None, base_pretrained: bool,
-                           model: LoadedModel) -> LoadedModel:
+def load_base_from_options(
+    base_spec: str,
+    base_args: tuple[str, ...],
+    base_checkpoint: str | None,
+    base_pretrained: bool,
+    model: LoadedModel,
+) -> LoadedModel:
     """The ``--base`` model, at ``model``'s input size. ``--base source`` rebuilds the base a
     compressed ``model`` records (spec, model arguments and base weights)."""
     given = base_options_given(base_args, base_checkpoint, base_pretrained)
     if given and is_artifact_directory(base_spec):
-        raise ModelLoadError(f"--base {base_spec} is a compressed model that fixes its "
-                             f"architecture and weights; drop {', '.join(given)}")
+        raise ModelLoadError(
+            f"--base {base_spec} is a compressed model that fixes its "
+            f"architecture and weights; drop {', '.join(given)}"
+        )
     if base_spec != BASE_FROM_ARTIFACT:
-        return load_model(base_spec, parse_model_args(base_args), checkpoint=base_checkpoint,
-                          pretrained=base_pretrained, input_size=model.input_size)
+        return load_model(
+            base_spec,
+            parse_model_args(base_args),
+            checkpoint=base_checkpoint,
+            pretrained=base_pretrained,
+            input_size=model.input_size,
+        )
     if given:
-        raise ModelLoadError(f"--base {BASE_FROM_ARTIFACT} takes the base's arguments and "
-                             f"weights from the artifact; drop {', '.join(given)}")
+        raise ModelLoadError(
+            f"--base {BASE_FROM_ARTIFACT} takes the base's arguments and "
+            f"weights from the artifact; drop {', '.join(given)}"
+        )
     info = compression_info(model.model)
     if info is None or info.artifact is None:
-        raise ModelLoadError(f"--base {BASE_FROM_ARTIFACT} needs --model to be a compressed "
-                             "model directory")
+        raise ModelLoadError(
+            f"--base {BASE_FROM_ARTIFACT} needs --model to be a compressed model directory"
+        )
     return load_artifact_base(info.artifact, model.input_size)
 
 
@@ -125,15 +169,29 @@ def timing_options(command: Callable) -> Callable:
     decorators = [
         click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1)),
         click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1 ..."),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-                     default="float32", show_default=True),
+        click.option(
+            "--dtype",
+            type=click.Choice(["float32", "bfloat16", "float16"]),
+            default="float32",
+            show_default=True,
+        ),
         click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0)),
-        click.option("--runs", default=10, show_default=True, type=click.IntRange(min=1),
-                     help="Timed rounds (one batch of each model per round) at most."),
-        click.option("--bench-seconds", default=DEFAULT_BENCH_SECONDS, show_default=True,
-                     type=click.FloatRange(min=0, min_open=True), metavar="S",
-                     help="Time budget of the throughput step (warm-up and timed rounds): no "
-                          "round starts after S seconds; at least one is timed."),
+        click.option(
+            "--runs",
+            default=10,
+            show_default=True,
+            type=click.IntRange(min=1),
+            help="Timed rounds (one batch of each model per round) at most.",
+        ),
+        click.option(
+            "--bench-seconds",
+            default=DEFAULT_BENCH_SECONDS,
+            show_default=True,
+            type=click.FloatRange(min=0, min_open=True),
+            metavar="S",
+            help="Time budget of the throughput step (warm-up and timed rounds): no "
+            "round starts after S seconds; at least one is timed.",
+        ),
         click.option("--compile", "use_compile", is_flag=True, help="torch.compile the models."),
         click.option("--amp", is_flag=True, help="Autocast (GPU only) in --dtype."),
         click.option("--no-throughput", is_flag=True, help="Skip timing; count params and MACs."),
@@ -142,18 +200,41 @@ def timing_options(command: Callable) -> Callable:
         command = decorator(command)
 
     @functools.wraps(command)
-    def wrapper(*args, batch_size, device, dtype, warmup, runs, bench_seconds, use_compile, amp,
-                no_throughput, **kwargs):
-        timing = None if no_throughput else TimingOptions(
-            batch_size=batch_size, device=device, dtype=dtype, warmup=warmup, runs=runs,
-            compile=use_compile, amp=amp, seconds=bench_seconds)
+    def wrapper(
+        *args,
+        batch_size,
+        device,
+        dtype,
+        warmup,
+        runs,
+        bench_seconds,
+        use_compile,
+        amp,
+        no_throughput,
+        **kwargs,
+    ):
+        timing = (
+            None
+            if no_throughput
+            else TimingOptions(
+                batch_size=batch_size,
+                device=device,
+                dtype=dtype,
+                warmup=warmup,
+                runs=runs,
+                compile=use_compile,
+                amp=amp,
+                seconds=bench_seconds,
+            )
+        )
         return command(*args, timing=timing, **kwargs)
 
     return wrapper
 
 
-def gate_options(command: Callable | None = None, *,
-                 accepted: tuple[str, ...] = tuple(GATES)) -> Callable:
+def gate_options(
+    command: Callable | None = None, *, accepted: tuple[str, ...] = tuple(GATES)
+) -> Callable:
     """``--max-acc-drop``, ``--min-speedup``, ``--max-gmacs``, folded into ``bounds: Bounds``.
 
     ``@gate_options`` offers all three; ``@gate_options(accepted=(...))`` lists only the named
@@ -165,18 +246,33 @@ def gate_options(command: Callable | None = None, *,
         return functools.partial(gate_options, accepted=accepted)
     positive = click.FloatRange(min=0, min_open=True)
     decorators = [
-        click.option("--max-acc-drop", type=float, default=None, metavar="POINTS",
-                     hidden="max_acc_drop" not in accepted,
-                     help="CI gate: fail (exit 3) if top-1 drops by more than this many points "
-                          "against the base."),
-        click.option("--min-speedup", type=positive, default=None, metavar="X",
-                     hidden="min_speedup" not in accepted,
-                     help="CI gate: fail (exit 3) if the speed-up over the base (median of the "
-                          "paired timed rounds) is below X."),
-        click.option("--max-gmacs", type=positive, default=None, metavar="G",
-                     hidden="max_gmacs" not in accepted,
-                     help="CI gate: fail (exit 3) if the (compressed) model needs more than G "
-                          "GMACs per image."),
+        click.option(
+            "--max-acc-drop",
+            type=float,
+            default=None,
+            metavar="POINTS",
+            hidden="max_acc_drop" not in accepted,
+            help="CI gate: fail (exit 3) if top-1 drops by more than this many points "
+            "against the base.",
+        ),
+        click.option(
+            "--min-speedup",
+            type=positive,
+            default=None,
+            metavar="X",
+            hidden="min_speedup" not in accepted,
+            help="CI gate: fail (exit 3) if the speed-up over the base (median of the "
+            "paired timed rounds) is below X.",
+        ),
+        click.option(
+            "--max-gmacs",
+            type=positive,
+            default=None,
+            metavar="G",
+            hidden="max_gmacs" not in accepted,
+            help="CI gate: fail (exit 3) if the (compressed) model needs more than G "
+            "GMACs per image.",
+        ),
     ]
     for decorator in reversed(decorators):
         command = decorator(command)

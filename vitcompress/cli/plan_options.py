@@ -17,8 +17,13 @@ from vitcompress.graph.plan import PlanError
 from vitcompress.method import CumulativeKeep
 
 # make_plan's parameters -> the options that set them.
-PLAN_OPTIONS = {"keep": "--keep", "locs": "--locs", "variant": "--variant", "policy": "--policy",
-                "keep_cumulative": "--keep-cumulative"}
+PLAN_OPTIONS = {
+    "keep": "--keep",
+    "locs": "--locs",
+    "variant": "--variant",
+    "policy": "--policy",
+    "keep_cumulative": "--keep-cumulative",
+}
 
 
 def parse_keep(text: str | CumulativeKeep | None) -> list[float] | CumulativeKeep | None:
@@ -29,8 +34,9 @@ def parse_keep(text: str | CumulativeKeep | None) -> list[float] | CumulativeKee
     try:
         return [float(part) for part in str(text).split(",") if part.strip()]
     except ValueError:
-        raise PlanError(f"must be a number or a comma list of numbers, got {text!r}",
-                        "keep") from None
+        raise PlanError(
+            f"must be a number or a comma list of numbers, got {text!r}", "keep"
+        ) from None
 
 
 def parse_keep_cumulative(text: str) -> CumulativeKeep:
@@ -38,8 +44,9 @@ def parse_keep_cumulative(text: str) -> CumulativeKeep:
     try:
         fractions = [float(part) for part in str(text).split(",") if part.strip()]
     except ValueError:
-        raise PlanError(f"must be a comma list of numbers, got {text!r}",
-                        "keep_cumulative") from None
+        raise PlanError(
+            f"must be a comma list of numbers, got {text!r}", "keep_cumulative"
+        ) from None
     if not fractions:
         raise PlanError("must not be empty", "keep_cumulative")
     for value in fractions:  # early, before the model loads; the rest needs the model's stages
@@ -57,10 +64,13 @@ def keep_cumulative_option(command: Callable) -> Callable:
     the command line wins, as it does for every option.
     """
     command = click.option(
-        "--keep-cumulative", default=None, metavar="A,B,C",
+        "--keep-cumulative",
+        default=None,
+        metavar="A,B,C",
         help="Instead of --keep (dtps, dynamicvit): the fraction of the initial patch count kept "
-             "after each location, as official configs give it (0.7,0.49,0.343 = --keep 0.7; "
-             "int(N0 * fraction) tokens). Restarts at each stage of a pyramid.")(command)
+        "after each location, as official configs give it (0.7,0.49,0.343 = --keep 0.7; "
+        "int(N0 * fraction) tokens). Restarts at each stage of a pyramid.",
+    )(command)
 
     @functools.wraps(command)
     def wrapper(*args, keep, keep_cumulative, **kwargs):

@@ -24,9 +24,14 @@ class RichProgress(FinetuneProgress):
 
     def start(self, epochs: int, steps_per_epoch: int, total_steps: int | None = None) -> None:
         self.epochs, self.steps_per_epoch = epochs, steps_per_epoch
-        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                            MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                            TimeRemainingColumn(), console=console)
+        self.bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            console=console,
+        )
         self.bar.start()
 
     def stop(self) -> None:
@@ -39,22 +44,29 @@ class RichProgress(FinetuneProgress):
             return
         if self.task is not None:
             self.bar.remove_task(self.task)
-        self.task = self.bar.add_task(f"epoch {epoch + 1}/{self.epochs}",
-                                      total=self.steps_per_epoch, completed=steps_done, info="")
+        self.task = self.bar.add_task(
+            f"epoch {epoch + 1}/{self.epochs}",
+            total=self.steps_per_epoch,
+            completed=steps_done,
+            info="",
+        )
 
     def step(self, record: dict[str, Any]) -> None:
         if self.bar is None:
             return
         speed = record.get("img_per_s")
-        info = (f"step {record['step']} loss {record['loss']:.4f} lr {record['lr']:.2e}"
-                + (f" {speed:.0f} img/s" if speed else ""))
+        info = f"step {record['step']} loss {record['loss']:.4f} lr {record['lr']:.2e}" + (
+            f" {speed:.0f} img/s" if speed else ""
+        )
         self.bar.update(self.task, advance=1, info=info)
 
     def epoch_done(self, summary: dict[str, Any]) -> None:
         if self.bar is not None and summary.get("val_top1") is not None:
-            self.bar.console.print(f"epoch {summary['epoch'] + 1}: train loss "
-                                   f"{summary['train_loss']:.4f}, val top-1 "
-                                   f"{100 * summary['val_top1']:.2f}%")
+            self.bar.console.print(
+                f"epoch {summary['epoch'] + 1}: train loss "
+                f"{summary['train_loss']:.4f}, val top-1 "
+                f"{100 * summary['val_top1']:.2f}%"
+            )
 
 
 class LogLines(FinetuneProgress):
@@ -92,10 +104,15 @@ class LogLines(FinetuneProgress):
         step = record["step"]
         if step % self.every and step != 1 and step != self.total_steps:
             return
-        rate = (f", {self._timed_steps / self._seconds_per_image:.0f} img/s"
-                if self._timed_steps else "")
-        self._print(f"step {step}/{self.total_steps} (epoch {record['epoch'] + 1}/{self.epochs})"
-                    f": loss {record['loss']:.4f}, lr {record['lr']:.2e}{rate}")
+        rate = (
+            f", {self._timed_steps / self._seconds_per_image:.0f} img/s"
+            if self._timed_steps
+            else ""
+        )
+        self._print(
+            f"step {step}/{self.total_steps} (epoch {record['epoch'] + 1}/{self.epochs})"
+            f": loss {record['loss']:.4f}, lr {record['lr']:.2e}{rate}"
+        )
         self._seconds_per_image, self._timed_steps = 0.0, 0
 
     def epoch_done(self, summary: dict[str, Any]) -> None:
@@ -108,5 +125,7 @@ class LogLines(FinetuneProgress):
             parts.append(f"val top-1 {100 * summary['val_top1']:.2f}%")
         if summary.get("val_top1_ema") is not None:
             parts.append(f"EMA val top-1 {100 * summary['val_top1_ema']:.2f}%")
-        self._print(f"epoch {summary['epoch'] + 1}/{self.epochs} done at step {summary['step']}: "
-                    + ", ".join(parts))
+        self._print(
+            f"epoch {summary['epoch'] + 1}/{self.epochs} done at step {summary['step']}: "
+            + ", ".join(parts)
+        )

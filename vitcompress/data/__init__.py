@@ -4,5 +4,11 @@ from vitcompress.data.config import DataConfig, resolve_data_config
 from vitcompress.data.datasets import build_dataset, num_classes
 from vitcompress.data.transforms import AugmentConfig, DataError
 
-__all__ = ["AugmentConfig", "DataConfig", "DataError", "build_dataset", "num_classes",
-           "resolve_data_config"]
+__all__ = [
+    "AugmentConfig",
+    "DataConfig",
+    "DataError",
+    "build_dataset",
+    "num_classes",
+    "resolve_data_config",
+]

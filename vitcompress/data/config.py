@@ -42,12 +42,19 @@ NAMED_STATS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
 }
 # The attribute an in-house model sets to state its preprocessing.
 MODEL_ATTRIBUTE = "data_config"
-OPTIONS = {"mean": "--mean", "std": "--std", "interpolation": "--interpolation",
-           "crop_pct": "--crop-pct"}
+OPTIONS = {
+    "mean": "--mean",
+    "std": "--std",
+    "interpolation": "--interpolation",
+    "crop_pct": "--crop-pct",
+}
 DEFAULTS_SOURCE = "defaults"
 # What every `finetune` before data configs were recorded normalised with.
-LEGACY_FINETUNE = {"mean": list(IMAGENET_DEFAULT_MEAN), "std": list(IMAGENET_DEFAULT_STD),
-                   "interpolation": "bicubic"}
+LEGACY_FINETUNE = {
+    "mean": list(IMAGENET_DEFAULT_MEAN),
+    "std": list(IMAGENET_DEFAULT_STD),
+    "interpolation": "bicubic",
+}
 
 
 @dataclass(frozen=True)
@@ -69,14 +76,21 @@ class DataConfig:
     explicit: frozenset[str] = field(default_factory=frozenset, compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {"mean": list(self.mean), "std": list(self.std),
-                "interpolation": self.interpolation, "crop_pct": self.crop_pct,
-                "crop_mode": self.crop_mode}
+        return {
+            "mean": list(self.mean),
+            "std": list(self.std),
+            "interpolation": self.interpolation,
+            "crop_pct": self.crop_pct,
+            "crop_mode": self.crop_mode,
+        }
 
     def defaulted(self) -> list[str]:
         """The fields nobody stated (taken from the defaults)."""
-        return [name for name in FIELDS if self.sources.get(name, DEFAULTS_SOURCE)
-                .startswith(DEFAULTS_SOURCE)]
+        return [
+            name
+            for name in FIELDS
+            if self.sources.get(name, DEFAULTS_SOURCE).startswith(DEFAULTS_SOURCE)
+        ]
 
     def with_field(self, name: str, value: Any, source: str) -> DataConfig:
         return replace(self, **{name: value}, sources={**self.sources, name: source})
@@ -97,11 +111,14 @@ class DataConfig:
             if len(values) == 1:
                 config = config.with_field(name, values * channels, source)
             elif channels == 1 and len(values) == 3 and name not in config.explicit:
-                config = config.with_field(name, (sum(values) / 3,),
-                                           f"{source}, averaged over RGB for a 1-channel model")
+                config = config.with_field(
+                    name, (sum(values) / 3,), f"{source}, averaged over RGB for a 1-channel model"
+                )
             else:
-                raise DataError(f"{name} has {len(values)} values ({_where(source)}) but the "
-                                f"model takes {channels} channels")
+                raise DataError(
+                    f"{name} has {len(values)} values ({_where(source)}) but the "
+                    f"model takes {channels} channels"
+                )
         return config
 
 
@@ -118,14 +135,19 @@ def check_fields(values: Mapping[str, Any], where: str) -> dict[str, Any]:
     and ill-typed values are a ``DataError`` naming ``where``. Returns normalised values
     (tuples of floats, lower-case names)."""
     if not isinstance(values, Mapping):
-        raise DataError(f"{where} is a {type(values).__name__}, not a mapping of "
-                        f"{', '.join(FIELDS)}")
+        raise DataError(
+            f"{where} is a {type(values).__name__}, not a mapping of {', '.join(FIELDS)}"
+        )
     unknown = sorted(str(k) for k in values if k not in FIELDS)
     if unknown:
-        extra = ("; the input size is the model's default_input_size or --input-size"
-                 if "input_size" in unknown else "")
-        raise DataError(f"{where}: unknown key {', '.join(unknown)} (expected "
-                        f"{', '.join(FIELDS)}){extra}")
+        extra = (
+            "; the input size is the model's default_input_size or --input-size"
+            if "input_size" in unknown
+            else ""
+        )
+        raise DataError(
+            f"{where}: unknown key {', '.join(unknown)} (expected {', '.join(FIELDS)}){extra}"
+        )
     checked: dict[str, Any] = {}
     for name, value in values.items():
         if value is None:
@@ -144,8 +166,12 @@ def check_fields(values: Mapping[str, Any], where: str) -> dict[str, Any]:
 def check_stats(value: Any, name: str, where: str) -> tuple[float, ...]:
     """A mean or std: one number or a sequence of them, finite; a std is positive."""
     items = [value] if isinstance(value, numbers.Real) else value
-    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence) or not items or not all(
-            isinstance(v, numbers.Real) and not isinstance(v, bool) for v in items):
+    if (
+        isinstance(items, (str, bytes))
+        or not isinstance(items, Sequence)
+        or not items
+        or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in items)
+    ):
         raise DataError(f"{where}: {name} {value!r} is not a number or a list of numbers")
     floats = tuple(float(v) for v in items)
     if not all(math.isfinite(v) for v in floats):
@@ -156,8 +182,11 @@ def check_stats(value: Any, name: str, where: str) -> tuple[float, ...]:
 
 
 def check_crop_pct(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-            math.isfinite(value) and value > 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not (math.isfinite(value) and value > 0)
+    ):
         raise DataError(f"{where}: crop_pct {value!r} is not a positive number")
     return float(value)
 
@@ -177,14 +206,18 @@ def parse_stats(text: str, name: str) -> tuple[float, ...]:
     try:
         values = [float(part) for part in text.split(",")]
     except ValueError:
-        raise DataError(f"{option} {text!r} is not a comma list of numbers or one of "
-                        f"{', '.join(NAMED_STATS)}") from None
+        raise DataError(
+            f"{option} {text!r} is not a comma list of numbers or one of {', '.join(NAMED_STATS)}"
+        ) from None
     return check_stats(values, name, option)
 
 
-def data_overrides(mean: str | None = None, std: str | None = None,
-                   interpolation: str | None = None,
-                   crop_pct: float | None = None) -> dict[str, Any]:
+def data_overrides(
+    mean: str | None = None,
+    std: str | None = None,
+    interpolation: str | None = None,
+    crop_pct: float | None = None,
+) -> dict[str, Any]:
     """The fields given as options (text as typed), parsed and checked."""
     overrides: dict[str, Any] = {}
     if mean is not None:
@@ -192,8 +225,9 @@ def data_overrides(mean: str | None = None, std: str | None = None,
     if std is not None:
         overrides["std"] = parse_stats(str(std), "std")
     if interpolation is not None:
-        overrides["interpolation"] = _check_choice(interpolation, INTERPOLATIONS,
-                                                   "interpolation", "--interpolation")
+        overrides["interpolation"] = _check_choice(
+            interpolation, INTERPOLATIONS, "interpolation", "--interpolation"
+        )
     if crop_pct is not None:
         overrides["crop_pct"] = check_crop_pct(crop_pct, "--crop-pct")
     return overrides
@@ -230,8 +264,9 @@ def stated_data_config(model: nn.Module) -> tuple[dict[str, Any], str]:
     return {}, ""
 
 
-def resolve_data_config(model: nn.Module, channels: int,
-                        overrides: Mapping[str, Any] | None = None) -> DataConfig:
+def resolve_data_config(
+    model: nn.Module, channels: int, overrides: Mapping[str, Any] | None = None
+) -> DataConfig:
     """The data config to feed ``model`` with: ``overrides`` (from ``data_overrides``) over what
     the model states over the defaults, with one mean/std value per channel."""
     stated, where = stated_data_config(model)
@@ -247,8 +282,9 @@ def resolve_data_config(model: nn.Module, channels: int,
     return config.for_channels(channels)
 
 
-def artifact_data_config(meta: Mapping[str, Any], rebuilt: nn.Module,
-                         directory: str) -> tuple[dict[str, Any], str]:
+def artifact_data_config(
+    meta: Mapping[str, Any], rebuilt: nn.Module, directory: str
+) -> tuple[dict[str, Any], str]:
     """``(fields, where)`` for a compressed model saved in ``directory`` with ``meta``.
 
     A fine-tuned artifact uses the config it was fine-tuned with; one fine-tuned before the
@@ -263,8 +299,8 @@ def artifact_data_config(meta: Mapping[str, Any], rebuilt: nn.Module,
         recorded = finetuned.get("data_config")
         if recorded is None:
             return dict(LEGACY_FINETUNE), (
-                f"{DEFAULTS_SOURCE} of finetune when {where} was written (no data_config "
-                "recorded)")
+                f"{DEFAULTS_SOURCE} of finetune when {where} was written (no data_config recorded)"
+            )
         return check_fields(recorded, f"{where} (finetune.data_config)"), where
     if meta.get("data_config") is not None:
         return check_fields(meta["data_config"], f"{where} (data_config)"), where
@@ -278,11 +314,14 @@ def defaults_note(config: DataConfig, name: str) -> str | None:
     # crop the images' size calls for, are what any model expects.
     if not set(missing) & {"mean", "std", "interpolation"}:
         return None
-    shown = ", ".join(f"{field_name} {_show(getattr(config, field_name))}"
-                      for field_name in missing)
-    return (f"note: {name} states no {'/'.join(missing)}; used {shown}. If it was trained "
-            f"otherwise, pass --mean/--std/--interpolation/--crop-pct or give the model a "
-            f"{MODEL_ATTRIBUTE} attribute (docs/data.md)")
+    shown = ", ".join(
+        f"{field_name} {_show(getattr(config, field_name))}" for field_name in missing
+    )
+    return (
+        f"note: {name} states no {'/'.join(missing)}; used {shown}. If it was trained "
+        f"otherwise, pass --mean/--std/--interpolation/--crop-pct or give the model a "
+        f"{MODEL_ATTRIBUTE} attribute (docs/data.md)"
+    )
 
 
 def _show(value: Any) -> str:

@@ -24,8 +24,18 @@ from vitcompress.data.transforms import (
 )
 
 FASHION_MNIST = "fashion-mnist"
-FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
-                         "Sneaker", "Bag", "Ankle boot"]
+FASHION_MNIST_CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
 # Where the Debian/Ubuntu package `dataset-fashion-mnist` installs the (gzipped) IDX files.
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 CACHE_DIR = Path("~/.cache/vitcompress").expanduser()
@@ -34,11 +44,16 @@ _IDX_PREFIX = {"train": "train", "val": "t10k"}  # Fashion-MNIST's test set is o
 _IDX_UBYTE = 0x08  # element type code for unsigned bytes in the IDX header
 
 
-def build_dataset(data: str, split: str, input_size: tuple[int, int, int],
-                  augment: AugmentConfig | None = None, data_dir: str | None = None,
-                  mean: Sequence[float] | None = None,
-                  std: Sequence[float] | None = None,
-                  data_config: DataConfig | None = None) -> Dataset:
+def build_dataset(
+    data: str,
+    split: str,
+    input_size: tuple[int, int, int],
+    augment: AugmentConfig | None = None,
+    data_dir: str | None = None,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+    data_config: DataConfig | None = None,
+) -> Dataset:
     """A dataset of ``(normalised float tensor (C, H, W), int label)`` with ``.classes`` and
     ``.data_config``, the config its images are brought to the model with.
 
@@ -60,32 +75,53 @@ def build_dataset(data: str, split: str, input_size: tuple[int, int, int],
         images, labels = load_fashion_mnist(split, data_dir)
         if config.crop_pct is None:
             # Resized to any input size, a 28-px image has no border to spare.
-            config = config.with_field("crop_pct", 1.0,
-                                       f"{DEFAULTS_SOURCE}: Fashion-MNIST images are not cropped")
-        dataset = IdxDataset(images, labels, FASHION_MNIST_CLASSES,
-                             _transform(size, train, augment, config), channels=size[0])
+            config = config.with_field(
+                "crop_pct", 1.0, f"{DEFAULTS_SOURCE}: Fashion-MNIST images are not cropped"
+            )
+        dataset = IdxDataset(
+            images,
+            labels,
+            FASHION_MNIST_CLASSES,
+            _transform(size, train, augment, config),
+            channels=size[0],
+        )
         dataset.data_config = config
         return dataset
     return _image_folder(data, split, size, train, augment or AugmentConfig.deit(), config)
 
 
-def _config_for(channels: int, mean: Sequence[float] | None, std: Sequence[float] | None,
-                data_config: DataConfig | None) -> DataConfig:
+def _config_for(
+    channels: int,
+    mean: Sequence[float] | None,
+    std: Sequence[float] | None,
+    data_config: DataConfig | None,
+) -> DataConfig:
     if data_config is not None:
         if mean is not None or std is not None:
             raise ValueError("pass mean and std inside data_config, not beside it")
         return data_config.for_channels(channels)
-    given = {name: tuple(float(v) for v in values)
-             for name, values in (("mean", mean), ("std", std)) if values is not None}
+    given = {
+        name: tuple(float(v) for v in values)
+        for name, values in (("mean", mean), ("std", std))
+        if values is not None
+    }
     sources = {name: "build_dataset argument" for name in given}
     return DataConfig(**given, sources=sources, explicit=frozenset(given)).for_channels(channels)
 
 
-def _transform(size: tuple[int, int, int], train: bool, augment: AugmentConfig,
-               config: DataConfig) -> Callable[[Image.Image], torch.Tensor]:
-    return build_transform(size, train, augment, config.mean, config.std,
-                           crop_pct=config.crop_pct, interpolation=config.interpolation,
-                           crop_mode=config.crop_mode)
+def _transform(
+    size: tuple[int, int, int], train: bool, augment: AugmentConfig, config: DataConfig
+) -> Callable[[Image.Image], torch.Tensor]:
+    return build_transform(
+        size,
+        train,
+        augment,
+        config.mean,
+        config.std,
+        crop_pct=config.crop_pct,
+        interpolation=config.interpolation,
+        crop_mode=config.crop_mode,
+    )
 
 
 def num_classes(dataset: Dataset) -> int:
@@ -102,8 +138,14 @@ def num_classes(dataset: Dataset) -> int:
 # ImageFolder
 
 
-def _image_folder(data: str, split: str, size: tuple[int, int, int], train: bool,
-                  augment: AugmentConfig, config: DataConfig) -> Dataset:
+def _image_folder(
+    data: str,
+    split: str,
+    size: tuple[int, int, int],
+    train: bool,
+    augment: AugmentConfig,
+    config: DataConfig,
+) -> Dataset:
     root = Path(data).expanduser()
     expected = "expected an ImageNet-style folder with train/ and val/, or 'fashion-mnist'"
     if not root.exists():
@@ -113,18 +155,25 @@ def _image_folder(data: str, split: str, size: tuple[int, int, int], train: bool
     split_dir = root / split
     if not split_dir.is_dir():
         found = sorted(p.name for p in root.iterdir() if p.is_dir())[:5]
-        raise DataError(f"data folder {data} has no {split}/ folder ({expected}; "
-                        f"found {', '.join(found) + '/' if found else 'no subfolders'})")
+        raise DataError(
+            f"data folder {data} has no {split}/ folder ({expected}; "
+            f"found {', '.join(found) + '/' if found else 'no subfolders'})"
+        )
     mode = "RGB" if size[0] == 3 else "L"
     if config.crop_pct is None:
         config = _crop_for(split_dir, size, config)
     try:
-        dataset = ImageFolder(str(split_dir), transform=_transform(size, train, augment, config),
-                              loader=_ImageLoader(mode))
+        dataset = ImageFolder(
+            str(split_dir),
+            transform=_transform(size, train, augment, config),
+            loader=_ImageLoader(mode),
+        )
     except FileNotFoundError as e:
         # torchvision says "Couldn't find any class folder" or "Found no valid file".
-        raise DataError(f"{split_dir}: no images in class folders ({expected}: "
-                        f"{split}/<class>/<image>; torchvision: {str(e).splitlines()[0]})") from e
+        raise DataError(
+            f"{split_dir}: no images in class folders ({expected}: "
+            f"{split}/<class>/<image>; torchvision: {str(e).splitlines()[0]})"
+        ) from e
     dataset.data_config = config
     return dataset
 
@@ -158,12 +207,19 @@ def _crop_for(split_dir: Path, size: tuple[int, int, int], config: DataConfig) -
             except (UnidentifiedImageError, OSError):
                 continue
             if width <= size[2] or height <= size[1]:
-                return config.with_field("crop_pct", 1.0, f"{DEFAULTS_SOURCE}: images "
-                                         f"({width}x{height}) no larger than the input are "
-                                         f"not cropped")
-            return config.with_field("crop_pct", DEFAULT_CROP_PCT,
-                                     f"{DEFAULTS_SOURCE}: timm's crop for images ({width}x"
-                                     f"{height}) larger than the input")
+                return config.with_field(
+                    "crop_pct",
+                    1.0,
+                    f"{DEFAULTS_SOURCE}: images "
+                    f"({width}x{height}) no larger than the input are "
+                    f"not cropped",
+                )
+            return config.with_field(
+                "crop_pct",
+                DEFAULT_CROP_PCT,
+                f"{DEFAULTS_SOURCE}: timm's crop for images ({width}x"
+                f"{height}) larger than the input",
+            )
     return config  # no readable image; ImageFolder reports the folder
 
 
@@ -174,8 +230,14 @@ def _crop_for(split_dir: Path, size: tuple[int, int, int], config: DataConfig) -
 class IdxDataset(Dataset):
     """Grayscale uint8 images held in memory (60000x28x28 is 47 MB) with their labels."""
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, classes: list[str],
-                 transform: Callable[[Image.Image], torch.Tensor], channels: int) -> None:
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        classes: list[str],
+        transform: Callable[[Image.Image], torch.Tensor],
+        channels: int,
+    ) -> None:
         self.images = images
         self.targets = labels.astype(np.int64)
         self.classes = list(classes)
@@ -202,9 +264,11 @@ def load_fashion_mnist(split: str, data_dir: str | None = None) -> tuple[np.ndar
     if data_dir is not None:
         folder = Path(data_dir).expanduser()
         if not folder.is_dir():
-            raise DataError(f"--data-dir {data_dir} is not a folder (expected the Fashion-MNIST "
-                            f"IDX files {prefix}-images-idx3-ubyte[.gz] and "
-                            f"{prefix}-labels-idx1-ubyte[.gz])")
+            raise DataError(
+                f"--data-dir {data_dir} is not a folder (expected the Fashion-MNIST "
+                f"IDX files {prefix}-images-idx3-ubyte[.gz] and "
+                f"{prefix}-labels-idx1-ubyte[.gz])"
+            )
         return _read_split(folder, prefix)
     cached = CACHE_DIR / "FashionMNIST" / "raw"
     for folder in (DEBIAN_FASHION_MNIST, cached):
@@ -224,7 +288,8 @@ def _download(root: Path) -> None:
         raise DataError(
             f"Fashion-MNIST not found in {DEBIAN_FASHION_MNIST} or {root} and the download "
             f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); install "
-            f"the package dataset-fashion-mnist or pass --data-dir with the IDX files") from e
+            f"the package dataset-fashion-mnist or pass --data-dir with the IDX files"
+        ) from e
 
 
 def _read_split(folder: Path, prefix: str) -> tuple[np.ndarray, np.ndarray]:
@@ -236,11 +301,14 @@ def _read_split(folder: Path, prefix: str) -> tuple[np.ndarray, np.ndarray]:
     images = read_idx(images_path, ndim=3)  # type: ignore[arg-type]
     labels = read_idx(labels_path, ndim=1)  # type: ignore[arg-type]
     if len(images) != len(labels):
-        raise DataError(f"{images_path} has {len(images)} images but {labels_path} has "
-                        f"{len(labels)} labels")
+        raise DataError(
+            f"{images_path} has {len(images)} images but {labels_path} has {len(labels)} labels"
+        )
     if labels.size and int(labels.max()) >= len(FASHION_MNIST_CLASSES):
-        raise DataError(f"{labels_path}: label {int(labels.max())} is not a Fashion-MNIST class "
-                        f"(expected 0-{len(FASHION_MNIST_CLASSES) - 1})")
+        raise DataError(
+            f"{labels_path}: label {int(labels.max())} is not a Fashion-MNIST class "
+            f"(expected 0-{len(FASHION_MNIST_CLASSES) - 1})"
+        )
     return images, labels
 
 
@@ -266,14 +334,18 @@ def read_idx(path: str | os.PathLike, ndim: int) -> np.ndarray:
         raise DataError(f"IDX file {path} is truncated ({len(raw)} bytes)")
     zero, dtype, dims = struct.unpack(">HBB", raw[:4])
     if zero != 0 or dtype != _IDX_UBYTE or dims != ndim:
-        raise DataError(f"IDX file {path} has magic number 0x{struct.unpack('>I', raw[:4])[0]:08x}"
-                        f", expected 0x{0x800 + ndim:08x} (unsigned bytes, {ndim} dimensions)")
+        raise DataError(
+            f"IDX file {path} has magic number 0x{struct.unpack('>I', raw[:4])[0]:08x}"
+            f", expected 0x{0x800 + ndim:08x} (unsigned bytes, {ndim} dimensions)"
+        )
     header = 4 + 4 * ndim
     if len(raw) < header:
         raise DataError(f"IDX file {path} is truncated (header incomplete)")
     shape = struct.unpack(f">{ndim}I", raw[4:header])
     expected = int(np.prod(shape)) + header
     if len(raw) != expected:
-        raise DataError(f"IDX file {path} has {len(raw)} bytes, expected {expected} for shape "
-                        f"{'x'.join(map(str, shape))}")
+        raise DataError(
+            f"IDX file {path} has {len(raw)} bytes, expected {expected} for shape "
+            f"{'x'.join(map(str, shape))}"
+        )
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)

@@ -38,28 +38,56 @@ class AugmentConfig:
     def light(cls) -> AugmentConfig:
         """For small images (Fashion-MNIST, CIFAR-sized): RandAugment, mixup and cutmix would
         destroy most of a 28-pixel image, so only mild crops and flips remain."""
-        return cls(rand_augment=None, mixup=0.0, cutmix=0.0, smoothing=0.1, random_erasing=0.0,
-                   color_jitter=None, hflip=0.5, crop_scale=(0.8, 1.0))
+        return cls(
+            rand_augment=None,
+            mixup=0.0,
+            cutmix=0.0,
+            smoothing=0.1,
+            random_erasing=0.0,
+            color_jitter=None,
+            hflip=0.5,
+            crop_scale=(0.8, 1.0),
+        )
 
     @classmethod
     def none(cls) -> AugmentConfig:
         """Everything off: the training split gets the deterministic evaluation transform."""
-        return cls(rand_augment=None, mixup=0.0, cutmix=0.0, smoothing=0.0, random_erasing=0.0,
-                   color_jitter=None, hflip=0.0, crop_scale=(1.0, 1.0))
+        return cls(
+            rand_augment=None,
+            mixup=0.0,
+            cutmix=0.0,
+            smoothing=0.0,
+            random_erasing=0.0,
+            color_jitter=None,
+            hflip=0.0,
+            crop_scale=(1.0, 1.0),
+        )
 
     def mixup_args(self, num_classes: int) -> dict[str, Any] | None:
         """Keyword arguments for ``timm.data.Mixup``; None when mixup and cutmix are both off."""
         if self.mixup <= 0 and self.cutmix <= 0:
             return None
-        return dict(mixup_alpha=self.mixup, cutmix_alpha=self.cutmix, cutmix_minmax=None,
-                    prob=1.0, switch_prob=0.5, mode="batch", label_smoothing=self.smoothing,
-                    num_classes=num_classes)
+        return dict(
+            mixup_alpha=self.mixup,
+            cutmix_alpha=self.cutmix,
+            cutmix_minmax=None,
+            prob=1.0,
+            switch_prob=0.5,
+            mode="batch",
+            label_smoothing=self.smoothing,
+            num_classes=num_classes,
+        )
 
     @property
     def is_off(self) -> bool:
         """True when no per-image augmentation is random (mixup is applied per batch, later)."""
-        return (self.rand_augment is None and self.random_erasing <= 0 and not self.color_jitter
-                and self.hflip <= 0 and tuple(self.crop_scale) == (1.0, 1.0))
+        return (
+            self.rand_augment is None
+            and self.random_erasing <= 0
+            and not self.color_jitter
+            and self.hflip <= 0
+            and tuple(self.crop_scale) == (1.0, 1.0)
+        )
 
 
 def check_input_size(input_size: Sequence[int]) -> tuple[int, int, int]:
@@ -69,16 +97,22 @@ def check_input_size(input_size: Sequence[int]) -> tuple[int, int, int]:
     except (TypeError, ValueError):
         size = ()
     if len(size) != 3 or min(size) <= 0:
-        raise DataError(f"input size {tuple(input_size)!r} is not three positive integers (C, H, W)")
+        raise DataError(
+            f"input size {tuple(input_size)!r} is not three positive integers (C, H, W)"
+        )
     if size[0] not in (1, 3):
-        raise DataError(f"input size {size}: images can be fed to 1- or 3-channel models only, "
-                        f"not {size[0]} channels")
+        raise DataError(
+            f"input size {size}: images can be fed to 1- or 3-channel models only, "
+            f"not {size[0]} channels"
+        )
     return size  # type: ignore[return-value]
 
 
-def normalisation(channels: int, mean: Sequence[float] | None,
-                  std: Sequence[float] | None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def normalisation(
+    channels: int, mean: Sequence[float] | None, std: Sequence[float] | None
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """ImageNet's mean/std by default; their channel average for 1-channel models."""
+
     def pick(given: Sequence[float] | None, default: tuple[float, ...], name: str):
         if given is None:
             values = tuple(default)
@@ -87,17 +121,24 @@ def normalisation(channels: int, mean: Sequence[float] | None,
         if len(values) == 1:
             values = values * channels
         if len(values) != channels:
-            raise DataError(f"{name} has {len(values)} values but the model takes {channels} "
-                            f"channels")
+            raise DataError(
+                f"{name} has {len(values)} values but the model takes {channels} channels"
+            )
         return values
 
     return (pick(mean, IMAGENET_DEFAULT_MEAN, "mean"), pick(std, IMAGENET_DEFAULT_STD, "std"))
 
 
-def build_transform(input_size: tuple[int, int, int], train: bool, augment: AugmentConfig,
-                    mean: tuple[float, ...], std: tuple[float, ...], crop_pct: float | None = None,
-                    interpolation: str = "bicubic", crop_mode: str = "center"
-                    ) -> Callable[[Image.Image], torch.Tensor]:
+def build_transform(
+    input_size: tuple[int, int, int],
+    train: bool,
+    augment: AugmentConfig,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    crop_pct: float | None = None,
+    interpolation: str = "bicubic",
+    crop_mode: str = "center",
+) -> Callable[[Image.Image], torch.Tensor]:
     """timm's ImageNet transforms at the model's size, fed an image already in the model's mode.
 
     The caller converts images to "RGB" or "L" first, so a 28x28 grayscale digit goes through
@@ -107,14 +148,29 @@ def build_transform(input_size: tuple[int, int, int], train: bool, augment: Augm
     """
     channels, height, width = input_size
     if not train or augment.is_off:
-        return create_transform((channels, height, width), is_training=False, crop_pct=crop_pct,
-                                crop_mode=crop_mode, interpolation=interpolation, mean=mean,
-                                std=std)
+        return create_transform(
+            (channels, height, width),
+            is_training=False,
+            crop_pct=crop_pct,
+            crop_mode=crop_mode,
+            interpolation=interpolation,
+            mean=mean,
+            std=std,
+        )
     transform = create_transform(
-        (channels, height, width), is_training=True, scale=tuple(augment.crop_scale),
-        hflip=augment.hflip, color_jitter=augment.color_jitter, auto_augment=augment.rand_augment,
-        interpolation=interpolation, mean=mean, std=std, re_prob=augment.random_erasing,
-        re_mode="pixel", re_count=1)
+        (channels, height, width),
+        is_training=True,
+        scale=tuple(augment.crop_scale),
+        hflip=augment.hflip,
+        color_jitter=augment.color_jitter,
+        auto_augment=augment.rand_augment,
+        interpolation=interpolation,
+        mean=mean,
+        std=std,
+        re_prob=augment.random_erasing,
+        re_mode="pixel",
+        re_count=1,
+    )
     guard_posterize(transform)
     return transform
 

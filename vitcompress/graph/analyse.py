@@ -83,8 +83,15 @@ def _find_attention_cores(gm: fx.GraphModule) -> list[AttentionCore]:
             if q_shape is None or len(q_shape) != 4:
                 continue
             cores.append(
-                AttentionCore("sdpa", node.name, q_shape[1], ops.module_path(node),
-                              query_tokens=q_shape[2], key_tokens=k_shape[2], batch=q_shape[0])
+                AttentionCore(
+                    "sdpa",
+                    node.name,
+                    q_shape[1],
+                    ops.module_path(node),
+                    query_tokens=q_shape[2],
+                    key_tokens=k_shape[2],
+                    batch=q_shape[0],
+                )
             )
         elif ops.is_softmax(node, gm):
             logits = node.args[0]
@@ -96,9 +103,16 @@ def _find_attention_cores(gm: fx.GraphModule) -> list[AttentionCore]:
                 continue
             kind = "einsum_softmax" if ops.is_einsum(product) else "matmul_softmax"
             cores.append(
-                AttentionCore(kind, node.name, logits_shape[1], ops.module_path(node),
-                              logits_node=product.name, query_tokens=logits_shape[2],
-                              key_tokens=logits_shape[3], batch=logits_shape[0])
+                AttentionCore(
+                    kind,
+                    node.name,
+                    logits_shape[1],
+                    ops.module_path(node),
+                    logits_node=product.name,
+                    query_tokens=logits_shape[2],
+                    key_tokens=logits_shape[3],
+                    batch=logits_shape[0],
+                )
             )
         elif ops.is_multihead_attention(gm, node):
             mha = gm.get_submodule(node.target)
@@ -107,8 +121,14 @@ def _find_attention_cores(gm: fx.GraphModule) -> list[AttentionCore]:
             if tokens_shape is not None:
                 n_tokens = tokens_shape[1] if mha.batch_first else tokens_shape[0]
             cores.append(
-                AttentionCore("multihead_attention", node.name, mha.num_heads, str(node.target),
-                              query_tokens=n_tokens, key_tokens=n_tokens)
+                AttentionCore(
+                    "multihead_attention",
+                    node.name,
+                    mha.num_heads,
+                    str(node.target),
+                    query_tokens=n_tokens,
+                    key_tokens=n_tokens,
+                )
             )
     return cores
 
@@ -189,7 +209,8 @@ def _analyse_entry(
         if grid is not None:
             return prefix, grid, patch_node, node
         candidates = [
-            n for n in node.all_input_nodes
+            n
+            for n in node.all_input_nodes
             if ops.shape(n) is not None and (n is image or anc.is_ancestor(image, n))
         ]
         if not candidates or node is image:
@@ -205,9 +226,7 @@ def _analyse_entry(
     return prefix, (side, side), patch_node, None
 
 
-def _grid_ops(
-    gm: fx.GraphModule, attn: _Residual, mlp: _Residual, anc: _Ancestry
-) -> list[GridOp]:
+def _grid_ops(gm: fx.GraphModule, attn: _Residual, mlp: _Residual, anc: _Ancestry) -> list[GridOp]:
     found = []
     for branch_name, residual in (("attention", attn), ("mlp", mlp)):
         for node in residual.nodes:
@@ -294,13 +313,17 @@ def analyse(captured: CapturedGraph) -> ModelMap:
     residuals = _find_residuals(gm, anc)
     core_nodes = {c.node: c for c in cores}
     image_batch = ops.shape(_placeholder(gm))[0]
-    windowed = [c for c in cores if c.batch is not None and c.batch > image_batch
-                and c.batch % image_batch == 0]
+    windowed = [
+        c
+        for c in cores
+        if c.batch is not None and c.batch > image_batch and c.batch % image_batch == 0
+    ]
     if windowed:
         raise MappingError(
             f"windowed attention: tokens cannot be dropped without breaking the windows "
             f"({windowed[0].path} attends within {windowed[0].batch // image_batch} windows of "
-            f"{windowed[0].query_tokens} tokens per image)")
+            f"{windowed[0].query_tokens} tokens per image)"
+        )
     windowed_3d = _windowed_batched_attention(gm, image_batch)
     if windowed_3d is not None:
         raise MappingError(windowed_3d)
@@ -310,8 +333,11 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         """Attention over the residual's tokens: a softmax over channels (XCiT's C x C
         cross-covariance attention) mixes no tokens and is not a token-attention core."""
         tokens = ops.shape(residual.skip)[1]
-        return [core_nodes[n.name] for n in residual.nodes if n.name in core_nodes
-                and core_nodes[n.name].query_tokens in (None, tokens)]
+        return [
+            core_nodes[n.name]
+            for n in residual.nodes
+            if n.name in core_nodes and core_nodes[n.name].query_tokens in (None, tokens)
+        ]
 
     attn_residuals = [r for r in residuals if cores_in(r)]
     other_residuals = {r.skip: r for r in residuals if not cores_in(r)}
@@ -335,8 +361,11 @@ def analyse(captured: CapturedGraph) -> ModelMap:
             + f"), {len(residuals)} residual "
             f"add(s) on (B, N, C) tokens ({len(attn_residuals)} around attention); a block needs "
             "an attention residual followed by an MLP residual on its output"
-            + (f"; modules kept whole by the tracer: {', '.join(captured.leaves)}"
-               if captured.leaves else "")
+            + (
+                f"; modules kept whole by the tracer: {', '.join(captured.leaves)}"
+                if captured.leaves
+                else ""
+            )
         )
 
     image = _placeholder(gm)
@@ -348,9 +377,15 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         if new_stage:
             prefix, grid, patch_node, grid_node = _analyse_entry(entry, image, anc)
             stages.append(
-                Stage(index=len(stages), grid=grid, prefix_tokens=prefix, blocks=[],
-                      entry_node=entry.name, embed_node=patch_node.name,
-                      patch_grid_node=grid_node.name if grid_node is not None else None)
+                Stage(
+                    index=len(stages),
+                    grid=grid,
+                    prefix_tokens=prefix,
+                    blocks=[],
+                    entry_node=entry.name,
+                    embed_node=patch_node.name,
+                    patch_grid_node=grid_node.name if grid_node is not None else None,
+                )
             )
         stage = stages[-1]
         paths = [ops.module_path(n) for n in attn.nodes + mlp.nodes + [attn.add, mlp.add]]
@@ -359,15 +394,28 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         stage.blocks.append(index)
         blocks.append(
             Block(
-                index=index, path=path, tokens=tokens, dim=dim, heads=core.heads,
-                attention=core, stage=stage.index, grid=stage.grid,
-                prefix_tokens=stage.prefix_tokens, input_node=entry.name,
-                attn_add_node=attn.add.name, output_node=mlp.add.name,
+                index=index,
+                path=path,
+                tokens=tokens,
+                dim=dim,
+                heads=core.heads,
+                attention=core,
+                stage=stage.index,
+                grid=stage.grid,
+                prefix_tokens=stage.prefix_tokens,
+                input_node=entry.name,
+                attn_add_node=attn.add.name,
+                output_node=mlp.add.name,
                 grid_ops=_grid_ops(gm, attn, mlp, anc),
                 position_uses=find_position_uses(
-                    gm, image, {"attention": attn.nodes + [attn.add],
-                                "mlp": mlp.nodes + [mlp.add]},
-                    core, tokens, stage.prefix_tokens, anc.is_ancestor),
+                    gm,
+                    image,
+                    {"attention": attn.nodes + [attn.add], "mlp": mlp.nodes + [mlp.add]},
+                    core,
+                    tokens,
+                    stage.prefix_tokens,
+                    anc.is_ancestor,
+                ),
             )
         )
     for stage, following in zip(stages, stages[1:] + [None], strict=True):
@@ -375,13 +423,18 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         out = by_name[blocks[stage.blocks[-1]].output_node]
         _find_stage_exit(stage, out, end, anc)
         if end is not None:
-            stage.exit_bypass = _exit_bypass(out, end, by_name.get(stage.exit_grid_node or ""),
-                                             anc)
+            stage.exit_bypass = _exit_bypass(out, end, by_name.get(stage.exit_grid_node or ""), anc)
     input_shape = ops.shape(image)
     last = by_name[blocks[-1].output_node]
     head_use = find_head_position_use(
-        gm, image, last, blocks[-1].tokens, stages[-1].prefix_tokens,
-        by_name.get(stages[-1].exit_grid_node or ""), anc.is_ancestor)
+        gm,
+        image,
+        last,
+        blocks[-1].tokens,
+        stages[-1].prefix_tokens,
+        by_name.get(stages[-1].exit_grid_node or ""),
+        anc.is_ancestor,
+    )
     if head_use is not None:  # any reduction in the last stage reaches the head
         blocks[-1].position_uses.append(head_use)
     cls_token = stages[-1].prefix_tokens > 0 and _reads_first_token(last, anc)
@@ -401,14 +454,20 @@ def _unpaired_block(attn: _Residual, cores: list[AttentionCore]) -> str:
     path = ops.common_path([ops.module_path(n) for n in attn.nodes if ops.module_path(n)])
     where = f"{path or attn.add.name} (residual add {attn.add.name})"
     if len(cores) > 1:
-        what = (f"{len(cores)} attention cores ({', '.join(c.path for c in cores)}) are added "
-                "to one residual in parallel")
+        what = (
+            f"{len(cores)} attention cores ({', '.join(c.path for c in cores)}) are added "
+            "to one residual in parallel"
+        )
     else:
-        what = ("its attention is not followed by an MLP residual on its output (attention and "
-                "MLP in parallel on one residual, x + attn(x) + mlp(x), or no MLP)")
-    return (f"parallel block at {where}: {what}; token reduction needs one attention then an "
-            "MLP residual per block (a scoring attention before a place to drop tokens), so "
-            "such blocks are not supported")
+        what = (
+            "its attention is not followed by an MLP residual on its output (attention and "
+            "MLP in parallel on one residual, x + attn(x) + mlp(x), or no MLP)"
+        )
+    return (
+        f"parallel block at {where}: {what}; token reduction needs one attention then an "
+        "MLP residual per block (a scoring attention before a place to drop tokens), so "
+        "such blocks are not supported"
+    )
 
 
 def _projection_of(gm: fx.GraphModule, query: fx.Node) -> fx.Node | None:
@@ -419,8 +478,11 @@ def _projection_of(gm: fx.GraphModule, query: fx.Node) -> fx.Node | None:
             return None
         if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.Linear):
             return node
-        if node.op == "call_function" and getattr(node.target, "__name__", "").startswith(
-                "linear") or node.target is F.linear:
+        if (
+            node.op == "call_function"
+            and getattr(node.target, "__name__", "").startswith("linear")
+            or node.target is F.linear
+        ):
             return node
         inputs = node.all_input_nodes
         node = inputs[0] if inputs else None
@@ -447,14 +509,17 @@ def _windowed_batched_attention(gm: fx.GraphModule, image_batch: int) -> str | N
             continue
         if tokens[0] > image_batch and tokens[0] % image_batch == 0:
             per_window = math.prod(tokens[1:-1])
-            return (f"windowed attention: tokens cannot be dropped without breaking the windows "
-                    f"({ops.module_path(node)} attends within {tokens[0] // image_batch} windows "
-                    f"of {per_window} tokens per image)")
+            return (
+                f"windowed attention: tokens cannot be dropped without breaking the windows "
+                f"({ops.module_path(node)} attends within {tokens[0] // image_batch} windows "
+                f"of {per_window} tokens per image)"
+            )
     return None
 
 
-def _exit_bypass(out: fx.Node, end: fx.Node, exit_grid: fx.Node | None,
-                 anc: _Ancestry) -> str | None:
+def _exit_bypass(
+    out: fx.Node, end: fx.Node, exit_grid: fx.Node | None, anc: _Ancestry
+) -> str | None:
     """Where a stage's output tokens reach the next stage other than through its exit grid
     (which gets the full grid back when tokens were reduced): the module path of the first op
     on such a path, else ``None``. Hiera pools its unrolled tokens by a view over their order
@@ -472,8 +537,10 @@ def _exit_bypass(out: fx.Node, end: fx.Node, exit_grid: fx.Node | None,
     if end not in reached:
         return None
     to_exit = [n for n in reached if exit_grid is not None and anc.is_ancestor(n, exit_grid)]
-    bypass = sorted((n for n in reached if n not in to_exit and anc.is_ancestor(n, end)),
-                    key=anc.index.__getitem__)
+    bypass = sorted(
+        (n for n in reached if n not in to_exit and anc.is_ancestor(n, end)),
+        key=anc.index.__getitem__,
+    )
     first = bypass[0] if bypass else end
     return ops.module_path(first) or first.name
 
@@ -495,13 +562,17 @@ def _find_stage_exit(stage: Stage, out: fx.Node, end: fx.Node | None, anc: _Ance
 
 def _reads_first_token(stream: fx.Node, anc: _Ancestry) -> bool:
     """Whether something after the last block takes token 0 alone (``x[:, 0]``): a cls head."""
-    for node in anc.nodes[anc.index[stream]:]:
+    for node in anc.nodes[anc.index[stream] :]:
         if node is not stream and not anc.is_ancestor(stream, node):
             continue
         if node.op == "call_function" and node.target is operator.getitem:
             index = node.args[1]
-            if isinstance(index, tuple) and len(index) >= 2 and index[1] == 0 \
-                    and index[0] == slice(None):
+            if (
+                isinstance(index, tuple)
+                and len(index) >= 2
+                and index[1] == 0
+                and index[0] == slice(None)
+            ):
                 return True
         if ops.is_select_first_token(node):
             return True

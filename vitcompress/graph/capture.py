@@ -68,8 +68,11 @@ def bound_defaults(model: nn.Module) -> dict[str, object]:
         parameters = list(inspect.signature(model.forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return {}
-    optional = [p for p in parameters if p.default is not p.empty
-                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    optional = [
+        p
+        for p in parameters
+        if p.default is not p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
     if all(p.default is not None for p in optional):
         return {}
     return {p.name: p.default for p in optional}

@@ -26,7 +26,7 @@ def find_final_norm(gm: fx.GraphModule, stream: fx.Node) -> str | None:
     shape = ops.shape(stream)
     carried = {stream}  # the stream and its shape-preserving continuations
     nodes = list(gm.graph.nodes)
-    for node in nodes[nodes.index(stream) + 1:]:
+    for node in nodes[nodes.index(stream) + 1 :]:
         inputs = [n for n in node.all_input_nodes if n in carried]
         if not inputs:
             continue
@@ -46,12 +46,13 @@ def _hooked_module(norm: fx.Node, nodes: list[fx.Node]) -> str | None:
     path = ops.module_path(norm)
     if not path:
         return None
-    for node in nodes[nodes.index(norm) + 1:]:
+    for node in nodes[nodes.index(norm) + 1 :]:
         inside = ops.module_path(node)
         if inside != path and not inside.startswith(path + "."):
             continue
-        takes_item = (node.op == "call_function" and node.target is operator.getitem
-                      and node.args[0] is norm)
+        takes_item = (
+            node.op == "call_function" and node.target is operator.getitem and node.args[0] is norm
+        )
         if not takes_item:
             return None
     return path

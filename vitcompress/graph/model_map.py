@@ -33,12 +33,24 @@ class GridOp:
     from_grid_node: str | None = None  # a flatten back to tokens at the same resolution, if any
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "kind": self.kind, "branch": self.branch, "grid": list(self.grid)}
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            "branch": self.branch,
+            "grid": list(self.grid),
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GridOp:
-        return cls(path=data["path"], kind=data["kind"], branch=data["branch"],
-                   grid=_pair(data["grid"]), to_grid_node="", tokens_node="", op_node="")
+        return cls(
+            path=data["path"],
+            kind=data["kind"],
+            branch=data["branch"],
+            grid=_pair(data["grid"]),
+            to_grid_node="",
+            tokens_node="",
+            op_node="",
+        )
 
 
 @dataclass
@@ -55,13 +67,25 @@ class PositionUse:
     shape: tuple[int, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"table": self.table, "kind": self.kind, "branch": self.branch, "path": self.path,
-                "shape": list(self.shape)}
+        return {
+            "table": self.table,
+            "kind": self.kind,
+            "branch": self.branch,
+            "path": self.path,
+            "shape": list(self.shape),
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PositionUse:
-        return cls(table=data["table"], kind=data["kind"], branch=data["branch"],
-                   path=data["path"], node="", table_node="", shape=tuple(data["shape"]))
+        return cls(
+            table=data["table"],
+            kind=data["kind"],
+            branch=data["branch"],
+            path=data["path"],
+            node="",
+            table_node="",
+            shape=tuple(data["shape"]),
+        )
 
 
 @dataclass
@@ -110,23 +134,37 @@ class Block:
             "prefix_tokens": self.prefix_tokens,
             "grid_ops": [op.to_json() for op in self.grid_ops],
             # One entry per table and place (RoPE meets q and k with both its sin and cos rows).
-            "position_uses": list({json.dumps(u.to_json()): u.to_json()
-                                   for u in self.position_uses}.values()),
+            "position_uses": list(
+                {json.dumps(u.to_json()): u.to_json() for u in self.position_uses}.values()
+            ),
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Block:
-        attention = AttentionCore(kind=data["attention"], node="", heads=data["heads"], path="",
-                                  query_tokens=data.get("query_tokens"),
-                                  key_tokens=data.get("key_tokens"))
-        return cls(index=data["index"], path=data["path"], tokens=data["tokens"],
-                   dim=data["dim"], heads=data["heads"], attention=attention,
-                   stage=data["stage"], grid=_pair(data["grid"]),
-                   prefix_tokens=data["prefix_tokens"], input_node="", attn_add_node="",
-                   output_node="",
-                   grid_ops=[GridOp.from_json(op) for op in data.get("grid_ops", [])],
-                   position_uses=[PositionUse.from_json(use)
-                                  for use in data.get("position_uses", [])])
+        attention = AttentionCore(
+            kind=data["attention"],
+            node="",
+            heads=data["heads"],
+            path="",
+            query_tokens=data.get("query_tokens"),
+            key_tokens=data.get("key_tokens"),
+        )
+        return cls(
+            index=data["index"],
+            path=data["path"],
+            tokens=data["tokens"],
+            dim=data["dim"],
+            heads=data["heads"],
+            attention=attention,
+            stage=data["stage"],
+            grid=_pair(data["grid"]),
+            prefix_tokens=data["prefix_tokens"],
+            input_node="",
+            attn_add_node="",
+            output_node="",
+            grid_ops=[GridOp.from_json(op) for op in data.get("grid_ops", [])],
+            position_uses=[PositionUse.from_json(use) for use in data.get("position_uses", [])],
+        )
 
 
 @dataclass
@@ -151,9 +189,15 @@ class Stage:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Stage:
-        return cls(index=data["index"], grid=_pair(data["grid"]),
-                   prefix_tokens=data["prefix_tokens"], blocks=list(data["blocks"]),
-                   entry_node="", embed_node="", exit_bypass=data.get("exit_bypass"))
+        return cls(
+            index=data["index"],
+            grid=_pair(data["grid"]),
+            prefix_tokens=data["prefix_tokens"],
+            blocks=list(data["blocks"]),
+            entry_node="",
+            embed_node="",
+            exit_bypass=data.get("exit_bypass"),
+        )
 
 
 @dataclass
@@ -197,8 +241,11 @@ class ModelMap:
             "cls_token": self.cls_token,
             "grid": list(self.grid),
             "stages": [
-                {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(s).items()
-                 if not k.endswith("_node")}
+                {
+                    k: (list(v) if isinstance(v, tuple) else v)
+                    for k, v in asdict(s).items()
+                    if not k.endswith("_node")
+                }
                 for s in self.stages
             ],
             "blocks": [b.to_json() for b in self.blocks],
@@ -209,11 +256,15 @@ class ModelMap:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelMap:
         """The map :meth:`to_json` wrote, without node names (see the module's docstring)."""
-        return cls(capture=data["capture"], input_size=tuple(data["input_size"]),
-                   stages=[Stage.from_json(stage) for stage in data["stages"]],
-                   blocks=[Block.from_json(block) for block in data["blocks"]],
-                   leaves=list(data.get("leaves", [])), cls_token=bool(data.get("cls_token")),
-                   final_norm=data.get("final_norm"))
+        return cls(
+            capture=data["capture"],
+            input_size=tuple(data["input_size"]),
+            stages=[Stage.from_json(stage) for stage in data["stages"]],
+            blocks=[Block.from_json(block) for block in data["blocks"]],
+            leaves=list(data.get("leaves", [])),
+            cls_token=bool(data.get("cls_token")),
+            final_norm=data.get("final_norm"),
+        )
 
 
 def _pair(values: list[int]) -> tuple[int, int]:

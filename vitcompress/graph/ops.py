@@ -134,7 +134,7 @@ def module_path(node: fx.Node) -> str:
 def _clean_path(path: str) -> str:
     for prefix in ("L['self'].", "L__self__."):
         if path.startswith(prefix):
-            path = path[len(prefix):]
+            path = path[len(prefix) :]
     return path
 
 
@@ -173,8 +173,13 @@ def is_select_first_token(node: fx.Node) -> bool:
 _LAYOUT_METHODS = {"transpose", "permute", "reshape", "view", "contiguous", "flatten", "unflatten"}
 _LAYOUT_FUNCS = (
     {torch.transpose, torch.permute, torch.reshape, torch.flatten}
-    | _aten("transpose") | _aten("permute") | _aten("reshape") | _aten("view")
-    | _aten("flatten") | _aten("clone") | _aten("contiguous")
+    | _aten("transpose")
+    | _aten("permute")
+    | _aten("reshape")
+    | _aten("view")
+    | _aten("flatten")
+    | _aten("clone")
+    | _aten("contiguous")
 )
 
 
@@ -186,8 +191,11 @@ def is_layout(node: fx.Node) -> bool:
 _NORM_FUNCS = (
     {F.layer_norm, F.group_norm, torch.layer_norm, torch.group_norm}
     | {f for f in (getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None)) if f}
-    | _aten("layer_norm") | _aten("native_layer_norm") | _aten("rms_norm")
-    | _aten("group_norm") | _aten("native_group_norm")
+    | _aten("layer_norm")
+    | _aten("native_layer_norm")
+    | _aten("rms_norm")
+    | _aten("group_norm")
+    | _aten("native_group_norm")
 )
 _NORM_MODULES = tuple(m for m in (nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", None)) if m)
 
@@ -196,4 +204,5 @@ def is_norm(gm: fx.GraphModule, node: fx.Node) -> bool:
     """A layer/RMS/group norm: a functional call, or a call of such a module kept whole (its
     subclasses included: what it computes counts, not what it is called)."""
     return isinstance(_module(gm, node), _NORM_MODULES) or _is_call(
-        node, _NORM_FUNCS, {"layer_norm", "rms_norm", "group_norm"})
+        node, _NORM_FUNCS, {"layer_norm", "rms_norm", "group_norm"}
+    )

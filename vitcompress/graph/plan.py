@@ -74,14 +74,22 @@ class Plan:
         return [loc.keep for loc in self.locations]
 
     def to_json(self) -> dict[str, Any]:
-        return {"variant": self.variant, "policy": self.policy, "locs": self.locs,
-                "keep": self.keep, "locations": [asdict(loc) for loc in self.locations]}
+        return {
+            "variant": self.variant,
+            "policy": self.policy,
+            "locs": self.locs,
+            "keep": self.keep,
+            "locations": [asdict(loc) for loc in self.locations],
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Plan:
         """The plan :meth:`to_json` wrote (``locs`` and ``keep`` there repeat the locations)."""
-        return cls(variant=data["variant"], policy=data["policy"],
-                   locations=[Location(**loc) for loc in data["locations"]])
+        return cls(
+            variant=data["variant"],
+            policy=data["policy"],
+            locations=[Location(**loc) for loc in data["locations"]],
+        )
 
 
 def reduces_tokens(block: Block) -> bool:
@@ -93,8 +101,10 @@ def reduces_tokens(block: Block) -> bool:
 
 def _token_stages(model_map: ModelMap) -> list[list[int]]:
     """Each stage's blocks that can reduce tokens, stages without any left out."""
-    stages = [[i for i in stage.blocks if reduces_tokens(model_map.blocks[i])]
-              for stage in model_map.stages]
+    stages = [
+        [i for i in stage.blocks if reduces_tokens(model_map.blocks[i])]
+        for stage in model_map.stages
+    ]
     return [blocks for blocks in stages if blocks]
 
 
@@ -134,8 +144,13 @@ def _describe(stages: list[list[int]]) -> str:
     return ", ".join(map(str, blocks))
 
 
-def make_plan(model_map: ModelMap, variant: str, keep: list[float],
-              locs: list[int] | None = None, policy: str = "score") -> Plan:
+def make_plan(
+    model_map: ModelMap,
+    variant: str,
+    keep: list[float],
+    locs: list[int] | None = None,
+    policy: str = "score",
+) -> Plan:
     """The plan for ``model_map``: ``variant`` at blocks ``locs`` (``None``: the paper's
     placements, :func:`default_locs`), keeping ``keep`` of the tokens at each (one ratio for
     all locations, or one per location); :func:`default_keep` gives the paper's ratio."""
@@ -155,8 +170,9 @@ def make_plan(model_map: ModelMap, variant: str, keep: list[float],
         if isinstance(loc, bool) or not isinstance(loc, numbers.Integral):
             raise PlanError(f"must be block indices (integers), got {loc!r}", "locs")
         if not 0 <= loc < depth:
-            raise PlanError(f"{loc} is out of range: the model has {depth} blocks "
-                            f"(0..{depth - 1})", "locs")
+            raise PlanError(
+                f"{loc} is out of range: the model has {depth} blocks (0..{depth - 1})", "locs"
+            )
     for loc in locs:
         block = model_map.blocks[loc]
         if not reduces_tokens(block):
@@ -164,7 +180,9 @@ def make_plan(model_map: ModelMap, variant: str, keep: list[float],
             raise PlanError(
                 f"{loc} is a class-attention block ({core.query_tokens} query token(s) "
                 f"over {core.key_tokens} keys from earlier blocks): it has no tokens of its own to "
-                f"reduce; choose among blocks {_describe(_token_stages(model_map))}", "locs")
+                f"reduce; choose among blocks {_describe(_token_stages(model_map))}",
+                "locs",
+            )
     locs = [int(loc) for loc in locs]
     if sorted(set(locs)) != locs:
         raise PlanError(f"must be strictly increasing without duplicates, got {locs}", "locs")
@@ -186,13 +204,26 @@ def make_plan(model_map: ModelMap, variant: str, keep: list[float],
         block = model_map.blocks[block_index]
         stage = model_map.stages[block.stage]
         earlier = [loc for loc in locations if loc.stage == block.stage]
-        cumulative = (rho ** (len(earlier) + 1) if all(loc.keep == rho for loc in earlier)
-                      else math.prod([loc.keep for loc in earlier] + [rho]))
+        cumulative = (
+            rho ** (len(earlier) + 1)
+            if all(loc.keep == rho for loc in earlier)
+            else math.prod([loc.keep for loc in earlier] + [rho])
+        )
         patch_tokens = stage.grid[0] * stage.grid[1]
-        keep_tokens = keep_count(patch_tokens, cumulative, "floor") if scorer == "predictor" else None
-        locations.append(Location(block=block_index, stage=block.stage, step=len(earlier) + 1,
-                                  keep=rho, cumulative_keep=cumulative,
-                                  patch_tokens=patch_tokens, keep_tokens=keep_tokens))
+        keep_tokens = (
+            keep_count(patch_tokens, cumulative, "floor") if scorer == "predictor" else None
+        )
+        locations.append(
+            Location(
+                block=block_index,
+                stage=block.stage,
+                step=len(earlier) + 1,
+                keep=rho,
+                cumulative_keep=cumulative,
+                patch_tokens=patch_tokens,
+                keep_tokens=keep_tokens,
+            )
+        )
     plan = Plan(variant=variant, policy=policy, locations=locations)
     refusal = position_refusal(model_map, plan)
     if refusal is not None:
@@ -200,8 +231,11 @@ def make_plan(model_map: ModelMap, variant: str, keep: list[float],
     return plan
 
 
-_MEETS = {"attention bias": "attention logits", "query/key table": "queries/keys",
-          "token table": "tokens"}
+_MEETS = {
+    "attention bias": "attention logits",
+    "query/key table": "queries/keys",
+    "token table": "tokens",
+}
 
 
 def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
@@ -218,10 +252,12 @@ def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
     for stage_index, loc in first.items():
         bypass = model_map.stages[stage_index].exit_bypass
         if bypass is not None:
-            return (f"stage {stage_index}'s tokens reach the next stage at {bypass} without "
-                    "being laid out on their grid (an op there reads their order or count): "
-                    f"tokens reduced at block {loc.block} cannot follow, so {plan.variant} is "
-                    "refused rather than giving wrong logits")
+            return (
+                f"stage {stage_index}'s tokens reach the next stage at {bypass} without "
+                "being laid out on their grid (an op there reads their order or count): "
+                f"tokens reduced at block {loc.block} cannot follow, so {plan.variant} is "
+                "refused rather than giving wrong logits"
+            )
     for block in model_map.blocks:
         loc = first.get(block.stage)
         if loc is None or block.index < loc.block:
@@ -231,8 +267,10 @@ def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
                 return head_refusal(use, loc.block, plan.variant)
             if block.index == loc.block and plan.scorer == "attention" and use.branch != "mlp":
                 continue
-            return (f"block {block.index} ({use.path}) applies the position table {use.table} "
-                    f"to its {_MEETS[use.kind]} after the token reduction at block {loc.block}: "
-                    "the table is indexed by token position and cannot follow the kept tokens, "
-                    f"so {plan.variant} is refused rather than giving wrong logits")
+            return (
+                f"block {block.index} ({use.path}) applies the position table {use.table} "
+                f"to its {_MEETS[use.kind]} after the token reduction at block {loc.block}: "
+                "the table is indexed by token position and cannot follow the kept tokens, "
+                f"so {plan.variant} is refused rather than giving wrong logits"
+            )
     return None

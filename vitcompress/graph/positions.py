@@ -67,8 +67,9 @@ def describe(node: fx.Node, parameters: set[str]) -> str:
     return f"<constant {tuple(ops.shape(node) or ())}>"
 
 
-def _kind(meeting: fx.Node, core: AttentionCore | None, nodes: dict[str, fx.Node],
-          is_ancestor) -> str:
+def _kind(
+    meeting: fx.Node, core: AttentionCore | None, nodes: dict[str, fx.Node], is_ancestor
+) -> str:
     """Where the table meets the tokens: the attention logits, the queries/keys, or the tokens."""
     if core is None or core.kind == "multihead_attention":
         return "token table"
@@ -81,17 +82,24 @@ def _kind(meeting: fx.Node, core: AttentionCore | None, nodes: dict[str, fx.Node
             return "query/key table"
         return "token table"
     product = nodes[core.logits_node] if core.logits_node else None
-    if meeting is attention or (product is not None and is_ancestor(product, meeting)
-                                and is_ancestor(meeting, attention)):
+    if meeting is attention or (
+        product is not None and is_ancestor(product, meeting) and is_ancestor(meeting, attention)
+    ):
         return "attention bias"
     if product is not None and is_ancestor(meeting, product):
         return "query/key table"
     return "token table"
 
 
-def find_position_uses(gm: fx.GraphModule, image: fx.Node, branches: dict[str, list[fx.Node]],
-                       core: AttentionCore | None, tokens: int, prefix_tokens: int,
-                       is_ancestor) -> list[PositionUse]:
+def find_position_uses(
+    gm: fx.GraphModule,
+    image: fx.Node,
+    branches: dict[str, list[fx.Node]],
+    core: AttentionCore | None,
+    tokens: int,
+    prefix_tokens: int,
+    is_ancestor,
+) -> list[PositionUse]:
     """Position-dependent tensors that meet the token stream in one block.
 
     ``branches`` maps "attention"/"mlp" to the nodes of that residual branch (its closing add
@@ -112,15 +120,17 @@ def find_position_uses(gm: fx.GraphModule, image: fx.Node, branches: dict[str, l
                 if not _token_dims(shape, counts) or (branch, operand.name) in seen:
                     continue
                 seen.add((branch, operand.name))
-                found.append(PositionUse(
-                    table=describe(operand, parameters),
-                    kind=_kind(meeting, core, nodes, is_ancestor),
-                    branch=branch,
-                    path=ops.module_path(meeting),
-                    node=meeting.name,
-                    table_node=operand.name,
-                    shape=tuple(shape),
-                ))
+                found.append(
+                    PositionUse(
+                        table=describe(operand, parameters),
+                        kind=_kind(meeting, core, nodes, is_ancestor),
+                        branch=branch,
+                        path=ops.module_path(meeting),
+                        node=meeting.name,
+                        table_node=operand.name,
+                        shape=tuple(shape),
+                    )
+                )
     return found
 
 
@@ -129,8 +139,21 @@ def find_position_uses(gm: fx.GraphModule, image: fx.Node, branches: dict[str, l
 HEAD_KIND = "head"  # PositionUse.kind of a head that reads tokens by their position
 
 # Ops that pool over the token axis: they do not care about the tokens' order.
-_POOL_NAMES = {"mean", "sum", "amax", "amin", "max", "min", "logsumexp", "nansum", "nanmean",
-               "adaptive_avg_pool1d", "adaptive_max_pool1d", "avg_pool1d", "max_pool1d"}
+_POOL_NAMES = {
+    "mean",
+    "sum",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "logsumexp",
+    "nansum",
+    "nanmean",
+    "adaptive_avg_pool1d",
+    "adaptive_max_pool1d",
+    "avg_pool1d",
+    "max_pool1d",
+}
 _ATTENTION_NAMES = {"scaled_dot_product_attention", "softmax", "_softmax"}
 
 
@@ -168,7 +191,7 @@ def _follow(gm: fx.GraphModule, user: fx.Node, node: fx.Node, axis: int) -> int 
     size = in_shape[axis]
     ndim = len(in_shape)
     if ops.is_sdpa(user) or ops.is_softmax(user, gm):
-        return None if out_shape is None or size not in out_shape[axis:axis + 1] else axis
+        return None if out_shape is None or size not in out_shape[axis : axis + 1] else axis
     if _pools_tokens(gm, user):
         if user.op == "call_module":
             return None if axis == ndim - 1 else axis
@@ -216,15 +239,23 @@ def head_refusal(use: PositionUse, block: int, variant: str) -> str:
     """The one-line refusal of a plan reducing tokens that a position-reading head then sees."""
     # The predictor variants re-sort the tokens by score even when they keep all of them.
     resorted = " (it re-sorts them even at keep 1)" if variant in ("dtps", "dynamicvit") else ""
-    return (f"the head reads the last stage's tokens by position: {use.table}; {variant} "
-            f"drops and reorders them from block {block}{resorted}, so it is refused in that "
-            "stage rather than giving wrong logits (a head that pools the tokens or reads the "
-            "cls token is fine)")
+    return (
+        f"the head reads the last stage's tokens by position: {use.table}; {variant} "
+        f"drops and reorders them from block {block}{resorted}, so it is refused in that "
+        "stage rather than giving wrong logits (a head that pools the tokens or reads the "
+        "cls token is fine)"
+    )
 
 
-def find_head_position_use(gm: fx.GraphModule, image: fx.Node, last_output: fx.Node,
-                           tokens: int, prefix_tokens: int, exit_grid: fx.Node | None,
-                           is_ancestor) -> PositionUse | None:
+def find_head_position_use(
+    gm: fx.GraphModule,
+    image: fx.Node,
+    last_output: fx.Node,
+    tokens: int,
+    prefix_tokens: int,
+    exit_grid: fx.Node | None,
+    is_ancestor,
+) -> PositionUse | None:
     """Where the head reads the last stage's tokens by their position, else ``None``.
 
     From the last block's output (tokens on axis 1) the token axis is followed through every op
@@ -255,30 +286,48 @@ def find_head_position_use(gm: fx.GraphModule, image: fx.Node, last_output: fx.N
                 continue
             problem, where = _consumed(gm, user, node, axis, prefix, image, is_ancestor)
             if problem is not None:
-                return PositionUse(table=problem, kind=HEAD_KIND, branch=HEAD_KIND,
-                                   path=ops.module_path(user) or user.name, node=user.name,
-                                   table_node=node.name, shape=tuple(ops.shape(node))[1:])
+                return PositionUse(
+                    table=problem,
+                    kind=HEAD_KIND,
+                    branch=HEAD_KIND,
+                    path=ops.module_path(user) or user.name,
+                    node=user.name,
+                    table_node=node.name,
+                    shape=tuple(ops.shape(node))[1:],
+                )
             if where is not None:
                 axes[user] = where
                 frontier.append(user)
     return None
 
 
-def _consumed(gm: fx.GraphModule, user: fx.Node, node: fx.Node, axis: int, prefix: int,
-              image: fx.Node, is_ancestor) -> tuple[str | None, tuple[int, int] | None]:
+def _consumed(
+    gm: fx.GraphModule,
+    user: fx.Node,
+    node: fx.Node,
+    axis: int,
+    prefix: int,
+    image: fx.Node,
+    is_ancestor,
+) -> tuple[str | None, tuple[int, int] | None]:
     """(how ``user`` depends on the order of ``node``'s tokens, for the refusal, or ``None``;
     where the token axis and its prefix count are in ``user``'s output, or ``None``)."""
     name = _op_name(gm, user)
     shape = tuple(ops.shape(node))
     per_image = shape[1:]  # as the user knows it, without the example's batch
     size = shape[axis]
-    if user.op == "call_function" and (user.target is operator.getitem
-                                       or name.startswith("select")):
+    if user.op == "call_function" and (
+        user.target is operator.getitem or name.startswith("select")
+    ):
         index = _index_reading(user, axis)
         if isinstance(index, int) and 0 <= index < prefix:
             return None, None  # a prefix token (cls, distillation): it stays first
-        if isinstance(index, slice) and index.step in (None, 1) and index.stop in (None, size) \
-                and (index.start or 0) <= prefix:
+        if (
+            isinstance(index, slice)
+            and index.step in (None, 1)
+            and index.stop in (None, size)
+            and (index.start or 0) <= prefix
+        ):
             return None, (axis, prefix - (index.start or 0))  # all patch tokens, in any order
         return f"{name} ({user.name}) reads token(s) {index!r} of the {size} by position", None
     where = _follow(gm, user, node, axis)
@@ -287,8 +336,10 @@ def _consumed(gm: fx.GraphModule, user: fx.Node, node: fx.Node, axis: int, prefi
     if where != "lost":
         return None, (where, prefix)
     if ops.is_layout(user):
-        return (f"{name} ({user.name}) merges the token axis of {per_image} into features, "
-                "so every token's features land at a fixed place"), None
+        return (
+            f"{name} ({user.name}) merges the token axis of {per_image} into features, "
+            "so every token's features land at a fixed place"
+        ), None
     if ops.is_matmul(user) or ops.is_einsum(user):
         others = [a for a in user.all_input_nodes if a is not node]
         if all(a is image or is_ancestor(image, a) for a in others):

@@ -98,11 +98,24 @@ class _Rewriter:
         full grid back: padded with zeros in inference, dropped ones zeroed in training."""
         if (keep_mask is None and positions is None) or stage.exit_grid_node is None:
             return
-        self._insert_pad(f"exit{stage.index}", stage.grid, stage.exit_tokens_node,
-                         stage.exit_grid_node, keep_mask, positions)
+        self._insert_pad(
+            f"exit{stage.index}",
+            stage.grid,
+            stage.exit_tokens_node,
+            stage.exit_grid_node,
+            keep_mask,
+            positions,
+        )
 
-    def _insert_pad(self, name: str, grid: tuple[int, int], tokens_node: str, to_grid_node: str,
-                    keep_mask, positions) -> None:
+    def _insert_pad(
+        self,
+        name: str,
+        grid: tuple[int, int],
+        tokens_node: str,
+        to_grid_node: str,
+        keep_mask,
+        positions,
+    ) -> None:
         """Feed ``to_grid_node`` the full grid (GridPad) instead of the tokens it reshaped."""
         tokens = self.nodes[tokens_node]
         to_grid = self.nodes[to_grid_node]
@@ -124,28 +137,37 @@ class _Rewriter:
 
     def _insert_predictor(self, block: Block, index: int, loc, keep_mask, positions):
         module = PredictorReducer(
-            dim=block.dim, prefix_tokens=block.prefix_tokens, keep_tokens=loc.keep_tokens,
-            keep_ratio=loc.cumulative_keep, squeeze=self.plan.fuse == "squeeze",
-            policy=self.plan.policy)
+            dim=block.dim,
+            prefix_tokens=block.prefix_tokens,
+            keep_tokens=loc.keep_tokens,
+            keep_ratio=loc.cumulative_keep,
+            squeeze=self.plan.fuse == "squeeze",
+            policy=self.plan.policy,
+        )
         return self._insert_reducer(block.input_node, index, module, (keep_mask, positions))
 
     def _insert_attention_reducer(self, block: Block, index: int, loc, score, positions):
-        module = AttentionReducer(prefix_tokens=block.prefix_tokens, keep_ratio=loc.keep,
-                                  fuse=self.plan.fuse, policy=self.plan.policy)
-        _, new_positions = self._insert_reducer(block.attn_add_node, index, module,
-                                                (score, None, positions))
+        module = AttentionReducer(
+            prefix_tokens=block.prefix_tokens,
+            keep_ratio=loc.keep,
+            fuse=self.plan.fuse,
+            policy=self.plan.policy,
+        )
+        _, new_positions = self._insert_reducer(
+            block.attn_add_node, index, module, (score, None, positions)
+        )
         return new_positions
 
-    def _hook_attention(self, block: Block, keep_mask, scoring: bool,
-                        positions) -> fx.Node | None:
+    def _hook_attention(self, block: Block, keep_mask, scoring: bool, positions) -> fx.Node | None:
         """Replace the block's attention core when it must mask keys or score tokens."""
         if keep_mask is None and not scoring:
             return None
         core = block.attention
         node = self.nodes[core.node]
         has_cls = self.map.cls_token and block.prefix_tokens > 0
-        options = dict(prefix_tokens=block.prefix_tokens, has_cls=has_cls, score=scoring,
-                       grid=block.grid)
+        options = dict(
+            prefix_tokens=block.prefix_tokens, has_cls=has_cls, score=scoring, grid=block.grid
+        )
         name = f"attn{block.index}"
         if core.kind == "sdpa":
             target = self._add_hook(name, SDPAHook(**options))
@@ -188,8 +210,14 @@ class _Rewriter:
         for op in block.grid_ops:
             if op.branch != branch:
                 continue
-            self._insert_pad(f"pad{block.index}_{op.op_node}", op.grid, op.tokens_node,
-                             op.to_grid_node, keep_mask, positions)
+            self._insert_pad(
+                f"pad{block.index}_{op.op_node}",
+                op.grid,
+                op.tokens_node,
+                op.to_grid_node,
+                keep_mask,
+                positions,
+            )
             if op.from_grid_node is not None:
                 flat = self.nodes[op.from_grid_node]
                 name = f"gather{block.index}_{op.op_node}"
@@ -202,6 +230,8 @@ class _Rewriter:
 def rewrite(gm: fx.GraphModule, model_map: ModelMap, plan: Plan) -> fx.GraphModule:
     """Apply ``plan`` to ``gm`` in place and return it."""
     if not model_map.has_nodes:
-        raise RewriteError("the model map names no graph nodes (it was read back from JSON); "
-                           "rewrite with the map the analysis of this graph made")
+        raise RewriteError(
+            "the model map names no graph nodes (it was read back from JSON); "
+            "rewrite with the map the analysis of this graph made"
+        )
     return _Rewriter(gm, model_map, plan).run()

@@ -83,9 +83,7 @@ def _read_checkpoint(path: Path) -> Any:
             f"checkpoint {path} is truncated or corrupt (not a PyTorch weights file): {reason}"
         ) from exc
     except Exception as exc:  # torch reports corruption as RuntimeError, EOFError, KeyError, ...
-        raise ModelLoadError(
-            f"checkpoint {path} is truncated or corrupt: {one_line(exc)}"
-        ) from exc
+        raise ModelLoadError(f"checkpoint {path} is truncated or corrupt: {one_line(exc)}") from exc
 
 
 def _is_state_dict(obj: Any) -> bool:
@@ -152,4 +150,3 @@ def _fit_problems(
 
 def _first(items: list[str]) -> list[str]:
     return items[:SHOW_KEYS] + (["..."] if len(items) > SHOW_KEYS else [])
-

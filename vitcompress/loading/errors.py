@@ -20,7 +20,6 @@ class ModelInputError(ModelLoadError):
     """The model does not run on the input size it was given or says it takes."""
 
 
-
 def one_line(exc: BaseException) -> str:
     """``Type: first line of the message`` -- what the user needs, without the traceback."""
     lines = [line.strip() for line in ANSI_ESCAPE.sub("", str(exc)).splitlines() if line.strip()]

@@ -36,8 +36,11 @@ def _square_patch_count(tokens: int, prefix: int) -> int | None:
 def _position_table(model: nn.Module, dim: int) -> tuple[str, torch.Tensor, int] | None:
     """The largest (1, T, dim) parameter or buffer (the absolute position table), with the
     tokens held by the other (1, k, dim) parameters (prefix tokens such as a cls token)."""
-    tables = [(name, t) for name, t in [*model.named_parameters(), *model.named_buffers()]
-              if t.dim() == 3 and t.shape[0] == 1 and t.shape[2] == dim]
+    tables = [
+        (name, t)
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.dim() == 3 and t.shape[0] == 1 and t.shape[2] == dim
+    ]
     if not tables:
         return None
     name, table = max(tables, key=lambda item: item[1].shape[1])
@@ -61,13 +64,18 @@ def inferred_input_size(model: nn.Module) -> tuple[int, int, int] | None:
     if found is not None and side is not None and stride > 1 and embed.kernel_size[0] == stride:
         name, table, _ = found
         size = (channels, stride * side, stride * side)
-        print(f"note: the model declares no input size; using {','.join(map(str, size))} "
-              f"(patch embedding stride {stride} x {side}, the side of the {side * side} patch "
-              f"rows of position table {name} {tuple(table.shape)}); pass --input-size to "
-              "override", file=sys.stderr)
+        print(
+            f"note: the model declares no input size; using {','.join(map(str, size))} "
+            f"(patch embedding stride {stride} x {side}, the side of the {side * side} patch "
+            f"rows of position table {name} {tuple(table.shape)}); pass --input-size to "
+            "override",
+            file=sys.stderr,
+        )
         return size
     size = (channels, GUESSED_SIDE, GUESSED_SIDE)
-    print(f"note: the model declares no input size and has no position table to read one from; "
-          f"trying {','.join(map(str, size))}; pass --input-size C,H,W if it takes another",
-          file=sys.stderr)
+    print(
+        f"note: the model declares no input size and has no position table to read one from; "
+        f"trying {','.join(map(str, size))}; pass --input-size C,H,W if it takes another",
+        file=sys.stderr,
+    )
     return size

@@ -104,4 +104,3 @@ def check_runs(model: nn.Module, size: tuple[int, int, int], spec: str, given: b
         raise ModelInputError(
             f"model '{spec}' does not run on {where}: {one_line(exc)}; {hint}"
         ) from exc
-

@@ -95,4 +95,3 @@ def load_model(
         pretrained=pretrained,
     )
     return LoadedModel(model=model, source=source, input_size=size)
-

@@ -159,4 +159,3 @@ def _defined_callables(module: ModuleType, limit: int = 8) -> list[str]:
         and getattr(obj, "__module__", None) == module.__name__
     ]
     return names[:limit] + (["..."] if len(names) > limit else [])
-

@@ -168,4 +168,3 @@ def _is_network_error(exc: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
-

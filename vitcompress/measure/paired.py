@@ -16,8 +16,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["MIN_PAIRS_FOR_INTERVAL", "PairedRatio", "bootstrap_median_ci", "paired_ratio",
-           "paired_ratios", "verdict"]
+__all__ = [
+    "MIN_PAIRS_FOR_INTERVAL",
+    "PairedRatio",
+    "bootstrap_median_ci",
+    "paired_ratio",
+    "paired_ratios",
+    "verdict",
+]
 
 # Below this many pairs a bootstrap interval of the median is little more than the sample range.
 MIN_PAIRS_FOR_INTERVAL = 5
@@ -30,8 +36,9 @@ def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
     return [x / y for x, y in zip(a, b, strict=True)]
 
 
-def bootstrap_median_ci(values: Sequence[float], level: float = 0.95, resamples: int = 4000,
-                        seed: int = 0) -> tuple[float, float]:
+def bootstrap_median_ci(
+    values: Sequence[float], level: float = 0.95, resamples: int = 4000, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap interval of the median (fixed seed: the same data, the same
     interval)."""
     if not values:
@@ -45,7 +52,7 @@ def bootstrap_median_ci(values: Sequence[float], level: float = 0.95, resamples:
 
 
 def verdict(interval: tuple[float, float], target: float) -> str:
-    """"yes" when the whole interval is at or above the target, "no" when it is all below, else
+    """ "yes" when the whole interval is at or above the target, "no" when it is all below, else
     "undecided": more batches are needed to tell."""
     low, high = interval
     return "yes" if low >= target else "no" if high < target else "undecided"
@@ -66,8 +73,11 @@ class PairedRatio:
         return None if self.low is None or self.high is None else (self.low, self.high)
 
     def to_json(self) -> dict[str, Any]:
-        return {"median": self.median, "ci95": None if self.interval is None
-                else list(self.interval), "pairs": self.pairs}
+        return {
+            "median": self.median,
+            "ci95": None if self.interval is None else list(self.interval),
+            "pairs": self.pairs,
+        }
 
     def text(self) -> str:
         """``1.31x [1.25, 1.38]``, or ``1.31x`` without an interval."""

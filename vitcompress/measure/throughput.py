@@ -30,8 +30,15 @@ from torch import nn
 from .macs import _same_device
 from .paired import PairedRatio, paired_ratio
 
-__all__ = ["ModelThroughput", "RoundProgress", "ThroughputReport", "environment",
-           "load_average", "load_warning", "measure_throughput"]
+__all__ = [
+    "ModelThroughput",
+    "RoundProgress",
+    "ThroughputReport",
+    "environment",
+    "load_average",
+    "load_warning",
+    "measure_throughput",
+]
 
 
 @dataclass
@@ -100,9 +107,11 @@ def load_warning(loads: list[float | None], threads: int) -> str | None:
     seen = [load for load in loads if load is not None]
     if not seen or max(seen) <= threads:
         return None
-    return (f"the 1-minute load average was {max(seen):.1f} with {threads} torch threads "
-            "timing: other work shared the CPU, so throughput is low and its ratios noisy; "
-            "time on a quiet machine, or check the 95% interval")
+    return (
+        f"the 1-minute load average was {max(seen):.1f} with {threads} torch threads "
+        "timing: other work shared the CPU, so throughput is low and its ratios noisy; "
+        "time on a quiet machine, or check the 95% interval"
+    )
 
 
 def _cpu_name() -> str:
@@ -236,8 +245,15 @@ def measure_throughput(
 
     def report_round(warm: bool, done: int, total: int) -> None:
         if on_round is not None:
-            on_round(RoundProgress(warmup=warm, done=done, total=total,
-                                   elapsed=time.perf_counter() - began, budget=time_budget))
+            on_round(
+                RoundProgress(
+                    warmup=warm,
+                    done=done,
+                    total=total,
+                    elapsed=time.perf_counter() - began,
+                    budget=time_budget,
+                )
+            )
 
     warmed = timed = 0
     try:
@@ -270,9 +286,11 @@ def measure_throughput(
     threads = torch.get_num_threads()
     warnings = [w for w in (load_warning(loads, threads),) if w]
     if timed < runs or warmed < warmup:
-        warnings.append(f"timing stopped at the {time_budget:g} s budget after {warmed} of "
-                        f"{warmup} warm-up and {timed} of {runs} timed rounds; raise the budget "
-                        "(--bench-seconds) for a tighter interval")
+        warnings.append(
+            f"timing stopped at the {time_budget:g} s budget after {warmed} of "
+            f"{warmup} warm-up and {timed} of {runs} timed rounds; raise the budget "
+            "(--bench-seconds) for a tighter interval"
+        )
     return ThroughputReport(
         results={name: ModelThroughput(samples=values) for name, values in samples.items()},
         environment=environment(device, dtype, batch_size)

@@ -62,8 +62,9 @@ def _candidates(fraction: float, previous_fraction: float, previous_product: flo
         yield down
 
 
-def per_location_keep(fractions: Sequence[float], stages: Sequence[int],
-                      patch_tokens: Sequence[int]) -> list[float]:
+def per_location_keep(
+    fractions: Sequence[float], stages: Sequence[int], patch_tokens: Sequence[int]
+) -> list[float]:
     """Per-location keep ratios from cumulative fractions, one of each per location.
 
     ``stages[i]`` is the stage of location ``i`` and ``patch_tokens[i]`` that stage's initial patch
@@ -85,8 +86,10 @@ def per_location_keep(fractions: Sequence[float], stages: Sequence[int],
         earlier = by_stage.setdefault(stage, [])
         previous = earlier[-1][0] if earlier else 1.0
         if fraction > previous:
-            raise KeepListError(f"must not increase within a stage (fractions of the stage's "
-                                f"initial count), got {previous} then {fraction}")
+            raise KeepListError(
+                f"must not increase within a stage (fractions of the stage's "
+                f"initial count), got {previous} then {fraction}"
+            )
         earlier_ratios = [r for _, r in earlier]
         previous_product = planned_cumulative(earlier_ratios) if earlier_ratios else 1.0
         official = keep_count(n0, fraction, "floor")
@@ -94,12 +97,16 @@ def per_location_keep(fractions: Sequence[float], stages: Sequence[int],
             if not 0.0 < ratio <= 1.0:
                 continue
             product = planned_cumulative(earlier_ratios + [ratio])
-            if (keep_count(n0, product, "floor") == official
-                    and abs(product - fraction) <= _TARGET_TOLERANCE * fraction):
+            if (
+                keep_count(n0, product, "floor") == official
+                and abs(product - fraction) <= _TARGET_TOLERANCE * fraction
+            ):
                 break
         else:
-            raise KeepListError(f"cannot be made exact as per-location ratios at {fraction} "
-                                f"(N0 {n0}); give per-location ratios instead")
+            raise KeepListError(
+                f"cannot be made exact as per-location ratios at {fraction} "
+                f"(N0 {n0}); give per-location ratios instead"
+            )
         earlier.append((fraction, ratio))
         ratios.append(ratio)
     return ratios

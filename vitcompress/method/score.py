@@ -46,8 +46,9 @@ def score_from_probs(probs: Tensor, prefix_tokens: int, has_cls: bool) -> Tensor
     return probs[..., prefix_tokens:].mean(dim=(1, 2))
 
 
-def key_scores_to_tokens(scores: Tensor, grid: tuple[int, int],
-                         positions: Tensor | None = None) -> Tensor:
+def key_scores_to_tokens(
+    scores: Tensor, grid: tuple[int, int], positions: Tensor | None = None
+) -> Tensor:
     """Scores of pooled keys (spatial-reduction attention: one key per cell of a coarser grid)
     spread to the tokens each cell covers, then taken at the tokens present (``positions``).
 

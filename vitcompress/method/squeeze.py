@@ -51,7 +51,10 @@ def match_hosts_cosine(donors: Tensor, hosts: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def fuse_into_hosts(
-    hosts: Tensor, donors: Tensor, host_index: Tensor, host_similarity: Tensor,
+    hosts: Tensor,
+    donors: Tensor,
+    host_index: Tensor,
+    host_similarity: Tensor,
     inplace: bool = False,
 ) -> Tensor:
     """Fuse donors into hosts by index scatter: O(Np * C) instead of the dense O(Np * Nr * C).
@@ -86,8 +89,13 @@ def squeeze(hosts: Tensor, donors: Tensor, prefix: Tensor | None = None) -> Tens
     if donors.shape[1] == 0:
         return out
     host_index, host_similarity = match_hosts_cosine(donors, hosts)
-    return fuse_into_hosts(out, donors, host_index + offset if offset else host_index,
-                           host_similarity, inplace=prefix is not None)
+    return fuse_into_hosts(
+        out,
+        donors,
+        host_index + offset if offset else host_index,
+        host_similarity,
+        inplace=prefix is not None,
+    )
 
 
 def squeeze_dense(hosts: Tensor, donors: Tensor) -> Tensor:

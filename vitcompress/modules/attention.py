@@ -24,8 +24,9 @@ from vitcompress.method import (
 
 
 class _ScoringHook(nn.Module):
-    def __init__(self, prefix_tokens: int, has_cls: bool, score: bool,
-                 grid: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self, prefix_tokens: int, has_cls: bool, score: bool, grid: tuple[int, int] | None = None
+    ) -> None:
         super().__init__()
         self.prefix_tokens = prefix_tokens
         self.has_cls = has_cls
@@ -35,8 +36,9 @@ class _ScoringHook(nn.Module):
     def extra_repr(self) -> str:
         return f"prefix_tokens={self.prefix_tokens}, has_cls={self.has_cls}, score={self.score}"
 
-    def _score_qk(self, q: Tensor, k: Tensor, scale: float | None,
-                  positions: Tensor | None = None) -> Tensor:
+    def _score_qk(
+        self, q: Tensor, k: Tensor, scale: float | None, positions: Tensor | None = None
+    ) -> Tensor:
         if self.has_cls:
             scores = cls_attention_score(q, k, self.prefix_tokens, scale)
         else:
@@ -57,10 +59,19 @@ def _applies(keep_mask: Tensor | None, key_tokens: int) -> bool:
 class SDPAHook(_ScoringHook):
     """Stands in for ``F.scaled_dot_product_attention(q, k, v, ...)`` on (B, H, N, D) tensors."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, keep_mask: Tensor | None = None,
-                attn_mask: Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-                scale: float | None = None, positions: Tensor | None = None,
-                **kwargs) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        keep_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        positions: Tensor | None = None,
+        **kwargs,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         if _applies(keep_mask, k.shape[-2]):
             if attn_mask is not None or is_causal:
                 raise NotImplementedError("a key mask combined with an attention mask")
@@ -68,8 +79,16 @@ class SDPAHook(_ScoringHook):
             if dropout_p > 0.0:
                 out = F.dropout(probs, dropout_p, self.training) @ v
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                 is_causal=is_causal, scale=scale, **kwargs)
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                **kwargs,
+            )
         if not self.score:
             return out
         return out, self._score_qk(q, k, scale, positions)
@@ -78,8 +97,9 @@ class SDPAHook(_ScoringHook):
 class SoftmaxHook(_ScoringHook):
     """Stands in for the softmax of an explicit ``q @ k^T`` (or einsum) attention."""
 
-    def forward(self, logits: Tensor, keep_mask: Tensor | None = None,
-                positions: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(
+        self, logits: Tensor, keep_mask: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
         if _applies(keep_mask, logits.shape[-1]):
             probs = masked_softmax(logits, keep_mask)
         else:
@@ -96,13 +116,25 @@ class MHAHook(_ScoringHook):
     projections. The module is passed in (not owned) so its state-dict keys stay where they were.
     """
 
-    def forward(self, mha: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor,
-                keep_mask: Tensor | None = None, positions: Tensor | None = None, **kwargs):
+    def forward(
+        self,
+        mha: nn.MultiheadAttention,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        keep_mask: Tensor | None = None,
+        positions: Tensor | None = None,
+        **kwargs,
+    ):
         if keep_mask is None and not self.score:
             return mha(query, key, value, **kwargs)
-        if (not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn
-                or kwargs.get("attn_mask") is not None
-                or kwargs.get("key_padding_mask") is not None):
+        if (
+            not mha._qkv_same_embed_dim
+            or mha.bias_k is not None
+            or mha.add_zero_attn
+            or kwargs.get("attn_mask") is not None
+            or kwargs.get("key_padding_mask") is not None
+        ):
             raise NotImplementedError(
                 "nn.MultiheadAttention with separate k/v dims, bias_k, zero attention or masks"
             )
@@ -111,8 +143,9 @@ class MHAHook(_ScoringHook):
         b, n, c = query.shape
         heads = mha.num_heads
         w_q, w_k, w_v = mha.in_proj_weight.chunk(3)
-        b_q, b_k, b_v = (mha.in_proj_bias.chunk(3) if mha.in_proj_bias is not None
-                         else (None, None, None))
+        b_q, b_k, b_v = (
+            mha.in_proj_bias.chunk(3) if mha.in_proj_bias is not None else (None, None, None)
+        )
         q = F.linear(query, w_q, b_q).reshape(b, n, heads, c // heads).transpose(1, 2)
         k = F.linear(key, w_k, b_k).reshape(b, -1, heads, c // heads).transpose(1, 2)
         v = F.linear(value, w_v, b_v).reshape(b, -1, heads, c // heads).transpose(1, 2)

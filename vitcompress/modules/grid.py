@@ -24,11 +24,12 @@ class GridPad(nn.Module):
     def extra_repr(self) -> str:
         return f"grid={self.grid}"
 
-    def forward(self, tokens: Tensor, keep_mask: Tensor | None = None,
-                positions: Tensor | None = None) -> Tensor:
+    def forward(
+        self, tokens: Tensor, keep_mask: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor:
         cells = self.grid[0] * self.grid[1]
         if keep_mask is not None:
-            return tokens * keep_mask[:, -tokens.shape[1]:].unsqueeze(-1).to(tokens.dtype)
+            return tokens * keep_mask[:, -tokens.shape[1] :].unsqueeze(-1).to(tokens.dtype)
         if positions is None:
             return tokens
         on_grid = (positions >= 0).unsqueeze(-1).to(tokens.dtype)

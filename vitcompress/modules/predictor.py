@@ -41,7 +41,8 @@ class ScorePredictor(nn.Module):
         # the global half is one row per image, so its product is computed once, not per token.
         first = self.out_conv[0]
         hidden = F.linear(local, first.weight[:, :half], first.bias) + F.linear(
-            global_, first.weight[:, half:])
+            global_, first.weight[:, half:]
+        )
         for layer in list(self.out_conv)[1:-1]:  # everything between the first Linear and softmax
             hidden = layer(hidden)
         return hidden

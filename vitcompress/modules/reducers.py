@@ -42,8 +42,15 @@ class PredictorReducer(nn.Module):
     hosts. Training samples a hard straight-through Gumbel mask over all N0 tokens instead.
     """
 
-    def __init__(self, dim: int, prefix_tokens: int, keep_tokens: int, keep_ratio: float,
-                 squeeze: bool = True, policy: str = "score") -> None:
+    def __init__(
+        self,
+        dim: int,
+        prefix_tokens: int,
+        keep_tokens: int,
+        keep_ratio: float,
+        squeeze: bool = True,
+        policy: str = "score",
+    ) -> None:
         super().__init__()
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -55,11 +62,14 @@ class PredictorReducer(nn.Module):
         self.predictor = ScorePredictor(dim)
 
     def extra_repr(self) -> str:
-        return (f"prefix_tokens={self.prefix_tokens}, keep_tokens={self.keep_tokens}, "
-                f"squeeze={self.squeeze}, policy={self.policy!r}")
+        return (
+            f"prefix_tokens={self.prefix_tokens}, keep_tokens={self.keep_tokens}, "
+            f"squeeze={self.squeeze}, policy={self.policy!r}"
+        )
 
-    def forward(self, x: Tensor, keep_mask: Tensor | None = None,
-                positions: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    def forward(
+        self, x: Tensor, keep_mask: Tensor | None = None, positions: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         p = self.prefix_tokens
         prefix, patches = x[:, :p], x[:, p:]
         if self.training:
@@ -75,11 +85,13 @@ class PredictorReducer(nn.Module):
             return squeeze(kept, gather_tokens(patches, prune_index), prefix), None, positions
         return torch.cat([prefix, kept], dim=1), None, positions
 
-    def _train(self, prefix: Tensor, patches: Tensor, keep_mask: Tensor | None,
-               positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _train(
+        self, prefix: Tensor, patches: Tensor, keep_mask: Tensor | None, positions: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         b, n = patches.shape[:2]
-        previous = (keep_mask[:, self.prefix_tokens:] if keep_mask is not None
-                    else patches.new_ones(b, n))
+        previous = (
+            keep_mask[:, self.prefix_tokens :] if keep_mask is not None else patches.new_ones(b, n)
+        )
         if self.policy == "random":
             # Exactly keep_tokens of the tokens still kept, chosen uniformly.
             noise = torch.rand(b, n, device=patches.device) + previous
@@ -101,8 +113,9 @@ class AttentionReducer(nn.Module):
     Keeps ``ceil(rho * n)`` of the ``n`` non-prefix tokens present (EViT's fused token counts).
     """
 
-    def __init__(self, prefix_tokens: int, keep_ratio: float, fuse: str = "squeeze",
-                 policy: str = "score") -> None:
+    def __init__(
+        self, prefix_tokens: int, keep_ratio: float, fuse: str = "squeeze", policy: str = "score"
+    ) -> None:
         super().__init__()
         if fuse not in ("squeeze", "evit"):
             raise ValueError(f"fuse must be 'squeeze' or 'evit', got {fuse!r}")
@@ -114,11 +127,18 @@ class AttentionReducer(nn.Module):
         self.policy = policy
 
     def extra_repr(self) -> str:
-        return (f"prefix_tokens={self.prefix_tokens}, keep_ratio={self.keep_ratio}, "
-                f"fuse={self.fuse!r}, policy={self.policy!r}")
+        return (
+            f"prefix_tokens={self.prefix_tokens}, keep_ratio={self.keep_ratio}, "
+            f"fuse={self.fuse!r}, policy={self.policy!r}"
+        )
 
-    def forward(self, x: Tensor, scores: Tensor, keep_mask: Tensor | None = None,
-                positions: Tensor | None = None) -> tuple[Tensor, None, Tensor | None]:
+    def forward(
+        self,
+        x: Tensor,
+        scores: Tensor,
+        keep_mask: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> tuple[Tensor, None, Tensor | None]:
         p = self.prefix_tokens
         prefix, patches = x[:, :p], x[:, p:]
         n = patches.shape[1]

@@ -30,8 +30,13 @@ def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python": _to_plain(random.getstate()),
-        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)),
-                  "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -42,8 +47,15 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(_to_tuple(state["python"]))
     np_state = state["numpy"]
-    np.random.set_state((np_state["kind"], np_state["keys"].numpy().astype(np.uint32),
-                         np_state["pos"], np_state["has_gauss"], np_state["cached"]))
+    np.random.set_state(
+        (
+            np_state["kind"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -62,8 +74,9 @@ def _to_tuple(value: Any) -> Any:
     return value
 
 
-def save_checkpoint(state: dict[str, Any], directory: str | Path, global_step: int,
-                    keep_last: int = 2) -> Path:
+def save_checkpoint(
+    state: dict[str, Any], directory: str | Path, global_step: int, keep_last: int = 2
+) -> Path:
     """Write ``state`` as ``directory/step-<global_step>.pt`` atomically, then prune old ones."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

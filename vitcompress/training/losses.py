@@ -44,12 +44,17 @@ def ratio_loss(masks: list[Tensor], keep_ratios: list[float], prefix_tokens: lis
 
 def kl_distillation(student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
     """KL(teacher || student) on logits, temperature 1, summed over classes, averaged over images."""
-    return F.kl_div(F.log_softmax(student_logits.float(), dim=-1),
-                    F.log_softmax(teacher_logits.float(), dim=-1),
-                    reduction="batchmean", log_target=True)
+    return F.kl_div(
+        F.log_softmax(student_logits.float(), dim=-1),
+        F.log_softmax(teacher_logits.float(), dim=-1),
+        reduction="batchmean",
+        log_target=True,
+    )
 
 
-def token_distillation(student_tokens: Tensor, teacher_tokens: Tensor, keep: Tensor | None) -> Tensor:
+def token_distillation(
+    student_tokens: Tensor, teacher_tokens: Tensor, keep: Tensor | None
+) -> Tensor:
     """MSE between patch tokens at the positions kept at the end (``keep``: (B, N) bool), averaged
     over the kept tokens and channels; DynamicViT's token distillation."""
     diff = (student_tokens.float() - teacher_tokens.float()) ** 2
@@ -80,8 +85,11 @@ class DistillationTaps:
         self.variant: str = info.plan.variant if info is not None else ""
         tps = getattr(student, REDUCER_PREFIX, None)
         self.reducers = list(tps.children()) if isinstance(tps, nn.Module) else []
-        self.learned = self.variant in LEARNED_VARIANTS and all(
-            hasattr(r, "keep_ratio") for r in self.reducers) and bool(self.reducers)
+        self.learned = (
+            self.variant in LEARNED_VARIANTS
+            and all(hasattr(r, "keep_ratio") for r in self.reducers)
+            and bool(self.reducers)
+        )
         self.captured.masks = [None] * len(self.reducers)
         if self.learned:
             for i, reducer in enumerate(self.reducers):
@@ -89,8 +97,13 @@ class DistillationTaps:
         # Prefix tokens at the final norm: a hybrid may add its cls token only in the last stage,
         # after the last location (PVT), so the last reducer's count is not always the one.
         blocks = info.model_map.blocks if info is not None else []
-        self.final_prefix: int = (blocks[-1].prefix_tokens if blocks
-                                  else self.reducers[-1].prefix_tokens if self.reducers else 0)
+        self.final_prefix: int = (
+            blocks[-1].prefix_tokens
+            if blocks
+            else self.reducers[-1].prefix_tokens
+            if self.reducers
+            else 0
+        )
         self.norm_path: str | None = None
         self.token_distill = False
         self._graph_tap: tuple | None = None
@@ -100,6 +113,7 @@ class DistillationTaps:
     def _mask_hook(self, i: int):
         def hook(module: nn.Module, inputs: tuple, output: tuple) -> None:
             self.captured.masks[i] = output[1]
+
         return hook
 
     def _tap_tokens(self, student: nn.Module, teacher: nn.Module) -> None:
@@ -109,8 +123,10 @@ class DistillationTaps:
         student_tap = _graph_tap(student, path) if path else None
         teacher_norm = _submodule(teacher, path) if path else None
         if student_tap is None or teacher_norm is None:
-            log.warning("token distillation disabled: the final norm feeding the head was not "
-                        "found in both models")
+            log.warning(
+                "token distillation disabled: the final norm feeding the head was not "
+                "found in both models"
+            )
             return
         self.norm_path = path
         self.token_distill = True
@@ -119,6 +135,7 @@ class DistillationTaps:
         def save(attr: str):
             def hook(module: nn.Module, inputs: tuple, output: Tensor) -> None:
                 setattr(self.captured, attr, output if isinstance(output, Tensor) else None)
+
             return hook
 
         self.handles.append(student_tap[0].register_forward_hook(save("student_tokens")))
@@ -201,8 +218,9 @@ def _remove_graph_tap(model: nn.Module, found: torch.fx.Node, tap_node: torch.fx
 class FinetuneLoss:
     """Computes the total loss and its parts from the outputs and what the taps recorded."""
 
-    def __init__(self, taps: DistillationTaps, weights: LossWeights, mixup: bool,
-                 smoothing: float) -> None:
+    def __init__(
+        self, taps: DistillationTaps, weights: LossWeights, mixup: bool, smoothing: float
+    ) -> None:
         self.taps = taps
         self.weights = weights
         if mixup:
@@ -213,15 +231,18 @@ class FinetuneLoss:
             self.base = nn.CrossEntropyLoss()
         self._warned_tokens = False
 
-    def __call__(self, logits: Tensor, target: Tensor,
-                 teacher_logits: Tensor | None) -> tuple[Tensor, dict[str, float]]:
+    def __call__(
+        self, logits: Tensor, target: Tensor, teacher_logits: Tensor | None
+    ) -> tuple[Tensor, dict[str, float]]:
         parts: dict[str, Tensor] = {"ce": self.base(logits.float(), target)}
         taps, captured = self.taps, self.taps.captured
         masks = [m for m in captured.masks if m is not None]
         if self.weights.ratio and taps.learned and len(masks) == len(taps.reducers):
             parts["ratio"] = self.weights.ratio * ratio_loss(
-                masks, [r.keep_ratio for r in taps.reducers],
-                [r.prefix_tokens for r in taps.reducers])
+                masks,
+                [r.keep_ratio for r in taps.reducers],
+                [r.prefix_tokens for r in taps.reducers],
+            )
         if self.weights.distill and teacher_logits is not None:
             parts["distill"] = self.weights.distill * kl_distillation(logits, teacher_logits)
         if self.weights.token_distill and taps.token_distill:
@@ -239,28 +260,38 @@ class FinetuneLoss:
             if student.shape == teacher.shape:  # nothing dropped (masks), or restored on the grid
                 # The last keep mask describes these tokens only if it has one column per token:
                 # a hybrid's later stage has a grid of its own.
-                keep = (masks[-1][:, prefix:] > 0.5 if masks and masks[-1].shape[1] ==
-                        student.shape[1] else None)
+                keep = (
+                    masks[-1][:, prefix:] > 0.5
+                    if masks and masks[-1].shape[1] == student.shape[1]
+                    else None
+                )
                 return token_distillation(student[:, prefix:], teacher[:, prefix:].detach(), keep)
-            paired = pair_by_position(student[:, prefix:], teacher[:, prefix:].detach(),
-                                      captured.positions)
+            paired = pair_by_position(
+                student[:, prefix:], teacher[:, prefix:].detach(), captured.positions
+            )
             if paired is not None:  # eTPS/EViT: tokens dropped, paired by grid position
                 return token_distillation(student[:, prefix:], *paired)
         if not self._warned_tokens:
-            log.warning("token distillation skipped: the student's final tokens cannot be paired "
-                        "with the teacher's")
+            log.warning(
+                "token distillation skipped: the student's final tokens cannot be paired "
+                "with the teacher's"
+            )
             self._warned_tokens = True
         return None
 
 
-def pair_by_position(student_tokens: Tensor, teacher_tokens: Tensor,
-                     positions: Tensor | None) -> tuple[Tensor, Tensor] | None:
+def pair_by_position(
+    student_tokens: Tensor, teacher_tokens: Tensor, positions: Tensor | None
+) -> tuple[Tensor, Tensor] | None:
     """The teacher's token at the grid position of each student token, and which student tokens
     have one (EViT's fused token has position -1). None when the positions do not describe the
     student's tokens. Shapes: tokens (B, n, C) / (B, N0, C), positions (B, n)."""
-    if (positions is None or positions.dim() != 2
-            or positions.shape != student_tokens.shape[:2]
-            or int(positions.max()) >= teacher_tokens.shape[1]):
+    if (
+        positions is None
+        or positions.dim() != 2
+        or positions.shape != student_tokens.shape[:2]
+        or int(positions.max()) >= teacher_tokens.shape[1]
+    ):
         return None
     on_grid = positions >= 0
     index = positions.clamp(min=0).unsqueeze(-1).expand(-1, -1, teacher_tokens.shape[-1])

@@ -38,10 +38,15 @@ def no_weight_decay_rule(model: nn.Module) -> Callable[[str, nn.Parameter], bool
     declared = declared_no_weight_decay(model)
     if declared is not None:
         return lambda name, param: param.ndim <= 1 or declared(name)
-    layer_params = {id(p) for m in model.modules() if isinstance(m, _LAYERS)
-                    for p in m.parameters(recurse=False)}
-    return lambda name, param: param.ndim <= 1 or (
-        param.shape[0] == 1 and id(param) not in layer_params)
+    layer_params = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, _LAYERS)
+        for p in m.parameters(recurse=False)
+    }
+    return lambda name, param: (
+        param.ndim <= 1 or (param.shape[0] == 1 and id(param) not in layer_params)
+    )
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -51,16 +56,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         if not param.requires_grad:
             continue
         (no_decay if skip(name, param) else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.05) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr)
 
 
-def cosine_with_warmup(step: int, total_steps: int, warmup_steps: int,
-                       min_factor: float = 0.0) -> float:
+def cosine_with_warmup(
+    step: int, total_steps: int, warmup_steps: int, min_factor: float = 0.0
+) -> float:
     """LR factor at optimizer step ``step`` (0-based): linear from 1/warmup up to 1, then cosine."""
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -69,7 +77,9 @@ def cosine_with_warmup(step: int, total_steps: int, warmup_steps: int,
     return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int,
-                    warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: cosine_with_warmup(step, total_steps, warmup_steps))
+        optimizer, lambda step: cosine_with_warmup(step, total_steps, warmup_steps)
+    )

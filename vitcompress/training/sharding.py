@@ -56,16 +56,18 @@ def local_and_global_sizes(model: nn.Module) -> tuple[int, int]:
     held = total = 0
     for parameter in model.parameters():
         total += parameter.numel()
-        held += (parameter.to_local().numel() if isinstance(parameter, DTensor)
-                 else parameter.numel())
+        held += (
+            parameter.to_local().numel() if isinstance(parameter, DTensor) else parameter.numel()
+        )
     return held, total
 
 
 def full_model_state(model: nn.Module, everywhere: bool = False) -> dict[str, torch.Tensor]:
     """The whole state dict on the CPU, gathered from every shard (collective). Only the first
     process gets it unless ``everywhere``; the others get an empty dict."""
-    state = get_model_state_dict(model, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=not everywhere))
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
+    )
     if everywhere:
         state = {k: v.detach().cpu() for k, v in state.items()}
     return state
@@ -73,12 +75,17 @@ def full_model_state(model: nn.Module, everywhere: bool = False) -> dict[str, to
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's whole state keyed by parameter name, on the first process (collective)."""
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True))
+    return get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                    model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
+def load_full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+) -> None:
     """Put whole state dicts (every process read the same checkpoint) into the shards."""
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)

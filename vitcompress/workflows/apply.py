@@ -51,18 +51,28 @@ class ApplyResult:
         }
 
 
-def apply(loaded: LoadedModel, variant: str, keep: float | list[float] | None,
-          locs: list[int] | None = None, policy: str = "score",
-          out: str | Path | None = None, timing: TimingOptions | None = None) -> ApplyResult:
+def apply(
+    loaded: LoadedModel,
+    variant: str,
+    keep: float | list[float] | None,
+    locs: list[int] | None = None,
+    policy: str = "score",
+    out: str | Path | None = None,
+    timing: TimingOptions | None = None,
+) -> ApplyResult:
     loaded = base_to_compress(loaded)
     compressed = compress_loaded(loaded, variant=variant, keep=keep, locs=locs, policy=policy)
     model = compressed.model.eval()
     measured, environment = measure_models(
-        {"base": loaded.model.eval(), "compressed": model}, loaded.input_size, timing)
+        {"base": loaded.model.eval(), "compressed": model}, loaded.input_size, timing
+    )
     info = compression_info(model)
     assert info is not None  # compress_loaded attached it
-    saved = save_artifact(model, out, source=loaded.source,
-                          input_size=loaded.input_size) if out is not None else None
+    saved = (
+        save_artifact(model, out, source=loaded.source, input_size=loaded.input_size)
+        if out is not None
+        else None
+    )
     return ApplyResult(
         base=measured["base"],
         compressed=measured["compressed"],
@@ -87,10 +97,17 @@ def base_to_compress(loaded: LoadedModel) -> LoadedModel:
     try:
         base = load_artifact_base(artifact, loaded.input_size)
     except ArtifactError as e:
-        raise ArtifactError(f"{e}; to compress it with a new plan, pass its base model instead "
-                            "(--model SPEC with --checkpoint FILE or --pretrained)") from e
-    weights = base.source.checkpoint or ("timm pretrained weights" if base.source.pretrained
-                                         else "no weights")
-    log.warning("%s is a compressed model: compressing its base %s (%s) again with the new plan",
-                artifact, describe_source(base.source), weights)
+        raise ArtifactError(
+            f"{e}; to compress it with a new plan, pass its base model instead "
+            "(--model SPEC with --checkpoint FILE or --pretrained)"
+        ) from e
+    weights = base.source.checkpoint or (
+        "timm pretrained weights" if base.source.pretrained else "no weights"
+    )
+    log.warning(
+        "%s is a compressed model: compressing its base %s (%s) again with the new plan",
+        artifact,
+        describe_source(base.source),
+        weights,
+    )
     return base

@@ -17,8 +17,13 @@ def unwrap_logits(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, tuple | list) else output
 
 
-def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 64, device: str = "cpu",
-             num_workers: int = 0) -> dict[str, Any]:
+def evaluate(
+    model: nn.Module,
+    dataset: Dataset,
+    batch_size: int = 64,
+    device: str = "cpu",
+    num_workers: int = 0,
+) -> dict[str, Any]:
     """``{"top1", "top5", "images"}``: accuracies in percent, as timm's validate reports them.
 
     Top-5 becomes top-k with k = the model's number of outputs when it has fewer than 5 (so it is
@@ -28,8 +33,13 @@ def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 64, device: s
     """
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise DataError("the dataset is empty: nothing to evaluate")
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
-                        pin_memory=str(device).startswith("cuda"))
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        pin_memory=str(device).startswith("cuda"),
+    )
     was_training = model.training
     model.eval().to(device)
     correct1 = correct5 = total = 0
@@ -44,8 +54,10 @@ def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 64, device: s
                 logits = unwrap_logits(model(images))
                 outputs = logits.shape[-1]
                 if classes is not None and outputs < classes:
-                    raise DataError(f"the model predicts {outputs} classes but the data has "
-                                    f"{classes}: pass e.g. --model-arg num_classes={classes}")
+                    raise DataError(
+                        f"the model predicts {outputs} classes but the data has "
+                        f"{classes}: pass e.g. --model-arg num_classes={classes}"
+                    )
                 top = logits.topk(min(5, outputs), dim=-1).indices
                 hits = top == labels[:, None]
                 correct1 += int(hits[:, 0].sum())

@@ -92,10 +92,14 @@ def _sort_symbolic(g: Any, self: Any, *args: Any) -> Any:
         dim, descending = args[:2]
     dim = helper._get_const(dim, "i", "dim")
     descending = helper._get_const(descending, "i", "descending")
-    length = g.op("Gather", g.op("Shape", self),
-                  g.op("Constant", value_t=torch.tensor([dim], dtype=torch.int64)))
-    return g.op("TopK", self, length, axis_i=dim, largest_i=int(bool(descending)), sorted_i=1,
-                outputs=2)
+    length = g.op(
+        "Gather",
+        g.op("Shape", self),
+        g.op("Constant", value_t=torch.tensor([dim], dtype=torch.int64)),
+    )
+    return g.op(
+        "TopK", self, length, axis_i=dim, largest_i=int(bool(descending)), sorted_i=1, outputs=2
+    )
 
 
 @contextlib.contextmanager
@@ -110,9 +114,16 @@ def _onnx_symbolics(opset: int) -> Iterator[None]:
 def _export_onnx(module: nn.Module, example: Tensor, out: Path, opset: int) -> Callable:
     with _onnx_symbolics(opset), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, (example,), str(out), dynamo=False, opset_version=opset,
-                          input_names=["image"], output_names=["logits"],
-                          do_constant_folding=True)
+        torch.onnx.export(
+            module,
+            (example,),
+            str(out),
+            dynamo=False,
+            opset_version=opset,
+            input_names=["image"],
+            output_names=["logits"],
+            do_constant_folding=True,
+        )
 
     def run(x: Tensor) -> Tensor:
         import onnxruntime as ort
@@ -130,9 +141,11 @@ def onnx_static_shapes(path: Path) -> bool:
     import onnx
 
     graph = onnx.load(str(path), load_external_data=False).graph
-    return all(dim.HasField("dim_value")
-               for value in list(graph.input) + list(graph.output)
-               for dim in value.type.tensor_type.shape.dim)
+    return all(
+        dim.HasField("dim_value")
+        for value in list(graph.input) + list(graph.output)
+        for dim in value.type.tensor_type.shape.dim
+    )
 
 
 def _export_torchscript(module: nn.Module, example: Tensor, out: Path) -> Callable:
@@ -154,13 +167,20 @@ def _require(*packages: str) -> None:
 
     missing = [name for name in packages if importlib.util.find_spec(name) is None]
     if missing:
-        raise ExportError(f"this format needs {' and '.join(missing)}: "
-                          f"pip install {' '.join(missing)}")
+        raise ExportError(
+            f"this format needs {' and '.join(missing)}: pip install {' '.join(missing)}"
+        )
 
 
-def export_model(model: nn.Module, input_size: tuple[int, int, int], fmt: str, out: str | Path,
-                 batch_size: int = 1, opset: int = DEFAULT_OPSET,
-                 check: bool = True) -> dict[str, Any]:
+def export_model(
+    model: nn.Module,
+    input_size: tuple[int, int, int],
+    fmt: str,
+    out: str | Path,
+    batch_size: int = 1,
+    opset: int = DEFAULT_OPSET,
+    check: bool = True,
+) -> dict[str, Any]:
     """Export ``model``'s inference path (eval mode; its mode is restored afterwards) for inputs of
     shape ``(batch_size, *input_size)`` and, with ``check``, run the written file on a fresh input
     and compare with PyTorch (``max_abs_diff``; :class:`ExportCheckError` above ``ATOL``).
@@ -175,8 +195,9 @@ def export_model(model: nn.Module, input_size: tuple[int, int, int], fmt: str, o
         raise ExportError(f"batch size must be at least 1, got {batch_size}")
     out = Path(out)
     if out.is_dir():
-        raise ExportError(f"--out {out} is a directory; give a file such as "
-                          f"{out / ('model' + SUFFIXES[fmt])}")
+        raise ExportError(
+            f"--out {out} is a directory; give a file such as {out / ('model' + SUFFIXES[fmt])}"
+        )
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -189,8 +210,10 @@ def export_model(model: nn.Module, input_size: tuple[int, int, int], fmt: str, o
     with _eval_mode(model), torch.no_grad():
         module = _Inference(model)
         if not isinstance(module(example), Tensor):
-            raise ExportError("the model's output is not a single tensor; only image -> tensor "
-                              "models can be exported")
+            raise ExportError(
+                "the model's output is not a single tensor; only image -> tensor "
+                "models can be exported"
+            )
         try:
             if fmt == "onnx":
                 run = _export_onnx(module, example, out, opset)
@@ -222,13 +245,15 @@ def export_model(model: nn.Module, input_size: tuple[int, int, int], fmt: str, o
             diff = _max_diff(run(fresh), module(fresh))
             result.update(checked=True, max_abs_diff=diff)
             if not diff <= ATOL:
-                raise ExportCheckError(f"{fmt} output differs from PyTorch by {diff:.3g} "
-                                       f"(tolerance {ATOL:g})")
+                raise ExportCheckError(
+                    f"{fmt} output differs from PyTorch by {diff:.3g} (tolerance {ATOL:g})"
+                )
     return result
 
 
-def compile_check(model: nn.Module, input_size: tuple[int, int, int], batch_size: int = 2,
-                  backend: str = "eager") -> dict[str, Any]:
+def compile_check(
+    model: nn.Module, input_size: tuple[int, int, int], batch_size: int = 2, backend: str = "eager"
+) -> dict[str, Any]:
     """``torch.compile(model, fullgraph=True)`` in eval mode, run on two batches of the same size.
 
     Reports ``graph_break`` (fullgraph raises on the first one; its reason is kept), ``frames``
@@ -241,8 +266,15 @@ def compile_check(model: nn.Module, input_size: tuple[int, int, int], batch_size
     from torch._dynamo.utils import counters
 
     batches = [_inputs(batch_size, tuple(input_size), seed=s) for s in (1, 2)]
-    result: dict[str, Any] = {"backend": backend, "fullgraph": True, "graph_break": False,
-                              "reason": None, "frames": 0, "recompiles": 0, "max_abs_diff": None}
+    result: dict[str, Any] = {
+        "backend": backend,
+        "fullgraph": True,
+        "graph_break": False,
+        "reason": None,
+        "frames": 0,
+        "recompiles": 0,
+        "max_abs_diff": None,
+    }
     torch._dynamo.reset()
     counters.clear()
     with _eval_mode(model), torch.no_grad():
@@ -253,8 +285,9 @@ def compile_check(model: nn.Module, input_size: tuple[int, int, int], batch_size
         except Exception as e:  # dynamo raises on a graph break under fullgraph
             result.update(graph_break=True, reason=_one_line(e))
         else:
-            result["max_abs_diff"] = max(_max_diff(o, module(x))
-                                         for o, x in zip(outputs, batches, strict=True))
+            result["max_abs_diff"] = max(
+                _max_diff(o, module(x)) for o, x in zip(outputs, batches, strict=True)
+            )
         frames = int(counters["stats"]["unique_graphs"])
         result.update(frames=frames, recompiles=max(0, frames - 1))
     torch._dynamo.reset()

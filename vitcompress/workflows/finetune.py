@@ -34,15 +34,32 @@ from vitcompress.workflows.run_directory import CHECKPOINTS, EMA_DIR, METRICS, F
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHECKPOINTS", "EMA_DIR", "METRICS", "FinetuneConfig", "FinetuneError",
-           "FinetuneInterrupted", "FinetuneProgress", "FinetuneRun", "StepCallback",
-           "TrainingDiverged", "finetune", "student_and_teacher"]
+__all__ = [
+    "CHECKPOINTS",
+    "EMA_DIR",
+    "METRICS",
+    "FinetuneConfig",
+    "FinetuneError",
+    "FinetuneInterrupted",
+    "FinetuneProgress",
+    "FinetuneRun",
+    "StepCallback",
+    "TrainingDiverged",
+    "finetune",
+    "student_and_teacher",
+]
 
 
-def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset,
-             val_set: Dataset | None, out: str | Path, config: FinetuneConfig,
-             on_step: StepCallback | None = None,
-             progress: FinetuneProgress | None = None) -> dict[str, Any]:
+def finetune(
+    student: LoadedModel,
+    teacher: nn.Module | None,
+    train_set: Dataset,
+    val_set: Dataset | None,
+    out: str | Path,
+    config: FinetuneConfig,
+    on_step: StepCallback | None = None,
+    progress: FinetuneProgress | None = None,
+) -> dict[str, Any]:
     """Fine-tune ``student.model`` (a compressed model) and write ``out`` as its artifact.
 
     ``teacher`` is the uncompressed model (frozen; None disables both distillation terms).
@@ -56,12 +73,22 @@ def finetune(student: LoadedModel, teacher: nn.Module | None, train_set: Dataset
     it after a ``KeyboardInterrupt`` raised by ``on_step``.
     """
     with StopSignals() as signals:
-        return FinetuneRun(student, teacher, train_set, val_set, out, config, signals,
-                           on_step=on_step, progress=progress).run()
+        return FinetuneRun(
+            student,
+            teacher,
+            train_set,
+            val_set,
+            out,
+            config,
+            signals,
+            on_step=on_step,
+            progress=progress,
+        ).run()
 
 
-def student_and_teacher(loaded: LoadedModel, variant: str, keep: Any, locs: Any,
-                        policy: str) -> tuple[LoadedModel, nn.Module, bool]:
+def student_and_teacher(
+    loaded: LoadedModel, variant: str, keep: Any, locs: Any, policy: str
+) -> tuple[LoadedModel, nn.Module, bool]:
     """The compressed student and the uncompressed teacher for ``loaded``.
 
     A compressed artifact is fine-tuned as it is (the plan arguments do not apply); its teacher
@@ -83,7 +110,11 @@ def student_and_teacher(loaded: LoadedModel, variant: str, keep: Any, locs: Any,
     problem = base_weights_problem(source)
     if problem is not None:  # fine-tuning can go on; only distillation loses its meaning
         log.warning("%s: the teacher is the base model with its initial weights", problem)
-    teacher = load_model(source.spec, source.model_args,
-                         checkpoint=None if problem else source.checkpoint,
-                         pretrained=source.pretrained, input_size=loaded.input_size).model
+    teacher = load_model(
+        source.spec,
+        source.model_args,
+        checkpoint=None if problem else source.checkpoint,
+        pretrained=source.pretrained,
+        input_size=loaded.input_size,
+    ).model
     return loaded, teacher, True

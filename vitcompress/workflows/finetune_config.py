@@ -26,15 +26,19 @@ class FinetuneInterrupted(KeyboardInterrupt):
     second signal forced the stop, or the interrupt came in the middle of an update); the
     message is the one line the command prints."""
 
-    def __init__(self, reason: str, step: int, checkpoint: Path | None,
-                 latest: Path | None = None) -> None:
+    def __init__(
+        self, reason: str, step: int, checkpoint: Path | None, latest: Path | None = None
+    ) -> None:
         self.reason, self.step, self.checkpoint = reason, step, checkpoint
         if checkpoint is not None:
-            text = (f"interrupted ({reason}): step {step} saved in {checkpoint}; continue with "
-                    "--resume")
+            text = (
+                f"interrupted ({reason}): step {step} saved in {checkpoint}; continue with --resume"
+            )
         elif latest is not None:
-            text = (f"interrupted ({reason}): no checkpoint written; the newest, {latest}, "
-                    "stands (--resume continues from it)")
+            text = (
+                f"interrupted ({reason}): no checkpoint written; the newest, {latest}, "
+                "stands (--resume continues from it)"
+            )
         else:
             text = f"interrupted ({reason}): no checkpoint written, nothing to resume"
         super().__init__(text)

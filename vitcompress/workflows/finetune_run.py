@@ -92,10 +92,18 @@ class FinetuneRun:
     recorded in the artifact, over the whole run's history (also across resumes).
     """
 
-    def __init__(self, student: LoadedModel, teacher: nn.Module | None, train_set: Dataset,
-                 val_set: Dataset | None, out: str | Path, config: FinetuneConfig,
-                 signals: StopSignals, on_step: StepCallback | None = None,
-                 progress: FinetuneProgress | None = None) -> None:
+    def __init__(
+        self,
+        student: LoadedModel,
+        teacher: nn.Module | None,
+        train_set: Dataset,
+        val_set: Dataset | None,
+        out: str | Path,
+        config: FinetuneConfig,
+        signals: StopSignals,
+        on_step: StepCallback | None = None,
+        progress: FinetuneProgress | None = None,
+    ) -> None:
         self.student, self.teacher = student, teacher
         self.train_set, self.val_set = train_set, val_set
         self.out, self.config, self.signals = Path(out), config, signals
@@ -116,8 +124,9 @@ class FinetuneRun:
         config, out = self.config, self.out
         resume_from = prepare_run_directory(out, config.resume)
         _check_outputs(self.student.model, self.train_set, bool(config.mixup))  # nothing written
-        self.accelerator = accelerator = Accelerator(gradient_accumulation_steps=config.accum,
-                                                     mixed_precision=config.amp or "no")
+        self.accelerator = accelerator = Accelerator(
+            gradient_accumulation_steps=config.accum, mixed_precision=config.amp or "no"
+        )
         _check_distributed(accelerator)
         self.sharded = config.fsdp
         if self.sharded:
@@ -137,19 +146,35 @@ class FinetuneRun:
             self.teacher = self.teacher.to(accelerator.device).eval().requires_grad_(False)
 
         self.sampler = EpochSampler(len(self.train_set), config.seed)
-        train_loader = DataLoader(self.train_set, batch_size=config.batch_size,
-                                  sampler=self.sampler, num_workers=config.num_workers,
-                                  drop_last=True,
-                                  generator=torch.Generator().manual_seed(config.seed))
+        train_loader = DataLoader(
+            self.train_set,
+            batch_size=config.batch_size,
+            sampler=self.sampler,
+            num_workers=config.num_workers,
+            drop_last=True,
+            generator=torch.Generator().manual_seed(config.seed),
+        )
         if len(train_loader) == 0:
-            raise FinetuneError(f"the training set ({len(self.train_set)} images) is smaller "
-                                f"than one batch ({config.batch_size})")
-        val_loader = (DataLoader(self.val_set, batch_size=config.batch_size, shuffle=False,
-                                 num_workers=config.num_workers)
-                      if self.val_set is not None else None)
+            raise FinetuneError(
+                f"the training set ({len(self.train_set)} images) is smaller "
+                f"than one batch ({config.batch_size})"
+            )
+        val_loader = (
+            DataLoader(
+                self.val_set,
+                batch_size=config.batch_size,
+                shuffle=False,
+                num_workers=config.num_workers,
+            )
+            if self.val_set is not None
+            else None
+        )
 
-        self.lr = config.lr if config.lr is not None else default_lr(
-            config.batch_size, config.accum, accelerator.num_processes)
+        self.lr = (
+            config.lr
+            if config.lr is not None
+            else default_lr(config.batch_size, config.accum, accelerator.num_processes)
+        )
         if self.sharded:
             self._setup_sharded(model, train_loader, val_loader)
         else:
@@ -165,32 +190,41 @@ class FinetuneRun:
         self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         warmup_steps = round(config.warmup_epochs * self.steps_per_epoch)
         if self.main and 0 < self.total_steps <= warmup_steps:
-            log.warning("warning: the warm-up (%d steps) is as long as the run (%d steps) or "
-                        "longer: the learning rate never reaches its peak and never decays; "
-                        "lower --warmup-epochs", warmup_steps, self.total_steps)
-        self.scheduler = build_scheduler(getattr(optimizer, "optimizer", optimizer),
-                                         self.total_steps, warmup_steps)
+            log.warning(
+                "warning: the warm-up (%d steps) is as long as the run (%d steps) or "
+                "longer: the learning rate never reaches its peak and never decays; "
+                "lower --warmup-epochs",
+                warmup_steps,
+                self.total_steps,
+            )
+        self.scheduler = build_scheduler(
+            getattr(optimizer, "optimizer", optimizer), self.total_steps, warmup_steps
+        )
 
-        self.weights = LossWeights(config.ratio_weight, config.distill_weight,
-                                   config.token_distill_weight)
+        self.weights = LossWeights(
+            config.ratio_weight, config.distill_weight, config.token_distill_weight
+        )
         self.mixup_fn = None
         if config.mixup:
             from timm.data import Mixup
 
             self.mixup_fn = Mixup(**config.mixup)
-        self.criterion = FinetuneLoss(self.taps, self.weights, mixup=self.mixup_fn is not None,
-                                      smoothing=config.smoothing)
+        self.criterion = FinetuneLoss(
+            self.taps, self.weights, mixup=self.mixup_fn is not None, smoothing=config.smoothing
+        )
         self.metrics = MetricsLog(out / METRICS, self.main)
         self.buffer_names = {name for name, _ in self.raw_model.named_buffers()}
-        self.progress = (self._progress if self._progress is not None and self.main
-                         else FinetuneProgress())
+        self.progress = (
+            self._progress if self._progress is not None and self.main else FinetuneProgress()
+        )
         self.position = TrainPosition()  # where training starts (inside an epoch on resume)
         self.start_totals = EpochTotals()
         self._mark_boundary(self.position, self.start_totals)
         return resume_from
 
-    def _setup_replicated(self, model: nn.Module, train_loader: DataLoader,
-                          val_loader: DataLoader | None) -> None:
+    def _setup_replicated(
+        self, model: nn.Module, train_loader: DataLoader, val_loader: DataLoader | None
+    ) -> None:
         """DDP (or one process): Accelerate wraps the model; every process holds all of it."""
         accelerator, config = self.accelerator, self.config
         optimizer = build_optimizer(model, self.lr, config.weight_decay)
@@ -203,27 +237,31 @@ class FinetuneRun:
             self.ema = ModelEmaV3(model, decay=config.ema_decay)
             self.ema.module.to(accelerator.device)
         # The taps go in before prepare: the token tap may add a node to the student's graph.
-        self.taps = DistillationTaps(model, self.teacher,
-                                     token_distill=config.token_distill_weight > 0)
+        self.taps = DistillationTaps(
+            model, self.teacher, token_distill=config.token_distill_weight > 0
+        )
         if val_loader is not None:
             model, optimizer, train_loader, val_loader = accelerator.prepare(
-                model, optimizer, train_loader, val_loader)
+                model, optimizer, train_loader, val_loader
+            )
         else:
             model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
         self.model, self.optimizer = model, optimizer
         self.train_loader, self.val_loader = train_loader, val_loader
         self.raw_model = accelerator.unwrap_model(model)
 
-    def _setup_sharded(self, model: nn.Module, train_loader: DataLoader,
-                       val_loader: DataLoader | None) -> None:
+    def _setup_sharded(
+        self, model: nn.Module, train_loader: DataLoader, val_loader: DataLoader | None
+    ) -> None:
         """FSDP2: the model (a copy of the student) is sharded here, then the optimizer is built
         over the shards; Accelerate prepares only the optimizer and the loaders."""
         from vitcompress.training.sharding import shard_model
 
         accelerator, config = self.accelerator, self.config
         self.ema = None  # refused with --fsdp (_check_fsdp)
-        self.taps = DistillationTaps(model, self.teacher,
-                                     token_distill=config.token_distill_weight > 0)
+        self.taps = DistillationTaps(
+            model, self.teacher, token_distill=config.token_distill_weight > 0
+        )
         shard_model(model, accelerator.device)
         optimizer = build_optimizer(model, self.lr, config.weight_decay)
         loaders = [train_loader] + ([val_loader] if val_loader is not None else [])
@@ -239,11 +277,13 @@ class FinetuneRun:
         written_sharded = state.get("sharding") == SHARDED
         if written_sharded != self.sharded:
             needed = "with" if written_sharded else "without"
-            raise FinetuneError(f"{path} was written by a run {needed} --fsdp; resume it "
-                                f"{needed} --fsdp")
+            raise FinetuneError(
+                f"{path} was written by a run {needed} --fsdp; resume it {needed} --fsdp"
+            )
         if self.sharded:
-            load_full_state(self.model, self.optimizer.optimizer, state["model"],
-                            state["optimizer"])
+            load_full_state(
+                self.model, self.optimizer.optimizer, state["model"], state["optimizer"]
+            )
         else:
             self.raw_model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -255,15 +295,18 @@ class FinetuneRun:
             self.ema.load_state_dict(state["ema"])
         rngs = state["rng"]
         set_rng_state(rngs[self.accelerator.process_index % len(rngs)])
-        self.position = TrainPosition(state["epoch"], state["batches_done"],
-                                      state["global_step"])
+        self.position = TrainPosition(state["epoch"], state["batches_done"], state["global_step"])
         # Checkpoints written before these two were kept start the summary afresh.
         self.start_totals = EpochTotals(**state.get("epoch_totals", {}))
         self.history = [dict(entry) for entry in state.get("history", [])]
         self._mark_boundary(self.position, self.start_totals)
         if self.main:
-            log.info("resuming from %s (epoch %d, step %d)", path, self.position.epoch,
-                     self.position.global_step)
+            log.info(
+                "resuming from %s (epoch %d, step %d)",
+                path,
+                self.position.epoch,
+                self.position.global_step,
+            )
 
     # ----------------------------------------------------------------------------------------
     # the boundary and checkpoints
@@ -271,14 +314,16 @@ class FinetuneRun:
     def _buffers(self) -> dict[str, torch.Tensor]:
         # Forward passes in training mode may change buffers (batch-norm statistics) before the
         # step completes; a stop between batches saves them as they were at the last step.
-        return {k: v.detach().clone() for k, v in self.raw_model.state_dict().items()
-                if k in self.buffer_names}
+        return {
+            k: v.detach().clone()
+            for k, v in self.raw_model.state_dict().items()
+            if k in self.buffer_names
+        }
 
     def _mark_boundary(self, position: TrainPosition, totals: EpochTotals) -> None:
         """Record a point where a whole state can be saved: after an optimizer step, at the
         start of an epoch, or after a resume."""
-        self.boundary = TrainPosition(position.epoch, position.batches_done,
-                                      position.global_step)
+        self.boundary = TrainPosition(position.epoch, position.batches_done, position.global_step)
         self.boundary_rng = rng_state()
         self.boundary_buffers = self._buffers()
         self.boundary_totals = EpochTotals(**asdict(totals))
@@ -318,8 +363,9 @@ class FinetuneRun:
         path = self.out / CHECKPOINTS / checkpoint_name(step)
         state = self.checkpoint_state(rngs)
         if self.main:
-            path = save_checkpoint(state, self.out / CHECKPOINTS, step,
-                                   self.config.keep_checkpoints)
+            path = save_checkpoint(
+                state, self.out / CHECKPOINTS, step, self.config.keep_checkpoints
+            )
         self.accelerator.wait_for_everyone()
         self.saved[step] = path
         return path
@@ -367,8 +413,9 @@ class FinetuneRun:
         resumed_here = epoch == self.position.epoch
         skip = self.position.batches_done if resumed_here else 0
         totals = EpochTotals(**asdict(self.start_totals)) if resumed_here else EpochTotals()
-        loader = (accelerator.skip_first_batches(self.train_loader, skip) if skip
-                  else self.train_loader)
+        loader = (
+            accelerator.skip_first_batches(self.train_loader, skip) if skip else self.train_loader
+        )
         batch_index = skip
         self.progress.start_epoch(epoch, skip // config.accum)
         window_images, window_start = 0, time.perf_counter()
@@ -382,8 +429,9 @@ class FinetuneRun:
                 with accelerator.autocast():
                     logits = unwrap_logits(model(images))
                     teacher_logits = None
-                    if self.teacher is not None and (self.weights.distill
-                                                     or self.taps.token_distill):
+                    if self.teacher is not None and (
+                        self.weights.distill or self.taps.token_distill
+                    ):
                         with torch.no_grad():
                             teacher_logits = unwrap_logits(self.teacher(images))
                 loss, parts = self.criterion(logits, targets, teacher_logits)
@@ -407,10 +455,15 @@ class FinetuneRun:
             totals.images += window_images
             totals.seconds += elapsed
             self._mark_boundary(TrainPosition(epoch, batch_index, step), totals)
-            record = {"type": "step", "epoch": epoch, "step": step,
-                      "loss": float(loss.detach()), **parts,
-                      "lr": self.optimizer.param_groups[0]["lr"],
-                      "img_per_s": window_images / elapsed if elapsed > 0 else None}
+            record = {
+                "type": "step",
+                "epoch": epoch,
+                "step": step,
+                "loss": float(loss.detach()),
+                **parts,
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "img_per_s": window_images / elapsed if elapsed > 0 else None,
+            }
             if step % max(1, config.log_every) == 0 or step == 1:
                 self.metrics.write(record)
             window_images, window_start = 0, time.perf_counter()
@@ -424,10 +477,14 @@ class FinetuneRun:
             if step >= self.total_steps:  # --max-steps ends this epoch early
                 break
         totals = self.boundary_totals
-        return {"type": "epoch", "epoch": epoch, "step": self.boundary.global_step,
-                "train_loss": totals.loss_sum / max(1, totals.batches),
-                "lr": self.optimizer.param_groups[0]["lr"],
-                "img_per_s": totals.images / totals.seconds if totals.seconds > 0 else None}
+        return {
+            "type": "epoch",
+            "epoch": epoch,
+            "step": self.boundary.global_step,
+            "train_loss": totals.loss_sum / max(1, totals.batches),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "img_per_s": totals.images / totals.seconds if totals.seconds > 0 else None,
+        }
 
     def top1(self, net: nn.Module) -> float:
         """Top-1 as a fraction. One process: the project's ``evaluate`` (the numbers of the
@@ -436,10 +493,13 @@ class FinetuneRun:
         accelerator = self.accelerator
         if accelerator.num_processes == 1:
             with self.signals.immediate():
-                result = evaluate(accelerator.unwrap_model(net), self.val_set,
-                                  batch_size=self.config.batch_size,
-                                  device=str(accelerator.device),
-                                  num_workers=self.config.num_workers)
+                result = evaluate(
+                    accelerator.unwrap_model(net),
+                    self.val_set,
+                    batch_size=self.config.batch_size,
+                    device=str(accelerator.device),
+                    num_workers=self.config.num_workers,
+                )
             return result["top1"] / 100
         return evaluate_top1(net, self.checked(self.val_loader), accelerator)
 
@@ -461,8 +521,9 @@ class FinetuneRun:
         self.history = [h for h in self.history if h["epoch"] != epoch] + [summary]
         self.progress.epoch_done(summary)
         if self.boundary.batches_done == len(self.train_loader):
-            self._mark_boundary(TrainPosition(epoch + 1, 0, self.boundary.global_step),
-                                EpochTotals())
+            self._mark_boundary(
+                TrainPosition(epoch + 1, 0, self.boundary.global_step), EpochTotals()
+            )
         else:  # cut by --max-steps: a longer run continues inside this epoch
             self._mark_boundary(self.boundary, self.boundary_totals)
         self.checkpoint()
@@ -491,15 +552,26 @@ class FinetuneRun:
         signals = self.signals
         reason = signals.received or "KeyboardInterrupt"
         step = self.boundary.global_step
-        if isinstance(stop, ForcedStop) or self.updating or (
-                not isinstance(stop, _StopAgreed) and self.accelerator.num_processes > 1):
-            return FinetuneInterrupted(f"{reason}, stopped at once" if signals.forced else reason,
-                                       step, None, find_latest(self.out / CHECKPOINTS))
+        if (
+            isinstance(stop, ForcedStop)
+            or self.updating
+            or (not isinstance(stop, _StopAgreed) and self.accelerator.num_processes > 1)
+        ):
+            return FinetuneInterrupted(
+                f"{reason}, stopped at once" if signals.forced else reason,
+                step,
+                None,
+                find_latest(self.out / CHECKPOINTS),
+            )
         try:
             path = self.saved.get(step) or self.checkpoint()
         except ForcedStop:
-            return FinetuneInterrupted(f"{reason}, stopped at once while saving", step, None,
-                                       find_latest(self.out / CHECKPOINTS))
+            return FinetuneInterrupted(
+                f"{reason}, stopped at once while saving",
+                step,
+                None,
+                find_latest(self.out / CHECKPOINTS),
+            )
         return FinetuneInterrupted(reason, step, path)
 
     # ----------------------------------------------------------------------------------------
@@ -537,21 +609,30 @@ class FinetuneRun:
         accelerator.wait_for_everyone()
         if self.main:
             trained.eval()
-            write_artifact_into(trained, self.out, student.source, student.input_size,
-                                {"finetune": result})
+            write_artifact_into(
+                trained, self.out, student.source, student.input_size, {"finetune": result}
+            )
             if self.ema is not None:
-                write_artifact_into(self.ema.module, self.out / EMA_DIR, student.source,
-                                    student.input_size,
-                                    {"finetune": {**result, "weights": "ema"}})
+                write_artifact_into(
+                    self.ema.module,
+                    self.out / EMA_DIR,
+                    student.source,
+                    student.input_size,
+                    {"finetune": {**result, "weights": "ema"}},
+                )
         accelerator.wait_for_everyone()
 
     def _write_start_record(self, resume_from: Path | None) -> None:
         """One ``start`` line per invocation, so the metrics log names what the numbers after it
         were measured on (the data config among them) and where a resumed run picked up."""
-        record: dict[str, Any] = {"type": "start", "step": self.position.global_step,
-                                  "resumed_from": str(resume_from) if resume_from else None}
-        record.update({key: self.config.extra[key] for key in RUN_RECORD_KEYS
-                       if key in self.config.extra})
+        record: dict[str, Any] = {
+            "type": "start",
+            "step": self.position.global_step,
+            "resumed_from": str(resume_from) if resume_from else None,
+        }
+        record.update(
+            {key: self.config.extra[key] for key in RUN_RECORD_KEYS if key in self.config.extra}
+        )
         self.metrics.write(record)
 
     def run(self) -> dict[str, Any]:
@@ -591,8 +672,10 @@ def _check_outputs(model: nn.Module, train_set: Dataset, mixup: bool) -> None:
         model.train(was_training)
     if outputs < classes or (mixup and outputs != classes):
         why = " (mixup's targets have one column per class)" if outputs > classes else ""
-        raise FinetuneError(f"the model predicts {outputs} classes but the data has {classes}"
-                            f"{why}: pass e.g. --model-arg num_classes={classes} (a new head)")
+        raise FinetuneError(
+            f"the model predicts {outputs} classes but the data has {classes}"
+            f"{why}: pass e.g. --model-arg num_classes={classes} (a new head)"
+        )
 
 
 def _check_distributed(accelerator: Any) -> None:
@@ -603,26 +686,36 @@ def _check_distributed(accelerator: Any) -> None:
     for name in ("FSDP", "DEEPSPEED"):
         if kind.endswith(name):
             fsdp = ", with --fsdp to shard the model with FSDP2" if name == "FSDP" else ""
-            raise FinetuneError(f"{name} is not supported by finetune (its checkpoints would hold "
-                                "one shard of the model); launch with DDP instead, e.g. "
-                                f"accelerate launch --multi_gpu{fsdp} (docs/finetune.md)")
+            raise FinetuneError(
+                f"{name} is not supported by finetune (its checkpoints would hold "
+                "one shard of the model); launch with DDP instead, e.g. "
+                f"accelerate launch --multi_gpu{fsdp} (docs/finetune.md)"
+            )
 
 
 def _check_fsdp(accelerator: Any, config: FinetuneConfig) -> None:
     """What --fsdp does not cover is refused before anything is written."""
     kind = str(getattr(accelerator, "distributed_type", ""))
     if accelerator.num_processes < 2:
-        raise FinetuneError("--fsdp needs several processes (start them with torchrun or "
-                            "accelerate launch); one process trains without it")
+        raise FinetuneError(
+            "--fsdp needs several processes (start them with torchrun or "
+            "accelerate launch); one process trains without it"
+        )
     if not kind.endswith(("MULTI_CPU", "MULTI_GPU")):
-        raise FinetuneError("--fsdp runs on CPU or CUDA processes launched for DDP, not under "
-                            f"{kind.rsplit('.', 1)[-1]}")
+        raise FinetuneError(
+            "--fsdp runs on CPU or CUDA processes launched for DDP, not under "
+            f"{kind.rsplit('.', 1)[-1]}"
+        )
     if config.ema_decay:
-        raise FinetuneError("--fsdp with --ema-decay is not supported (the EMA copy is not "
-                            "sharded); drop one of them")
+        raise FinetuneError(
+            "--fsdp with --ema-decay is not supported (the EMA copy is not "
+            "sharded); drop one of them"
+        )
     if config.amp:
-        raise FinetuneError("--fsdp with --amp is not supported (FSDP2 takes its precision "
-                            "from its own policy, not from autocast); drop one of them")
+        raise FinetuneError(
+            "--fsdp with --amp is not supported (FSDP2 takes its precision "
+            "from its own policy, not from autocast); drop one of them"
+        )
 
 
 def _check_finite(loss: torch.Tensor, accelerator: Any, step: int) -> None:
@@ -633,4 +726,5 @@ def _check_finite(loss: torch.Tensor, accelerator: Any, step: int) -> None:
     if float(finite.min()) < 1:
         raise TrainingDiverged(
             f"loss is not finite at step {step} (value {float(loss.detach())}); stopped, the last "
-            "good checkpoint is kept")
+            "good checkpoint is kept"
+        )

@@ -29,9 +29,9 @@ class Gate:
 
 
 GATES: dict[str, Gate] = {
-    gate.name: gate for gate in (
-        Gate("max_acc_drop", "--max-acc-drop", "acc_drop", upper=True, unit=" points",
-             decimals=2),
+    gate.name: gate
+    for gate in (
+        Gate("max_acc_drop", "--max-acc-drop", "acc_drop", upper=True, unit=" points", decimals=2),
         Gate("min_speedup", "--min-speedup", "speedup", upper=False, unit="x", decimals=2),
         Gate("max_gmacs", "--max-gmacs", "gmacs", upper=True, unit=" GMACs", decimals=3),
     )
@@ -63,9 +63,13 @@ class GateResult:
     interval: tuple[float, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "bound": self.bound, "value": self.value,
-                "interval": None if self.interval is None else list(self.interval),
-                "passed": self.passed}
+        return {
+            "name": self.name,
+            "bound": self.bound,
+            "value": self.value,
+            "interval": None if self.interval is None else list(self.interval),
+            "passed": self.passed,
+        }
 
     @property
     def undecided(self) -> bool:
@@ -84,8 +88,11 @@ class GateResult:
         if self.interval is not None:
             low, high = (f"{v:.{gate.decimals}f}" for v in self.interval)
             text += f" (95% interval {low}-{high}"
-            text += (": the bound lies inside it, so more --runs or a quieter machine would "
-                     "decide)" if self.undecided else ")")
+            text += (
+                ": the bound lies inside it, so more --runs or a quieter machine would decide)"
+                if self.undecided
+                else ")"
+            )
         return text
 
 
@@ -108,9 +115,11 @@ def require(bounds: Bounds, unavailable: Mapping[str, str]) -> None:
             raise GateError(f"{GATES[name].flag}: {unavailable[name]}")
 
 
-def check_gates(bounds: Bounds, measured: Mapping[str, float | None],
-                intervals: Mapping[str, tuple[float, float] | None] | None = None,
-                ) -> list[GateResult]:
+def check_gates(
+    bounds: Bounds,
+    measured: Mapping[str, float | None],
+    intervals: Mapping[str, tuple[float, float] | None] | None = None,
+) -> list[GateResult]:
     """One result per given bound, in the order of ``GATES``; a value missing fails its gate.
 
     ``measured`` holds ``acc_drop`` (points of top-1 lost), ``speedup`` (the median of the
@@ -129,10 +138,15 @@ def check_gates(bounds: Bounds, measured: Mapping[str, float | None],
         else:
             passed = value >= bound
         interval = intervals.get(GATES[name].quantity)
-        results.append(GateResult(name=name, bound=float(bound),
-                                  value=None if value is None else float(value), passed=passed,
-                                  interval=None if interval is None else
-                                  (float(interval[0]), float(interval[1]))))
+        results.append(
+            GateResult(
+                name=name,
+                bound=float(bound),
+                value=None if value is None else float(value),
+                passed=passed,
+                interval=None if interval is None else (float(interval[0]), float(interval[1])),
+            )
+        )
     return results
 
 

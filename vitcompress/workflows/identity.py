@@ -32,8 +32,14 @@ from torch import nn
 from vitcompress.artifact import WEIGHTS_FILE, file_sha256
 from vitcompress.loading import ARTIFACT_MARKER, LoadedModel
 
-__all__ = ["WEIGHTS_FILE", "artifact_identity", "file_sha256", "identity_key", "model_identity",
-           "unsaved_identity"]
+__all__ = [
+    "WEIGHTS_FILE",
+    "artifact_identity",
+    "file_sha256",
+    "identity_key",
+    "model_identity",
+    "unsaved_identity",
+]
 
 # The parts of vitcompress.json that decide which model an artifact rebuilds.
 _ARTIFACT_CONFIG_KEYS = ("source", "input_size", "plan")
@@ -46,8 +52,9 @@ def _canonical_sha256(data: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def artifact_identity(directory: str | Path,
-                      input_size: Sequence[int] | None = None) -> dict[str, Any] | None:
+def artifact_identity(
+    directory: str | Path, input_size: Sequence[int] | None = None
+) -> dict[str, Any] | None:
     """The identity of the artifact in ``directory``, or None if it is not a readable artifact.
 
     ``input_size`` is the size a result was measured at (default: the artifact's own).
@@ -109,8 +116,12 @@ def _source_kind(recorded: str) -> str:
 def unsaved_identity(base: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
     """A compressed model that was not written to disk: its base and plan. Its learned parts
     (dTPS/DynamicViT predictors) are freshly initialised, so it is never joined with another."""
-    return {"kind": "unsaved", "base": base, "plan_sha256": _canonical_sha256(plan),
-            "input_size": base.get("input_size")}
+    return {
+        "kind": "unsaved",
+        "base": base,
+        "plan_sha256": _canonical_sha256(plan),
+        "input_size": base.get("input_size"),
+    }
 
 
 def _pretrained_tag(model: nn.Module) -> str:

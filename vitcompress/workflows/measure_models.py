@@ -36,8 +36,9 @@ class TimingOptions:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                "float16": torch.float16}[self.dtype]
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            self.dtype
+        ]
 
 
 @dataclass
@@ -48,12 +49,17 @@ class Measurement:
     samples: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"params": self.params, "macs": self.macs, "gmacs": self.macs / 1e9,
-                "throughput": self.throughput}
+        return {
+            "params": self.params,
+            "macs": self.macs,
+            "gmacs": self.macs / 1e9,
+            "throughput": self.throughput,
+        }
 
 
-def measure_models(models: dict[str, nn.Module], input_size: tuple[int, int, int],
-                   timing: TimingOptions | None) -> tuple[dict[str, Measurement], dict[str, Any]]:
+def measure_models(
+    models: dict[str, nn.Module], input_size: tuple[int, int, int], timing: TimingOptions | None
+) -> tuple[dict[str, Measurement], dict[str, Any]]:
     """Params and MACs of each model; throughput of all of them interleaved in this process.
 
     The environment records what the timing depended on, and its ``warnings`` (a busy machine, a
@@ -63,17 +69,28 @@ def measure_models(models: dict[str, nn.Module], input_size: tuple[int, int, int
     for name, model in models.items():
         with step(f"counting MACs of {name}"):
             # Counted where each model is (evaluation may have moved it to the GPU already).
-            results[name] = Measurement(count_params(model),
-                                        count_macs(model, input_size, _device_of(model)))
+            results[name] = Measurement(
+                count_params(model), count_macs(model, input_size, _device_of(model))
+            )
     environment: dict[str, Any] = {}
     if timing is not None:
-        with step(f"timing {' and '.join(models)} (batch {timing.batch_size}, at most "
-                  + (f"{timing.seconds:g} s)" if timing.seconds else "no time limit)")):
+        with step(
+            f"timing {' and '.join(models)} (batch {timing.batch_size}, at most "
+            + (f"{timing.seconds:g} s)" if timing.seconds else "no time limit)")
+        ):
             report = measure_throughput(
-                models, input_size, batch_size=timing.batch_size, device=timing.device,
-                dtype=timing.torch_dtype, warmup=timing.warmup, runs=timing.runs,
-                compile=timing.compile, amp=timing.amp, time_budget=timing.seconds,
-                on_round=_show_round)
+                models,
+                input_size,
+                batch_size=timing.batch_size,
+                device=timing.device,
+                dtype=timing.torch_dtype,
+                warmup=timing.warmup,
+                runs=timing.runs,
+                compile=timing.compile,
+                amp=timing.amp,
+                time_budget=timing.seconds,
+                on_round=_show_round,
+            )
         for name in models:
             results[name].throughput = report.results[name].median
             results[name].samples = list(report.results[name].samples)
@@ -85,8 +102,11 @@ def measure_models(models: dict[str, nn.Module], input_size: tuple[int, int, int
 
 def _show_round(progress: RoundProgress) -> None:
     kind = "warm-up" if progress.warmup else "timed"
-    left = ("" if progress.budget is None
-            else f", {max(0.0, progress.budget - progress.elapsed):.0f} s of budget left")
+    left = (
+        ""
+        if progress.budget is None
+        else f", {max(0.0, progress.budget - progress.elapsed):.0f} s of budget left"
+    )
     detail(f"{kind} round {progress.done}/{progress.total}{left}")
 
 

@@ -33,8 +33,15 @@ __all__ = [
     "rows_to_json",
 ]
 
-MARKDOWN_COLUMNS = ("name", "variant", "keep", "params (M)", "GMACs", "throughput (img/s)",
-                    "top-1 (%)")
+MARKDOWN_COLUMNS = (
+    "name",
+    "variant",
+    "keep",
+    "params (M)",
+    "GMACs",
+    "throughput (img/s)",
+    "top-1 (%)",
+)
 
 
 class ReportError(ValueError):
@@ -74,10 +81,17 @@ class ReportRow:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "name": self.name, "variant": self.variant, "keep": self.keep,
-            "params": self.params, "macs": self.macs, "gmacs": self.gmacs,
-            "throughput": self.throughput, "top1": self.top1, "top5": self.top5,
-            "identity": self.identity, "sources": list(self.sources),
+            "name": self.name,
+            "variant": self.variant,
+            "keep": self.keep,
+            "params": self.params,
+            "macs": self.macs,
+            "gmacs": self.gmacs,
+            "throughput": self.throughput,
+            "top1": self.top1,
+            "top5": self.top5,
+            "identity": self.identity,
+            "sources": list(self.sources),
             "paths": sorted(self.paths),
         }
 
@@ -105,8 +119,10 @@ def read_report_file(path: str | Path) -> list[ReportRow]:
             raise
         raise ReportError(f"{path}: malformed {_kind_hint(data)} output ({e!r})") from e
     if rows is None:
-        raise ReportError(f"{path}: not the JSON of apply, bench, eval or finetune (keys: "
-                          f"{', '.join(sorted(data)[:8]) or 'none'})")
+        raise ReportError(
+            f"{path}: not the JSON of apply, bench, eval or finetune (keys: "
+            f"{', '.join(sorted(data)[:8]) or 'none'})"
+        )
     for row in rows:
         row.sources.append(str(path))
     return rows
@@ -143,8 +159,9 @@ def _named_row(identity: Any, spec: Any, fallback: str, **fields: Any) -> Report
     """A row for the model ``identity`` names (``spec``, the --model as typed, when there is
     none), called after what it is, else after ``fallback`` (its file)."""
     identity = identity if isinstance(identity, dict) else None
-    row = ReportRow(name=_identity_name(identity) or _short_spec(spec) or fallback,
-                    identity=identity, **fields)
+    row = ReportRow(
+        name=_identity_name(identity) or _short_spec(spec) or fallback, identity=identity, **fields
+    )
     if identity and identity.get("path"):
         row.paths.add(str(identity["path"]))
     return row
@@ -163,26 +180,34 @@ def _identity_name(identity: dict[str, Any] | None) -> str | None:
 
 def _apply_rows(data: dict[str, Any], path: Path, stem: str) -> list[ReportRow]:
     plan = data["plan"]
-    base = _measured(_named_row(data["base"].get("identity"), None, f"{stem} (base)",
-                                variant="none"), data["base"])
+    base = _measured(
+        _named_row(data["base"].get("identity"), None, f"{stem} (base)", variant="none"),
+        data["base"],
+    )
     keep = _keep_text(plan.get("keep"))
     identity = data["compressed"].get("identity")
     out = _path_or_none(data.get("out"), path)
     if identity is None and out is not None:  # written before results named their model
         identity = artifact_identity(out)
-    compressed = _named_row(identity, None, out.name if out else stem,
-                            variant=str(plan["variant"]), keep=keep)
+    compressed = _named_row(
+        identity, None, out.name if out else stem, variant=str(plan["variant"]), keep=keep
+    )
     return [base, _measured(compressed, data["compressed"])]
 
 
 def _eval_rows(data: dict[str, Any], path: Path, stem: str) -> list[ReportRow]:
-    model = _named_row(data.get("identity") or _spec_identity(data.get("model"), path),
-                       data.get("model"), stem)
+    model = _named_row(
+        data.get("identity") or _spec_identity(data.get("model"), path), data.get("model"), stem
+    )
     _read_plan(model)
     if isinstance(data.get("compressed"), dict) and isinstance(data.get("base"), dict):
         base_data = data["base"]
-        base = _named_row(base_data.get("identity") or _spec_identity(base_data.get("spec"), path),
-                          base_data.get("spec"), f"{stem} (base)", variant="none")
+        base = _named_row(
+            base_data.get("identity") or _spec_identity(base_data.get("spec"), path),
+            base_data.get("spec"),
+            f"{stem} (base)",
+            variant="none",
+        )
         base.top1, base.top5 = _number(base_data["top1"]), _number(base_data.get("top5"))
         _measured(base, base_data)
         _measured(model, data["compressed"])
@@ -192,17 +217,22 @@ def _eval_rows(data: dict[str, Any], path: Path, stem: str) -> list[ReportRow]:
     return [model]
 
 
-def _artifact_row(directory: Path | None, plan: dict[str, Any], summary: dict[str, Any] | None,
-                  stem: str) -> ReportRow:
+def _artifact_row(
+    directory: Path | None, plan: dict[str, Any], summary: dict[str, Any] | None, stem: str
+) -> ReportRow:
     """An artifact named by its folder: its own ``vitcompress.json``, or a fine-tuning summary
     (``val_top1``, a fraction) of the model written there."""
     identity = artifact_identity(directory) if directory is not None else None
     top1 = summary.get("val_top1") if summary else None
-    row = _named_row(identity, None, directory.name if directory else stem,
-                     variant=str(plan["variant"]) if plan.get("variant") else None,
-                     keep=_keep_text(plan.get("keep")),
-                     # fine-tuning records a fraction; eval and the table use percent
-                     top1=None if top1 is None else 100.0 * float(top1))
+    row = _named_row(
+        identity,
+        None,
+        directory.name if directory else stem,
+        variant=str(plan["variant"]) if plan.get("variant") else None,
+        keep=_keep_text(plan.get("keep")),
+        # fine-tuning records a fraction; eval and the table use percent
+        top1=None if top1 is None else 100.0 * float(top1),
+    )
     if directory is not None:
         row.paths.add(str(directory.resolve()))
     return row
@@ -286,8 +316,10 @@ def _same_model(a: ReportRow, b: ReportRow) -> bool:
         return False
     # One model; still two rows when the results disagree on what they measured (top-1 on
     # another data set, or a plan read from a folder that has since been written again).
-    return all(getattr(a, key) is None or getattr(b, key) is None
-               or getattr(a, key) == getattr(b, key) for key in ("variant", "keep", "top1"))
+    return all(
+        getattr(a, key) is None or getattr(b, key) is None or getattr(a, key) == getattr(b, key)
+        for key in ("variant", "keep", "top1")
+    )
 
 
 def _absorb(into: ReportRow, other: ReportRow) -> None:
@@ -332,6 +364,7 @@ def _make_names_unique(rows: list[ReportRow]) -> None:
 
 def _path_name(row: ReportRow, clash: list[ReportRow]) -> str | None:
     """The shortest trailing part of the row's artifact path that the other rows do not share."""
+
     def parts(r: ReportRow) -> tuple[str, ...] | None:
         if not r.identity or r.identity.get("kind") != "artifact" or not r.identity.get("path"):
             return None
@@ -377,9 +410,10 @@ def render_markdown(rows: Sequence[ReportRow]) -> str:
     def escape(text: str) -> str:
         return text.replace("|", "\\|")
 
-    lines = ["| " + " | ".join(MARKDOWN_COLUMNS) + " |",
-             "|" + "|".join("---" if i < 3 else "---:" for i in range(len(MARKDOWN_COLUMNS)))
-             + "|"]
+    lines = [
+        "| " + " | ".join(MARKDOWN_COLUMNS) + " |",
+        "|" + "|".join("---" if i < 3 else "---:" for i in range(len(MARKDOWN_COLUMNS))) + "|",
+    ]
     lines += ["| " + " | ".join(escape(c) for c in row_cells(row)) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
@@ -407,19 +441,39 @@ def render_png(rows: Sequence[ReportRow], out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), constrained_layout=True)
-    panels = ((axes[0], "top1", "top-1 (%)", "accuracy vs GMACs"),
-              (axes[1], "throughput", "throughput (img/s)", "throughput vs GMACs"))
+    panels = (
+        (axes[0], "top1", "top-1 (%)", "accuracy vs GMACs"),
+        (axes[1], "throughput", "throughput (img/s)", "throughput vs GMACs"),
+    )
     for ax, key, ylabel, title in panels:
-        points = [(row.gmacs, getattr(row, key), row) for row in rows
-                  if row.gmacs is not None and getattr(row, key) is not None]
+        points = [
+            (row.gmacs, getattr(row, key), row)
+            for row in rows
+            if row.gmacs is not None and getattr(row, key) is not None
+        ]
         for x, y, row in points:
             base = row.variant in (None, "none")
-            ax.scatter([x], [y], marker="s" if base else "o", s=48,
-                       color="0.3" if base else f"C{_variant_colour(row.variant)}", zorder=3)
-            ax.annotate(point_label(row), (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+            ax.scatter(
+                [x],
+                [y],
+                marker="s" if base else "o",
+                s=48,
+                color="0.3" if base else f"C{_variant_colour(row.variant)}",
+                zorder=3,
+            )
+            ax.annotate(
+                point_label(row), (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8
+            )
         if not points:
-            ax.text(0.5, 0.5, f"no rows with GMACs and {ylabel}", ha="center", va="center",
-                    transform=ax.transAxes, color="0.4")
+            ax.text(
+                0.5,
+                0.5,
+                f"no rows with GMACs and {ylabel}",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                color="0.4",
+            )
         ax.margins(x=0.15, y=0.15)  # room for the labels of the outermost points
         ax.set_xlabel("GMACs")
         ax.set_ylabel(ylabel)

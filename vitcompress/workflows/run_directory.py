@@ -34,16 +34,27 @@ def prepare_run_directory(out: Path, resume: bool) -> Path | None:
             raise FinetuneError(f"--resume: no checkpoint in {ckpt_dir}")
         return latest
     if latest is not None:
-        raise FinetuneError(f"{out} already holds checkpoints; pass --resume to continue that run "
-                            "or choose another --out")
-    if out.exists() and any(out.iterdir()) and not (out / "vitcompress.json").is_file() \
-            and not (out / METRICS).is_file():
+        raise FinetuneError(
+            f"{out} already holds checkpoints; pass --resume to continue that run "
+            "or choose another --out"
+        )
+    if (
+        out.exists()
+        and any(out.iterdir())
+        and not (out / "vitcompress.json").is_file()
+        and not (out / METRICS).is_file()
+    ):
         raise FinetuneError(f"{out} exists and is not a fine-tuning output; not writing into it")
     return None
 
 
-def write_artifact_into(model: nn.Module, out: Path, source: Any,
-                        input_size: tuple[int, int, int], extra: dict[str, Any]) -> None:
+def write_artifact_into(
+    model: nn.Module,
+    out: Path,
+    source: Any,
+    input_size: tuple[int, int, int],
+    extra: dict[str, Any],
+) -> None:
     """Write the artifact's two files into ``out`` beside checkpoints/ and metrics.jsonl.
 
     ``save_artifact`` replaces a whole directory, which would delete the checkpoints; so it

@@ -54,10 +54,18 @@ class LocationRecord:
     hosts: dict[int, list[int]] = field(default_factory=dict)  # TPS: host -> its donors
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "block": self.block, "stage": self.stage,
-                "grid": list(self.grid), "variant": self.variant, "present": self.present,
-                "kept": self.kept, "pruned": self.pruned, "fused_token": self.fused_token,
-                "hosts": {str(k): v for k, v in self.hosts.items()}}
+        return {
+            "index": self.index,
+            "block": self.block,
+            "stage": self.stage,
+            "grid": list(self.grid),
+            "variant": self.variant,
+            "present": self.present,
+            "kept": self.kept,
+            "pruned": self.pruned,
+            "fused_token": self.fused_token,
+            "hosts": {str(k): v for k, v in self.hosts.items()},
+        }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -65,8 +73,9 @@ class LocationRecord:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_image(path: str | Path, input_size: Sequence[int],
-               data_config: DataConfig | None = None) -> tuple[Any, Tensor]:
+def load_image(
+    path: str | Path, input_size: Sequence[int], data_config: DataConfig | None = None
+) -> tuple[Any, Tensor]:
     """The image resized whole to the model's input (PIL, for drawing; no crop, so every token
     drawn covers what the picture shows) and as a (1, C, H, W) tensor normalised with the model's
     data config as ``eval`` resolves it (``None``: the defaults, ImageNet's mean/std, bicubic)."""
@@ -86,8 +95,9 @@ def load_image(path: str | Path, input_size: Sequence[int],
     image = image.resize((width, height), resample)
     model_image = image if channels == 3 else image.convert("L")
     if channels not in (1, 3):
-        raise VisualizeError(f"the model takes {channels} channels; only 1 and 3 can be read "
-                             f"from an image")
+        raise VisualizeError(
+            f"the model takes {channels} channels; only 1 and 3 can be read from an image"
+        )
     pixels = torch.frombuffer(bytearray(model_image.tobytes()), dtype=torch.uint8)
     tensor = pixels.reshape(height, width, channels).permute(2, 0, 1).float() / 255.0
     mean, std = torch.tensor(config.mean), torch.tensor(config.std)
@@ -103,13 +113,14 @@ def load_image(path: str | Path, input_size: Sequence[int],
 def _reducers(model: nn.Module, info: CompressionInfo | None) -> list[nn.Module]:
     tps = getattr(model, REDUCER_PREFIX, None)
     if info is None or tps is None:
-        raise VisualizeError("the model is not compressed (no TPS plan); compress it with "
-                             "`vitcompress apply --out DIR` and pass that directory")
+        raise VisualizeError(
+            "the model is not compressed (no TPS plan); compress it with "
+            "`vitcompress apply --out DIR` and pass that directory"
+        )
     reducers = [tps.get_submodule(str(i)) for i in range(len(info.plan.locations))]
     for r in reducers:
         if not isinstance(r, PredictorReducer | AttentionReducer):
-            raise VisualizeError(f"unknown reducer {type(r).__name__} in "
-                                 f"model.{REDUCER_PREFIX}")
+            raise VisualizeError(f"unknown reducer {type(r).__name__} in model.{REDUCER_PREFIX}")
     return reducers
 
 
@@ -130,8 +141,9 @@ def _is_tps(reducer: nn.Module) -> bool:
     return getattr(reducer, "fuse", None) == "squeeze"
 
 
-def _hosts(reducer: nn.Module, x: Tensor, present: list[int], kept: list[int]
-           ) -> dict[int, list[int]]:
+def _hosts(
+    reducer: nn.Module, x: Tensor, present: list[int], kept: list[int]
+) -> dict[int, list[int]]:
     """Recompute the matching the reducer made: donors (present, not kept) to kept hosts."""
     local = {pos: i for i, pos in enumerate(present)}
     kept_set = set(kept)
@@ -139,7 +151,7 @@ def _hosts(reducer: nn.Module, x: Tensor, present: list[int], kept: list[int]
     hosts: dict[int, list[int]] = {pos: [] for pos in kept}
     if not pruned:
         return hosts
-    patches = x[:1, reducer.prefix_tokens:]
+    patches = x[:1, reducer.prefix_tokens :]
     kept_tokens = patches[:, [local[pos] for pos in kept]]
     pruned_tokens = patches[:, [local[pos] for pos in pruned]]
     host_index, _ = match_hosts_cosine(pruned_tokens, kept_tokens)  # as the reducer matches
@@ -166,19 +178,24 @@ def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationReco
                 x = args[0] if args else kwargs["x"]
                 n = x.shape[1] - module.prefix_tokens
                 given = _input_positions(module, args, kwargs)
-                present = (list(range(n)) if given is None else given[0].tolist())
+                present = list(range(n)) if given is None else given[0].tolist()
                 after = output[2]
                 out_positions = list(range(n)) if after is None else after[0].tolist()
                 kept = [p for p in out_positions if p >= 0]
                 kept_set = set(kept)
                 record = LocationRecord(
-                    index=i, block=location.block, stage=location.stage,
-                    grid=_location_grid(info, location), variant=info.plan.variant,
-                    present=[p for p in present if p >= 0], kept=kept,
+                    index=i,
+                    block=location.block,
+                    stage=location.stage,
+                    grid=_location_grid(info, location),
+                    variant=info.plan.variant,
+                    present=[p for p in present if p >= 0],
+                    kept=kept,
                     pruned=[p for p in present if p >= 0 and p not in kept_set],
                     # EViT appends a fused token whenever it prunes (it returns x unchanged
                     # when there is nothing to prune)
-                    fused_token=getattr(module, "fuse", None) == "evit" and output[0] is not x)
+                    fused_token=getattr(module, "fuse", None) == "evit" and output[0] is not x,
+                )
                 if _is_tps(module):
                     record.hosts = _hosts(module, x, present, kept)
                 records.append(record)
@@ -187,8 +204,9 @@ def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationReco
 
         return hook
 
-    handles = [r.register_forward_hook(make_hook(i), with_kwargs=True)
-               for i, r in enumerate(reducers)]
+    handles = [
+        r.register_forward_hook(make_hook(i), with_kwargs=True) for i, r in enumerate(reducers)
+    ]
     was_training = model.training
     try:
         model.eval()
@@ -211,8 +229,9 @@ def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationReco
 # --------------------------------------------------------------------------------------------------
 
 
-def _cell_boxes(grid: tuple[int, int], size: tuple[int, int]
-                ) -> Callable[[int], tuple[float, float, float, float]]:
+def _cell_boxes(
+    grid: tuple[int, int], size: tuple[int, int]
+) -> Callable[[int], tuple[float, float, float, float]]:
     """Pixel box (x0, y0, w, h) of each grid position on an image of (width, height)."""
     gh, gw = grid
     width, height = size
@@ -227,30 +246,41 @@ _GONE = {"facecolor": "white", "edgecolor": "0.6", "alpha": 1.0}
 _PRUNED_HERE = {"facecolor": "white", "edgecolor": "0.6", "alpha": 0.92}
 
 
-def legend_entries(records: Sequence[LocationRecord],
-                   colour: Any = "tab:blue") -> list[tuple[str, dict[str, Any]]]:
+def legend_entries(
+    records: Sequence[LocationRecord], colour: Any = "tab:blue"
+) -> list[tuple[str, dict[str, Any]]]:
     """(label, patch style) for each kind of cell the panels of ``records`` show."""
     tps = any(record.hosts for record in records)
     entries: list[tuple[str, dict[str, Any]]] = []
     if tps:
         entries += [
-            ("host: a kept token that pruned tokens are squeezed into (outlined)",
-             {"facecolor": colour, "edgecolor": "black", "alpha": 0.8}),
-            ("pruned here, squeezed into the host of its colour",
-             {"facecolor": colour, "edgecolor": "none", "alpha": 0.55}),
-            ("kept, no tokens squeezed into it (grey image)",
-             {"facecolor": "0.55", "edgecolor": "none", "alpha": 1.0}),
+            (
+                "host: a kept token that pruned tokens are squeezed into (outlined)",
+                {"facecolor": colour, "edgecolor": "black", "alpha": 0.8},
+            ),
+            (
+                "pruned here, squeezed into the host of its colour",
+                {"facecolor": colour, "edgecolor": "none", "alpha": 0.55},
+            ),
+            (
+                "kept, no tokens squeezed into it (grey image)",
+                {"facecolor": "0.55", "edgecolor": "none", "alpha": 1.0},
+            ),
         ]
     else:
-        entries += [("kept (image shown)", {"facecolor": "none", "edgecolor": "0.6",
-                                            "alpha": 1.0}),
-                    ("pruned at this location (faint)", _PRUNED_HERE)]
-    if any(record.present != list(range(record.grid[0] * record.grid[1]))
-           for record in records):
+        entries += [
+            ("kept (image shown)", {"facecolor": "none", "edgecolor": "0.6", "alpha": 1.0}),
+            ("pruned at this location (faint)", _PRUNED_HERE),
+        ]
+    if any(record.present != list(range(record.grid[0] * record.grid[1])) for record in records):
         entries.append(("pruned at an earlier location (blank)", _GONE))
     if any(record.fused_token for record in records):
-        entries.append(("+1: EViT's fused token of the pruned ones (no cell)",
-                        {"facecolor": "none", "edgecolor": "none", "alpha": 1.0}))
+        entries.append(
+            (
+                "+1: EViT's fused token of the pruned ones (no cell)",
+                {"facecolor": "none", "edgecolor": "none", "alpha": 1.0},
+            )
+        )
     return entries
 
 
@@ -260,8 +290,9 @@ def _legend_handle(style: dict[str, Any]) -> Any:
     return Patch(**style)
 
 
-def draw_locations(image: Any, records: Sequence[LocationRecord], out: str | Path,
-                   title: str | None = None) -> Path:
+def draw_locations(
+    image: Any, records: Sequence[LocationRecord], out: str | Path, title: str | None = None
+) -> Path:
     """The input image, then one panel per location: pruned cells blanked (DynamicViT/EViT), or
     each host and its donors in one colour (TPS; hosts outlined)."""
     plt = import_pyplot()
@@ -270,8 +301,9 @@ def draw_locations(image: Any, records: Sequence[LocationRecord], out: str | Pat
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     panels = len(records) + 1
-    fig, axes = plt.subplots(1, panels, figsize=(3.2 * panels, 3.6), squeeze=False,
-                             constrained_layout=True)
+    fig, axes = plt.subplots(
+        1, panels, figsize=(3.2 * panels, 3.6), squeeze=False, constrained_layout=True
+    )
     axes = axes[0]
     axes[0].imshow(image)
     axes[0].set_title("input")
@@ -290,33 +322,56 @@ def draw_locations(image: Any, records: Sequence[LocationRecord], out: str | Pat
         for pos in range(gh * gw):
             if pos not in present or (pos not in kept and not record.hosts):
                 x0, y0, w, h = box(pos)
-                ax.add_patch(Rectangle((x0, y0), w, h, facecolor="white", edgecolor="none",
-                                       alpha=0.92 if pos in present else 1.0))
+                ax.add_patch(
+                    Rectangle(
+                        (x0, y0),
+                        w,
+                        h,
+                        facecolor="white",
+                        edgecolor="none",
+                        alpha=0.92 if pos in present else 1.0,
+                    )
+                )
         groups = [(host, donors) for host, donors in record.hosts.items() if donors]
         for k, (host, donors) in enumerate(groups):
             colour = palette[k % len(palette)]
             for pos in donors:
                 x0, y0, w, h = box(pos)
-                ax.add_patch(Rectangle((x0, y0), w, h, facecolor=colour, edgecolor="none",
-                                       alpha=0.55))
+                ax.add_patch(
+                    Rectangle((x0, y0), w, h, facecolor=colour, edgecolor="none", alpha=0.55)
+                )
             x0, y0, w, h = box(host)
-            ax.add_patch(Rectangle((x0, y0), w, h, facecolor=colour, edgecolor="black",
-                                   linewidth=1.0, alpha=0.8))
+            ax.add_patch(
+                Rectangle(
+                    (x0, y0), w, h, facecolor=colour, edgecolor="black", linewidth=1.0, alpha=0.8
+                )
+            )
         n0 = gh * gw
-        what = (f"{len(groups)} hosts take {len(record.pruned)}" if record.hosts
-                else f"{len(record.pruned)} pruned")
+        what = (
+            f"{len(groups)} hosts take {len(record.pruned)}"
+            if record.hosts
+            else f"{len(record.pruned)} pruned"
+        )
         extra = " +1 fused" if record.fused_token else ""
-        ax.set_title(f"block {record.block} (stage {record.stage}): "
-                     f"{len(record.kept)}/{n0} kept{extra}\n{what}", fontsize=9)
+        ax.set_title(
+            f"block {record.block} (stage {record.stage}): "
+            f"{len(record.kept)}/{n0} kept{extra}\n{what}",
+            fontsize=9,
+        )
     for ax in axes:
         ax.set_xticks([])
         ax.set_yticks([])
     if title:
         fig.suptitle(title, fontsize=10)
     entries = legend_entries(records, palette[0])
-    fig.legend(handles=[_legend_handle(style) for _, style in entries],
-               labels=[label for label, _ in entries], loc="outside lower center",
-               ncol=min(len(entries), 3), fontsize=8, frameon=False)
+    fig.legend(
+        handles=[_legend_handle(style) for _, style in entries],
+        labels=[label for label, _ in entries],
+        loc="outside lower center",
+        ncol=min(len(entries), 3),
+        fontsize=8,
+        frameon=False,
+    )
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
