@@ -46,7 +46,7 @@ def fixed_input(input_size: tuple[int, int, int]) -> Tensor:
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module) -> Iterator[None]:
     """Eval mode for the duration, then every submodule's own mode back (they may differ)."""
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
@@ -78,7 +78,7 @@ def eval_output(model: nn.Module, input_size: tuple[int, int, int]) -> Tensor:
         import copy
 
         model = copy.deepcopy(model).cpu()
-    with _eval_mode(model), torch.no_grad(), torch.random.fork_rng(devices=[]):
+    with eval_mode(model), torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(INPUT_SEED)
         output = model(fixed_input(input_size))
     tensors = _tensors(output)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vitcompress.fingerprint import eval_mode
+
 FORMATS = ("onnx", "torchscript", "exported-program")
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
 ATOL = 1e-4
@@ -56,18 +58,6 @@ class _Inference(nn.Module):
 def _inputs(batch_size: int, input_size: tuple[int, int, int], seed: int) -> Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(batch_size, *input_size, generator=generator)
-
-
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Eval mode for the duration, then every submodule's own mode back (they may differ)."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
 
 
 def _max_diff(a: Tensor, b: Tensor) -> float:
@@ -207,7 +197,7 @@ def export_model(
     input_size = tuple(int(v) for v in input_size)
     example = _inputs(batch_size, input_size, seed=0)
     start = time.perf_counter()
-    with _eval_mode(model), torch.no_grad():
+    with eval_mode(model), torch.no_grad():
         module = _Inference(model)
         if not isinstance(module(example), Tensor):
             raise ExportError(
@@ -277,7 +267,7 @@ def compile_check(
     }
     torch._dynamo.reset()
     counters.clear()
-    with _eval_mode(model), torch.no_grad():
+    with eval_mode(model), torch.no_grad():
         module = _Inference(model)
         compiled = torch.compile(module, fullgraph=True, backend=backend)
         try:
