@@ -225,10 +225,34 @@ def make_plan(
             )
         )
     plan = Plan(variant=variant, policy=policy, locations=locations)
-    refusal = position_refusal(model_map, plan)
+    refusal = position_refusal(model_map, plan) or masked_keys_refusal(model_map, plan)
     if refusal is not None:
         raise PlanError(refusal)
     return plan
+
+
+def masked_keys_refusal(model_map: ModelMap, plan: Plan) -> str | None:
+    """One line when a predictor variant's training path would be wrong, else ``None``.
+
+    In training, dTPS/DynamicViT keep every token and mask the pruned ones out of the attention
+    of the later blocks of their stage. A later block whose keys come from elsewhere (CaiT's
+    class attention over the patch tokens of the stage before) lies outside that mask: it would
+    attend to pruned tokens in training and not at inference, so the fine-tune would learn another
+    model than the one served.
+    """
+    if plan.scorer != "predictor" or not plan.locations:
+        return None
+    first = plan.locations[0]
+    for block in model_map.blocks[first.block :]:
+        keys = block.attention.key_tokens
+        if block.stage != first.stage and keys is not None and keys > block.tokens:
+            return (
+                f"block {block.index} ({block.path}) attends over {keys} keys from an earlier "
+                f"stage, which {plan.variant}'s training path cannot mask after the reduction at "
+                f"block {first.block}: fine-tuning would attend to pruned tokens, so "
+                f"{plan.variant} is refused; use etps or evit"
+            )
+    return None
 
 
 _MEETS = {
