@@ -332,3 +332,21 @@ def test_busy_machine_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("vitcompress.measure.throughput.load_average", lambda: float(threads))
     quiet = measure_throughput({"m": TinyViT()}, INPUT, batch_size=2, warmup=0, runs=1)
     assert quiet.warnings == []  # equal to the threads is not more
+
+
+def test_macs_of_a_model_that_feeds_a_parameter_to_a_module():
+    """CaiT hands its class-token parameter to the class-attention blocks as it is; counting
+    used to fail there ("Expected gradient function to be set"). Gradient flags are restored."""
+    import timm
+
+    from tests.models import SMALL
+    from vitcompress.measure import count_macs
+
+    model = timm.create_model("cait_xxs24_224", **{**SMALL, "depth": 2})
+    model.pos_embed.requires_grad_(False)  # a mixed set of flags, to see each one restored
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    macs = count_macs(model, (3, 32, 32))
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+    for param in model.parameters():  # frozen by hand, the count has always worked
+        param.requires_grad_(False)
+    assert macs == count_macs(model, (3, 32, 32)) > 0

@@ -240,15 +240,23 @@ def _run_counter(
     # Remember every module's flag, not just the root's: models may deliberately keep some
     # submodules in a different mode, and ``train(flag)`` alone would overwrite them.
     flags = [(m, m.training) for m in model.modules()]
+    # The counter's module tracker hooks the backward of every module input that requires grad;
+    # a parameter fed to a module as it is (CaiT's class token) has no grad_fn and makes it fail,
+    # even under no_grad. Counting needs no gradients, so none are asked for while it runs.
+    grads = [(p, p.requires_grad) for p in model.parameters()]
     counter = FlopCounterMode(display=False, custom_mapping=_NORM_FORMULAS)
     try:
         model.eval()
+        for param, _ in grads:
+            param.requires_grad_(False)
         with torch.no_grad(), counter:
             model(x)
     finally:
         model.train(flags[0][1])
         for module, training in flags:
             module.training = training
+        for param, requires_grad in grads:
+            param.requires_grad_(requires_grad)
     return counter
 
 
