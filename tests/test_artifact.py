@@ -200,6 +200,40 @@ def test_a_tampered_fingerprint_is_refused(factory_artifact: tuple[Path, Path]) 
         vitcompress.load(art)
 
 
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (lambda meta: meta.pop("source"), "its source is not an object"),
+        (lambda meta: meta.update(input_size=32), "input_size is not"),
+        (lambda meta: meta.update(input_size=[3, 32]), "input_size is not"),
+    ],
+)
+def test_a_damaged_record_is_one_line(
+    factory_artifact: tuple[Path, Path], damage, expected: str
+) -> None:
+    _, art = factory_artifact
+    meta = json.loads((art / "vitcompress.json").read_text())
+    damage(meta)
+    (art / "vitcompress.json").write_text(json.dumps(meta))
+    with pytest.raises(ArtifactError, match=expected) as error:
+        vitcompress.load(art)
+    one_line(error.value)
+
+
+def test_saving_as_the_root_is_refused_and_dot_saves_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = vitcompress.compress(tiny(), "etps", keep=0.7, input_size=(3, 32, 32))
+    with pytest.raises(ArtifactError, match="name a folder inside it"):
+        vitcompress.save(model, "/", source=ModelSource(NAME, model_args=TINY))
+    target = tmp_path / "here"
+    target.mkdir()
+    monkeypatch.chdir(target)  # "." used to fail with a raw ValueError (no name to stage beside)
+    assert vitcompress.save(model, ".", source=ModelSource(NAME, model_args=TINY)) == target
+    assert outputs_equal(vitcompress.load(target), model)
+    assert [p.name for p in tmp_path.iterdir()] == ["here"]  # no staging folder left beside it
+
+
 def test_weights_of_another_shape_are_named(factory_artifact: tuple[Path, Path]) -> None:
     _, art = factory_artifact
     meta = json.loads((art / "vitcompress.json").read_text())

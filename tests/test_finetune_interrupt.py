@@ -178,6 +178,7 @@ def test_stop_signals_flag_then_force_and_restore_the_handlers(monkeypatch):
         signals.request("elsewhere")
         with pytest.raises(KeyboardInterrupt), signals.immediate():
             pass  # a request made before the region is honoured on entry
+        assert not signals._immediate  # and the refused entry leaves the mode as it was
 
 
 def test_checkpoints_and_the_artifact_follow_the_umask(tmp_path):

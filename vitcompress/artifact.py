@@ -210,7 +210,11 @@ def save_artifact(
     if size is None:
         raise ArtifactError("cannot tell the model's input size; pass input_size=(C, H, W)")
     size = tuple(int(v) for v in size)
-    directory = Path(directory)
+    # Resolved: "." or ".." have no name to stage beside, and the staging folder must be a
+    # sibling of the artifact, not of the working directory.
+    directory = Path(directory).expanduser().resolve()
+    if not directory.name:
+        raise ArtifactError(f"cannot save an artifact as {directory}: name a folder inside it")
 
     def refuse(what_differs: str) -> ArtifactError:
         return ArtifactError(
@@ -335,6 +339,15 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
         raise ArtifactError(f"cannot read {path}: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "plan" not in meta:
         raise ArtifactError(f"{path} is not a vitcompress artifact of format {FORMAT_VERSION}")
+    size = meta.get("input_size")
+    if not isinstance(meta.get("source"), dict) or not isinstance(meta["source"].get("spec"), str):
+        raise ArtifactError(f"{path} is malformed: its source is not an object with a spec")
+    if not (
+        isinstance(size, list)
+        and len(size) == 3
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size)
+    ):
+        raise ArtifactError(f"{path} is malformed: input_size is not [C, H, W], got {size!r}")
     return meta
 
 
@@ -353,7 +366,14 @@ def _base_weights_digest(source: ModelSource) -> str | None:
     if not source.checkpoint:
         return None
     path = Path(source.checkpoint).expanduser()
-    return file_sha256(path) if path.is_file() else None
+    return _checkpoint_sha256(path) if path.is_file() else None
+
+
+def _checkpoint_sha256(path: Path) -> str:
+    try:
+        return file_sha256(path)
+    except OSError as e:
+        raise ArtifactError(f"cannot read the base weights {path}: {e.strerror or e}") from e
 
 
 def file_sha256(path: str | Path) -> str:
@@ -381,7 +401,7 @@ def base_weights_problem(source: ModelSource, meta: dict[str, Any] | None = None
     if not path.is_file():
         return f"the base weights {source.checkpoint} named by the artifact are not there"
     expected = (meta or {}).get(BASE_WEIGHTS_SHA256)
-    if expected is not None and file_sha256(path) != expected:
+    if expected is not None and _checkpoint_sha256(path) != expected:
         return (
             f"the base weights {source.checkpoint} changed since the artifact was saved "
             "(their sha256 differs)"

@@ -88,9 +88,9 @@ class _Immediate:
         self.outer = False
 
     def __enter__(self) -> None:
-        self.outer, self.owner._immediate = self.owner._immediate, True
         if self.owner.requested:  # a request that came in just before: honour it here too
-            raise KeyboardInterrupt(self.owner.received)
+            raise KeyboardInterrupt(self.owner.received)  # before the flag: no __exit__ follows
+        self.outer, self.owner._immediate = self.owner._immediate, True
 
     def __exit__(
         self,
