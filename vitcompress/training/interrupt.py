@@ -42,8 +42,12 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._handle)
+            try:
+                for sig in self.signals:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+            except BaseException:  # no __exit__ follows a failed __enter__: put back what changed
+                self.__exit__(None, None, None)
+                raise
         return self
 
     def __exit__(
