@@ -630,6 +630,8 @@ class FinetuneRun:
             "step": self.position.global_step,
             "resumed_from": str(resume_from) if resume_from else None,
         }
+        if resume_from is not None:
+            record["records_dropped"] = self.metrics.forget_after(self.position.global_step)
         record.update(
             {key: self.config.extra[key] for key in RUN_RECORD_KEYS if key in self.config.extra}
         )

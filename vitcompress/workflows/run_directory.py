@@ -84,3 +84,28 @@ class MetricsLog:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+    def forget_after(self, step: int) -> int:
+        """Drop the step and epoch records past ``step``, the step a resumed run restarts from:
+        a run killed after its last checkpoint logged steps that the resumed run trains again,
+        and the log would list them twice. Returns how many records were dropped; the file is
+        replaced atomically."""
+        if not self.enabled or not self.path.exists():
+            return 0
+        kept, dropped = [], 0
+        for line in self.path.read_text().splitlines(keepends=True):
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line torn by the kill: the resumed run trains its step again
+                dropped += 1
+                continue
+            undone = record.get("type") in ("step", "epoch") and record.get("step", 0) > step
+            if undone:
+                dropped += 1
+            else:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        if dropped:
+            staging = self.path.with_name(f".{self.path.name}.tmp")
+            staging.write_text("".join(kept))
+            os.replace(staging, self.path)
+        return dropped
