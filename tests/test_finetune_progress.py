@@ -226,3 +226,23 @@ def test_sharded_training_is_refused_in_one_line(kind):
         _check_distributed(Launched())
     Launched.distributed_type = DistributedType.MULTI_CPU
     _check_distributed(Launched())  # DDP on CPU (the two-process test) goes on
+
+
+def test_seed_also_draws_the_random_base_and_the_predictor(tmp_path):
+    """--seed decides the weights drawn before training too: two runs of a base without weights
+    with one seed end equal, and another seed starts elsewhere."""
+    from safetensors.torch import load_file
+
+    data = _image_folder(tmp_path / "data")
+    weights = {}
+    for name, seed in (("a", "3"), ("b", "3"), ("c", "4")):
+        torch.manual_seed(int(seed) + 100)  # what the process drew before must not matter
+        result = CliRunner().invoke(
+            cli, _cli_args(data, tmp_path / name, "--max-steps", "1", "--seed", seed)
+        )
+        assert result.exit_code == 0, result.output
+        weights[name] = load_file(str(tmp_path / name / "model.safetensors"))
+    assert weights["a"].keys() == weights["c"].keys()
+    assert all(torch.equal(weights["a"][k], weights["b"][k]) for k in weights["a"])
+    predictor = [k for k in weights["a"] if "predictor" in k]
+    assert predictor and not all(torch.equal(weights["a"][k], weights["c"][k]) for k in predictor)

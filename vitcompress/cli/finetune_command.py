@@ -214,6 +214,11 @@ def finetune(
         for name in ctx.params
         if ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT_MAP
     )
+    # --seed also decides what is drawn before training: a base without weights and the
+    # predictors' initial weights.
+    import torch
+
+    torch.manual_seed(seed)
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
     student, teacher, from_artifact = student_and_teacher(
         loaded, variant, parse_keep(keep), parse_locs(locs), policy
