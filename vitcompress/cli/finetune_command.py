@@ -317,6 +317,10 @@ def finetune(
     except FinetuneError as e:
         click.echo(f"error: {e}", err=True)
         ctx.exit(EXIT_USAGE)
+    from accelerate import PartialState
+
+    if not PartialState().is_main_process:  # one summary per run, not one per process
+        return
     if as_json:
         emit_json(result)
         return
