@@ -109,19 +109,19 @@ def test_untraceable_submodule_is_kept_whole():
         torch.testing.assert_close(compressed.eval()(x), model.eval()(x))
 
 
-def test_a_forward_that_fails_symbolic_tracing_is_captured_by_export():
+def test_a_check_on_the_input_shape_is_captured_by_the_guarded_trace():
     class Checked(nn.Module):  # HuggingFace-style input check at the top level
         def __init__(self):
             super().__init__()
             self.inner = inhouse.register_vit()
 
         def forward(self, pixels):
-            if pixels.shape[1] != 3:  # a proxy in control flow: symbolic tracing fails
+            if pixels.shape[1] != 3:  # a proxy in control flow: plain symbolic tracing fails
                 raise ValueError("bad input")
             return self.inner(pixels)
 
     model_map = map_model(Checked(), (3, 32, 32)).to_json()
-    assert model_map["capture"] == "export"
+    assert model_map["capture"] == "guarded_trace"
     assert model_map["prefix_tokens"] == 4 and len(model_map["blocks"]) == 4
     assert {b["attention"] for b in model_map["blocks"]} == {"matmul_softmax"}
     assert model_map["blocks"][0]["path"] == "inner.body.0"

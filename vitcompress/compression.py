@@ -15,7 +15,12 @@ from torch import nn
 
 from vitcompress.data.config import stated_data_config
 from vitcompress.graph.analyse import analyse
-from vitcompress.graph.capture import CapturedGraph, CaptureError, capture
+from vitcompress.graph.capture import (
+    CapturedGraph,
+    CaptureError,
+    capture,
+    check_rewritable,
+)
 from vitcompress.graph.model_map import ModelMap
 from vitcompress.graph.plan import PlanError, default_keep, make_plan
 from vitcompress.graph.rewrite import rewrite
@@ -137,6 +142,7 @@ def compress_mapped(
     policy: str,
 ) -> nn.Module:
     """``compress`` from a capture of ``model`` made by :func:`capture_and_map` (consumed)."""
+    check_rewritable(captured, variant)
     if isinstance(keep, CumulativeKeep):
         plan = plan_from_cumulative(model_map, variant, keep, locs, policy)
     else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -52,12 +53,187 @@ class LeafFallbackTracer(fx.Tracer):
             self._stack.pop()
 
 
+_NO_VALUE = object()
+
+
+def _plain_value(value: object) -> bool:
+    """A value control flow may be decided on once: metadata (a dtype, a size, a flag), never
+    tensor data, whose branch would change from image to image."""
+    if isinstance(value, (bool, int, float, str, torch.dtype, torch.device, type(None))):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_plain_value(v) for v in value)
+    return False
+
+
+class GuardedTracer(LeafFallbackTracer):
+    """A tracer that runs the example alongside the trace, so that control flow on metadata
+    (HuggingFace's ``if pixel_values.dtype != expected_dtype``, ``if num_channels !=
+    self.num_channels``, a position-table size check) takes the branch the example takes.
+
+    Every such decision is kept in the graph as a guard (``torch._assert``) on the same
+    condition, recomputed at run time: an input, or a token count after a reduction, that
+    would take the other branch fails the guard instead of silently running the recorded one.
+    Branches on tensor data are refused as before. The values flowing through the graph stay
+    symbolic (``x.shape`` is still read at run time), so rewriting works as on a plain trace.
+    """
+
+    def __init__(self, leaves: set[str], example: tuple[torch.Tensor, ...]) -> None:
+        super().__init__(leaves)
+        self._examples = list(example)
+        self._values: dict[fx.Node, object] = {}
+        self.guards = 0
+
+    def _value(self, arg: object) -> object:
+        if isinstance(arg, fx.proxy.Attribute):
+            root = self._value(arg.root)
+            return _NO_VALUE if root is _NO_VALUE else getattr(root, arg.attr, _NO_VALUE)
+        if isinstance(arg, fx.Proxy):
+            return self._values.get(arg.node, _NO_VALUE)
+        return arg
+
+    def _concrete(self, args: object) -> object:
+        missing = False
+
+        def one(a: object) -> object:
+            nonlocal missing
+            value = self._value(a)
+            missing = missing or value is _NO_VALUE
+            return value
+
+        def walk(a: object) -> object:
+            if isinstance(a, (tuple, list)):
+                return type(a)(walk(v) for v in a) if not hasattr(a, "_fields") else a
+            if isinstance(a, dict):
+                return {k: walk(v) for k, v in a.items()}
+            if isinstance(a, slice):
+                return slice(walk(a.start), walk(a.stop), walk(a.step))
+            return one(a)
+
+        result = walk(args)
+        return _NO_VALUE if missing else result
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, *rest, **kw):  # type: ignore[override]
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, *rest, **kw)
+        self._computing = True  # the example runs through the modules as plain eager code
+        try:
+            self._values[proxy.node] = self._run(kind, target, args, kwargs)
+        finally:
+            self._computing = False
+        return proxy
+
+    # While the example runs, module calls and attribute reads are the patched ones of the trace:
+    # they must run the real code instead of recording nodes.
+    _computing = False
+
+    def call_module(self, m, forward, args, kwargs):  # type: ignore[override]
+        if self._computing:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):  # type: ignore[override]
+        if self._computing:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def _run(self, kind: str, target, args, kwargs) -> object:
+        if kind == "placeholder":
+            return self._examples.pop(0) if self._examples else _NO_VALUE
+        if kind == "get_attr":
+            value: object = self.root
+            for part in str(target).split("."):
+                value = getattr(value, part, _NO_VALUE)
+                if value is _NO_VALUE:
+                    break
+            return value
+        concrete_args = self._concrete(args)
+        concrete_kwargs = self._concrete(kwargs)
+        if concrete_args is _NO_VALUE or concrete_kwargs is _NO_VALUE:
+            return _NO_VALUE
+        try:
+            with torch.no_grad():
+                if kind == "call_function":
+                    return target(*concrete_args, **concrete_kwargs)
+                if kind == "call_method":
+                    receiver, *rest = concrete_args
+                    return getattr(receiver, target)(*rest, **concrete_kwargs)
+                if kind == "call_module":
+                    return self.root.get_submodule(target)(*concrete_args, **concrete_kwargs)
+        except Exception:  # noqa: BLE001 - no value: control flow on it is refused as before
+            return _NO_VALUE
+        return _NO_VALUE
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        value = self._value(obj)
+        if value is _NO_VALUE or not _plain_value(value):
+            return super().to_bool(obj)  # data-dependent: no single branch to record
+        decided = bool(value)
+        condition = (
+            obj if decided else self.create_proxy("call_function", operator.not_, (obj,), {})
+        )
+        where = self._stack[-1] if self._stack and self._stack[-1] else "the top level"
+        self.create_proxy(
+            "call_function",
+            torch._assert,
+            (
+                condition,
+                f"this input takes another branch than the captured graph at {where}: a "
+                f"check on shapes or dtypes there was {decided} on the example input",
+            ),
+            {},
+        )
+        self.guards += 1
+        return decided
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _SizedProxy(node, self)
+
+    def length(self, obj: fx.Proxy) -> int:
+        """``len`` of a tuple (a shape's prefix, unpacked with ``*``): its rank is fixed by the
+        structure. A tensor's length (the batch) is not, and stays refused."""
+        value = self._value(obj)
+        if isinstance(value, (tuple, list)) and not isinstance(value, torch.Tensor):
+            return len(value)
+        raise RuntimeError("'len' of a traced tensor is not supported in symbolic tracing")
+
+    def iter(self, obj: fx.Proxy):  # type: ignore[override]
+        value = self._value(obj)
+        if isinstance(value, (tuple, list)) and not isinstance(value, torch.Tensor):
+            # A tuple's length (a shape's rank, a list of stages) is fixed by the structure.
+            return iter([obj[i] for i in range(len(value))])
+        return super().iter(obj)
+
+
+class _SizedProxy(fx.Proxy):
+    """A proxy whose ``len`` the :class:`GuardedTracer` answers where it is structural."""
+
+    def __len__(self) -> int:
+        return self.tracer.length(self)  # type: ignore[attr-defined]
+
+
 @dataclass
 class CapturedGraph:
     module: fx.GraphModule
-    method: str  # "symbolic_trace" or "export"
+    method: str  # "symbolic_trace", "guarded_trace" (GuardedTracer) or "export"
     leaves: list[str] = field(default_factory=list)
     example: torch.Tensor | None = None
+    trace_error: str | None = None  # why symbolic tracing failed, for a graph from torch.export
+
+
+def check_rewritable(captured: CapturedGraph, variant: str) -> None:
+    """Refuse, in one line naming the blocker, to compress a graph only ``torch.export`` took.
+
+    An exported graph fixes every shape to the example's (its reshapes hold the token count as
+    a constant) and its module cannot be put in training mode, so dropping tokens in it would
+    crash at run time, or train nothing; the blocker is what stopped symbolic tracing."""
+    if captured.method != "export":
+        return
+    raise CaptureError(
+        f"{variant} cannot rewrite this model: only torch.export could capture it, and an "
+        "exported graph fixes every tensor shape to the example's token count (and cannot "
+        f"train), so tokens cannot be dropped in it; symbolic tracing stopped at: "
+        f"{captured.trace_error}"
+    )
 
 
 def bound_defaults(model: nn.Module) -> dict[str, object]:
@@ -78,12 +254,18 @@ def bound_defaults(model: nn.Module) -> dict[str, object]:
     return {p.name: p.default for p in optional}
 
 
-def _symbolic_trace(model: nn.Module) -> tuple[fx.GraphModule, list[str]]:
+def _symbolic_trace(
+    model: nn.Module, example: torch.Tensor | None = None
+) -> tuple[fx.GraphModule, list[str]]:
+    """Trace ``model``, keeping failing submodules whole; given an ``example``, with the
+    :class:`GuardedTracer` (control flow on metadata decided on it, under guards)."""
     leaves: set[str] = set()
     last_error: Exception | None = None
     concrete = bound_defaults(model)
     for _ in range(MAX_LEAF_RETRIES):
-        tracer = LeafFallbackTracer(leaves)
+        tracer = (
+            LeafFallbackTracer(leaves) if example is None else GuardedTracer(leaves, (example,))
+        )
         try:
             graph = tracer.trace(model, concrete_args=concrete or None)
         except Exception as e:  # noqa: BLE001 - any tracing failure leads to a retry
@@ -95,6 +277,28 @@ def _symbolic_trace(model: nn.Module) -> tuple[fx.GraphModule, list[str]]:
         name = model.__class__.__name__
         return fx.GraphModule(tracer.root, graph, name), sorted(leaves)
     raise CaptureError(f"symbolic tracing failed: {type(last_error).__name__}: {last_error}")
+
+
+def _best_trace(model: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule, list[str], str]:
+    """A plain symbolic trace where it takes the whole model; else the guarded trace where it
+    keeps fewer submodules whole (HuggingFace models check a dtype or a channel count first)."""
+    try:
+        gm, leaves = _symbolic_trace(model)
+    except CaptureError as plain_error:
+        try:
+            gm, leaves = _symbolic_trace(model, example)
+        except CaptureError:
+            raise plain_error from None
+        return gm, leaves, "guarded_trace"
+    if not leaves:
+        return gm, leaves, "symbolic_trace"
+    try:
+        guarded, guarded_leaves = _symbolic_trace(model, example)
+    except CaptureError:
+        return gm, leaves, "symbolic_trace"
+    if len(guarded_leaves) < len(leaves):
+        return guarded, guarded_leaves, "guarded_trace"
+    return gm, leaves, "symbolic_trace"
 
 
 def _export(model: nn.Module, example: torch.Tensor) -> fx.GraphModule:
@@ -137,16 +341,23 @@ def annotate_shapes(gm: fx.GraphModule, example: torch.Tensor) -> None:
 def capture(model: nn.Module, example: torch.Tensor) -> CapturedGraph:
     """Capture ``model`` (left unchanged) as a graph with shapes from ``example``."""
     model = copy.deepcopy(model).eval()
+    blocker: str | None = None  # why symbolic tracing failed, where export takes over
     try:
-        gm, leaves = _symbolic_trace(model)
-        method = "symbolic_trace"
+        gm, leaves, method = _best_trace(model, example)
     except CaptureError as trace_error:
         try:
             gm, leaves, method = _export(model, example), [], "export"
+            blocker = str(trace_error)
         except Exception as e:  # noqa: BLE001
             raise CaptureError(
                 f"could not capture the model: {trace_error}; torch.export also failed: "
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             ) from e
     annotate_shapes(gm, example)
-    return CapturedGraph(module=gm, method=method, leaves=leaves, example=example)
+    return CapturedGraph(
+        module=gm,
+        method=method,
+        leaves=leaves,
+        example=example,
+        trace_error=blocker,
+    )
