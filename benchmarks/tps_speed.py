@@ -169,12 +169,34 @@ def tokens_per_block(model: nn.Module, depth: int) -> list[tuple[int, int]]:
 # --------------------------------------------------------------------------------------------------
 
 
+COMPILED = "@compiled"  # suffix of a model's compiled twin when eager and compiled are timed
+
+
+def with_compiled(models: dict[str, nn.Module], args: argparse.Namespace) -> dict[str, nn.Module]:
+    """``models``, plus a compiled twin of each (``NAME@compiled``) with ``--compile --eager-too``;
+    with ``--compile`` alone the names stay and every model is compiled."""
+    if not (args.compile and args.eager_too):
+        return models
+    return models | {name + COMPILED: model for name, model in models.items()}
+
+
+def compile_setting(models: dict[str, nn.Module], args: argparse.Namespace) -> bool | list[str]:
+    if not args.compile:
+        return False
+    return [name for name in models if name.endswith(COMPILED)] if args.eager_too else True
+
+
 def timed_rounds(
     models: dict[str, nn.Module], args: argparse.Namespace, log: Callable[[str], None]
 ) -> tuple[dict[str, list[float]], list[dict]]:
     """``args.rounds`` calls of ``measure_throughput`` over all models, the order rotated each
-    round. Returns the pooled samples per model and the per-round reports."""
+    round. Returns the pooled samples per model and the per-round reports.
+
+    Compiled models are compiled alike: ``torch.compile(fullgraph=True)`` with inductor (and
+    ``--compile-mode``); fullgraph makes a graph break an error instead of a slower model."""
     names = list(models)
+    compile = compile_setting(models, args)
+    options = {"fullgraph": True} | ({"mode": args.compile_mode} if args.compile_mode else {})
     pooled: dict[str, list[float]] = {name: [] for name in names}
     reports = []
     for r in range(args.rounds):
@@ -189,8 +211,12 @@ def timed_rounds(
             device=args.device,
             dtype=DTYPES[args.amp or "fp32"],
             amp=args.amp is not None,
-            compile=args.compile,
+            compile=compile,
+            compile_options=options if compile else None,
         )
+        if compile and r == 0:
+            seconds = report.environment["compile_seconds"]
+            log("  compiled: " + ", ".join(f"{n} {t:.0f} s" for n, t in seconds.items()))
         for name in names:
             pooled[name].extend(report.results[name].samples)
         reports.append(report.to_json() | {"loadavg_1min": [load_before, os.getloadavg()[0]]})
@@ -280,28 +306,35 @@ def part_overhead(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
         models[variant] = compressed
         models[f"{variant}-ideal"] = ideal
 
-    pooled, reports = timed_rounds(models, args, log)
+    pooled, reports = timed_rounds(with_compiled(models, args), args, log)
     env = reports[-1]["environment"]
+    modes = [""] + ([COMPILED] if args.compile and args.eager_too else [])
     rows = []
-    for variant in args.variants:
-        c, i = median(pooled[variant]), median(pooled[f"{variant}-ideal"])
-        per_round = round_ratios(reports, variant, f"{variant}-ideal")
-        pairs = paired_ratios(reports, variant, f"{variant}-ideal")
-        interval = bootstrap_median_ci(pairs)
-        rows.append(
-            {
+    for mode in modes:
+        for variant in args.variants:
+            name, ideal_name = variant + mode, f"{variant}-ideal{mode}"
+            c, i = median(pooled[name]), median(pooled[ideal_name])
+            pairs = paired_ratios(reports, name, ideal_name)
+            interval = bootstrap_median_ci(pairs)
+            row = {
                 "variant": variant,
+                "compiled": args.compile and (mode == COMPILED or not args.eager_too),
                 "compressed": c,
                 "idealised": i,
                 "ratio": c / i,
-                "round_ratios": per_round,
+                "round_ratios": round_ratios(reports, name, ideal_name),
                 "paired_median": median(pairs),
                 "paired_ci95": list(interval),
                 "verdict": verdict(interval, TARGET),
                 "meets_target": verdict(interval, TARGET) == "yes",
                 **info[variant],
             }
-        )
+            if args.with_base:
+                # The speed-up over the uncompressed model timed in the same rounds, alike.
+                vs_base = paired_ratios(reports, name, args.model + mode)
+                row["vs_base_paired_median"] = median(vs_base)
+                row["vs_base_paired_ci95"] = list(bootstrap_median_ci(vs_base))
+            rows.append(row)
     base_row = median(pooled[args.model]) if args.with_base else None
 
     print(
@@ -313,16 +346,26 @@ def part_overhead(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
         f"{args.rounds * args.runs} timed batches per model.\n"
     )
     print(
-        "| variant | GMACs compressed | GMACs idealised | compressed img/s | idealised img/s "
-        f"| ratio of medians | paired ratio, median [95% CI] | >= {TARGET:.0%} |"
+        "| variant | compiled | GMACs compressed | GMACs idealised | compressed img/s "
+        f"| idealised img/s | ratio of medians | paired ratio, median [95% CI] | >= {TARGET:.0%} "
+        "| vs base, paired [95% CI] |"
     )
-    print("|---|---:|---:|---:|---:|---:|---|:---:|")
+    print("|---|:---:|---:|---:|---:|---:|---:|---|:---:|---|")
     for row in rows:
         low, high = row["paired_ci95"]
+        vs_base = (
+            "{:.3f} [{:.3f}, {:.3f}]".format(
+                row["vs_base_paired_median"], *row["vs_base_paired_ci95"]
+            )
+            if "vs_base_paired_median" in row
+            else "-"
+        )
         print(
-            f"| {row['variant']} | {row['gmacs_compressed']:.3f} | {row['gmacs_idealised']:.3f} "
+            f"| {row['variant']} | {'yes' if row['compiled'] else 'no'} "
+            f"| {row['gmacs_compressed']:.3f} | {row['gmacs_idealised']:.3f} "
             f"| {row['compressed']:.2f} | {row['idealised']:.2f} | {row['ratio']:.3f} "
-            f"| {row['paired_median']:.3f} [{low:.3f}, {high:.3f}] | {row['verdict']} |"
+            f"| {row['paired_median']:.3f} [{low:.3f}, {high:.3f}] | {row['verdict']} "
+            f"| {vs_base} |"
         )
     print(
         "\nThe verdict uses the paired ratios (one batch of each model per sweep) and the "
@@ -331,6 +374,9 @@ def part_overhead(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
     )
     if base_row is not None:
         print(f"\nUncompressed {args.model}: {gmacs(base):.3f} GMACs, {base_row:.2f} img/s.")
+        if COMPILED in modes:
+            compiled_base = median(pooled[args.model + COMPILED])
+            print(f"Uncompressed {args.model}, compiled: {compiled_base:.2f} img/s.")
     return {
         "model": args.model,
         "locs": locs,
@@ -362,10 +408,15 @@ def part_headline(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
         + f"; dtps/deit_small = {macs['deit_small+dtps'] / macs['deit_small']:.1%}"
     )
 
-    pooled, reports = timed_rounds(names, args, log)
+    pooled, reports = timed_rounds(with_compiled(names, args), args, log)
     env = reports[-1]["environment"]
     med = {name: median(values) for name, values in pooled.items()}
     ratio = med["deit_small+dtps"] / med["deit_tiny"]
+    compiled_ratio = (
+        med["deit_small+dtps" + COMPILED] / med["deit_tiny" + COMPILED]
+        if "deit_tiny" + COMPILED in med
+        else None
+    )
     per_round = round_ratios(reports, "deit_small+dtps", "deit_tiny")
 
     print(
@@ -388,6 +439,11 @@ def part_headline(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
         f"{', '.join(f'{r:.3f}' for r in per_round)}); paper (RTX 2080Ti): 1745 / 1686 = 1.035. "
         f"dtps GMACs = {macs['deit_small+dtps'] / macs['deit_small']:.1%} of deit_small."
     )
+    if compiled_ratio is not None:
+        print(
+            f"Compiled alike (same rounds): deit_small+dtps / deit_tiny = {compiled_ratio:.3f} "
+            f"({med['deit_small+dtps' + COMPILED]:.2f} vs {med['deit_tiny' + COMPILED]:.2f} img/s)."
+        )
     return {
         "locs": args.headline_locs,
         "keep": args.headline_keep,
@@ -395,6 +451,7 @@ def part_headline(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
         "gmacs": macs,
         "img_s": med,
         "ratio_dtps_vs_tiny": ratio,
+        "ratio_dtps_vs_tiny_compiled": compiled_ratio,
         "round_ratios": per_round,
         "environment": env,
         "rounds": reports,
@@ -501,7 +558,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="autocast in this dtype (CUDA only); default: float32",
     )
-    p.add_argument("--compile", action="store_true", help="torch.compile every model (inductor)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile(fullgraph=True) every model alike (inductor)",
+    )
+    p.add_argument(
+        "--eager-too",
+        action="store_true",
+        help="with --compile: time each model eager and compiled, interleaved in the same rounds "
+        "(the compiled twin is NAME@compiled)",
+    )
+    p.add_argument(
+        "--compile-mode",
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        default=None,
+        help="torch.compile mode (default: torch's)",
+    )
     p.add_argument("--model", default="deit_small_patch16_224", help="overhead part: base model")
     p.add_argument(
         "--variants",
@@ -532,6 +605,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json-out", default=None, help="write all numbers and samples as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = p.parse_args(argv)
+    if args.eager_too and not args.compile:
+        p.error("--eager-too times each model eager and compiled: it needs --compile")
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")

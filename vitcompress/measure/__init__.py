@@ -9,6 +9,7 @@ from .throughput import (
     ThroughputReport,
     environment,
     load_average,
+    measure_callables,
     measure_throughput,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "environment",
     "load_average",
     "macs_by_module",
+    "measure_callables",
     "measure_throughput",
     "paired_ratio",
     "paired_ratios",

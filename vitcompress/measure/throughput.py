@@ -16,11 +16,12 @@ uses, read before and after timing), and a time budget that ended the timing bef
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ __all__ = [
     "environment",
     "load_average",
     "load_warning",
+    "measure_callables",
     "measure_throughput",
 ]
 
@@ -184,18 +186,24 @@ def measure_throughput(
     dtype: torch.dtype = torch.float32,
     warmup: int = 3,
     runs: int = 10,
-    compile: bool = False,
+    compile: bool | Collection[str] = False,
     amp: bool = False,
     time_budget: float | None = None,
     on_round: Callable[[RoundProgress], None] | None = None,
+    compile_options: Mapping[str, Any] | None = None,
 ) -> ThroughputReport:
     """Images/s of each model in inference mode, timed interleaved in this process.
 
     ``input_size`` is ``(channels, height, width)``. Without ``amp`` the models run in ``dtype``
     (a copy is made if a model is not already on ``device`` in ``dtype``); with ``amp`` they stay
-    in float32 under ``torch.autocast(dtype=dtype)``, which is only offered on CUDA. ``compile``
-    wraps each model with ``torch.compile``; compilation happens during warm-up, so at least one
-    warm-up batch is required then. Training flags are restored afterwards.
+    in float32 under ``torch.autocast(dtype=dtype)``, which is only offered on CUDA. Training
+    flags are restored afterwards.
+
+    ``compile`` wraps every model (``True``) or the models so named (a collection of names) with
+    ``torch.compile(**compile_options)``. Each compiled model is run once before warm-up, outside
+    the time budget: its compilation time (``environment["compile_seconds"]``) and the graphs
+    dynamo made of it (``environment["compiled_graphs"]``; more than one means graph breaks, which
+    is also a warning) are recorded, and nothing of it is timed.
 
     ``time_budget`` (seconds) bounds warm-up and timing together: no round starts once it is
     spent, but one warm-up round (when ``warmup`` > 0) and one timed round always run, so a round
@@ -207,8 +215,7 @@ def measure_throughput(
         raise ValueError(f"input_size must be (channels, height, width), got {tuple(input_size)}")
     if batch_size < 1 or runs < 1 or warmup < 0:
         raise ValueError("batch_size and runs must be >= 1 and warmup >= 0")
-    if compile and warmup < 1:
-        raise ValueError("compile=True needs warmup >= 1, or compilation time would be timed")
+    compiled_names = _compiled_names(compile, models)
     if time_budget is not None and time_budget <= 0:
         raise ValueError(f"time_budget must be > 0 seconds, got {time_budget}")
     device = torch.device(device)
@@ -227,7 +234,11 @@ def measure_throughput(
     runnable: dict[str, nn.Module] = {}
     for name, model in models.items():
         prepared = _prepare(model, device, run_dtype).eval()
-        runnable[name] = torch.compile(prepared) if compile else prepared  # type: ignore[assignment]
+        runnable[name] = (
+            torch.compile(prepared, **dict(compile_options or {}))  # type: ignore[assignment]
+            if name in compiled_names
+            else prepared
+        )
 
     def forward(model: nn.Module) -> None:
         if amp:
@@ -236,7 +247,127 @@ def measure_throughput(
         else:
             model(x)
 
-    samples: dict[str, list[float]] = {name: [] for name in runnable}
+    compile_seconds: dict[str, float] = {}
+    compiled_graphs: dict[str, int] = {}
+    try:
+        with torch.inference_mode():
+            # Compilation first, each model on its own and outside the budget: minutes of
+            # code generation must neither be timed nor eat the rounds that are.
+            for name in compiled_names:
+                compile_seconds[name], compiled_graphs[name] = _compile_pass(
+                    lambda model=runnable[name]: forward(model), device
+                )
+            rounds = _interleave(
+                {name: functools.partial(forward, model) for name, model in runnable.items()},
+                batch_size,
+                warmup,
+                runs,
+                time_budget,
+                on_round,
+                lambda: _synchronize(device),
+            )
+    finally:
+        # eval() above changed the caller's models whenever no copy was needed.
+        for name, model in models.items():
+            model.train(flags[name][0][1])
+            for module, training in flags[name]:
+                module.training = training
+
+    warnings = [
+        f"{name} compiled into {graphs} graphs: dynamo broke the graph "
+        f"{graphs - 1} time{'s' if graphs > 2 else ''}, so part of it runs eagerly between them"
+        for name, graphs in compiled_graphs.items()
+        if graphs > 1
+    ]
+    return rounds.report(
+        environment(device, dtype, batch_size)
+        | {
+            "input_size": list(input_size),
+            "compile": bool(compiled_names),
+            "compiled_models": list(compiled_names),
+            "compile_options": dict(compile_options or {}) if compiled_names else None,
+            "compile_seconds": compile_seconds,
+            "compiled_graphs": compiled_graphs,
+            "amp": amp,
+        },
+        warnings,
+    )
+
+
+def measure_callables(
+    runners: Mapping[str, Callable[[], Any]],
+    batch_size: int,
+    warmup: int = 3,
+    runs: int = 10,
+    time_budget: float | None = None,
+    on_round: Callable[[RoundProgress], None] | None = None,
+    extra_environment: Mapping[str, Any] | None = None,
+) -> ThroughputReport:
+    """Images/s of each runner, a call that processes one batch of ``batch_size`` images on the
+    CPU (an onnxruntime session, say), timed interleaved like :func:`measure_throughput`."""
+    if not runners:
+        raise ValueError("no runners to time")
+    if batch_size < 1 or runs < 1 or warmup < 0:
+        raise ValueError("batch_size and runs must be >= 1 and warmup >= 0")
+    if time_budget is not None and time_budget <= 0:
+        raise ValueError(f"time_budget must be > 0 seconds, got {time_budget}")
+    rounds = _interleave(runners, batch_size, warmup, runs, time_budget, on_round, lambda: None)
+    return rounds.report(
+        environment("cpu", torch.float32, batch_size) | dict(extra_environment or {}), []
+    )
+
+
+@dataclass
+class _Rounds:
+    """What :func:`_interleave` timed, and how far it got."""
+
+    samples: dict[str, list[float]]
+    warmup: int
+    runs: int
+    warmed: int
+    timed: int
+    time_budget: float | None
+    seconds: float
+    loads: list[float | None]
+
+    def report(self, env: dict[str, Any], warnings: list[str]) -> ThroughputReport:
+        """The report, with the load and budget warnings added to ``warnings``."""
+        warnings = [w for w in (load_warning(self.loads, torch.get_num_threads()),) if w] + list(
+            warnings
+        )
+        if self.timed < self.runs or self.warmed < self.warmup:
+            warnings.append(
+                f"timing stopped at the {self.time_budget:g} s budget after {self.warmed} of "
+                f"{self.warmup} warm-up and {self.timed} of {self.runs} timed rounds; raise "
+                "the budget (--bench-seconds) for a tighter interval"
+            )
+        return ThroughputReport(
+            results={name: ModelThroughput(samples=v) for name, v in self.samples.items()},
+            environment=env
+            | {
+                "warmup": self.warmed,
+                "runs": self.timed,
+                "warmup_requested": self.warmup,
+                "runs_requested": self.runs,
+                "time_budget_s": self.time_budget,
+                "seconds": self.seconds,
+                "loadavg_1min": self.loads,
+            },
+            warnings=warnings,
+        )
+
+
+def _interleave(
+    runners: Mapping[str, Callable[[], Any]],
+    batch_size: int,
+    warmup: int,
+    runs: int,
+    time_budget: float | None,
+    on_round: Callable[[RoundProgress], None] | None,
+    synchronize: Callable[[], None],
+) -> _Rounds:
+    """Warm-up rounds, then timed rounds, each one batch of every runner in turn."""
+    samples: dict[str, list[float]] = {name: [] for name in runners}
     loads = [load_average()]
     began = time.perf_counter()
 
@@ -256,55 +387,55 @@ def measure_throughput(
             )
 
     warmed = timed = 0
-    try:
-        with torch.inference_mode():
-            # Warm-up round-robin as well, so every model leaves warm-up with the same caches and
-            # allocator state, and one-off costs (compilation, cuDNN autotuning) stay out.
-            while warmed < warmup and not (warmed and spent()):
-                for model in runnable.values():
-                    forward(model)
-                warmed += 1
-                report_round(True, warmed, warmup)
-            _synchronize(device)
-            while timed < runs and not (timed and spent()):
-                for name, model in runnable.items():
-                    _synchronize(device)
-                    start = time.perf_counter()
-                    forward(model)
-                    _synchronize(device)
-                    samples[name].append(batch_size / (time.perf_counter() - start))
-                timed += 1
-                report_round(False, timed, runs)
-    finally:
-        # eval() above changed the caller's models whenever no copy was needed.
-        for name, model in models.items():
-            model.train(flags[name][0][1])
-            for module, training in flags[name]:
-                module.training = training
-
+    # Warm-up round-robin as well, so every runner leaves warm-up with the same caches and
+    # allocator state, and one-off costs (cuDNN autotuning, first-call allocation) stay out.
+    while warmed < warmup and not (warmed and spent()):
+        for run in runners.values():
+            run()
+        warmed += 1
+        report_round(True, warmed, warmup)
+    synchronize()
+    while timed < runs and not (timed and spent()):
+        for name, run in runners.items():
+            synchronize()
+            start = time.perf_counter()
+            run()
+            synchronize()
+            samples[name].append(batch_size / (time.perf_counter() - start))
+        timed += 1
+        report_round(False, timed, runs)
     loads.append(load_average())
-    threads = torch.get_num_threads()
-    warnings = [w for w in (load_warning(loads, threads),) if w]
-    if timed < runs or warmed < warmup:
-        warnings.append(
-            f"timing stopped at the {time_budget:g} s budget after {warmed} of "
-            f"{warmup} warm-up and {timed} of {runs} timed rounds; raise the budget "
-            "(--bench-seconds) for a tighter interval"
-        )
-    return ThroughputReport(
-        results={name: ModelThroughput(samples=values) for name, values in samples.items()},
-        environment=environment(device, dtype, batch_size)
-        | {
-            "input_size": list(input_size),
-            "warmup": warmed,
-            "runs": timed,
-            "warmup_requested": warmup,
-            "runs_requested": runs,
-            "time_budget_s": time_budget,
-            "seconds": time.perf_counter() - began,
-            "loadavg_1min": loads,
-            "compile": compile,
-            "amp": amp,
-        },
-        warnings=warnings,
+    return _Rounds(
+        samples=samples,
+        warmup=warmup,
+        runs=runs,
+        warmed=warmed,
+        timed=timed,
+        time_budget=time_budget,
+        seconds=time.perf_counter() - began,
+        loads=loads,
     )
+
+
+def _compiled_names(compile: bool | Collection[str], models: Mapping[str, nn.Module]) -> list[str]:
+    """The names of the models to compile, in the models' order."""
+    if isinstance(compile, bool):
+        return list(models) if compile else []
+    if isinstance(compile, str):
+        raise TypeError("compile takes a bool or a collection of model names, not a string")
+    unknown = set(compile) - set(models)
+    if unknown:
+        raise ValueError(f"compile names models that are not timed: {sorted(unknown)}")
+    return [name for name in models if name in compile]
+
+
+def _compile_pass(run: Callable[[], None], device: torch.device) -> tuple[float, int]:
+    """Seconds of a compiled model's first call (compilation and one batch), and the graphs dynamo
+    made during it (``unique_graphs`` is a process-wide counter: read before and after)."""
+    from torch._dynamo.utils import counters
+
+    graphs_before = int(counters["stats"]["unique_graphs"])
+    start = time.perf_counter()
+    run()
+    _synchronize(device)
+    return time.perf_counter() - start, int(counters["stats"]["unique_graphs"]) - graphs_before

@@ -13,6 +13,7 @@ selection baked in as constants would show up as a mismatch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -28,6 +29,10 @@ FORMATS = ("onnx", "torchscript", "exported-program")
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
 ATOL = 1e-4
 DEFAULT_OPSET = 17
+BATCH_AXIS = "batch"  # the name of the symbolic batch dimension (ONNX dim_param, export Dim)
+# With a dynamic batch the graph is traced at this batch (not 1, which torch.export would
+# specialise) and checked at two other sizes, 1 included.
+DYNAMIC_TRACE_BATCH = 2
 
 
 class ExportError(Exception):
@@ -92,16 +97,60 @@ def _sort_symbolic(g: Any, self: Any, *args: Any) -> Any:
     )
 
 
+# ``aten::rms_norm`` (timm's RmsNorm, e.g. AIMv2) has no symbolic either: ONNX has
+# RMSNormalization only from opset 23, beyond the TorchScript-based exporter. It is decomposed as
+# torch computes it: x / sqrt(mean(x^2 over the normalized dims) + eps) * weight, with eps (when
+# None) the input dtype's machine epsilon.
+_ONNX_FLOAT_TYPES = {
+    "Float": torch.float32,
+    "Double": torch.float64,
+    "Half": torch.float16,
+    "BFloat16": torch.bfloat16,
+}
+
+
+def _rms_norm_symbolic(
+    g: Any, x: Any, normalized_shape: Any, weight: Any, eps: Any, opset: int = DEFAULT_OPSET
+) -> Any:
+    from torch.onnx import symbolic_helper as helper
+
+    dims = len(helper._get_const(normalized_shape, "is", "normalized_shape"))
+    axes = list(range(-dims, 0))
+    if helper._is_none(eps):
+        scalar = x.type().scalarType() if hasattr(x.type(), "scalarType") else None
+        eps_value = torch.finfo(_ONNX_FLOAT_TYPES.get(scalar, torch.float32)).eps
+    else:
+        eps_value = helper._get_const(eps, "f", "eps")
+    squared = g.op("Mul", x, x)
+    if opset >= 18:  # ReduceMean takes its axes as an input from opset 18
+        axes_input = g.op("Constant", value_t=torch.tensor(axes, dtype=torch.int64))
+        mean = g.op("ReduceMean", squared, axes_input, keepdims_i=1)
+    else:
+        mean = g.op("ReduceMean", squared, axes_i=axes, keepdims_i=1)
+    epsilon = g.op("CastLike", g.op("Constant", value_t=torch.tensor(eps_value)), x)
+    normed = g.op("Div", x, g.op("Sqrt", g.op("Add", mean, epsilon)))
+    return normed if helper._is_none(weight) else g.op("Mul", normed, weight)
+
+
+_ONNX_SYMBOLICS = ("aten::sort", "aten::rms_norm")
+
+
 @contextlib.contextmanager
 def _onnx_symbolics(opset: int) -> Iterator[None]:
     torch.onnx.register_custom_op_symbolic("aten::sort", _sort_symbolic, opset)
+    torch.onnx.register_custom_op_symbolic(
+        "aten::rms_norm", functools.partial(_rms_norm_symbolic, opset=opset), opset
+    )
     try:
         yield
     finally:
-        torch.onnx.unregister_custom_op_symbolic("aten::sort", opset)
+        for name in _ONNX_SYMBOLICS:
+            torch.onnx.unregister_custom_op_symbolic(name, opset)
 
 
-def _export_onnx(module: nn.Module, example: Tensor, out: Path, opset: int) -> Callable:
+def _export_onnx(
+    module: nn.Module, example: Tensor, out: Path, opset: int, dynamic_batch: bool
+) -> Callable:
     with _onnx_symbolics(opset), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
@@ -112,6 +161,9 @@ def _export_onnx(module: nn.Module, example: Tensor, out: Path, opset: int) -> C
             opset_version=opset,
             input_names=["image"],
             output_names=["logits"],
+            dynamic_axes=(
+                {"image": {0: BATCH_AXIS}, "logits": {0: BATCH_AXIS}} if dynamic_batch else None
+            ),
             do_constant_folding=True,
         )
 
@@ -146,8 +198,9 @@ def _export_torchscript(module: nn.Module, example: Tensor, out: Path) -> Callab
         return torch.jit.load(str(out))
 
 
-def _export_program(module: nn.Module, example: Tensor, out: Path) -> Callable:
-    program = torch.export.export(module, (example,), strict=False)
+def _export_program(module: nn.Module, example: Tensor, out: Path, dynamic_batch: bool) -> Callable:
+    dynamic_shapes = {"x": {0: torch.export.Dim(BATCH_AXIS, min=1)}} if dynamic_batch else None
+    program = torch.export.export(module, (example,), dynamic_shapes=dynamic_shapes, strict=False)
     torch.export.save(program, str(out))
     return torch.export.load(str(out)).module()
 
@@ -170,6 +223,7 @@ def export_model(
     batch_size: int = 1,
     opset: int = DEFAULT_OPSET,
     check: bool = True,
+    dynamic_batch: bool = False,
 ) -> dict[str, Any]:
     """Export ``model``'s inference path (eval mode; its mode is restored afterwards) for inputs of
     shape ``(batch_size, *input_size)`` and, with ``check``, run the written file on a fresh input
@@ -178,6 +232,12 @@ def export_model(
     ``fmt``: ``onnx`` (``torch.onnx.export``, TorchScript-based exporter, checked with
     onnxruntime), ``torchscript`` (``torch.jit.trace``), ``exported-program``
     (``torch.export.export`` + ``torch.export.save``, reloaded with ``torch.export.load``).
+
+    ``dynamic_batch``: the batch dimension is symbolic (ONNX ``dynamic_axes``, a ``torch.export``
+    ``Dim``; a TorchScript trace reads it at run time anyway); token counts stay constants. The
+    graph is traced at batch :data:`DYNAMIC_TRACE_BATCH` and checked at two other batch sizes
+    (``checked_batch_sizes``), so a batch baked into the graph shows up as an error or a mismatch
+    (:class:`ExportCheckError`). ``batch_size`` is then not used.
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -195,7 +255,9 @@ def export_model(
     if fmt == "onnx":
         _require("onnx", "onnxruntime")
     input_size = tuple(int(v) for v in input_size)
-    example = _inputs(batch_size, input_size, seed=0)
+    trace_batch = DYNAMIC_TRACE_BATCH if dynamic_batch else batch_size
+    check_batches = [1, DYNAMIC_TRACE_BATCH + 1] if dynamic_batch else [batch_size]
+    example = _inputs(trace_batch, input_size, seed=0)
     start = time.perf_counter()
     with eval_mode(model), torch.no_grad():
         module = _Inference(model)
@@ -206,11 +268,11 @@ def export_model(
             )
         try:
             if fmt == "onnx":
-                run = _export_onnx(module, example, out, opset)
+                run = _export_onnx(module, example, out, opset, dynamic_batch)
             elif fmt == "torchscript":
                 run = _export_torchscript(module, example, out)
             else:
-                run = _export_program(module, example, out)
+                run = _export_program(module, example, out, dynamic_batch)
         except OSError as e:
             raise ExportError(f"cannot write {out}: {e.strerror or e}") from e
         except Exception as e:
@@ -220,10 +282,11 @@ def export_model(
             "format": fmt,
             "out": str(out),
             "bytes": out.stat().st_size,
-            "input_shape": [batch_size, *input_size],
-            "batch": "fixed",
+            "input_shape": [BATCH_AXIS if dynamic_batch else batch_size, *input_size],
+            "batch": "dynamic" if dynamic_batch else "fixed",
             "export_seconds": round(seconds, 3),
             "checked": False,
+            "checked_batch_sizes": [],
             "max_abs_diff": None,
             "atol": ATOL,
         }
@@ -231,12 +294,25 @@ def export_model(
             result["opset"] = opset
             result["static_shapes"] = onnx_static_shapes(out)
         if check:
-            fresh = _inputs(batch_size, input_size, seed=1)
-            diff = _max_diff(run(fresh), module(fresh))
-            result.update(checked=True, max_abs_diff=diff)
+            diff = 0.0
+            for seed, batch in enumerate(check_batches, start=1):
+                fresh = _inputs(batch, input_size, seed=seed)
+                try:
+                    got = run(fresh)
+                except Exception as e:
+                    if not dynamic_batch:
+                        raise
+                    # A batch read as a constant somewhere in the graph fails here.
+                    raise ExportCheckError(
+                        f"the {fmt} file does not run at batch {batch} (traced at "
+                        f"{trace_batch}): {_one_line(e)}"
+                    ) from e
+                diff = max(diff, _max_diff(got, module(fresh)))
+            result.update(checked=True, checked_batch_sizes=check_batches, max_abs_diff=diff)
             if not diff <= ATOL:
                 raise ExportCheckError(
                     f"{fmt} output differs from PyTorch by {diff:.3g} (tolerance {ATOL:g})"
+                    + (f" at batch sizes {check_batches}" if dynamic_batch else "")
                 )
     return result
 
