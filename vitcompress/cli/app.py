@@ -18,6 +18,7 @@ from vitcompress.graph.capture import CaptureError
 from vitcompress.graph.plan import PlanError
 from vitcompress.graph.rewrite import RewriteError
 from vitcompress.loading import ModelLoadError
+from vitcompress.workflows.batch_sweep import BatchSizesError
 from vitcompress.workflows.export import ExportError
 from vitcompress.workflows.gates import GateError, GateResult, failed
 from vitcompress.workflows.report import ReportError
@@ -36,6 +37,7 @@ USER_ERRORS = (
     ExportError,
     ReportError,
     VisualizeError,
+    BatchSizesError,
 )
 EXIT_BUG = 1
 EXIT_USAGE = 2

@@ -93,6 +93,19 @@ def inspect(model_spec, model_args, checkpoint, pretrained, input_size, as_json)
         )
 
 
+def _sweep_sizes(batch_sizes: str | None, plot: str | None, timing: Any) -> list[int] | None:
+    """The batch sizes of a sweep, or None for a single timing; bad combinations refused."""
+    from vitcompress.workflows.batch_sweep import BatchSizesError, parse_batch_sizes
+
+    if batch_sizes is None:
+        if plot is not None:
+            raise BatchSizesError("--plot draws a batch sweep: add --batch-sizes")
+        return None
+    if timing is None:
+        raise BatchSizesError("--batch-sizes times the model: drop --no-throughput")
+    return parse_batch_sizes(batch_sizes)
+
+
 def prefix_text(model_map: dict[str, Any]) -> str:
     """``prefix tokens 1 (cls)``, ``prefix tokens 0``, or per stage for a hybrid whose stages
     differ (CvT: ``prefix tokens per stage 0, 0, 1 (cls)``). "cls" means the head reads the first
@@ -108,9 +121,32 @@ def prefix_text(model_map: dict[str, Any]) -> str:
 @model_options
 @timing_options
 @gate_options(accepted=("max_gmacs",))
+@click.option(
+    "--batch-sizes",
+    default=None,
+    metavar="B,B,...",
+    help="Time at each batch size (replaces --batch-size); a compressed model directory is "
+    "timed against its base, and the batch from which it is faster is reported.",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="PNG",
+    help="With --batch-sizes: write the sweep as a plot.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def bench(
-    model_spec, model_args, checkpoint, pretrained, input_size, timing, bounds: Bounds, as_json
+    model_spec,
+    model_args,
+    checkpoint,
+    pretrained,
+    input_size,
+    timing,
+    bounds: Bounds,
+    batch_sizes,
+    plot,
+    as_json,
 ) -> None:
     """Count parameters and MACs and time the model's throughput."""
     from vitcompress.workflows.measure_models import measure_models
@@ -123,8 +159,24 @@ def bench(
             "eval --base",
         },
     )
+    sizes = _sweep_sizes(batch_sizes, plot, timing)  # before minutes of loading
     with step(f"loading {model_spec}"):
         loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
+    if sizes is not None:
+        from vitcompress.cli.bench_sweep import run_sweep
+
+        measured, _ = measure_models({"model": loaded.model}, loaded.input_size, None)
+        gmacs = measured["model"].to_json()["gmacs"]
+        gates = check_gates(bounds, {"gmacs": gmacs})
+        extra = {
+            "identity": model_identity(loaded, model_spec),
+            **{k: v for k, v in measured["model"].to_json().items() if k != "throughput"},
+            "input_size": list(loaded.input_size),
+            "gates": [g.to_json() for g in gates],
+        }
+        run_sweep(loaded, model_spec, sizes, timing, plot, as_json, extra)
+        finish_gates(gates, as_json)
+        return
     measured, environment = measure_models({"model": loaded.model}, loaded.input_size, timing)
     result = {
         "model": model_spec,

@@ -165,6 +165,9 @@ def load_base_from_options(
     return load_artifact_base(info.artifact, model.input_size)
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 def timing_options(command: Callable) -> Callable:
     decorators = [
         click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1)),
@@ -192,7 +195,18 @@ def timing_options(command: Callable) -> Callable:
             help="Time budget of the throughput step (warm-up and timed rounds): no "
             "round starts after S seconds; at least one is timed.",
         ),
-        click.option("--compile", "use_compile", is_flag=True, help="torch.compile the models."),
+        click.option(
+            "--compile",
+            "use_compile",
+            is_flag=True,
+            help="torch.compile every model timed, alike (inductor); compilation is not timed.",
+        ),
+        click.option(
+            "--compile-mode",
+            type=click.Choice(COMPILE_MODES),
+            default=None,
+            help="With --compile: torch.compile's mode (default: torch's).",
+        ),
         click.option("--amp", is_flag=True, help="Autocast (GPU only) in --dtype."),
         click.option("--no-throughput", is_flag=True, help="Skip timing; count params and MACs."),
     ]
@@ -209,10 +223,13 @@ def timing_options(command: Callable) -> Callable:
         runs,
         bench_seconds,
         use_compile,
+        compile_mode,
         amp,
         no_throughput,
         **kwargs,
     ):
+        if compile_mode and not use_compile:
+            raise ModelLoadError("--compile-mode sets how models are compiled: add --compile")
         timing = (
             None
             if no_throughput
@@ -225,6 +242,7 @@ def timing_options(command: Callable) -> Callable:
                 compile=use_compile,
                 amp=amp,
                 seconds=bench_seconds,
+                compile_mode=compile_mode,
             )
         )
         return command(*args, timing=timing, **kwargs)

@@ -8,7 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitcompress.api import load_model
+from vitcompress.artifact import ArtifactError, base_source, load_artifact_base, read_meta
 from vitcompress.graph.capture import annotate_shapes
+from vitcompress.loading import LoadedModel
 from vitcompress.measure import (
     PairedRatio,
     RoundProgress,
@@ -17,6 +20,7 @@ from vitcompress.measure import (
     measure_throughput,
     paired_ratio,
 )
+from vitcompress.metadata import compression_info
 from vitcompress.workflows.status import detail, step, warn
 
 # Default bound on the throughput step (warm-up and timed rounds together), in seconds.
@@ -33,12 +37,17 @@ class TimingOptions:
     compile: bool = False
     amp: bool = False
     seconds: float | None = DEFAULT_BENCH_SECONDS  # time budget of the throughput step
+    compile_mode: str | None = None  # torch.compile's mode; None: torch's default
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
             self.dtype
         ]
+
+    def compile_options(self) -> dict[str, Any]:
+        """``torch.compile`` keyword arguments, the same for every model timed."""
+        return {"mode": self.compile_mode} if self.compile_mode else {}
 
 
 @dataclass
@@ -87,9 +96,10 @@ def measure_models(
                 warmup=timing.warmup,
                 runs=timing.runs,
                 compile=timing.compile,
+                compile_options=timing.compile_options() if timing.compile else None,
                 amp=timing.amp,
                 time_budget=timing.seconds,
-                on_round=_show_round,
+                on_round=show_round,
             )
         for name in models:
             results[name].throughput = report.results[name].median
@@ -100,7 +110,8 @@ def measure_models(
     return results, environment
 
 
-def _show_round(progress: RoundProgress) -> None:
+def show_round(progress: RoundProgress) -> None:
+    """A timing round as a progress detail (``warm-up round 2/3, 41 s of budget left``)."""
     kind = "warm-up" if progress.warmup else "timed"
     left = (
         ""
@@ -136,3 +147,21 @@ def tokens_per_block(model: nn.Module, input_size: tuple[int, int, int]) -> list
         model.train(was_training)
     nodes = {n.name: n for n in model.graph.nodes}
     return [nodes[name].meta["shape"][1] for name in block_nodes]
+
+
+def base_for_timing(loaded: LoadedModel) -> LoadedModel | None:
+    """For a compressed model directory, the base it records (with its base weights), else None.
+
+    Throughput does not depend on the weights, so where the base's weights cannot be had (the
+    artifact was made from random weights, or the checkpoint moved) its architecture is built
+    with random ones, and a warning says so; accuracy comparisons must not use this.
+    """
+    info = compression_info(loaded.model)
+    if info is None or info.artifact is None:
+        return None
+    try:
+        return load_artifact_base(info.artifact, loaded.input_size)
+    except ArtifactError as e:
+        source = base_source(read_meta(info.artifact))
+        warn(f"{e}; timing the base's architecture with random weights (speed is the same)")
+        return load_model(source.spec, source.model_args, input_size=loaded.input_size)

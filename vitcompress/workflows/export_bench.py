@@ -1,0 +1,108 @@
+"""Exported speed: ONNX files timed in onnxruntime against the same models in eager PyTorch.
+
+Deployers run the exported file, not PyTorch. Whether a compressed model keeps its speed-up there
+is a question about the gather/scatter graph in another runtime, so every model is timed in both
+runtimes, and all runners are interleaved round-robin in one process (one batch of each per
+round), as :func:`vitcompress.measure.measure_throughput` does: the speed-ups are medians of
+paired per-round ratios with their 95% intervals, for each runtime, side by side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitcompress.fingerprint import eval_mode
+from vitcompress.measure import RoundProgress, measure_callables, paired_ratio
+from vitcompress.measure.onnx_runtime import onnx_runner, onnxruntime_version
+
+RUNTIMES = ("pytorch", "onnxruntime")
+
+__all__ = ["RUNTIMES", "bench_exported", "runner_name"]
+
+
+def runner_name(runtime: str, model: str) -> str:
+    return f"{runtime}:{model}"
+
+
+def bench_exported(
+    models: Mapping[str, nn.Module],
+    onnx_files: Mapping[str, str | Path],
+    input_size: tuple[int, int, int],
+    reference: str,
+    batch_size: int = 32,
+    warmup: int = 3,
+    runs: int = 10,
+    seconds: float | None = None,
+    on_round: Callable[[RoundProgress], None] | None = None,
+) -> dict[str, Any]:
+    """Images/s of each model eager (``torch.inference_mode``, float32, CPU) and of its ONNX file
+    in onnxruntime (CPU), all interleaved, and every model's speed-up over ``reference`` in each
+    runtime; plus each model's onnxruntime/PyTorch ratio. Plain data, ready for ``json.dump``.
+
+    ``models`` and ``onnx_files`` have the same names; each file must take a batch of
+    ``batch_size`` (exported at that batch, or with a dynamic batch).
+    """
+    if set(models) != set(onnx_files):
+        raise ValueError(f"models {sorted(models)} and ONNX files {sorted(onnx_files)} differ")
+    if reference not in models:
+        raise ValueError(f"the reference {reference!r} is not among the models {sorted(models)}")
+    generator = torch.Generator().manual_seed(0)
+    batch = torch.randn((batch_size, *input_size), generator=generator)
+    runners: dict[str, Callable[[], Any]] = {}
+    for name, model in models.items():
+
+        def eager(model: nn.Module = model) -> None:
+            with torch.inference_mode():
+                model(batch)
+
+        runners[runner_name("pytorch", name)] = eager
+        runners[runner_name("onnxruntime", name)] = onnx_runner(onnx_files[name], batch)
+    with contextlib.ExitStack() as modes:
+        for model in models.values():
+            modes.enter_context(eval_mode(model))  # each submodule's own mode back afterwards
+        report = measure_callables(
+            runners,
+            batch_size,
+            warmup=warmup,
+            runs=runs,
+            time_budget=seconds,
+            on_round=on_round,
+            extra_environment={
+                "input_size": list(input_size),
+                "onnxruntime": onnxruntime_version(),
+                "onnx_files": {name: str(path) for name, path in onnx_files.items()},
+            },
+        )
+
+    def paired(a: str, b: str) -> dict[str, Any]:
+        return paired_ratio(report.results[a].samples, report.results[b].samples).to_json()
+
+    return {
+        "reference": reference,
+        "batch_size": batch_size,
+        "throughput": {
+            runtime: {name: report.results[runner_name(runtime, name)].median for name in models}
+            for runtime in RUNTIMES
+        },
+        "speedup": {
+            runtime: {
+                name: paired(runner_name(runtime, name), runner_name(runtime, reference))
+                for name in models
+                if name != reference
+            }
+            for runtime in RUNTIMES
+        },
+        "onnxruntime_vs_pytorch": {
+            name: paired(runner_name("onnxruntime", name), runner_name("pytorch", name))
+            for name in models
+        },
+        "samples": {name: result.samples for name, result in report.results.items()},
+        "environment": report.environment,
+        "warnings": report.warnings,
+    }
