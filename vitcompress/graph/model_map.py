@@ -113,10 +113,23 @@ class Block:
     grid: tuple[int, int]  # patch grid of the block's stage
     prefix_tokens: int
     input_node: str  # residual stream value entering the block
-    attn_add_node: str  # residual add closing the attention branch
-    output_node: str  # residual add closing the MLP branch
+    # Where an attention variant reduces: the residual add closing the attention branch, or the
+    # block's output where its MLP runs beside the attention (``parallel_mlp``).
+    attn_add_node: str
+    output_node: str  # residual add closing the MLP branch (the block's last node)
     grid_ops: list[GridOp] = field(default_factory=list)
     position_uses: list[PositionUse] = field(default_factory=list)
+    # Attention and MLP side by side on one residual (``x + attn(h) + mlp(h)``): the whole block
+    # runs before an attention variant's reduction (see ``parallel.py``).
+    parallel_mlp: bool = False
+    # Further attention cores in the attention residual (parallel attentions, the second softmax
+    # of differential attention): hooked like ``attention``; their token scores combine by
+    # ``score_combination`` ("mean", or "difference": ``attention``'s minus ``score_coefficient``
+    # times this list's one).
+    parallel_cores: list[AttentionCore] = field(default_factory=list)
+    score_combination: str | None = None
+    score_coefficient: str | float | None = None  # a graph node's name, or a number
+    score_blocker: str | None = None  # why eTPS/EViT cannot score with this block's attention
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -137,6 +150,10 @@ class Block:
             "position_uses": list(
                 {json.dumps(u.to_json()): u.to_json() for u in self.position_uses}.values()
             ),
+            "parallel_mlp": self.parallel_mlp,
+            "attention_cores": 1 + len(self.parallel_cores),
+            "score_combination": self.score_combination,
+            "score_blocker": self.score_blocker,
         }
 
     @classmethod
@@ -164,6 +181,14 @@ class Block:
             output_node="",
             grid_ops=[GridOp.from_json(op) for op in data.get("grid_ops", [])],
             position_uses=[PositionUse.from_json(use) for use in data.get("position_uses", [])],
+            parallel_mlp=bool(data.get("parallel_mlp", False)),
+            # The further cores by count only: a map read back hooks nothing.
+            parallel_cores=[
+                AttentionCore(kind=data["attention"], node="", heads=data["heads"], path="")
+                for _ in range(int(data.get("attention_cores", 1)) - 1)
+            ],
+            score_combination=data.get("score_combination"),
+            score_blocker=data.get("score_blocker"),
         )
 
 

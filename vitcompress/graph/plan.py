@@ -225,7 +225,12 @@ def make_plan(
             )
         )
     plan = Plan(variant=variant, policy=policy, locations=locations)
-    refusal = position_refusal(model_map, plan) or masked_keys_refusal(model_map, plan)
+    refusal = (
+        position_refusal(model_map, plan)
+        or masked_keys_refusal(model_map, plan)
+        or score_refusal(model_map, plan)
+        or no_reduction_refusal(model_map, plan)
+    )
     if refusal is not None:
         raise PlanError(refusal)
     return plan
@@ -298,3 +303,48 @@ def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
                 f"so {plan.variant} is refused rather than giving wrong logits"
             )
     return None
+
+
+def score_refusal(model_map: ModelMap, plan: Plan) -> str | None:
+    """One line where an attention-scored variant would score with a block whose attention cores
+    do not make one map (``Block.score_blocker``, see ``parallel.py``), else ``None``."""
+    if plan.scorer != "attention":
+        return None
+    for loc in plan.locations:
+        blocker = model_map.blocks[loc.block].score_blocker
+        if blocker is not None:
+            return (
+                f"block {loc.block}: {blocker}; {plan.variant} scores tokens with that "
+                "attention, so it is refused there (dtps and dynamicvit score with a predictor)"
+            )
+    return None
+
+
+def no_reduction_refusal(model_map: ModelMap, plan: Plan) -> str | None:
+    """One line when a plan asks for a reduction (a keep below 1) that removes no token at any
+    location, else ``None``. With few tokens, EViT's fused token can make up for the one token it
+    prunes (4 tokens at keep 0.7: ceil(2.8) = 3 kept + 1 fused), and a count can round to all
+    of them: the model would run with the reducers' cost and no saving, so it is refused."""
+    if plan.fuse not in ("squeeze", "drop", "evit"):
+        return None
+    if all(loc.keep >= 1.0 for loc in plan.locations):
+        return None
+    present: dict[int, int] = {}  # patch tokens present in each stage (EViT's fused one counts)
+    steps = []
+    for loc in plan.locations:
+        before = present.get(loc.stage, loc.patch_tokens)
+        if plan.scorer == "predictor" and loc.keep_tokens is not None:
+            after = min(loc.keep_tokens, before)
+        else:
+            kept = keep_count(before, loc.keep, "ceil")
+            after = before if kept >= before else kept + (plan.fuse == "evit")
+        if after < before:
+            return None
+        present[loc.stage] = after
+        steps.append(f"{before} -> {after} at block {loc.block}")
+    return (
+        f"keep {', '.join(f'{loc.keep:g}' for loc in plan.locations)} removes no token: "
+        f"{plan.variant}'s patch tokens go {'; '.join(steps)}"
+        + (" (its fused token replaces the pruned ones)" if plan.fuse == "evit" else "")
+        + "; choose a lower keep or blocks with more tokens"
+    )

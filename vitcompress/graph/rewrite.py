@@ -14,6 +14,7 @@ Shapes are read at run time in the captured code, so blocks after a reducer acce
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 from typing import Any
 
 import torch.fx as fx
@@ -21,6 +22,7 @@ from torch import nn
 
 from vitcompress.graph import ops
 from vitcompress.graph.model_map import Block, ModelMap
+from vitcompress.graph.parallel import DIFFERENCE
 from vitcompress.graph.plan import Plan
 from vitcompress.modules import (
     AttentionReducer,
@@ -49,6 +51,15 @@ def _getitems(graph: fx.Graph, node: fx.Node, count: int) -> list[fx.Node]:
 
 def _replace_uses(old: fx.Node, new: fx.Node, keep: set[fx.Node]) -> None:
     old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in keep)
+
+
+def _core_suffix(block: Block) -> str:
+    """Hook names per core: a block's first attention core is ``attn{i}``, further cores
+    (parallel attentions, differential attention's second softmax) ``attn{i}_{j}``."""
+    for j, core in enumerate(block.parallel_cores, start=1):
+        if core is block.attention:
+            return f"_{j}"
+    return ""
 
 
 class _Rewriter:
@@ -83,7 +94,7 @@ class _Rewriter:
             if located is not None and self.plan.scorer == "predictor":
                 keep_mask, positions = self._insert_predictor(block, *located, keep_mask, positions)
             scoring = located is not None and self.plan.scorer == "attention"
-            score = self._hook_attention(block, keep_mask, scoring, positions)
+            score = self._hook_block_attention(block, keep_mask, scoring, positions)
             self._wrap_grid_ops(block, "attention", keep_mask, positions)
             if scoring:  # the block's MLP already sees the reduced tokens
                 positions = self._insert_attention_reducer(block, *located, score, positions)
@@ -158,6 +169,32 @@ class _Rewriter:
         )
         return new_positions
 
+    def _hook_block_attention(
+        self, block: Block, keep_mask, scoring: bool, *rest: Any
+    ) -> fx.Node | None:
+        """Hook every attention core of the block alike (parallel attentions, differential
+        attention's two softmaxes: all masked in training); the token score is theirs combined
+        as the block's map combines them (``parallel.py``)."""
+        if scoring and block.score_blocker is not None:  # the plan refuses it: never a guess
+            raise RewriteError(block.score_blocker)
+        scores = [
+            self._hook_attention(replace(block, attention=core), keep_mask, scoring, *rest)
+            for core in [block.attention, *block.parallel_cores]
+        ]
+        if not scoring or len(scores) == 1:
+            return scores[0]
+        with self.graph.inserting_before(self.nodes[block.attn_add_node]):
+            if block.score_combination == DIFFERENCE:  # A1 - c A2: the scores are linear in it
+                coefficient = block.score_coefficient
+                if isinstance(coefficient, str):
+                    coefficient = self.nodes[coefficient]
+                scaled = self.graph.call_function(operator.mul, (coefficient, scores[1]))
+                return self.graph.call_function(operator.sub, (scores[0], scaled))
+            total = scores[0]  # the mean over all the cores' heads
+            for score in scores[1:]:
+                total = self.graph.call_function(operator.add, (total, score))
+            return self.graph.call_function(operator.truediv, (total, len(scores)))
+
     def _hook_attention(self, block: Block, keep_mask, scoring: bool, positions) -> fx.Node | None:
         """Replace the block's attention core when it must mask keys or score tokens."""
         if keep_mask is None and not scoring:
@@ -168,7 +205,7 @@ class _Rewriter:
         options = dict(
             prefix_tokens=block.prefix_tokens, has_cls=has_cls, score=scoring, grid=block.grid
         )
-        name = f"attn{block.index}"
+        name = f"attn{block.index}{_core_suffix(block)}"
         if core.kind == "sdpa":
             target = self._add_hook(name, SDPAHook(**options))
             args = (*node.args[:3], keep_mask, *node.args[3:])
