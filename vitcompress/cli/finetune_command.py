@@ -17,7 +17,12 @@ from vitcompress.cli.app import (
 )
 from vitcompress.cli.data_options import data_config_options
 from vitcompress.cli.options import load_from_options, model_options
-from vitcompress.cli.plan_options import keep_cumulative_option, parse_keep, parse_locs
+from vitcompress.cli.plan_options import (
+    keep_cumulative_option,
+    parse_keep,
+    parse_locs,
+    plan_file_option,
+)
 from vitcompress.graph.plan import VARIANTS
 
 
@@ -70,6 +75,7 @@ def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) 
 @model_options
 @click.option("--variant", type=click.Choice(list(VARIANTS)), default="dtps", show_default=True)
 @click.option("--keep", default=None, help="Keep ratio per location, or a comma list.")
+@plan_file_option(compressed_model_keeps_plan=True)
 @keep_cumulative_option
 @click.option("--locs", default=None, help="0-based block indices, e.g. 3,6,9.")
 @click.option(

@@ -24,7 +24,12 @@ from vitcompress.cli.options import (
     model_options,
     timing_options,
 )
-from vitcompress.cli.plan_options import keep_cumulative_option, parse_keep, parse_locs
+from vitcompress.cli.plan_options import (
+    keep_cumulative_option,
+    parse_keep,
+    parse_locs,
+    plan_file_option,
+)
 from vitcompress.graph.plan import VARIANTS
 from vitcompress.measure.paired import MIN_PAIRS_FOR_INTERVAL
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, check_gates, require
@@ -214,6 +219,7 @@ def bench(
     help="Keep ratio per location, or a comma list with one per location (default: "
     "0.7; 0.5 for CvT-like models, as in the paper).",
 )
+@plan_file_option
 @keep_cumulative_option
 @click.option(
     "--locs",

@@ -9,11 +9,12 @@ parameter is told with the option the user typed instead.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import click
 
 from vitcompress.graph.plan import PlanError
+from vitcompress.loading import is_artifact_directory
 from vitcompress.method import CumulativeKeep
 
 # make_plan's parameters -> the options that set them.
@@ -112,3 +113,118 @@ def plan_error_line(error: PlanError) -> str:
     """The error as the command line says it: ``--keep must be in (0, 1], got 1.5``."""
     option = PLAN_OPTIONS.get(error.parameter or "")
     return f"{option} {error.detail}" if option else str(error)
+
+
+# What a plan file (``search``'s plan.yaml) may set: the plan's options, nothing else.
+PLAN_FILE_KEYS = ("variant", "locs", "keep", "keep_cumulative", "policy", "tome_r")
+
+
+def read_plan_file(path: str, accepted: Sequence[str]) -> dict[str, str]:
+    """The plan file's values as the command line would have typed them (``locs: [3, 6, 9]`` ->
+    ``"3,6,9"``), keyed by option name. A file that cannot be read, is no mapping, names another
+    key or an unknown variant is a one-line :class:`PlanError`."""
+    import yaml
+
+    from vitcompress.graph.plan import VARIANTS
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise PlanError(f"--plan: cannot read {path}: {one_line_error(e)}") from None
+    if not isinstance(data, dict) or not data:
+        raise PlanError(f"--plan: {path} is not a mapping of plan options (variant, locs, keep)")
+    values: dict[str, str] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in accepted:
+            raise PlanError(
+                f"--plan: {path} sets {key!r}; a plan file sets only "
+                f"{', '.join(k.replace('_', '-') for k in accepted)}"
+            )
+        if isinstance(value, list | tuple):
+            value = ",".join(str(v) for v in value)
+        values[name] = str(value)
+    variant = values.get("variant")
+    if variant is not None and variant not in VARIANTS:
+        raise PlanError(
+            f"--plan: {path} names the variant {variant!r}; choose from {', '.join(VARIANTS)}"
+        )
+    return values
+
+
+# The forms of the keep ratios, one of which a plan gives.
+_KEEP_FORMS = ("keep", "keep_cumulative", "tome_r")
+
+
+def _typed_value(name: str, value: str, path: str) -> str | int:
+    if name != "tome_r":
+        return value  # parsed by the command, as typed text is
+    try:
+        return int(value)
+    except ValueError:
+        raise PlanError(f"--plan: {path} sets tome-r to {value!r}, not an integer") from None
+
+
+def one_line_error(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def plan_file_option(
+    command: Callable | None = None, *, compressed_model_keeps_plan: bool = False
+) -> Callable:
+    """``--plan FILE``: a plan file (``search`` writes one) sets the plan's options.
+
+    ``compressed_model_keeps_plan``: the command uses a compressed ``--model``'s own plan
+    (finetune), so a plan file with one is refused rather than ignored.
+
+    Options typed on the command line override the file, as they override a ``--recipe``; the
+    file overrides a recipe. ``--keep``, ``--keep-cumulative`` and ``--tome-r`` count as one:
+    typing any of them replaces the file's keep ratios. Place it above the options that fold
+    them (``tome_r_option``, ``keep_cumulative_option``).
+    """
+    if command is None:
+        return functools.partial(
+            plan_file_option, compressed_model_keeps_plan=compressed_model_keeps_plan
+        )
+    command = click.option(
+        "--plan",
+        "plan_file",
+        type=click.Path(dir_okay=False, exists=True),
+        default=None,
+        metavar="FILE",
+        help="A plan file (variant, locs, keep), e.g. the plan.yaml of vitcompress search; "
+        "options given on the command line override it.",
+    )(command)
+
+    @functools.wraps(command)
+    def wrapper(*args, plan_file, **kwargs):
+        if plan_file is None:
+            return command(*args, **kwargs)
+        context = click.get_current_context()
+        spec = kwargs.get("model_spec")
+        if compressed_model_keeps_plan and spec and is_artifact_directory(spec):
+            raise PlanError(
+                f"--plan: {spec} is a compressed model and keeps its own plan; pass its base "
+                "model to use the plan file"
+            )
+        accepted = [k for k in PLAN_FILE_KEYS if k in kwargs]
+        values = read_plan_file(plan_file, accepted)
+        typed = {
+            name
+            for name in accepted
+            if context.get_parameter_source(name)
+            in (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+        }
+        keep_typed = bool(typed & set(_KEEP_FORMS))
+        for name, value in values.items():
+            if name in typed or (name in _KEEP_FORMS and keep_typed):
+                continue
+            if name in _KEEP_FORMS:  # the file's keep form replaces a recipe's other form
+                for other in _KEEP_FORMS:
+                    if other in kwargs:
+                        kwargs[other] = None
+            kwargs[name] = _typed_value(name, value, plan_file)
+        return command(*args, **kwargs)
+
+    return wrapper

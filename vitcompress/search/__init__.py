@@ -1,0 +1,6 @@
+"""Search for the placement and keep ratios that follow the base best under a budget.
+
+``space`` (candidates), ``cost`` (analytic MACs), ``strategy`` (which to score), ``score``
+(calibration agreement), ``warmup`` (learned predictors), ``pareto``, ``cache`` and ``outputs``;
+the workflow that joins them is ``vitcompress.workflows.search``.
+"""

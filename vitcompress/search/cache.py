@@ -1,0 +1,73 @@
+"""The search's cache: one JSON line per scored candidate, appended and flushed as it is scored.
+
+A killed search leaves every finished candidate on disk (a torn last line, from a kill in the
+middle of a write, is ignored); the next run with the same settings reads them back and scores
+only what is missing. The header line records what the scores depend on (model, calibration
+images, scoring settings); a cache made with other settings is refused, not mixed in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+CACHE_NAME = "search_cache.jsonl"
+
+
+class CacheMismatch(ValueError):
+    """The cache in the output folder was made with other settings."""
+
+
+class ScoreCache:
+    def __init__(self, directory: Path, settings: dict[str, Any]) -> None:
+        self.path = Path(directory) / CACHE_NAME
+        self.settings = json.loads(json.dumps(settings, default=str))
+        self.entries: dict[str, dict[str, Any]] = {}
+        if self.path.exists():
+            self._read()
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._append({"settings": self.settings})
+
+    def _read(self) -> None:
+        lines = self.path.read_text().splitlines()
+        rows = []
+        for line in lines:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line torn by a kill mid-write: that candidate is scored again
+        if not rows or "settings" not in rows[0]:
+            raise CacheMismatch(f"{self.path} is not a search cache; choose another --out")
+        if rows[0]["settings"] != self.settings:
+            changed = sorted(
+                k
+                for k in set(rows[0]["settings"]) | set(self.settings)
+                if rows[0]["settings"].get(k) != self.settings.get(k)
+            )
+            raise CacheMismatch(
+                f"{self.path} was made with other settings ({', '.join(changed)} differ); use "
+                "another --out, or delete the cache to start over"
+            )
+        for row in rows[1:]:
+            if "key" in row:
+                self.entries[row["key"]] = row
+
+    def _append(self, row: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self.entries.get(key)
+
+    def put(self, key: str, result: dict[str, Any]) -> None:
+        row = {"key": key, **result}
+        self.entries[key] = row
+        self._append(row)
+
+    def __len__(self) -> int:
+        return len(self.entries)

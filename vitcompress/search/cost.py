@@ -1,0 +1,220 @@
+"""Analytic MACs of a plan, from the token counts each block sees: no forward per candidate.
+
+One measured profile of the base (MACs per block, split by kind of work) is scaled by the token
+counts a plan leaves each block with. Per block:
+
+* attention products (``q @ k^T`` and ``attn @ v``: SDPA kernels, ``bmm``) grow with queries x
+  keys: quadratically in the block's tokens when it attends over its own tokens, linearly when its
+  keys are pooled from the full grid (spatial-reduction attention keeps its key count);
+* convolutions and pools run on the grid, which a reduced stage gets back padded at inference:
+  constant;
+* everything else (linear layers, norms) is per token, split at the attention module: the
+  attention branch sees the tokens the block was entered with, the MLP branch those left after an
+  in-block reduction (eTPS/EViT).
+
+The reducers a plan inserts add their own work, counted from dimensions: the predictor's MLP over
+the patch tokens present (dTPS/DynamicViT), the donor-host similarity of squeezing
+(``donors x hosts x C``: dTPS/eTPS) and the cls-row attention score (eTPS/EViT on SDPA).
+Everything outside the blocks (patch embedding, a pyramid's next patch embedding on the full grid,
+the head) is taken as constant. :func:`cross_check` compares the result with the counted MACs of
+compressed models.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from vitcompress.graph.model_map import ModelMap
+from vitcompress.graph.plan import Plan
+from vitcompress.measure.macs import _run_counter
+from vitcompress.method import keep_count
+
+# aten ops whose work is the attention products (counted by FlopCounterMode as 2 FLOPs per MAC).
+_ATTENTION_PRODUCT_OPS = ("bmm", "baddbmm", "scaled_dot_product", "_flash_attention", "_efficient")
+_GRID_OPS = ("convolution", "pool")
+
+
+def _is(op: Any, names: tuple[str, ...]) -> bool:
+    text = str(op)
+    return any(name in text for name in names)
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block's base MACs by kind of work (see the module's docstring)."""
+
+    tokens: int  # tokens (prefix included) the block sees in the base
+    key_tokens: int  # keys its attention sees in the base
+    own_keys: bool  # keys are the block's own tokens (False: pooled from the full grid)
+    attention_products: float
+    attention_linear: float  # attention branch, per token
+    mlp_linear: float  # the rest of the block, per token
+    grid: float  # convolutions/pools on the (padded) grid
+    dim: int
+    attention_width: float  # heads x head dim, from the attention products
+    prefix_tokens: int
+    patch_tokens: int  # the stage's N0
+
+    def macs(self, attention_tokens: int, mlp_tokens: int) -> float:
+        keys = attention_tokens if self.own_keys else self.key_tokens
+        products = (
+            self.attention_products * (attention_tokens * keys) / (self.tokens * self.key_tokens)
+        )
+        return (
+            products
+            + self.attention_linear * attention_tokens / self.tokens
+            + self.mlp_linear * mlp_tokens / self.tokens
+            + self.grid
+        )
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The base's profile; :meth:`macs` gives a plan's MACs from it."""
+
+    blocks: tuple[BlockCost, ...]
+    stage_of: tuple[int, ...]
+    outside: float  # MACs outside the blocks
+    base_macs: int  # the base's counted MACs
+    cls_token: bool
+    sdpa_scores: tuple[bool, ...]  # per block: eTPS/EViT scoring recomputes a cls row/all rows
+
+    def macs(self, plan: Plan) -> float:
+        """MACs of ``plan`` at batch size 1, in :func:`vitcompress.measure.count_macs`'s
+        convention."""
+        at = {loc.block: loc for loc in plan.locations}
+        predictor = plan.scorer == "predictor"
+        total = self.outside
+        present: dict[int, int] = {}  # stage -> non-prefix tokens present now
+        for index, block in enumerate(self.blocks):
+            stage = self.stage_of[index]
+            n = present.get(stage, block.patch_tokens)
+            p = block.prefix_tokens
+            loc = at.get(index)
+            if loc is None:
+                total += block.macs(p + n, p + n)
+            elif predictor:
+                kept = min(loc.keep_tokens or n, n)
+                total += _predictor_macs(n, block.dim)
+                if plan.fuse == "squeeze":
+                    total += (n - kept) * kept * block.dim
+                n = kept
+                total += block.macs(p + n, p + n)
+            else:
+                attention_tokens = p + n
+                total += self._score_macs(index, attention_tokens)
+                kept = keep_count(n, loc.keep, "ceil")
+                if kept < n:
+                    if plan.fuse == "squeeze":
+                        total += (n - kept) * kept * block.dim
+                    n = kept + (1 if plan.fuse == "evit" else 0)
+                total += block.macs(attention_tokens, p + n)
+            present[stage] = n
+        return total
+
+    def _score_macs(self, index: int, tokens: int) -> float:
+        """eTPS/EViT on an SDPA core: the hook computes the score rows next to the fused kernel
+        (the cls row with a cls token, all rows without); a softmax core gives them for free."""
+        block = self.blocks[index]
+        if not self.sdpa_scores[index]:
+            return 0.0
+        keys = tokens if block.own_keys else block.key_tokens
+        queries = 1 if self.cls_token and block.prefix_tokens > 0 else tokens
+        return queries * keys * block.attention_width
+
+    def tokens_per_block(self, plan: Plan) -> list[int]:
+        """Tokens each block is entered with under ``plan`` (inference)."""
+        at = {loc.block: loc for loc in plan.locations}
+        predictor = plan.scorer == "predictor"
+        present: dict[int, int] = {}
+        tokens = []
+        for index, block in enumerate(self.blocks):
+            stage = self.stage_of[index]
+            n = present.get(stage, block.patch_tokens)
+            loc = at.get(index)
+            if loc is not None and predictor:
+                n = min(loc.keep_tokens or n, n)
+            tokens.append(block.prefix_tokens + n)
+            if loc is not None and not predictor:
+                kept = keep_count(n, loc.keep, "ceil")
+                if kept < n:
+                    n = kept + (1 if plan.fuse == "evit" else 0)
+            present[stage] = n
+        return tokens
+
+
+def _predictor_macs(patch_tokens: int, dim: int) -> float:
+    """ScorePredictor on ``patch_tokens`` tokens: LayerNorm (5 per element, as counted), C->C,
+    the local half C/2->C/2 per token plus the global half once, C/2->C/4, C/4->2."""
+    half, quarter = dim // 2, dim // 4
+    per_token = 5 * dim + dim * dim + half * half + half * quarter + quarter * 2
+    return patch_tokens * per_token + half * half
+
+
+def profile(model: nn.Module, model_map: ModelMap) -> CostModel:
+    """Count the base's MACs once, by module and op, and split each block's share."""
+    counter = _run_counter(model, tuple(model_map.input_size), _device(model))
+    counts = counter.get_flop_counts()
+    root = type(model).__name__
+
+    def ops(path: str) -> dict[Any, int]:
+        key = f"{root}.{path}" if path else root
+        return {op: flops // 2 for op, flops in counts.get(key, {}).items()}
+
+    base_total = counter.get_total_flops() // 2
+    blocks: list[BlockCost] = []
+    scores: list[bool] = []
+    inside = 0
+    for block in model_map.blocks:
+        block_ops = ops(block.path)
+        attention_ops = ops(block.attention.path) if block.attention.path else {}
+        if not attention_ops or block.attention.path == block.path:
+            attention_ops = {
+                op: n for op, n in block_ops.items() if _is(op, _ATTENTION_PRODUCT_OPS)
+            }
+        products = sum(n for op, n in attention_ops.items() if _is(op, _ATTENTION_PRODUCT_OPS))
+        grid = sum(n for op, n in block_ops.items() if _is(op, _GRID_OPS))
+        attention_grid = sum(n for op, n in attention_ops.items() if _is(op, _GRID_OPS))
+        attention_linear = sum(attention_ops.values()) - products - attention_grid
+        mlp_linear = sum(block_ops.values()) - sum(attention_ops.values()) - (grid - attention_grid)
+        keys = block.attention.key_tokens or block.tokens
+        stage = model_map.stages[block.stage]
+        blocks.append(
+            BlockCost(
+                tokens=block.tokens,
+                key_tokens=keys,
+                own_keys=keys == block.tokens,
+                attention_products=float(products),
+                attention_linear=float(attention_linear),
+                mlp_linear=float(mlp_linear),
+                grid=float(grid),
+                dim=block.dim,
+                # products = 2 (q k^T and attn v) x queries x keys x width
+                attention_width=products / (2 * block.tokens * keys) if products else 0.0,
+                prefix_tokens=block.prefix_tokens,
+                patch_tokens=stage.grid[0] * stage.grid[1],
+            )
+        )
+        scores.append(block.attention.kind in ("sdpa", "multihead_attention"))
+        inside += sum(block_ops.values())
+    return CostModel(
+        blocks=tuple(blocks),
+        stage_of=tuple(b.stage for b in model_map.blocks),
+        outside=float(base_total - inside),
+        base_macs=int(base_total),
+        cls_token=model_map.cls_token,
+        sdpa_scores=tuple(scores),
+    )
+
+
+def _device(model: nn.Module) -> Any:
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None else "cpu"
+
+
+def relative_error(analytic: float, measured: float) -> float:
+    return abs(analytic - measured) / measured if measured else math.inf
