@@ -338,6 +338,58 @@ def annotate_shapes(gm: fx.GraphModule, example: torch.Tensor) -> None:
         _Recorder(gm).run(example)
 
 
+def _token_split(node: fx.Node) -> tuple[fx.Node, object] | None:
+    """``(x, first)`` for ``torch.split(x, [first, rest], 1)`` on (B, N, C) tokens: the prefix
+    tokens split from the patch tokens (HuggingFace CvT), by sizes fixed at the full count."""
+    if node.op == "call_function" and node.target is torch.split:
+        args = list(node.args) + [node.kwargs.get("split_size_or_sections")] * (len(node.args) < 2)
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    elif node.op == "call_method" and node.target == "split":
+        args = list(node.args) + [node.kwargs.get("split_size")] * (len(node.args) < 2)
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    else:
+        return None
+    tokens, sizes = args[0], args[1]
+    shape = tokens.meta.get("shape") if isinstance(tokens, fx.Node) else None
+    if not isinstance(sizes, (list, tuple)) or len(sizes) != 2 or dim not in (1, -2):
+        return None
+    if not isinstance(shape, tuple) or len(shape) != 3 or not tokens.meta.get("is_tensor"):
+        return None
+    if not all(
+        user.op == "call_function" and user.target is operator.getitem for user in node.users
+    ):
+        return None
+    return tokens, sizes[0]
+
+
+def split_tokens_by_slices(gm: fx.GraphModule) -> int:
+    """Write a split of the token axis into two pieces as two slices, ``x[:, :first]`` and
+    ``x[:, first:]``: the same views of the same tensor, but the second piece then takes
+    whatever tokens a reduction left, where the split's sizes would fail on them. Returns how
+    many splits were rewritten."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        found = _token_split(node)
+        if found is None:
+            continue
+        tokens, first = found
+        pieces = {
+            0: (slice(None), slice(None, first)),
+            1: (slice(None), slice(first, None)),
+        }
+        for user in list(node.users):
+            with gm.graph.inserting_before(user):
+                piece = gm.graph.call_function(operator.getitem, (tokens, pieces[user.args[1]]))
+            piece.meta.update(user.meta)
+            user.replace_all_uses_with(piece)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
 def capture(model: nn.Module, example: torch.Tensor) -> CapturedGraph:
     """Capture ``model`` (left unchanged) as a graph with shapes from ``example``."""
     model = copy.deepcopy(model).eval()
@@ -354,6 +406,8 @@ def capture(model: nn.Module, example: torch.Tensor) -> CapturedGraph:
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             ) from e
     annotate_shapes(gm, example)
+    if method != "export":  # an exported graph is never rewritten
+        split_tokens_by_slices(gm)
     return CapturedGraph(
         module=gm,
         method=method,

@@ -324,6 +324,14 @@ def _consumed(
             return None, None  # a prefix token (cls, distillation): it stays first
         if (
             isinstance(index, slice)
+            and index.start in (None, 0)
+            and index.step in (None, 1)
+            and isinstance(index.stop, int)
+            and 0 < index.stop <= prefix
+        ):
+            return None, None  # prefix tokens only (``x[:, :1]``, HF CvT's cls split)
+        if (
+            isinstance(index, slice)
             and index.step in (None, 1)
             and index.stop in (None, size)
             and (index.start or 0) <= prefix

@@ -9,6 +9,7 @@ from typing import Any
 
 from vitcompress.loading.checkpoint import load_checkpoint
 from vitcompress.loading.errors import ModelLoadError
+from vitcompress.loading.hf import HF_CONFIG, is_hf_directory, load_hf_directory
 from vitcompress.loading.input_size import check_runs, checked_input_size, default_input_size
 from vitcompress.loading.source import LoadedModel, ModelSource
 from vitcompress.loading.spec import (
@@ -42,12 +43,14 @@ def load_model(
             f"'{spec}' is a compressed model; load it with vitcompress.api.load_model or "
             "vitcompress.load"
         )
+    if os.path.isdir(spec) and is_hf_directory(spec):
+        return _load_hf(spec, args, checkpoint, pretrained, size, input_size is not None)
     if os.path.isdir(spec) and (os.sep in spec or "/" in spec or spec.startswith(".")):
         # Only for something written as a path: a bare word may be a timm name that happens to
         # match an output folder in the working directory.
         raise ModelLoadError(
-            f"'{spec}' is a directory without {ARTIFACT_MARKER}, so not a compressed model; "
-            "for a model file write path/to/file.py:factory"
+            f"'{spec}' is a directory without {ARTIFACT_MARKER} (a compressed model) or "
+            f"{HF_CONFIG} (a HuggingFace model); for a model file write path/to/file.py:factory"
         )
 
     # Check the checkpoint before building: building a large model takes a while.
@@ -93,5 +96,38 @@ def load_model(
         model_args=args,
         checkpoint=str(ckpt_path.resolve()) if ckpt_path is not None else None,
         pretrained=pretrained,
+    )
+    return LoadedModel(model=model, source=source, input_size=size)
+
+
+def _load_hf(
+    spec: str,
+    args: dict[str, Any],
+    checkpoint: str | Path | None,
+    pretrained: bool,
+    size: tuple[int, int, int] | None,
+    size_given: bool,
+) -> LoadedModel:
+    """A HuggingFace ``save_pretrained`` directory. The source records the directory and, as
+    its checkpoint, the weights file read (or the one given): an artifact made from it records
+    that file's sha256, so weights changed later are caught when its base is rebuilt."""
+    if pretrained:
+        raise ModelLoadError(
+            f"--pretrained only applies to timm model names, not the directory '{spec}' "
+            "(its weights are loaded from it)"
+        )
+    model, weights = load_hf_directory(spec, args)
+    if checkpoint is not None:
+        weights = Path(checkpoint).expanduser()
+        if not weights.is_file():
+            raise ModelLoadError(f"checkpoint {checkpoint} not found")
+        load_checkpoint(model.model, weights, model_name=spec)
+    size = size or default_input_size(model)
+    if size is None:
+        raise ModelLoadError(f"cannot tell the input size of '{spec}'; pass --input-size C,H,W")
+    check_runs(model, size, spec, given=size_given)
+    directory = str(Path(spec).expanduser().resolve())
+    source = ModelSource(
+        spec=directory, model_args=args, checkpoint=str(weights.resolve()), pretrained=False
     )
     return LoadedModel(model=model, source=source, input_size=size)
