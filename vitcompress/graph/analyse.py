@@ -28,6 +28,7 @@ from vitcompress.graph import ops
 from vitcompress.graph.capture import CapturedGraph
 from vitcompress.graph.final_norm import find_final_norm
 from vitcompress.graph.model_map import AttentionCore, Block, GridOp, ModelMap, Stage
+from vitcompress.graph.parallel import Combination, block_end, combine_cores
 from vitcompress.graph.positions import find_head_position_use, find_position_uses
 
 
@@ -226,10 +227,12 @@ def _analyse_entry(
     return prefix, (side, side), patch_node, None
 
 
-def _grid_ops(gm: fx.GraphModule, attn: _Residual, mlp: _Residual, anc: _Ancestry) -> list[GridOp]:
+def _grid_ops(
+    gm: fx.GraphModule, attn: _Residual, mlp: _Residual | None, anc: _Ancestry
+) -> list[GridOp]:
     found = []
     for branch_name, residual in (("attention", attn), ("mlp", mlp)):
-        for node in residual.nodes:
+        for node in residual.nodes if residual is not None else []:
             kind = ops.grid_op_kind(gm, node)
             if kind is None:
                 continue
@@ -344,14 +347,15 @@ def analyse(captured: CapturedGraph) -> ModelMap:
     attn_residuals = [r for r in residuals if cores_in(r)]
     other_residuals = {r.skip: r for r in residuals if not cores_in(r)}
     blocks: list[Block] = []
-    pairs: list[tuple[_Residual, _Residual, AttentionCore]] = []
+    image = _placeholder(gm)
+    pairs: list[tuple[_Residual, _Residual | None, Combination]] = []
     for attn in attn_residuals:
         mlp = other_residuals.get(attn.add)
         inner = cores_in(attn)
-        if mlp is None or len(inner) != 1:
-            # Left out, the block would be missing from the map and the plan: never silently.
-            raise MappingError(_unpaired_block(attn, inner))
-        pairs.append((attn, mlp, inner[0]))
+        if mlp is None:  # the MLP beside the attention: the block is all of it, up to its end
+            attn = _parallel_block(attn, inner, anc, cores_in)
+        combination = combine_cores(inner, attn.nodes, by_name, image, anc.is_ancestor, gm)
+        pairs.append((attn, mlp, combination))
 
     if not pairs:
         token_cores = {c.node for r in residuals for c in cores_in(r)}
@@ -370,9 +374,10 @@ def analyse(captured: CapturedGraph) -> ModelMap:
             )
         )
 
-    image = _placeholder(gm)
     stages: list[Stage] = []
-    for attn, mlp, core in pairs:
+    for attn, mlp, combination in pairs:
+        core = combination.cores[0]
+        last = mlp if mlp is not None else attn
         entry = attn.skip
         tokens, dim = ops.shape(entry)[1], ops.shape(entry)[2]
         new_stage = (
@@ -392,7 +397,8 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 )
             )
         stage = stages[-1]
-        paths = [ops.module_path(n) for n in attn.nodes + mlp.nodes + [attn.add, mlp.add]]
+        mlp_nodes = mlp.nodes + [mlp.add] if mlp is not None else []
+        paths = [ops.module_path(n) for n in attn.nodes + [attn.add] + mlp_nodes]
         path = ops.common_path([p for p in paths if p])
         index = len(blocks)
         stage.blocks.append(index)
@@ -409,17 +415,24 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 prefix_tokens=stage.prefix_tokens,
                 input_node=entry.name,
                 attn_add_node=attn.add.name,
-                output_node=mlp.add.name,
+                output_node=last.add.name,
                 grid_ops=_grid_ops(gm, attn, mlp, anc),
+                # A parallel block's MLP runs before any reduction, as its attention does: its
+                # nodes count as the attention branch.
                 position_uses=find_position_uses(
                     gm,
                     image,
-                    {"attention": attn.nodes + [attn.add], "mlp": mlp.nodes + [mlp.add]},
+                    {"attention": attn.nodes + [attn.add], "mlp": mlp_nodes},
                     core,
                     tokens,
                     stage.prefix_tokens,
                     anc.is_ancestor,
                 ),
+                parallel_mlp=mlp is None,
+                parallel_cores=combination.cores[1:],
+                score_combination=combination.kind,
+                score_coefficient=combination.coefficient,
+                score_blocker=combination.blocker,
             )
         )
     for stage, following in zip(stages, stages[1:] + [None], strict=True):
@@ -453,25 +466,24 @@ def analyse(captured: CapturedGraph) -> ModelMap:
     )
 
 
-def _unpaired_block(attn: _Residual, cores: list[AttentionCore]) -> str:
-    """Why an attention residual is not a block this tool can reduce at: parallel branches."""
-    path = ops.common_path([ops.module_path(n) for n in attn.nodes if ops.module_path(n)])
-    where = f"{path or attn.add.name} (residual add {attn.add.name})"
-    if len(cores) > 1:
-        what = (
-            f"{len(cores)} attention cores ({', '.join(c.path for c in cores)}) are added "
-            "to one residual in parallel"
+def _parallel_block(attn: _Residual, cores: list[AttentionCore], anc: _Ancestry, cores_in):
+    """The whole of a block whose attention residual no MLP residual follows (attention and MLP
+    side by side, ``x + attn(h) + mlp(h)``), as one residual from its input to where its branches
+    rejoin; tokens are reduced there. Refused where they never rejoin, or where more attention
+    than the block's own lies on the way."""
+    end = block_end(attn.skip, attn.add, anc.nodes, anc.index, anc.is_ancestor)
+    whole = None
+    if end is not None:
+        whole = _Residual(end, attn.skip, attn.branch, anc.between(attn.skip, end))
+    if whole is None or [c.node for c in cores_in(whole)] != [c.node for c in cores]:
+        path = ops.common_path([c.path for c in cores if c.path])
+        raise MappingError(
+            f"parallel block at {path or attn.add.name} (residual add {attn.add.name}): its "
+            "attention is not followed by an MLP residual on its output, and its branches do "
+            "not rejoin into one token stream before other attention; token reduction needs a "
+            "block boundary after the attention, so such blocks are not supported"
         )
-    else:
-        what = (
-            "its attention is not followed by an MLP residual on its output (attention and "
-            "MLP in parallel on one residual, x + attn(x) + mlp(x), or no MLP)"
-        )
-    return (
-        f"parallel block at {where}: {what}; token reduction needs one attention then an "
-        "MLP residual per block (a scoring attention before a place to drop tokens), so "
-        "such blocks are not supported"
-    )
+    return whole
 
 
 def _through_identities(gm: fx.GraphModule, node: fx.Node) -> fx.Node:

@@ -36,7 +36,10 @@ class ScorePredictor(nn.Module):
             global_ = rest.mean(dim=1, keepdim=True)
         else:
             weight = keep_mask.unsqueeze(-1).to(x.dtype)
-            global_ = (rest * weight).sum(dim=1, keepdim=True) / weight.sum(dim=1, keepdim=True)
+            # The mask is hard (0/1), so its sum counts the tokens kept: at least 1 changes
+            # nothing, except where a Gumbel draw kept none (few tokens), which gave 0/0 = NaN.
+            kept = weight.sum(dim=1, keepdim=True).clamp_min(1.0)
+            global_ = (rest * weight).sum(dim=1, keepdim=True) / kept
         # out_conv[0] applied to cat([local, global broadcast]) without building the concatenation:
         # the global half is one row per image, so its product is computed once, not per token.
         first = self.out_conv[0]
