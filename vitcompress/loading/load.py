@@ -117,7 +117,9 @@ def _load_hf(
             "(its weights are loaded from it)"
         )
     model, weights = load_hf_directory(spec, args)
-    if checkpoint is not None:
+    if checkpoint is not None and Path(checkpoint).expanduser().resolve() != weights.resolve():
+        # The directory's own weights file (what an artifact's base records) is loaded already,
+        # by transformers, which also renames the keys of older layouts.
         weights = Path(checkpoint).expanduser()
         if not weights.is_file():
             raise ModelLoadError(f"checkpoint {checkpoint} not found")

@@ -1,0 +1,178 @@
+"""HuggingFace transformers models (ViT, DeiT, Dinov2, PVT, PVTv2, CvT from their configs): they
+map, compress with every variant, are exact at keep 1 with sharpened weights, cost fewer MACs at
+keep 0.7 and train; a save_pretrained directory works as --model, through save and load."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+pytest.importorskip("transformers")
+
+import vitcompress  # noqa: E402
+from tests.fixtures import hf_models  # noqa: E402
+from vitcompress.api import compress_loaded  # noqa: E402
+from vitcompress.artifact import ArtifactError, load_artifact_base  # noqa: E402
+from vitcompress.cli.main import cli  # noqa: E402
+from vitcompress.graph.rewrite import REDUCER_PREFIX  # noqa: E402
+from vitcompress.loading import load_model  # noqa: E402
+from vitcompress.measure import count_macs  # noqa: E402
+
+VARIANTS = ("dtps", "etps", "dynamicvit", "evit")
+# One variant per class in the default suite (every variant twice over); the rest is slow.
+FAST = {
+    ("hf_vit", "dtps"),
+    ("hf_deit", "etps"),
+    ("hf_dinov2", "dynamicvit"),
+    ("hf_pvt", "evit"),
+    ("hf_pvt_v2", "dtps"),
+    ("hf_cvt", "etps"),
+}
+BLOCKS = {"hf_vit": 4, "hf_deit": 4, "hf_dinov2": 4, "hf_pvt": 4, "hf_pvt_v2": 4, "hf_cvt": 6}
+CASES = [
+    pytest.param(name, variant, marks=() if (name, variant) in FAST else pytest.mark.slow)
+    for name in hf_models.BUILDERS
+    for variant in VARIANTS
+]
+
+
+def _wrapped(name: str):
+    model, size = hf_models.build(name)
+    return hf_models.sharpen(hf_models.Logits(model)), size
+
+
+@pytest.mark.parametrize("name", list(hf_models.BUILDERS))
+def test_every_class_maps_with_all_its_blocks(name):
+    model, size = _wrapped(name)
+    model_map = vitcompress.map_model(model, size)
+    assert len(model_map.blocks) == BLOCKS[name]
+    assert model_map.capture in ("symbolic_trace", "guarded_trace")
+
+
+@pytest.mark.parametrize(("name", "variant"), CASES)
+def test_exact_at_keep_one_cheaper_at_keep_0_7_and_trains(name, variant):
+    model, size = _wrapped(name)
+    x = torch.randn(2, *size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = model(x)
+        same = vitcompress.compress(model, variant, keep=1.0, input_size=size).eval()(x)
+    assert float((same - base).abs().max()) <= 1e-4 * float(base.abs().max())
+
+    reduced = vitcompress.compress(model, variant, keep=0.7, input_size=size)
+    assert count_macs(reduced, size) < count_macs(model, size)
+    reduced.train()
+    logits = reduced(x)
+    loss = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1]))
+    loss.backward()
+    assert math.isfinite(float(loss.detach()))
+    grads = {n: p.grad for n, p in reduced.named_parameters() if p.grad is not None}
+    assert grads and all(bool(torch.isfinite(g).all()) for g in grads.values())
+    if variant in ("dtps", "dynamicvit"):  # the predictors learn through the training path
+        predictor = [g for n, g in grads.items() if n.startswith(f"{REDUCER_PREFIX}.")]
+        assert predictor and any(float(g.abs().sum()) > 0 for g in predictor)
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    """A tiny HF ViT saved with save_pretrained, with its image processor's mean/std."""
+    model, _ = hf_models.build("hf_vit")
+    directory = tmp_path / "hf-vit"
+    model.save_pretrained(directory)
+    processor = {"image_mean": [0.5, 0.4, 0.3], "image_std": [0.2, 0.2, 0.2], "resample": 2}
+    (directory / "preprocessor_config.json").write_text(json.dumps(processor))
+    return directory, model
+
+
+def test_a_save_pretrained_directory_loads_with_its_weights_size_and_preprocessing(hf_dir):
+    directory, original = hf_dir
+    loaded = load_model(str(directory))
+    assert loaded.input_size == (3, 32, 32)  # the config's image_size and num_channels
+    assert loaded.source.spec == str(directory.resolve())
+    assert loaded.source.checkpoint == str(directory.resolve() / "model.safetensors")
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded.model(x), original(pixel_values=x).logits)
+    assert loaded.model.data_config == {
+        "mean": [0.5, 0.4, 0.3],
+        "std": [0.2, 0.2, 0.2],
+        "interpolation": "bilinear",
+    }
+
+
+def test_apply_on_a_directory_saves_an_artifact_that_records_it_and_rebuilds(hf_dir, tmp_path):
+    directory, _ = hf_dir
+    out = tmp_path / "compressed"
+    result = CliRunner().invoke(
+        cli,
+        [
+            "apply",
+            "--model",
+            str(directory),
+            "--variant",
+            "etps",
+            "--keep",
+            "0.7",
+            "--no-throughput",
+            "--out",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    meta = json.loads((out / "vitcompress.json").read_text())
+    assert meta["source"]["spec"] == str(directory.resolve())
+    assert meta["base_weights"] == str(directory.resolve() / "model.safetensors")
+    assert len(meta["base_weights_sha256"]) == 64
+    assert meta["data_config"]["mean"] == [0.5, 0.4, 0.3]
+
+    model = vitcompress.load(out)
+    base = load_artifact_base(out).model
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert model(x).shape == (2, hf_models.NUM_LABELS)
+        assert base(x).shape == (2, hf_models.NUM_LABELS)
+
+    # Weights changed in the directory after the save: the base is no longer the one compressed.
+    changed, _ = hf_models.build("hf_vit", seed=1)
+    changed.save_pretrained(directory)
+    with pytest.raises(ArtifactError, match="changed since the artifact was saved"):
+        load_artifact_base(out)
+
+
+def test_finetune_one_step_trains_the_predictors_of_an_hf_model(hf_dir, tmp_path, monkeypatch):
+    from torch.utils.data import TensorDataset
+
+    from vitcompress.workflows.finetune import FinetuneConfig, finetune
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    directory, _ = hf_dir
+    base = load_model(str(directory))
+    student = compress_loaded(base, "dtps", keep=0.7)
+    before = {
+        n: p.detach().clone()
+        for n, p in student.model.named_parameters()
+        if n.startswith(f"{REDUCER_PREFIX}.")
+    }
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(x, torch.tensor([0, 1, 2, 3]))
+    config = FinetuneConfig(epochs=1, batch_size=4, lr=1e-3, warmup_epochs=0, log_every=1)
+    result = finetune(student, base.model, data, None, tmp_path / "run", config)
+    try:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    except ImportError:
+        pass
+    assert result["steps"] == 1
+    steps = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["type"] == "step"
+    ]
+    assert steps and math.isfinite(steps[0]["loss"])
+    after = dict(student.model.named_parameters())
+    assert before and any(not torch.equal(after[n].detach(), v) for n, v in before.items())
