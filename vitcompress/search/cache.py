@@ -32,7 +32,12 @@ class ScoreCache:
             self._append({"settings": self.settings})
 
     def _read(self) -> None:
-        lines = self.path.read_text().splitlines()
+        text = self.path.read_text()
+        if text and not text.endswith("\n"):
+            # Killed mid-write: end the torn line, or the next row would be appended to it.
+            with open(self.path, "a") as f:
+                f.write("\n")
+        lines = text.splitlines()
         rows = []
         for line in lines:
             try:

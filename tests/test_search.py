@@ -1,0 +1,273 @@
+"""``vitcompress.search``: the candidate space, analytic MACs, the Pareto front, the strategy,
+the predictor warm-up and the resumable cache (workflow level, tiny models)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import timm
+import torch
+from torch.utils.data import TensorDataset
+
+import vitcompress
+import vitcompress.zoo  # noqa: F401 - registers pvt_* into timm
+from tests.models import timm_small
+from vitcompress.api import capture_and_map
+from vitcompress.graph.plan import make_plan
+from vitcompress.loading import LoadedModel, ModelSource
+from vitcompress.measure import count_macs
+from vitcompress.search.cache import CACHE_NAME
+from vitcompress.search.cost import profile, relative_error
+from vitcompress.search.pareto import pareto_front
+from vitcompress.search.score import CandidateBuilder, agreement_metrics
+from vitcompress.search.space import Candidate, build_space
+from vitcompress.search.strategy import match_budget
+from vitcompress.search.warmup import block_signals, warm_predictors
+from vitcompress.workflows.search import Budget, SearchConfig, SearchError, search
+
+SIZE = (3, 32, 32)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: on a busy machine two threads spend their time waiting for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_vit():
+    return timm_small("vit_small_patch16_224").eval()
+
+
+def pvt():
+    return timm.create_model("pvt_v2_b0", num_classes=10).eval(), (3, 64, 64)
+
+
+# ------------------------------------------------------------------------------------------------
+# Space
+
+
+def test_single_stage_space_is_every_set_of_one_to_four_blocks():
+    _, model_map = capture_and_map(tiny_vit(), SIZE)
+    space = build_space(model_map, ["etps"])
+    sets = list(space.location_sets())
+    assert len(sets) == 4 + 6 + 4 + 1 and len(set(sets)) == len(sets)
+    assert all(list(s) == sorted(s) for s in sets)
+    assert space.allows((0, 2)) and not space.allows((2, 0)) and not space.allows((1, 1))
+
+
+def test_a_pyramid_gets_at_most_one_location_per_stage():
+    model, size = pvt()
+    _, model_map = capture_and_map(model, size)
+    space = build_space(model_map, ["etps"])
+    assert space.one_per_group and space.groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    sets = list(space.location_sets())
+    # k stages out of 4, one of 2 blocks in each: sum C(4, k) 2^k
+    assert len(sets) == sum(math.comb(4, k) * 2**k for k in range(1, 5))
+    stage = {b: i for i, g in enumerate(space.groups) for b in g}
+    assert all(len({stage[b] for b in s}) == len(s) for s in sets)
+    assert not space.allows((2, 3))
+
+
+# ------------------------------------------------------------------------------------------------
+# Analytic MACs
+
+
+PLANS = [
+    ("etps", [0.6], [1, 2, 3]),
+    ("evit", [0.5], [1, 3]),
+    ("dtps", [0.7, 0.6, 0.5], [1, 2, 3]),
+    ("dynamicvit", [0.4], [2]),
+]
+
+
+@pytest.mark.parametrize("variant, keep, locs", PLANS)
+def test_analytic_macs_equal_the_counted_macs_on_a_vit(variant, keep, locs):
+    model = tiny_vit()
+    _, model_map = capture_and_map(model, SIZE)
+    cost = profile(model, model_map)
+    assert cost.base_macs == count_macs(model, SIZE)
+    plan = make_plan(model_map, variant, keep, locs)
+    compressed = vitcompress.compress(model, variant, keep, locs, SIZE).eval()
+    counted = count_macs(compressed, SIZE)
+    assert counted < 0.95 * cost.base_macs  # a real reduction is being counted
+    assert relative_error(cost.macs(plan), counted) < 0.01
+
+
+@pytest.mark.parametrize(
+    "variant, keep, locs", [("etps", [0.5], [2, 4, 6]), ("dtps", [0.7, 0.5], [3, 6])]
+)
+def test_analytic_macs_equal_the_counted_macs_on_a_hybrid(variant, keep, locs):
+    model, size = pvt()  # spatial-reduction attention, a conv in the MLP, four stages
+    _, model_map = capture_and_map(model, size)
+    cost = profile(model, model_map)
+    plan = make_plan(model_map, variant, keep, locs)
+    counted = count_macs(vitcompress.compress(model, variant, keep, locs, size).eval(), size)
+    assert counted < 0.97 * cost.base_macs
+    assert relative_error(cost.macs(plan), counted) < 0.015
+
+
+def test_tokens_per_block_follow_the_plan():
+    model = tiny_vit()
+    _, model_map = capture_and_map(model, SIZE)
+    cost = profile(model, model_map)
+    # dTPS before block 1 keeps int(64 * 0.5) = 32; eTPS in block 1 keeps ceil(0.5 * 64) = 32
+    assert cost.tokens_per_block(make_plan(model_map, "dtps", [0.5], [1])) == [65, 33, 33, 33]
+    assert cost.tokens_per_block(make_plan(model_map, "etps", [0.5], [1])) == [65, 65, 33, 33]
+    assert cost.tokens_per_block(make_plan(model_map, "evit", [0.5], [1])) == [65, 65, 34, 34]
+
+
+# ------------------------------------------------------------------------------------------------
+# Pareto front, budget matching, metrics
+
+
+def test_pareto_front_on_hand_made_points():
+    points = [(1.0, 0.1), (2.0, 0.5), (2.0, 0.4), (3.0, 0.3), (4.0, 0.9), (0.5, 0.05), (5, 0.9)]
+    front = pareto_front(points, cost=lambda p: p[0], score=lambda p: p[1])
+    assert front == [(0.5, 0.05), (1.0, 0.1), (2.0, 0.5), (4.0, 0.9)]
+    assert pareto_front([], cost=lambda p: p, score=lambda p: p) == []
+
+
+def test_budget_matching_takes_the_largest_keep_that_fits():
+    model = tiny_vit()
+    _, model_map = capture_and_map(model, SIZE)
+    cost_model = profile(model, model_map)
+    space = build_space(model_map, ["etps"])
+
+    def cost(c):
+        return cost_model.macs(c.plan(model_map))
+
+    budget = 0.7 * cost_model.base_macs
+    matched = match_budget("etps", (1, 2), space, cost, budget)
+    assert matched is not None and cost(matched) <= budget
+    grid = sorted(space.keep_grid)
+    higher = grid[grid.index(matched.keep[0]) + 1]
+    assert cost(Candidate("etps", (1, 2), (higher, higher))) > budget
+    assert match_budget("etps", (3,), space, cost, 0.1 * cost_model.base_macs) is None
+
+
+def test_agreement_metrics():
+    base = torch.tensor([[2.0, 0.0, 0.0], [0.0, 3.0, 0.0]])
+    same = agreement_metrics(base.clone(), base, torch.tensor([0, 2]))
+    assert same["kl"] == pytest.approx(0.0, abs=1e-6) and same["agreement"] == 1.0
+    assert same["accuracy"] == 0.5 and same["score"] == pytest.approx(0.0, abs=1e-6)
+    other = agreement_metrics(torch.tensor([[0.0, 2.0, 0.0], [0.0, 3.0, 0.0]]), base, None)
+    assert other["kl"] > 0.1 and other["agreement"] == 0.5 and other["accuracy"] is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Predictor warm-up
+
+
+def test_warmed_predictor_keeps_the_tokens_the_attention_ranks_highest():
+    model = tiny_vit()
+    builder = CandidateBuilder(model, SIZE)
+    images = torch.randn(16, *SIZE, generator=torch.Generator().manual_seed(1))
+    signals = block_signals(builder, images, [1, 2], batch_size=8)
+    assert signals[1].tokens.shape == (16, 64, 64) and signals[1].attention.shape == (16, 64)
+
+    def overlap(compressed) -> float:
+        predictor = list(compressed.tps.children())[0].predictor
+        with torch.no_grad():
+            scores = predictor.keep_score(signals[1].tokens.float())
+        chosen = scores.topk(32, dim=1).indices
+        wanted = signals[1].attention.topk(32, dim=1).indices
+        return sum(
+            len(set(a.tolist()) & set(b.tolist())) for a, b in zip(chosen, wanted, strict=True)
+        ) / (16 * 32)
+
+    fresh = builder.build("dtps", [0.5], [1, 2])
+    before = overlap(fresh)
+    losses = warm_predictors(fresh, signals, [1, 2], steps=150, batch=8)
+    after = overlap(fresh)
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert after > 0.75 and after > before + 0.15
+
+
+# ------------------------------------------------------------------------------------------------
+# The workflow: budgets, cache, resume
+
+
+def loaded_tiny() -> LoadedModel:
+    return LoadedModel(model=tiny_vit(), source=ModelSource(spec="tiny"), input_size=SIZE)
+
+
+def calibration_set(count: int = 16) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(
+        torch.randn(count, *SIZE, generator=generator), torch.randint(0, 10, (count,))
+    )
+
+
+def config(out, **extra) -> SearchConfig:
+    settings = dict(
+        budget=Budget(max_gmacs_ratio=0.7),
+        variants=["etps", "evit"],
+        out=out,
+        calib_images=12,
+        batch_size=8,
+        max_candidates=6,
+        identity={"model": "tiny"},
+    )
+    settings.update(extra)
+    return SearchConfig(**settings)
+
+
+class Stop(Exception):
+    pass
+
+
+def test_a_stopped_search_resumes_without_scoring_again(tmp_path):
+    whole = search(loaded_tiny(), calibration_set(), config(tmp_path / "whole")).data
+    assert whole["strategy"] == "evolutionary" and whole["scored_now"] == 6
+
+    def stop_after_three(scored_now: int) -> None:
+        if scored_now == 3:
+            raise Stop
+
+    out = tmp_path / "stopped"
+    with pytest.raises(Stop):
+        search(loaded_tiny(), calibration_set(), config(out, on_scored=stop_after_three))
+    lines = (out / CACHE_NAME).read_text().splitlines()
+    assert len(lines) == 1 + 3  # the settings, then one line per scored candidate
+    with open(out / CACHE_NAME, "a") as f:
+        f.write('{"key": "etps|1|0.5", "score"')  # a line torn by a kill mid-write
+    resumed = search(loaded_tiny(), calibration_set(), config(out)).data
+    assert resumed["scored_now"] == 3 and resumed["from_cache"] == 3
+    keys = {(r["variant"], tuple(r["locs"]), tuple(r["keep"])) for r in resumed["candidates"]}
+    assert keys == {(r["variant"], tuple(r["locs"]), tuple(r["keep"])) for r in whole["candidates"]}
+    assert resumed["best"]["score"] == whole["best"]["score"]
+    again = search(loaded_tiny(), calibration_set(), config(out)).data
+    assert again["scored_now"] == 0
+
+
+def test_a_cache_from_other_settings_is_refused(tmp_path):
+    search(loaded_tiny(), calibration_set(), config(tmp_path, max_candidates=2))
+    with pytest.raises(SearchError, match="calib_images"):
+        search(loaded_tiny(), calibration_set(), config(tmp_path, calib_images=10))
+
+
+def test_exhaustive_when_the_matched_candidates_are_few(tmp_path):
+    data = search(
+        loaded_tiny(), calibration_set(), config(tmp_path, variants=["etps"], max_candidates=20)
+    ).data
+    assert data["strategy"] == "exhaustive"
+    assert data["scored"] == data["space"]["budget_matched"] <= 15
+    budget = data["budget"]["macs"]
+    assert all(r["macs"] <= budget for r in data["candidates"])
+    assert data["best"]["score"] == max(r["score"] for r in data["candidates"])
+    assert data["macs_check"]["max_relative_error"] < 0.01
+    assert json.loads((tmp_path / "search.json").read_text())["best"] == data["best"]
+
+
+def test_an_impossible_budget_names_the_smallest_candidate(tmp_path):
+    with pytest.raises(SearchError, match=r"no candidate reaches 0.05 of the GMACs; the smallest"):
+        search(
+            loaded_tiny(), calibration_set(), config(tmp_path, budget=Budget(max_gmacs_ratio=0.05))
+        )
+    with pytest.raises(SearchError, match="a budget is required"):
+        search(loaded_tiny(), calibration_set(), config(tmp_path, budget=Budget()))
