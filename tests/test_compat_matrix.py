@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import vitcompress.graph.plan
+from vitcompress.graph.rewrite import _Rewriter
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "compat_matrix.py"
 
@@ -42,25 +42,30 @@ def test_a_working_vit_is_exact_at_keep_one_and_cheaper_trains_and_exports():
         assert cell["onnx"]["ok"] and cell["onnx"]["max_abs_diff"] < 1e-4
 
 
-def test_a_relative_position_family_is_refused_with_a_line_naming_the_table():
-    row = matrix.matrix_row("beit", "beit_base_patch16_224", variants=("dtps", "etps"))
+def test_a_relative_position_family_is_exact_at_keep_one_and_cheaper_trains_and_exports():
+    """BEiT's bias follows the kept tokens: every column passes, with the sharpened weights."""
+    row = matrix.matrix_row("beit", "beit_base_patch16_224", variants=("dtps", "evit"))
     assert row["maps"]["status"] == "ok"
-    for variant, block in (("dtps", 1), ("etps", 2)):
+    for variant in ("dtps", "evit"):
         cell = row["variants"][variant]
-        assert cell["status"] == "refused"
-        assert "\n" not in cell["line"]
-        assert f"blocks.{block}.attn.relative_position_bias_table" in cell["line"]
-    summary = matrix.summarise(
-        [{**row, "variants": {v: row["variants"]["dtps"] for v in matrix.VARIANTS}}]
+        assert cell["status"] == "ok", cell
+        assert cell["exact"] and cell["gmac_ratio"] < 1.0
+        assert cell["train"]["ok"] and cell["onnx"]["ok"]
+
+
+def test_a_position_table_refusal_is_grouped_under_its_reason():
+    line = (
+        "block 2 (blocks.2.attn.after) applies the position table blocks.2.attn.after.mix to its "
+        "tokens after the token reduction at block 1, and it cannot follow the kept tokens: ..."
     )
-    assert summary["refused_by_reason"] == {"position table after the reduction": ["beit"]}
+    assert matrix.refusal_reason(line) == "position table after the reduction"
 
 
 def test_the_matrix_catches_a_silently_wrong_model(monkeypatch):
-    """Without the position-table refusal, dTPS at keep 1 re-sorts BEiT's tokens under a bias
+    """Without the position-table gather, dTPS at keep 1 re-sorts BEiT's tokens under a bias
     table indexed by position: the sharpened weights make the change visible and the cell says
     WRONG, never ok."""
-    monkeypatch.setattr(vitcompress.graph.plan, "position_refusal", lambda model_map, plan: None)
+    monkeypatch.setattr(_Rewriter, "_gather_position_tables", lambda self, *args: None)
     cell = matrix.matrix_row("beit", "beit_base_patch16_224", variants=("dtps",))["variants"][
         "dtps"
     ]

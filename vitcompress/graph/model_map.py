@@ -65,6 +65,11 @@ class PositionUse:
     node: str  # that op
     table_node: str  # the position tensor as the op reads it
     shape: tuple[int, ...]
+    # Why the table cannot be gathered by the kept tokens (``None``: it can, see positions.py).
+    blocker: str | None = None
+    # The value a token without a grid position (EViT's fused token) takes on the table's rows:
+    # what leaves the op unchanged (0 added, 1 multiplied); ``None`` when no such value is known.
+    neutral: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -73,6 +78,8 @@ class PositionUse:
             "branch": self.branch,
             "path": self.path,
             "shape": list(self.shape),
+            "blocker": self.blocker,
+            "neutral": self.neutral,
         }
 
     @classmethod
@@ -85,6 +92,8 @@ class PositionUse:
             node="",
             table_node="",
             shape=tuple(data["shape"]),
+            blocker=data.get("blocker"),
+            neutral=data.get("neutral"),
         )
 
 

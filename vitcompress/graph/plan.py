@@ -268,8 +268,8 @@ _MEETS = {
 
 
 def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
-    """One line naming the first position table that would see reduced tokens, or the place
-    where a reduced stage's tokens bypass its exit grid, else ``None``.
+    """One line naming the first position table that would see reduced tokens and cannot follow
+    them, or the place where a reduced stage's tokens bypass its exit grid, else ``None``.
 
     Reductions act per stage (a stage's exit gives the next stage its full grid back). A
     predictor variant reduces before its block, so the whole block sees fewer tokens; an
@@ -296,12 +296,31 @@ def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
                 return head_refusal(use, loc.block, plan.variant)
             if block.index == loc.block and plan.scorer == "attention" and use.branch != "mlp":
                 continue
-            return (
-                f"block {block.index} ({use.path}) applies the position table {use.table} "
-                f"to its {_MEETS[use.kind]} after the token reduction at block {loc.block}: "
-                "the table is indexed by token position and cannot follow the kept tokens, "
-                f"so {plan.variant} is refused rather than giving wrong logits"
-            )
+            refusal = _table_refusal(use, block.index, loc.block, plan)
+            if refusal is not None:
+                return refusal
+    return None
+
+
+def _table_refusal(use, block: int, reduced_at: int, plan: Plan) -> str | None:
+    """A position table read after a reduction is gathered by the kept tokens' positions
+    (``modules/position_tables.py``); one line when it cannot be, else ``None``."""
+    where = (
+        f"block {block} ({use.path}) applies the position table {use.table} to its "
+        f"{_MEETS[use.kind]} after the token reduction at block {reduced_at}"
+    )
+    if use.blocker is not None:
+        return (
+            f"{where}, and it cannot follow the kept tokens: {use.blocker}; so {plan.variant} "
+            "is refused rather than giving wrong logits"
+        )
+    if use.neutral is None and plan.fuse == "evit":
+        return (
+            f"{where}: EViT's fused token has no grid position, and no row of that table is "
+            "known to leave it unchanged (the table is not added, nor multiplied alone, nor "
+            "told apart as the cos or the sin of a rotation x * cos + r(x) * sin), so "
+            f"{plan.variant} is refused rather than guessing one"
+        )
     return None
 
 

@@ -100,7 +100,8 @@ def find_position_uses(
     prefix_tokens: int,
     is_ancestor,
 ) -> list[PositionUse]:
-    """Position-dependent tensors that meet the token stream in one block.
+    """Position-dependent tensors that meet the token stream in one block: one use per op and
+    table it reads (the same table read twice is gathered at both places).
 
     ``branches`` maps "attention"/"mlp" to the nodes of that residual branch (its closing add
     included); ``is_ancestor(a, b)`` says whether ``b`` reads data of ``a``.
@@ -109,6 +110,7 @@ def find_position_uses(
     counts = {c for c in (tokens, tokens - prefix_tokens) if c > 1}
     nodes = {n.name: n for n in gm.graph.nodes}
     parameters = {name for name, _ in gm.named_parameters()}
+    batch = (ops.shape(image) or (None,))[0]
     found: list[PositionUse] = []
     seen: set[tuple[str, str]] = set()
     for branch, branch_nodes in branches.items():
@@ -117,21 +119,144 @@ def find_position_uses(
                 shape = ops.shape(operand)
                 if shape is None or operand is image or is_ancestor(image, operand):
                     continue
-                if not _token_dims(shape, counts) or (branch, operand.name) in seen:
+                if not _token_dims(shape, counts) or (meeting.name, operand.name) in seen:
                     continue
-                seen.add((branch, operand.name))
+                seen.add((meeting.name, operand.name))
+                kind = _kind(meeting, core, nodes, is_ancestor)
                 found.append(
                     PositionUse(
                         table=describe(operand, parameters),
-                        kind=_kind(meeting, core, nodes, is_ancestor),
+                        kind=kind,
                         branch=branch,
                         path=ops.module_path(meeting),
                         node=meeting.name,
                         table_node=operand.name,
                         shape=tuple(shape),
+                        blocker=_blocker(
+                            gm, meeting, operand, kind, tokens, prefix_tokens, batch, image
+                        ),
+                        neutral=_neutral(meeting, operand, image, is_ancestor),
                     )
                 )
     return found
+
+
+# --- Following the kept tokens: where a table is gathered, and what a token off the grid gets --
+
+_ADD_NAMES = {"add", "add_", "sub", "sub_"}
+_MUL_NAMES = {"mul", "mul_"}
+
+
+def _elementwise(node: fx.Node) -> str | None:
+    """``"add"`` for an add/sub, ``"mul"`` for a multiplication, else ``None``."""
+    if node.op == "call_function":
+        target = node.target
+        if target in (operator.add, operator.iadd, operator.sub, operator.isub):
+            return "add"
+        if target in (operator.mul, operator.imul):
+            return "mul"
+        name = getattr(target, "__name__", "").split(".")[0]
+    elif node.op == "call_method":
+        name = str(node.target)
+    else:
+        return None
+    return "add" if name in _ADD_NAMES else "mul" if name in _MUL_NAMES else None
+
+
+def _attn_mask(node: fx.Node) -> object:
+    return node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+
+
+def gather_layout(
+    shape: tuple[int, ...], rank: int, kind: str, tokens: int, prefix_tokens: int
+) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
+    """Where a table of ``shape``, read against a rank-``rank`` tensor of ``tokens`` tokens
+    (``prefix_tokens`` of them first), is gathered: (its token dims once right-aligned to that
+    rank, the prefix rows each holds); or why it cannot be, as a phrase for the refusal.
+
+    An attention bias lies on the logits' last two dims (queries, keys); any other table has
+    one token dim before its last (the last is its channel axis, as RoPE's D).
+    """
+    if len(shape) > rank:
+        return f"its {len(shape)} dims do not line up with the {rank} of the tokens it meets"
+    padded = (1,) * (rank - len(shape)) + tuple(shape)
+    if padded[0] != 1:
+        return f"its first dim ({padded[0]}) is not broadcast over the images"
+    rows = {tokens - prefix_tokens: 0, tokens: prefix_tokens}  # rows before the patch tokens
+    if kind == "attention bias":
+        dims = (rank - 2, rank - 1)
+        if rank < 3 or any(padded[d] not in rows for d in dims):
+            return f"its last two dims {padded[-2:]} are not the queries and keys"
+    else:
+        dims = tuple(d for d in range(1, rank - 1) if padded[d] in rows and padded[d] > 1)
+        if len(dims) != 1:
+            return f"{len(dims)} of its dims {padded} could be the token axis"
+    return dims, tuple(rows[padded[d]] for d in dims)
+
+
+def _blocker(
+    gm: fx.GraphModule,
+    meeting: fx.Node,
+    operand: fx.Node,
+    kind: str,
+    tokens: int,
+    prefix_tokens: int,
+    batch: int | None,
+    image: fx.Node,
+) -> str | None:
+    """Why the table ``operand`` cannot follow the kept tokens where ``meeting`` reads it, or
+    ``None``: it must be added or multiplied to the tokens (or be an attention's additive mask),
+    so that its rows line up with the tokens by broadcasting, per image."""
+    if ops.is_sdpa(meeting):
+        if _attn_mask(meeting) is not operand:
+            return f"it is an input of {meeting.name} other than its additive mask"
+    elif _elementwise(meeting) is None:
+        return (
+            f"it meets the tokens in {_op_name(gm, meeting)} ({meeting.name}), where its rows "
+            "do not line up with the tokens by broadcasting"
+        )
+    out = ops.shape(meeting)
+    if out is None:
+        return f"{meeting.name} has no single tensor output"
+    if batch is not None and out[0] != batch:
+        return (
+            f"the tokens it meets are batched as {out[0]} rows for {batch} images (heads or "
+            "windows folded into the batch), so it cannot be gathered per image"
+        )
+    layout = gather_layout(tuple(ops.shape(operand)), len(out), kind, tokens, prefix_tokens)
+    return layout if isinstance(layout, str) else None
+
+
+def _neutral(meeting: fx.Node, operand: fx.Node, image: fx.Node, is_ancestor) -> float | None:
+    """The value a token off the grid takes on the table's row: the one that leaves the op
+    unchanged. Added (a bias, an attention mask): 0. Multiplied: 1, except for the second table
+    of a rotation ``x * a + r(x) * b`` with ``r(x)`` computed from ``x`` (RoPE: ``a`` cos, ``b``
+    sin), which takes 0, so that the token is not rotated, as the prefix tokens are not."""
+    if ops.is_sdpa(meeting) or _elementwise(meeting) == "add":
+        return 0.0
+    if _elementwise(meeting) != "mul":
+        return None
+
+    def tokens_of(mul: fx.Node) -> fx.Node | None:
+        data = [a for a in mul.all_input_nodes if a is image or is_ancestor(image, a)]
+        return data[0] if len(data) == 1 else None
+
+    mine = tokens_of(meeting)
+    for total in meeting.users:
+        if _elementwise(total) != "add":
+            continue
+        for other in total.all_input_nodes:
+            if other is meeting or _elementwise(other) != "mul":
+                continue
+            theirs = tokens_of(other)
+            if mine is None or theirs is None or len(other.all_input_nodes) != 2:
+                continue
+            if is_ancestor(theirs, mine):
+                return 0.0  # this table multiplies the rotated tokens: sin
+            if is_ancestor(mine, theirs):
+                return 1.0  # this one multiplies the tokens themselves: cos
+            return None  # two tables on unrelated parts (a complex product): no known identity
+    return 1.0
 
 
 # --- The head: what reads the last stage's tokens --------------------------------------------
@@ -201,8 +326,8 @@ def _follow(gm: fx.GraphModule, user: fx.Node, node: fx.Node, axis: int) -> int 
             return None
         keep = user.kwargs.get("keepdim", len(user.args) > 2 and user.args[2] is True)
         return axis if keep else axis - sum(1 for d in dims if d < axis)
-    if out_shape is None:
-        return axis  # a tuple (unbind, split): its items are followed
+    if out_shape is None:  # a tuple (unbind, split): its items are followed
+        return _tuple_axis(gm, user, axis, ndim)
     name = _op_name(gm, user)
     if name in ("transpose", "swapaxes", "permute") or name.startswith(("transpose", "permute")):
         rest = [a for a in user.args[1:]]
@@ -222,6 +347,25 @@ def _follow(gm: fx.GraphModule, user: fx.Node, node: fx.Node, axis: int) -> int 
     if len(out_shape) == ndim and out_shape[axis] == size:
         return axis  # per-token ops: norms, linears over channels, adds, activations
     return "lost"
+
+
+def _tuple_axis(gm: fx.GraphModule, user: fx.Node, axis: int, ndim: int) -> int | str:
+    """Where the token axis is in the items of a tuple-valued op: ``unbind`` removes its dim
+    (the axis before it shifts down; unbinding the token axis itself reads tokens by position);
+    a split along the token axis reads them by position too."""
+    name = _op_name(gm, user)
+    default = 0 if name.startswith("unbind") else None
+    dim = user.kwargs.get("dim", user.args[-1] if len(user.args) > 1 else default)
+    if name.startswith(("split", "chunk", "tensor_split")) and len(user.args) < 3:
+        dim = user.kwargs.get("dim", 0)
+    if not isinstance(dim, int):
+        return axis
+    dim %= ndim
+    if dim == axis:
+        return "lost"
+    if name.startswith("unbind") and dim < axis:
+        return axis - 1
+    return axis
 
 
 def _index_reading(node: fx.Node, axis: int) -> object:

@@ -24,6 +24,7 @@ from vitcompress.graph import ops
 from vitcompress.graph.model_map import Block, ModelMap
 from vitcompress.graph.parallel import DIFFERENCE
 from vitcompress.graph.plan import Plan
+from vitcompress.graph.positions import gather_layout
 from vitcompress.modules import (
     AttentionReducer,
     MHAHook,
@@ -32,6 +33,7 @@ from vitcompress.modules import (
     SoftmaxHook,
 )
 from vitcompress.modules.grid import GridGather, GridPad
+from vitcompress.modules.position_tables import PositionGather
 
 REDUCER_PREFIX = "tps"
 HOOK_PREFIX = "tps_hooks"
@@ -93,11 +95,13 @@ class _Rewriter:
             located = by_block.get(block.index)
             if located is not None and self.plan.scorer == "predictor":
                 keep_mask, positions = self._insert_predictor(block, *located, keep_mask, positions)
+            self._gather_position_tables(block, "attention", positions)
             scoring = located is not None and self.plan.scorer == "attention"
             score = self._hook_block_attention(block, keep_mask, scoring, positions)
             self._wrap_grid_ops(block, "attention", keep_mask, positions)
             if scoring:  # the block's MLP already sees the reduced tokens
                 positions = self._insert_attention_reducer(block, *located, score, positions)
+            self._gather_position_tables(block, "mlp", positions)
             self._wrap_grid_ops(block, "mlp", keep_mask, positions)
         self._pad_stage_exit(self.map.stages[stage], keep_mask, positions)
         self.graph.lint()
@@ -177,12 +181,6 @@ class _Rewriter:
         as the block's map combines them (``parallel.py``)."""
         if scoring and block.score_blocker is not None:  # the plan refuses it: never a guess
             raise RewriteError(block.score_blocker)
-        if scoring and block.parallel_cores and self.plan.scorer != "attention":
-            raise RewriteError(
-                f"block {block.index} ({block.path}) has {1 + len(block.parallel_cores)} "
-                f"attention cores; {self.plan.variant} reads one attention's keys, so it is "
-                "refused there"
-            )
         scores = [
             self._hook_attention(replace(block, attention=core), keep_mask, scoring, *rest)
             for core in [block.attention, *block.parallel_cores]
@@ -245,6 +243,31 @@ class _Rewriter:
             node.replace_all_uses_with(out)
         self.graph.erase_node(node)
         return score
+
+    def _gather_position_tables(self, block: Block, branch: str, positions) -> None:
+        """Make every position table that ``branch`` of a reduced block reads follow the kept
+        tokens: the op reads the table gathered by the tokens' grid positions (PositionGather)
+        instead (the plan refused the tables that cannot be gathered)."""
+        if positions is None:
+            return
+        for number, use in enumerate(block.position_uses):
+            if use.branch != branch:
+                continue
+            meeting, table = self.nodes[use.node], self.nodes[use.table_node]
+            layout = gather_layout(
+                use.shape, len(ops.shape(meeting)), use.kind, block.tokens, block.prefix_tokens
+            )
+            if use.blocker is not None or isinstance(layout, str):
+                raise RewriteError(
+                    f"the position table {use.table} of block {block.index} ({use.path}) cannot "
+                    f"follow the kept tokens: {use.blocker or layout}"
+                )
+            dims, prefixes = layout
+            module = PositionGather(dims, prefixes, len(ops.shape(meeting)), use.neutral)
+            target = self._add_hook(f"positions{block.index}_{number}", module)
+            with self.graph.inserting_before(meeting):
+                gathered = self.graph.call_module(target, (table, positions))
+            meeting.replace_input_with(table, gathered)
 
     def _wrap_grid_ops(self, block: Block, branch: str, keep_mask, positions) -> None:
         """Give every grid op of a reduced block its full grid back (pad or mask), then gather."""

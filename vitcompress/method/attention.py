@@ -26,10 +26,28 @@ def masked_softmax(logits: Tensor, keep_mask: Tensor, eps: float = 1e-6) -> Tens
     return probs.to(logits.dtype)
 
 
+def add_attention_bias(logits: Tensor, bias: Tensor | None) -> Tensor:
+    """``logits`` with an SDPA-style ``attn_mask`` applied: a float one added (a relative-position
+    bias), a boolean one (True = may attend) as -inf where False."""
+    if bias is None:
+        return logits
+    if bias.dtype == torch.bool:
+        return logits.masked_fill(~bias, float("-inf"))
+    return logits + bias
+
+
 def masked_attention(
-    q: Tensor, k: Tensor, v: Tensor, keep_mask: Tensor, scale: float | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    keep_mask: Tensor,
+    scale: float | None = None,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Multi-head attention ``(B, H, N, D)`` with a key mask; returns the output and the probs."""
+    """Multi-head attention ``(B, H, N, D)`` with a key mask; returns the output and the probs.
+    ``bias``: the attention's own ``attn_mask`` (a relative-position bias), applied to the
+    logits before the key mask, as in the model."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    probs = masked_softmax((q @ k.transpose(-2, -1)) * scale, keep_mask)
+    logits = add_attention_bias((q @ k.transpose(-2, -1)) * scale, bias)
+    probs = masked_softmax(logits, keep_mask)
     return probs @ v, probs

@@ -8,30 +8,38 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vitcompress.method.attention import add_attention_bias
+
 
 def cls_attention_score(
-    q: Tensor, k: Tensor, prefix_tokens: int, scale: float | None = None
+    q: Tensor, k: Tensor, prefix_tokens: int, scale: float | None = None, bias: Tensor | None = None
 ) -> Tensor:
     """Head-mean attention from the cls query (position 0) to every non-prefix key.
 
     ``q`` and ``k`` are ``(B, H, N, D)``. Only the cls row is computed, so a fused attention kernel
-    never has to materialise the ``N x N`` matrix just to score tokens.
+    never has to materialise the ``N x N`` matrix just to score tokens. ``bias``: the attention's
+    own ``attn_mask`` (..., N, N) (a relative-position bias), so the score is the attention the
+    model computes.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # The product in the inputs' dtype: upcasting k first would copy all of it (B, H, N, D) when
     # the model runs in half precision. The cls query is scaled first (as attention does), so the
     # half-precision product stays in range; only the (B, H, 1, N) row is taken to float32.
     logits = ((q[:, :, :1] * scale) @ k.transpose(-2, -1)).float()  # (B, H, 1, N)
+    if bias is not None:
+        logits = add_attention_bias(logits, bias[..., :1, :])
     probs = logits.softmax(dim=-1)
     return probs[:, :, 0, prefix_tokens:].mean(dim=1).to(q.dtype)
 
 
 def received_attention_score(
-    q: Tensor, k: Tensor, prefix_tokens: int, scale: float | None = None
+    q: Tensor, k: Tensor, prefix_tokens: int, scale: float | None = None, bias: Tensor | None = None
 ) -> Tensor:
-    """Mean attention each non-prefix key receives, over heads and queries (models without cls)."""
+    """Mean attention each non-prefix key receives, over heads and queries (models without cls);
+    ``bias`` as for :func:`cls_attention_score`."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    probs = ((q.float() @ k.float().transpose(-2, -1)) * scale).softmax(dim=-1)
+    logits = (q.float() @ k.float().transpose(-2, -1)) * scale
+    probs = add_attention_bias(logits, bias).softmax(dim=-1)
     return score_from_probs(probs, prefix_tokens, has_cls=False).to(q.dtype)
 
 

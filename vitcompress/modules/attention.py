@@ -37,12 +37,18 @@ class _ScoringHook(nn.Module):
         return f"prefix_tokens={self.prefix_tokens}, has_cls={self.has_cls}, score={self.score}"
 
     def _score_qk(
-        self, q: Tensor, k: Tensor, scale: float | None, positions: Tensor | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        scale: float | None,
+        positions: Tensor | None = None,
+        bias: Tensor | None = None,
     ) -> Tensor:
+        """The score from the attention the model computes: ``bias`` is its ``attn_mask``."""
         if self.has_cls:
-            scores = cls_attention_score(q, k, self.prefix_tokens, scale)
+            scores = cls_attention_score(q, k, self.prefix_tokens, scale, bias)
         else:
-            scores = received_attention_score(q, k, self.prefix_tokens, scale)
+            scores = received_attention_score(q, k, self.prefix_tokens, scale, bias)
         return self._per_token(scores, q.shape[-2], positions)
 
     def _per_token(self, scores: Tensor, query_tokens: int, positions: Tensor | None) -> Tensor:
@@ -73,9 +79,10 @@ class SDPAHook(_ScoringHook):
         **kwargs,
     ) -> Tensor | tuple[Tensor, Tensor]:
         if _applies(keep_mask, k.shape[-2]):
-            if attn_mask is not None or is_causal:
-                raise NotImplementedError("a key mask combined with an attention mask")
-            out, probs = masked_attention(q, k, v, keep_mask, scale)
+            if is_causal:
+                raise NotImplementedError("a key mask combined with causal attention")
+            # The model's own mask (a relative-position bias) first, then the key mask.
+            out, probs = masked_attention(q, k, v, keep_mask, scale, attn_mask)
             if dropout_p > 0.0:
                 out = F.dropout(probs, dropout_p, self.training) @ v
         else:
@@ -91,7 +98,7 @@ class SDPAHook(_ScoringHook):
             )
         if not self.score:
             return out
-        return out, self._score_qk(q, k, scale, positions)
+        return out, self._score_qk(q, k, scale, positions, attn_mask)
 
 
 class SoftmaxHook(_ScoringHook):
