@@ -181,6 +181,12 @@ class _Rewriter:
         as the block's map combines them (``parallel.py``)."""
         if scoring and block.score_blocker is not None:  # the plan refuses it: never a guess
             raise RewriteError(block.score_blocker)
+        if scoring and block.parallel_cores and self.plan.scorer != "attention":
+            raise RewriteError(
+                f"block {block.index} ({block.path}) has {1 + len(block.parallel_cores)} "
+                f"attention cores; {self.plan.variant} reads one attention's keys, so it is "
+                "refused there"
+            )
         scores = [
             self._hook_attention(replace(block, attention=core), keep_mask, scoring, *rest)
             for core in [block.attention, *block.parallel_cores]
