@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import json
 import math
 import re
@@ -218,6 +219,16 @@ FAMILIES: list[Family] = [
 ]
 # Families timm lacks, registered into timm by vitcompress.
 ZOO = {"pvt (zoo)": "pvt_tiny", "cvt (zoo)": "cvt_13"}
+# HuggingFace transformers classes, built from tiny configs (tests/fixtures/hf_models.py) and
+# wrapped so that images go in and logits come out; rows only where transformers is installed.
+HF_CLASSES = {
+    "hf_vit": "ViTForImageClassification",
+    "hf_deit": "DeiTForImageClassificationWithTeacher",
+    "hf_dinov2": "Dinov2ForImageClassification",
+    "hf_pvt": "PvtForImageClassification",
+    "hf_pvt_v2": "PvtV2ForImageClassification",
+    "hf_cvt": "CvtForImageClassification",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +265,21 @@ def family_models() -> list[tuple[str, str | None]]:
         taken.update(members)
         chosen.append((family.name, min(members, key=size_rank) if members else None))
     chosen.extend(ZOO.items())
+    if importlib.util.find_spec("transformers") is not None:
+        chosen.extend(HF_CLASSES.items())
     return chosen
+
+
+def build_hf(family: str) -> tuple[nn.Module, tuple[int, int, int], dict[str, Any]]:
+    """A transformers class's tiny model, wrapped to return logits, with its own sharpening
+    (transformers' query/key names, Dinov2's LayerScale) applied."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests.fixtures import hf_models
+
+    model, input_size = hf_models.build(family, seed=SEED)
+    wrapped = hf_models.sharpen(hf_models.Logits(model))
+    return wrapped, input_size, {"transformers": HF_CLASSES[family]}
 
 
 class CellTimeout(BaseException):  # noqa: N818 - not an Exception: nothing may swallow it
@@ -477,8 +502,11 @@ def matrix_row(
     start = time.monotonic()
     try:
         with time_limit(BUILD_SECONDS):
-            model, input_size, kwargs = build_small(family, model_name)
-            sharpen(model)
+            if family in HF_CLASSES:
+                model, input_size, kwargs = build_hf(family)
+            else:
+                model, input_size, kwargs = build_small(family, model_name)
+                sharpen(model)
             x = seeded_input(input_size)
             with torch.no_grad():
                 base_logits = _logits(model(x))
@@ -669,13 +697,21 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         f"Generated {meta['date']} with timm {meta['timm']}, torch {meta['torch']}, vitcompress "
         f"{meta['vitcompress']}, on {meta['machine']} ({meta['minutes']:.0f} min).",
+        *[
+            f"Rows {', '.join(m['families'])} regenerated {m['date']} with torch {m['torch']}: "
+            f"`{m['command']}`."
+            for m in meta.get("merged", [])
+        ],
         "",
         "Every family is the smallest timm model of that family by a name rule (the size word, "
         "then the shortest name), built with random weights at a small size where the model "
         "takes one (`img_size=32, patch_size=4, depth=4, embed_dim=64, num_heads=2`, else "
         "`img_size=64`, else its default; the JSON records which), with weights sharpened so "
         "that a position table matters: relative-position tables from N(0, 1), query/key "
-        "weights x3, LayerScale 1. Per variant:",
+        "weights x3, LayerScale 1. The `hf_*` rows are HuggingFace transformers classes "
+        "built from tiny configs (`tests/fixtures/hf_models.py`: 32x32 or 64x64 images, 4 "
+        "blocks or CvT's 1+2+3) and wrapped to return `.logits`, sharpened the same way by "
+        "transformers' parameter names. Per variant:",
         "",
         f"- **ok r**: compresses at keep 1 with logits within {EXACT_TOLERANCE:g} of the base "
         "(relative to the largest base logit, eval mode, a seeded batch of 2), keep "
@@ -763,6 +799,31 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def merge_rows(
+    path: Path, rows: list[dict[str, Any]], order: list[str], command: str
+) -> dict[str, Any]:
+    """The matrix in ``path`` with ``rows`` in place of their families' old rows (new families
+    in the order of ``order``), its summary recomputed, and the run noted in ``meta.merged``."""
+    matrix = json.loads(path.read_text())
+    fresh = {row["family"]: row for row in rows}
+    kept = [row for row in matrix["rows"] if row["family"] not in fresh]
+    everything = kept + rows
+    position = {family: i for i, family in enumerate(order)}
+    everything.sort(key=lambda row: position.get(row["family"], len(position)))
+    meta = matrix["meta"]
+    meta["summary"] = summarise(everything)
+    meta.setdefault("merged", []).append(
+        {
+            "families": [row["family"] for row in rows],
+            "date": datetime.date.today().isoformat(),
+            "command": command,
+            "torch": torch.__version__,
+            "timm": timm.__version__,
+        }
+    )
+    return {"meta": meta, "rows": everything}
+
+
 def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -779,6 +840,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--doc", type=Path, help=f"default {DOC_OUT.relative_to(ROOT)} for a full run"
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help=f"with --families: put the rows run into {JSON_OUT.relative_to(ROOT)} and "
+        f"{DOC_OUT.relative_to(ROOT)} in place of their old rows (the rest are kept)",
     )
     parser.add_argument("--list", action="store_true", help="print the families and models")
     parser.add_argument("--row", nargs=2, metavar=("FAMILY", "MODEL"), help=argparse.SUPPRESS)
@@ -816,6 +883,18 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
+    command = "nice -n 10 python " + " ".join(
+        shlex.quote(a) for a in ["benchmarks/compat_matrix.py", *(argv or sys.argv[1:])]
+    )
+    if args.merge:
+        if full:
+            print("error: --merge needs --families", file=sys.stderr)
+            return 2
+        merged = merge_rows(JSON_OUT, rows, [f for f, _ in family_models()], command)
+        JSON_OUT.write_text(json.dumps(merged, indent=1) + "\n")
+        DOC_OUT.write_text(render_markdown(merged["rows"], merged["meta"]))
+        print(json.dumps(merged["meta"]["summary"], indent=1), file=sys.stderr)
+        return 0
     meta = {
         "command": "nice -n 10 python "
         + " ".join(
