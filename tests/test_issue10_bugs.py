@@ -26,7 +26,7 @@ from vitcompress import compress
 from vitcompress.graph.plan import PlanError
 from vitcompress.measure import count_macs
 from vitcompress.metadata import compression_info
-from vitcompress.modules import PredictorReducer
+from vitcompress.modules import AttentionReducer, PredictorReducer
 from vitcompress.modules.predictor import ScorePredictor
 
 HYBRID_SIZE = (3, 32, 32)
@@ -161,6 +161,35 @@ def test_hiera_at_keep_07_is_the_base_run_on_the_reducers_tokens(variant):
         torch.testing.assert_close(seen["out"], gathered)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
     assert (logits - model(x)).abs().max() > 1e-4  # the reduction is visible in the logits
+
+
+def test_hiera_etps_at_keep_07_is_the_base_block_with_the_reducer_after_its_attention():
+    """Reference: the base model, whose reduced block runs its attention residual, then the
+    compressed model's reducer (with the score it was given), then its MLP residual."""
+    model = _hiera()
+    x = _image(HIERA_SIZE)
+    compressed = compress(model, "etps", keep=0.7, input_size=HIERA_SIZE).eval()
+    (reducer,) = [m for m in compressed.modules() if isinstance(m, AttentionReducer)]
+    seen = {}
+    handle = reducer.register_forward_pre_hook(lambda _m, args: seen.update(score=args[1]))
+    with torch.no_grad():
+        logits = compressed(x)
+    handle.remove()
+    info = compression_info(compressed)
+    block = model.get_submodule(info.model_map.blocks[info.plan.locations[0].block].path)
+
+    def reduced_block(tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens + block.drop_path1(block.ls1(block.attn(block.norm1(tokens))))
+        tokens = reducer(tokens, seen["score"])[0]
+        return tokens + block.drop_path2(block.ls2(block.mlp(block.norm2(tokens))))
+
+    block.forward = reduced_block
+    with torch.no_grad():
+        expected = model(x)
+    del block.forward
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        assert (logits - model(x)).abs().max() > 1e-4
 
 
 def test_hiera_evit_is_refused_on_a_2x2_stage_and_cuts_macs_on_a_4x4_one():
