@@ -6,6 +6,10 @@
 #
 #   OUT=gpu-out bash benchmarks/gpu_checks.sh
 #   OUT=gpu-out PARTS=finetune bash benchmarks/gpu_checks.sh   # only the fine-tuning checks
+#   OUT=gpu-out PARTS="compiled sweep" bash benchmarks/gpu_checks.sh   # issue 13's GPU part
+#
+# PARTS: finetune, bench (the default pair), compiled (eager vs compiled alike, COMPILE_MODE,
+# default reduce-overhead: CUDA graphs), sweep (bench --batch-sizes on the GPU).
 #
 # Runs from the repository root without installing the package (PYTHONPATH=.), so a machine
 # with torch, timm, accelerate, click, rich, safetensors and pyyaml needs nothing else.
@@ -72,6 +76,29 @@ step "overhead of dtps under torch.compile (inductor), bf16 autocast, batch 256"
 check timeout 150 python3 benchmarks/tps_speed.py --part overhead --variants dtps --no-base \
     --device cuda --amp bf16 --batch-size 256 --rounds 2 --runs 20 --warmup 3 --compile \
     --json-out "$OUT/overhead_dtps_bf16_b256_compile.json"
+fi
+if [[ " $PARTS " == *" compiled "* ]]; then
+# Issue 13: every model eager and compiled alike (fullgraph, COMPILE_MODE), interleaved in the
+# same rounds: overhead vs the sliced-tokens model and the speed-up over the base, bf16, batch 256;
+# then the headline dTPS-DeiT-S (2,4,6,8 / 0.5) vs DeiT-T the same way.
+COMPILE_MODE=${COMPILE_MODE:-reduce-overhead}
+step "overhead, bf16 autocast, batch 256, eager and compiled ($COMPILE_MODE)"
+check timeout 420 python3 benchmarks/tps_speed.py --part overhead --device cuda --amp bf16 \
+    --batch-size 256 --rounds 2 --runs 20 --warmup 3 --compile --eager-too \
+    --compile-mode "$COMPILE_MODE" --json-out "$OUT/overhead_bf16_b256_eager_and_compiled.json"
+step "headline, bf16 autocast, batch 256, eager and compiled ($COMPILE_MODE)"
+check timeout 240 python3 benchmarks/tps_speed.py --part headline --device cuda --amp bf16 \
+    --batch-size 256 --rounds 2 --runs 20 --warmup 3 --compile --eager-too \
+    --compile-mode "$COMPILE_MODE" --json-out "$OUT/headline_bf16_b256_eager_and_compiled.json"
+fi
+
+if [[ " $PARTS " == *" sweep "* ]]; then
+step "batch sweep: deit_tiny + dtps (keep 0.7, blocks 3,6,9) against deit_tiny, bf16 autocast"
+check cli apply --model deit_tiny_patch16_224 --variant dtps --keep 0.7 --locs 3,6,9 \
+    --no-throughput --out "$OUT/deit_t_dtps" --json
+check cli bench --model "$OUT/deit_t_dtps" --device cuda --dtype bfloat16 --amp \
+    --batch-sizes 1,8,32,128,256 --warmup 5 --runs 20 --bench-seconds 30 \
+    --plot "$OUT/batch_sweep_deit_t_dtps_bf16.png" --json > "$OUT/batch_sweep_deit_t_dtps_bf16.json"
 fi
 step "done, status $status"
 exit $status
