@@ -271,3 +271,37 @@ def test_an_impossible_budget_names_the_smallest_candidate(tmp_path):
         )
     with pytest.raises(SearchError, match="a budget is required"):
         search(loaded_tiny(), calibration_set(), config(tmp_path, budget=Budget()))
+
+
+def test_min_speedup_bounds_the_macs_then_takes_the_best_candidate_that_is_fast_enough(
+    tmp_path, monkeypatch
+):
+    from vitcompress.workflows import search as workflow
+    from vitcompress.workflows.measure_models import Measurement
+
+    timed: list[tuple] = []
+    speeds = iter([1.1, 1.6, 1.9])  # the best-scored candidate misses 1.5x, the second makes it
+
+    def fake_measure(models, input_size, timing):
+        timed.append(tuple(models))
+        return {name: Measurement(params=0, macs=0) for name in models}, {}
+
+    def fake_speedup(model, base):
+        from vitcompress.measure.paired import PairedRatio
+
+        return PairedRatio(median=next(speeds), low=None, high=None, pairs=3)
+
+    monkeypatch.setattr(workflow, "measure_models", fake_measure)
+    monkeypatch.setattr(workflow, "speedup", fake_speedup)
+    data = search(
+        loaded_tiny(), calibration_set(), config(tmp_path, budget=Budget(min_speedup=1.5))
+    ).data
+    assert data["budget"]["macs"] == pytest.approx(data["base_macs"] / 1.5)
+    ranked = sorted(
+        (r for r in data["candidates"] if r["macs"] <= data["budget"]["macs"]),
+        key=lambda r: -r["score"],
+    )
+    assert len(timed) == 2 and data["speedup"]["target"] == 1.5
+    assert data["best"]["score"] == ranked[1]["score"] and data["best"]["speedup"] == 1.6
+    with pytest.raises(SearchError, match=r"1/50 of the GMACs \(--min-speedup 50\)"):
+        search(loaded_tiny(), calibration_set(), config(tmp_path, budget=Budget(min_speedup=50)))
