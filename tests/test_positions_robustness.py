@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import vitcompress
-from tests.fixtures import inhouse
+from tests.fixtures import inhouse, position_tables
 from tests.models import SMALL
 from vitcompress import map_model
 from vitcompress.graph.analyse import MappingError
@@ -180,3 +180,31 @@ def test_windowed_attention_is_refused_saying_why(name, options):
         r"without breaking the windows \(.* attends within",
     ):
         map_model(model, size)
+
+
+# --- Heads: every stage's way out, and attention pooling -----------------------------------
+
+
+@pytest.mark.parametrize("name", ["vit_base_patch16_siglip_224", "vit_pe_core_tiny_patch16_384"])
+def test_an_attention_pooling_head_is_order_free(name):
+    """SigLIP's and PE's MAP heads: a learned query attends over the tokens. The k/v are split
+    by ``unbind(0)``, which removes a dim before the token axis; the axis was once followed one
+    place too far, into the head dim, and a reshape there was taken for a token merge."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, **SMALL)
+    assert all(u.kind != "head" for b in map_model(model, SIZE).blocks for u in b.position_uses)
+    _assert_keep_one_exact_and_reduced_runs(model)
+
+
+def test_a_head_reading_an_earlier_stage_by_position_refuses_that_stage_only():
+    torch.manual_seed(0)
+    model = position_tables.two_stage_aux_head().eval()
+    for variant in VARIANTS:
+        with pytest.raises(PlanError) as refused:
+            vitcompress.compress(model, variant, keep=1.0, locs=[1], input_size=SIZE)
+        assert str(refused.value).startswith(
+            "the head reads stage 0's tokens by position: flatten (flatten_1) merges the token "
+            "axis of (64, 32) into features"
+        )
+    # Stage 1 reaches the head through a mean: reducing there is fine.
+    _assert_keep_one_exact_and_reduced_runs(model, locs=[3])

@@ -443,17 +443,23 @@ def analyse(captured: CapturedGraph) -> ModelMap:
             stage.exit_bypass = _exit_bypass(out, end, by_name.get(stage.exit_grid_node or ""), anc)
     input_shape = ops.shape(image)
     last = by_name[blocks[-1].output_node]
-    head_use = find_head_position_use(
-        gm,
-        image,
-        last,
-        blocks[-1].tokens,
-        stages[-1].prefix_tokens,
-        by_name.get(stages[-1].exit_grid_node or ""),
-        anc.is_ancestor,
-    )
-    if head_use is not None:  # any reduction in the last stage reaches the head
-        blocks[-1].position_uses.append(head_use)
+    # Every stage's tokens, not only the last's, may reach a head (or an auxiliary one); the
+    # way into the next stage is that stage's business (exit grid, exit bypass).
+    for stage, following in zip(stages, stages[1:] + [None], strict=True):
+        end = by_name[following.entry_node] if following is not None else None
+        out = blocks[stage.blocks[-1]]
+        head_use = find_head_position_use(
+            gm,
+            image,
+            by_name[out.output_node],
+            out.tokens,
+            stage.prefix_tokens,
+            by_name.get(stage.exit_grid_node or ""),
+            anc.is_ancestor,
+            stop=None if end is None else lambda n, end=end: n is end or anc.is_ancestor(n, end),
+        )
+        if head_use is not None:  # any reduction in the stage reaches the head
+            out.position_uses.append(head_use)
     cls_token = stages[-1].prefix_tokens > 0 and _reads_first_token(last, anc)
     return ModelMap(
         capture=captured.method,

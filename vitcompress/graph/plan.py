@@ -293,7 +293,8 @@ def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
             continue
         for use in block.position_uses:
             if use.kind == HEAD_KIND:  # the head sees whatever the stage's reduction left
-                return head_refusal(use, loc.block, plan.variant)
+                last = block.stage == len(model_map.stages) - 1
+                return head_refusal(use, loc.block, plan.variant, None if last else block.stage)
             if block.index == loc.block and plan.scorer == "attention" and use.branch != "mlp":
                 continue
             refusal = _table_refusal(use, block.index, loc.block, plan)
