@@ -8,6 +8,11 @@
    ``vitcompress.workflows.finetune.finetune`` (the same code as ``vitcompress finetune``): the
    base is the frozen teacher; soft cross-entropy + 2 x ratio loss (dtps, dynamicvit) + 0.5 x KL
    + 0.5 x token distillation; the same epochs, batch, lr and seed for every run.
+   **ToMe** (``tome``) runs beside them at the MMACs of each keep rate's rows: its native ``r``
+   (tokens merged in every block from the first location) is the one whose MMACs come nearest
+   to the mean of the other methods' at that keep (counted on the compressed graphs before any
+   training); its row has top-1 without fine-tuning (ToMe's selling point) and after the same
+   fine-tuning budget (no ratio loss: it learns no predictor). It has no random policy.
 3. **Evaluation** on the 10,000 test images: top-1 before and after fine-tuning; top-1 with the
    scores replaced by a random selection (``policy = "random"``, ``--random-repeats`` draws, their
    mean), the paper's Table 6; GMACs and parameters counted on the graph; throughput of all models
@@ -52,6 +57,7 @@ from vitcompress.data.transforms import AugmentConfig
 from vitcompress.graph.plan import default_locs
 from vitcompress.loading import LoadedModel, load_model
 from vitcompress.measure import count_macs, count_params, measure_throughput
+from vitcompress.method import MergesPerBlock
 from vitcompress.training.optim import build_optimizer, build_scheduler
 from vitcompress.workflows.evaluate import evaluate
 from vitcompress.workflows.finetune import FinetuneConfig, finetune
@@ -68,7 +74,8 @@ MODEL_ARGS: dict[str, Any] = dict(
     mlp_ratio=2.0,
 )
 INPUT_SIZE = (1, 28, 28)
-METHODS = ("dynamicvit", "evit", "dtps", "etps")
+METHODS = ("dynamicvit", "evit", "dtps", "etps", "tome")
+MATCHED = "tome"  # compressed at the MMACs of the other methods' rows, by its own r
 TPS_OF = {"dtps": "dynamicvit", "etps": "evit"}  # each TPS variant and the baseline it extends
 
 
@@ -238,6 +245,39 @@ def run_settings(args: argparse.Namespace, method: str) -> dict[str, Any]:
     return settings
 
 
+def matched_r(base_path: Path, keep: float, methods: list[str], locs: list[int]) -> dict[str, Any]:
+    """ToMe's r whose MMACs (before training) come nearest to the mean of ``methods``' at
+    ``keep``, with both counts."""
+    others = [m for m in methods if m != MATCHED] or [m for m in METHODS if m != MATCHED]
+    target = statistics.mean(
+        count_macs(
+            compress_loaded(load_base(base_path), variant=m, keep=keep, locs=locs).model,
+            INPUT_SIZE,
+        )
+        for m in others
+    )
+    patches = (MODEL_ARGS["img_size"] // MODEL_ARGS["patch_size"]) ** 2
+
+    def macs_at(r: int) -> int:
+        model = compress_loaded(
+            load_base(base_path), variant=MATCHED, keep=MergesPerBlock(r), locs=locs
+        ).model
+        return count_macs(model, INPUT_SIZE)
+
+    # MACs fall as r grows (more merged, earlier): the first r at or below the target, found by
+    # bisection, or the one before it, whichever is nearer (ties to the smaller r).
+    low, high = 0, patches // 2
+    while low < high:
+        middle = (low + high) // 2
+        if macs_at(middle) <= target:
+            high = middle
+        else:
+            low = middle + 1
+    candidates = [(r, macs_at(r)) for r in sorted({max(low - 1, 0), low})]
+    best = min(candidates, key=lambda item: (abs(item[1] - target), item[0]))
+    return {"tome_r": best[0], "macs": best[1], "macs_target": target, "macs_of": others}
+
+
 def _base_record(path: Path) -> dict[str, Any]:
     info = json.loads(path.with_suffix(".json").read_text())
     info["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -285,12 +325,18 @@ def run_one(
     test_set: Dataset,
     args: argparse.Namespace,
     runs_dir: Path,
+    matched: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], nn.Module]:
-    """Compress the base, fine-tune, evaluate; a cached result counts only for the same base."""
+    """Compress the base, fine-tune, evaluate; a cached result counts only for the same base.
+    ``matched``: ToMe's r for this keep's MMACs (:func:`matched_r`)."""
     name = f"{method}_keep{keep}"
     result_path = runs_dir / f"{name}.json"
     out = runs_dir / name
     settings = run_settings(args, method)
+    how: Any = keep
+    if matched is not None:
+        settings["tome_r"] = matched["tome_r"]
+        how = MergesPerBlock(matched["tome_r"])
     if result_path.is_file():
         cached = json.loads(result_path.read_text())
         if cached.get("base_sha256") == base_sha256 and cached.get("settings") == settings:
@@ -298,7 +344,7 @@ def run_one(
             return cached, load(out)
     teacher = load_base(base_path)
     torch.manual_seed(args.seed)  # the predictor's initial weights: the same in any run order
-    student = compress_loaded(load_base(base_path), variant=method, keep=keep, locs=args.locs)
+    student = compress_loaded(load_base(base_path), variant=method, keep=how, locs=args.locs)
     before = evaluate(student.model, test_set, batch_size=256)["top1"]
     shutil.rmtree(out, ignore_errors=True)
     config = FinetuneConfig(
@@ -316,14 +362,16 @@ def run_one(
     seconds = time.perf_counter() - started
     model = student.model.eval()
     after = evaluate(model, test_set, batch_size=256)["top1"]
-    randoms = random_policy_top1(model, test_set, args.random_repeats)
+    # ToMe merges by similarity alone: there is no score to replace by a random one.
+    randoms = [] if matched else random_policy_top1(model, test_set, args.random_repeats)
     result = {
         "method": method,
         "keep": keep,
         "top1_before": before,
         "top1": after,
-        "top1_random": statistics.mean(randoms),
+        "top1_random": statistics.mean(randoms) if randoms else None,
         "top1_random_draws": randoms,
+        **({"matched": matched} if matched else {}),
         "finetune_seconds": seconds,
         "steps": summary["steps"],
         "params": count_params(model),
@@ -332,9 +380,12 @@ def run_one(
         "settings": settings,
     }
     result_path.write_text(json.dumps(result, indent=2))
+    random_text = (
+        f"random policy {result['top1_random']:.2f}%" if randoms else f"r = {matched['tome_r']}"
+    )
     print(
-        f"{name}: top-1 {before:.2f}% -> {after:.2f}% after fine-tuning, random policy "
-        f"{result['top1_random']:.2f}% ({seconds:.0f} s)",
+        f"{name}: top-1 {before:.2f}% -> {after:.2f}% after fine-tuning, {random_text} "
+        f"({seconds:.0f} s)",
         flush=True,
     )
     return result, model
@@ -359,11 +410,19 @@ def markdown(
     ]
     for r in results:
         name = f"{r['method']}_keep{r['keep']}"
+        method, keep = r["method"], str(r["keep"])
+        if r.get("matched"):  # ToMe: its r, at the MMACs of the keep's other rows
+            method = f"{method} (r = {r['matched']['tome_r']})"
+            keep = f"MMACs of {r['keep']}"
+        random_cells = (
+            f"{r['top1_random']:.2f} | {r['top1_random'] - r['top1']:+.2f}"
+            if r["top1_random"] is not None
+            else "— | —"
+        )
         lines.append(
-            f"| {r['method']} | {r['keep']} | {r['macs'] / 1e6:.2f} | {r['params'] / 1e3:.1f}k | "
+            f"| {method} | {keep} | {r['macs'] / 1e6:.2f} | {r['params'] / 1e3:.1f}k | "
             f"{speed[name]:.0f} ({speed[name] / speed['base']:.2f}×) | {r['top1_before']:.2f} | "
-            f"{r['top1']:.2f} | {r['top1'] - base['top1']:+.2f} | {r['top1_random']:.2f} | "
-            f"{r['top1_random'] - r['top1']:+.2f} |"
+            f"{r['top1']:.2f} | {r['top1'] - base['top1']:+.2f} | {random_cells} |"
         )
     lines += [
         "",
@@ -385,6 +444,23 @@ def markdown(
                 else "—"
             )
         lines.append(f"| {keep} | " + " | ".join(cells) + " |")
+    tome = [r for r in results if r.get("matched")]
+    if tome:
+        lines += [
+            "",
+            "| MMACs of keep | tome r | tome MMACs | tome top-1 without FT | tome top-1 after FT "
+            "| best other top-1 after FT |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in tome:
+            others = [o for o in results if o["keep"] == r["keep"] and not o.get("matched")]
+            best = max(others, key=lambda o: o["top1"]) if others else None
+            lines.append(
+                f"| {r['keep']} | {r['matched']['tome_r']} | {r['macs'] / 1e6:.2f} "
+                f"(target {r['matched']['macs_target'] / 1e6:.2f}) | {r['top1_before']:.2f} | "
+                f"{r['top1']:.2f} | "
+                + (f"{best['top1']:.2f} ({best['method']}) |" if best else "— |")
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -400,6 +476,7 @@ def plot(base: dict[str, Any], results: list[dict[str, Any]], path: Path) -> Non
         "dynamicvit": ("tab:red", "s", "--"),
         "etps": ("tab:blue", "o", "-"),
         "evit": ("tab:blue", "s", "--"),
+        "tome": ("tab:green", "^", "-."),
     }
     for method in METHODS:
         points = sorted(
@@ -425,6 +502,17 @@ def plot(base: dict[str, Any], results: list[dict[str, Any]], path: Path) -> Non
                 fontsize=7,
                 color=color,
             )
+    unfinetuned = sorted((r["macs"] / 1e6, r["top1_before"]) for r in results if r.get("matched"))
+    if unfinetuned:  # ToMe's selling point: no training at all
+        ax.plot(
+            [p[0] for p in unfinetuned],
+            [p[1] for p in unfinetuned],
+            ":",
+            color="tab:green",
+            marker="^",
+            markerfacecolor="none",
+            label="tome, no fine-tuning",
+        )
     ax.scatter(
         [base["macs"] / 1e6],
         [base["top1"]],
@@ -563,10 +651,20 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     results, models = [], {"base": base.model}
+    methods = args.methods.split(",")
     for keep in (float(k) for k in args.keeps.split(",")):
-        for method in args.methods.split(","):
+        for method in methods:
+            matched = matched_r(base_path, keep, methods, locs) if method == MATCHED else None
             result, model = run_one(
-                method, keep, base_path, base_info["sha256"], train_set, test_set, args, runs_dir
+                method,
+                keep,
+                base_path,
+                base_info["sha256"],
+                train_set,
+                test_set,
+                args,
+                runs_dir,
+                matched,
             )
             results.append(result)
             models[f"{method}_keep{keep}"] = model

@@ -33,7 +33,7 @@ from vitcompress.loading import (
     one_line,
 )
 from vitcompress.metadata import attach, compression_info
-from vitcompress.method import CumulativeKeep
+from vitcompress.method import CumulativeKeep, KeepListError, MergesPerBlock
 from vitcompress.model_args import readable_timm_args
 from vitcompress.weight_decay import (
     NO_WEIGHT_DECAY_ATTRIBUTE,
@@ -103,11 +103,12 @@ def map_model(model: nn.Module, input_size: tuple[int, int, int] | None = None) 
 def compress(
     model: nn.Module,
     variant: str = "etps",
-    keep: float | list[float] | CumulativeKeep | None = None,
+    keep: float | list[float] | CumulativeKeep | MergesPerBlock | None = None,
     locs: list[int] | None = None,
     input_size: tuple[int, int, int] | None = None,
     policy: str = "score",
     keep_cumulative: Sequence[float] | None = None,
+    tome_r: int | None = None,
 ) -> nn.Module:
     """Return a compressed copy of ``model`` (left unchanged): an ordinary ``nn.Module`` whose
     ``.eval()`` drops tokens physically and whose ``.train()`` runs its variant's training path.
@@ -115,7 +116,9 @@ def compress(
     ``keep`` is a ratio per location (``0.7`` or ``[0.7, 0.7, 0.7]``); ``keep_cumulative``, the
     official configs' form, gives instead the fraction of the stage's initial patch count kept
     after each location (``[0.7, 0.49, 0.343]``: 137, 96 and 67 of DeiT-S's 196), dtps and
-    dynamicvit only. Give one of the two.
+    dynamicvit only; ``tome_r``, ToMe's native setting, the tokens merged in every block from the
+    first location on (tome only). Give one of the three. ``variant`` names a registered variant
+    (:func:`vitcompress.variants.variant_names`).
 
     The result carries its plan and model map (read them with
     :func:`vitcompress.metadata.compression_info`).
@@ -126,6 +129,13 @@ def compress(
         if keep is not None:
             raise PlanError("keep and keep_cumulative exclude each other; give one")
         keep = CumulativeKeep(tuple(keep_cumulative))
+    if tome_r is not None:
+        if keep is not None:
+            raise PlanError("keep, keep_cumulative and tome_r exclude each other; give one")
+        try:
+            keep = MergesPerBlock(tome_r)
+        except KeepListError as e:
+            raise PlanError(str(e), "tome_r") from None
     size = resolve_input_size(model, input_size)
     captured, model_map = capture_and_map(model, size)
     return compress_mapped(model, captured, model_map, size, variant, keep, locs, policy)
@@ -137,7 +147,7 @@ def compress_mapped(
     model_map: ModelMap,
     size: tuple[int, int, int],
     variant: str,
-    keep: float | list[float] | CumulativeKeep | None,
+    keep: float | list[float] | CumulativeKeep | MergesPerBlock | None,
     locs: list[int] | None,
     policy: str,
 ) -> nn.Module:
@@ -145,6 +155,9 @@ def compress_mapped(
     check_rewritable(captured, variant)
     if isinstance(keep, CumulativeKeep):
         plan = plan_from_cumulative(model_map, variant, keep, locs, policy)
+    elif isinstance(keep, MergesPerBlock):
+        keep_default = [default_keep(model_map)]  # unused: r replaces the keep ratios
+        plan = make_plan(model_map, variant, keep_default, locs, policy, tome_r=keep.r)
     else:
         plan = make_plan(model_map, variant, _keep_ratios(keep, model_map), locs, policy)
     # Found before the rewrite, which changes the graph they are read from.
@@ -191,7 +204,7 @@ def _keep_ratios(keep: float | Sequence[float] | None, model_map: ModelMap) -> l
 def compress_loaded(
     loaded: LoadedModel,
     variant: str = "etps",
-    keep: float | list[float] | None = None,
+    keep: float | list[float] | CumulativeKeep | MergesPerBlock | None = None,
     locs: list[int] | None = None,
     policy: str = "score",
 ) -> LoadedModel:

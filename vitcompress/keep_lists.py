@@ -10,6 +10,8 @@ from __future__ import annotations
 from vitcompress.graph.model_map import ModelMap
 from vitcompress.graph.plan import Plan, PlanError, default_locs, make_plan
 from vitcompress.method import CumulativeKeep, KeepListError, keep_count, per_location_keep
+from vitcompress.variants import VARIANTS
+from vitcompress.variants.base import COUNT_OF_INITIAL, COUNT_OF_PRESENT
 
 PARAMETER = "keep_cumulative"  # how PlanError names it (the CLI says --keep-cumulative)
 
@@ -40,14 +42,19 @@ def plan_from_cumulative(
     except KeepListError as e:
         raise PlanError(str(e), PARAMETER) from None
     plan = make_plan(model_map, variant, ratios, locs, policy)
+    if plan.method.keep_count != COUNT_OF_INITIAL:
+        takers = [name for name, v in VARIANTS.items() if v.keep_count == COUNT_OF_INITIAL]
+        counted = (
+            "keeps ceil(rho * n) of the tokens present"
+            if plan.method.keep_count == COUNT_OF_PRESENT
+            else "merges a fixed number of tokens in every block"
+        )
+        raise PlanError(
+            f"is for {' and '.join(takers)}, which keep a fraction of the initial "
+            f"count; {variant} {counted}: give per-location ratios",
+            PARAMETER,
+        )
     for loc, fraction in zip(plan.locations, keep.fractions, strict=True):
-        if loc.keep_tokens is None:
-            raise PlanError(
-                f"is for dtps and dynamicvit, which keep a fraction of the initial "
-                f"count; {variant} keeps ceil(rho * n) of the tokens present: give "
-                "per-location ratios",
-                PARAMETER,
-            )
         official = keep_count(loc.patch_tokens, fraction, "floor")
         if loc.keep_tokens != official:
             raise PlanError(

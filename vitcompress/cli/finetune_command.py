@@ -18,12 +18,13 @@ from vitcompress.cli.app import (
 from vitcompress.cli.data_options import data_config_options
 from vitcompress.cli.options import load_from_options, model_options
 from vitcompress.cli.plan_options import (
+    VariantChoice,
     keep_cumulative_option,
     parse_keep,
     parse_locs,
     plan_file_option,
+    tome_r_option,
 )
-from vitcompress.graph.plan import VARIANTS
 
 
 def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -73,9 +74,10 @@ def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) 
     help="YAML file of option values; options given on the command line override it.",
 )
 @model_options
-@click.option("--variant", type=click.Choice(list(VARIANTS)), default="dtps", show_default=True)
+@click.option("--variant", type=VariantChoice(), default="dtps", show_default=True)
 @click.option("--keep", default=None, help="Keep ratio per location, or a comma list.")
 @plan_file_option(compressed_model_keeps_plan=True)
+@tome_r_option
 @keep_cumulative_option
 @click.option("--locs", default=None, help="0-based block indices, e.g. 3,6,9.")
 @click.option(
@@ -231,7 +233,7 @@ def finetune(
     )
     if from_artifact and any(
         ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT
-        for n in ("variant", "keep", "keep_cumulative", "locs", "policy")
+        for n in ("variant", "keep", "keep_cumulative", "tome_r", "locs", "policy")
     ):
         err_console.print(
             "[yellow]warning:[/] --model is a compressed model: its own plan is "

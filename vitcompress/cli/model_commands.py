@@ -25,12 +25,13 @@ from vitcompress.cli.options import (
     timing_options,
 )
 from vitcompress.cli.plan_options import (
+    VariantChoice,
     keep_cumulative_option,
     parse_keep,
     parse_locs,
     plan_file_option,
+    tome_r_option,
 )
-from vitcompress.graph.plan import VARIANTS
 from vitcompress.measure.paired import MIN_PAIRS_FOR_INTERVAL
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, check_gates, require
 from vitcompress.workflows.identity import artifact_identity, model_identity, unsaved_identity
@@ -212,7 +213,7 @@ def bench(
 
 @cli.command()
 @model_options
-@click.option("--variant", type=click.Choice(list(VARIANTS)), default="etps", show_default=True)
+@click.option("--variant", type=VariantChoice(), default="etps", show_default=True)
 @click.option(
     "--keep",
     default=None,
@@ -220,6 +221,7 @@ def bench(
     "0.7; 0.5 for CvT-like models, as in the paper).",
 )
 @plan_file_option
+@tome_r_option
 @keep_cumulative_option
 @click.option(
     "--locs",

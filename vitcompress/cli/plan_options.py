@@ -1,5 +1,5 @@
-"""``--variant``, ``--keep``, ``--locs`` and ``--policy``: the plan's options as text, and its errors
-in the words of the command line.
+"""``--variant``, ``--keep``, ``--locs``, ``--policy`` and ``--tome-r``: the plan's options as text,
+and its errors in the words of the command line.
 
 ``vitcompress.graph.plan.make_plan`` takes typed lists and its errors name its parameters
 (``keep``, ``locs``); here the text a user typed becomes those lists, and an error that names a
@@ -15,7 +15,8 @@ import click
 
 from vitcompress.graph.plan import PlanError
 from vitcompress.loading import is_artifact_directory
-from vitcompress.method import CumulativeKeep
+from vitcompress.method import CumulativeKeep, KeepListError, MergesPerBlock
+from vitcompress.variants import variant_names
 
 # make_plan's parameters -> the options that set them.
 PLAN_OPTIONS = {
@@ -24,13 +25,33 @@ PLAN_OPTIONS = {
     "variant": "--variant",
     "policy": "--policy",
     "keep_cumulative": "--keep-cumulative",
+    "tome_r": "--tome-r",
 }
 
 
-def parse_keep(text: str | CumulativeKeep | None) -> list[float] | CumulativeKeep | None:
+class VariantChoice(click.Choice):
+    """``--variant``'s choices: the variants registered when the command line is read, so a
+    method registered by importing its module is offered without editing the commands."""
+
+    def __init__(self) -> None:
+        super().__init__(variant_names())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(variant_names())
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ assigns it; the registry rules
+        pass
+
+
+def parse_keep(
+    text: str | CumulativeKeep | MergesPerBlock | None,
+) -> list[float] | CumulativeKeep | MergesPerBlock | None:
     """``"0.7"`` or ``"0.7,0.6,0.5"`` -> keep ratios; ``None`` (option not given) -> ``None``.
-    A ``--keep-cumulative`` list (see :func:`keep_cumulative_option`) passes through."""
-    if text is None or isinstance(text, CumulativeKeep):
+    A ``--keep-cumulative`` list (see :func:`keep_cumulative_option`) or a ``--tome-r`` count
+    (:func:`tome_r_option`) passes through."""
+    if text is None or isinstance(text, CumulativeKeep | MergesPerBlock):
         return text
     try:
         return [float(part) for part in str(text).split(",") if part.strip()]
@@ -97,6 +118,54 @@ def _one_keep(keep: str, keep_cumulative: str) -> tuple[str | None, str | None]:
     if cumulative_source == from_recipe and keep_source != from_recipe:
         return keep, None
     raise PlanError("--keep and --keep-cumulative exclude each other; give one")
+
+
+def tome_r_option(command: Callable) -> Callable:
+    """``--tome-r R`` next to a command's ``--keep``: ToMe's native setting, R tokens merged in
+    every block from the first location on. Given, it reaches the command as its ``keep`` (a
+    :class:`MergesPerBlock`); it excludes ``--keep`` and ``--keep-cumulative`` (one from a recipe
+    yields to one on the command line, as for ``--keep-cumulative``). Apply it above
+    :func:`keep_cumulative_option`."""
+    command = click.option(
+        "--tome-r",
+        default=None,
+        type=int,
+        metavar="R",
+        help="Instead of --keep (tome only): tokens merged in every block from the first "
+        "location on, ToMe's r.",
+    )(command)
+
+    @functools.wraps(command)
+    def wrapper(*args, keep, tome_r, **kwargs):
+        if tome_r is not None:
+            other = keep if keep is not None else kwargs.get("keep_cumulative")
+            if other is not None and not _tome_r_wins():
+                tome_r = None
+        if tome_r is not None:
+            try:
+                keep = MergesPerBlock(tome_r)
+            except KeepListError as e:
+                raise PlanError(str(e), "tome_r") from None
+            if "keep_cumulative" in kwargs:
+                kwargs["keep_cumulative"] = None
+        return command(*args, keep=keep, **kwargs)
+
+    return wrapper
+
+
+def _tome_r_wins() -> bool:
+    """``--tome-r`` and ``--keep``/``--keep-cumulative`` both set: the command line wins over a
+    recipe; both from the same place is a conflict."""
+    context = click.get_current_context()
+    from_recipe = click.core.ParameterSource.DEFAULT_MAP
+    unset = {None, click.core.ParameterSource.DEFAULT}
+    keep_sources = {context.get_parameter_source(n) for n in ("keep", "keep_cumulative")} - unset
+    r_source = context.get_parameter_source("tome_r")
+    if keep_sources == {from_recipe} and r_source != from_recipe:
+        return True
+    if r_source == from_recipe and from_recipe not in keep_sources:
+        return False
+    raise PlanError("--keep and --tome-r exclude each other; give one")
 
 
 def parse_locs(text: str | None) -> list[int] | None:

@@ -14,16 +14,17 @@ from typing import Any
 
 from vitcompress.graph.model_map import Block, ModelMap
 from vitcompress.graph.positions import HEAD_KIND, head_refusal
-from vitcompress.method import keep_count
+from vitcompress.method import SELECTION_POLICIES, keep_count
+from vitcompress.variants import (
+    AFTER_ATTENTION,
+    UnknownVariantError,
+    Variant,
+    get_variant,
+)
+from vitcompress.variants import VARIANTS as VARIANTS  # the registry's live, read-only view
+from vitcompress.variants.base import VariantRefusal
 
-# variant -> (where it scores, how pruned tokens are kept)
-VARIANTS: dict[str, tuple[str, str]] = {
-    "dtps": ("predictor", "squeeze"),
-    "dynamicvit": ("predictor", "drop"),
-    "etps": ("attention", "squeeze"),
-    "evit": ("attention", "evit"),
-}
-POLICIES = ("score", "random")
+POLICIES = SELECTION_POLICIES
 
 
 class PlanError(ValueError):
@@ -48,7 +49,8 @@ class Location:
     keep: float  # this location's keep ratio rho
     cumulative_keep: float  # product of the stage's keep ratios so far (rho**s when uniform)
     patch_tokens: int  # N0 of the stage (predictor variants keep a fraction of it)
-    keep_tokens: int | None  # predictor variants: the static count kept at inference
+    keep_tokens: int | None  # the static patch-token count kept, where the variant fixes it
+    merge_tokens: int | None = None  # ToMe: tokens merged at this block (its r)
 
 
 @dataclass
@@ -58,12 +60,17 @@ class Plan:
     locations: list[Location]
 
     @property
+    def method(self) -> Variant:
+        """The registered variant this plan names."""
+        return get_variant(self.variant)
+
+    @property
     def scorer(self) -> str:
-        return VARIANTS[self.variant][0]
+        return self.method.scorer
 
     @property
     def fuse(self) -> str:
-        return VARIANTS[self.variant][1]
+        return self.method.fuse
 
     @property
     def locs(self) -> list[int]:
@@ -79,7 +86,7 @@ class Plan:
             "policy": self.policy,
             "locs": self.locs,
             "keep": self.keep,
-            "locations": [asdict(loc) for loc in self.locations],
+            "locations": [_location_json(loc) for loc in self.locations],
         }
 
     @classmethod
@@ -90,6 +97,13 @@ class Plan:
             policy=data["policy"],
             locations=[Location(**loc) for loc in data["locations"]],
         )
+
+
+def _location_json(location: Location) -> dict[str, Any]:
+    data = asdict(location)
+    if data["merge_tokens"] is None:  # only ToMe's plans say it; the others' JSON stays as it was
+        del data["merge_tokens"]
+    return data
 
 
 def reduces_tokens(block: Block) -> bool:
@@ -150,14 +164,23 @@ def make_plan(
     keep: list[float],
     locs: list[int] | None = None,
     policy: str = "score",
+    tome_r: int | None = None,
 ) -> Plan:
     """The plan for ``model_map``: ``variant`` at blocks ``locs`` (``None``: the paper's
     placements, :func:`default_locs`), keeping ``keep`` of the tokens at each (one ratio for
-    all locations, or one per location); :func:`default_keep` gives the paper's ratio."""
-    if variant not in VARIANTS:
-        raise PlanError(f"{variant!r} is unknown; choose from {', '.join(VARIANTS)}", "variant")
-    if policy not in POLICIES:
-        raise PlanError(f"{policy!r} is unknown; choose from {', '.join(POLICIES)}", "policy")
+    all locations, or one per location); :func:`default_keep` gives the paper's ratio.
+    ``tome_r``: ToMe's native setting, tokens merged per block (instead of ``keep``)."""
+    try:
+        method = get_variant(variant)
+    except UnknownVariantError as e:
+        raise PlanError(str(e), "variant") from None
+    if policy not in method.policies:
+        known = policy in POLICIES
+        raise PlanError(
+            f"{policy!r} is {'not defined for ' + variant if known else 'unknown'}; "
+            f"choose from {', '.join(method.policies)}",
+            "policy",
+        )
     if not isinstance(keep, list | tuple):
         raise PlanError(f"must be a list of keep ratios, got {keep!r}", "keep")
     if locs is not None and not isinstance(locs, list | tuple):
@@ -198,7 +221,6 @@ def make_plan(
     for rho in keeps:
         if not (0.0 < rho <= 1.0) or math.isnan(rho):
             raise PlanError(f"must be in (0, 1], got {rho}", "keep")
-    scorer = VARIANTS[variant][0]
     locations: list[Location] = []
     for block_index, rho in zip(locs, keeps, strict=True):
         block = model_map.blocks[block_index]
@@ -210,9 +232,7 @@ def make_plan(
             else math.prod([loc.keep for loc in earlier] + [rho])
         )
         patch_tokens = stage.grid[0] * stage.grid[1]
-        keep_tokens = (
-            keep_count(patch_tokens, cumulative, "floor") if scorer == "predictor" else None
-        )
+        keep_tokens = method.keep_tokens(patch_tokens, cumulative)
         locations.append(
             Location(
                 block=block_index,
@@ -224,9 +244,14 @@ def make_plan(
                 keep_tokens=keep_tokens,
             )
         )
+    try:
+        locations = method.plan_locations(model_map, locations, tome_r)
+    except VariantRefusal as e:
+        raise PlanError(e.detail, e.parameter) from None
     plan = Plan(variant=variant, policy=policy, locations=locations)
     refusal = (
-        position_refusal(model_map, plan)
+        method.refusal(model_map, plan)
+        or position_refusal(model_map, plan)
         or masked_keys_refusal(model_map, plan)
         or score_refusal(model_map, plan)
         or no_reduction_refusal(model_map, plan)
@@ -245,7 +270,7 @@ def masked_keys_refusal(model_map: ModelMap, plan: Plan) -> str | None:
     attend to pruned tokens in training and not at inference, so the fine-tune would learn another
     model than the one served.
     """
-    if plan.scorer != "predictor" or not plan.locations:
+    if not plan.method.learned or not plan.locations:
         return None
     first = plan.locations[0]
     for block in model_map.blocks[first.block :]:
@@ -293,9 +318,9 @@ def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
             continue
         for use in block.position_uses:
             if use.kind == HEAD_KIND:  # the head sees whatever the stage's reduction left
-                last = block.stage == len(model_map.stages) - 1
-                return head_refusal(use, loc.block, plan.variant, None if last else block.stage)
-            if block.index == loc.block and plan.scorer == "attention" and use.branch != "mlp":
+                return head_refusal(use, loc.block, plan.variant)
+            after_attention = plan.method.placement == AFTER_ATTENTION
+            if block.index == loc.block and after_attention and use.branch != "mlp":
                 continue
             refusal = _table_refusal(use, block.index, loc.block, plan)
             if refusal is not None:

@@ -1,10 +1,12 @@
 """Rewrite a captured graph to carry out a compression plan.
 
 Three kinds of edits, all on the graph the analysis mapped:
-- a reducer module on the residual stream: before a block (predictor variants) or after its
-  attention residual add (attention variants); it returns ``(tokens, keep_mask, positions)``;
+- a reducer module on the residual stream, built by the plan's variant: before a block or after
+  its attention residual add (``Variant.placement``); it returns ``(tokens, keep_mask,
+  positions)``, and ``sizes`` too for a variant that tracks them (ToMe);
 - the attention core of a block replaced by a hook that masks dropped keys while training a
-  predictor variant, and returns the token score where an attention variant prunes;
+  predictor variant, adds ``log(size)`` to the key logits after merges (proportional attention),
+  and returns what the reducer after it takes (a token score, or the head-mean keys);
 - around every grid op that follows a reduction (hybrids): tokens scattered back into a zero grid
   at their original positions before the op (or zeroed by the keep mask in training), and the
   kept positions gathered again after a flatten at the same resolution.
@@ -25,15 +27,11 @@ from vitcompress.graph.model_map import Block, ModelMap
 from vitcompress.graph.parallel import DIFFERENCE
 from vitcompress.graph.plan import Plan
 from vitcompress.graph.positions import gather_layout
-from vitcompress.modules import (
-    AttentionReducer,
-    MHAHook,
-    PredictorReducer,
-    SDPAHook,
-    SoftmaxHook,
-)
+from vitcompress.modules import MHAHook, SDPAHook, SoftmaxHook
 from vitcompress.modules.grid import GridGather, GridPad
 from vitcompress.modules.position_tables import PositionGather
+from vitcompress.variants import AFTER_ATTENTION, BEFORE_BLOCK
+from vitcompress.variants.base import ATTENTION_GIVES_KEYS
 
 REDUCER_PREFIX = "tps"
 HOOK_PREFIX = "tps_hooks"
@@ -82,25 +80,29 @@ class _Rewriter:
         return f"{HOOK_PREFIX}.{name}"
 
     def run(self) -> fx.GraphModule:
+        placement = self.plan.method.placement
         by_block = {loc.block: (i, loc) for i, loc in enumerate(self.plan.locations)}
         keep_mask: Any = None
         positions: Any = None
+        sizes: Any = None  # tokens' sizes after merges (ToMe), for proportional attention
         stage = -1
         for block in self.map.blocks:
             if block.stage != stage:
                 if stage >= 0:
                     self._pad_stage_exit(self.map.stages[stage], keep_mask, positions)
                 stage = block.stage
-                keep_mask, positions = None, None
+                keep_mask, positions, sizes = None, None, None
             located = by_block.get(block.index)
-            if located is not None and self.plan.scorer == "predictor":
+            if located is not None and placement == BEFORE_BLOCK:
                 keep_mask, positions = self._insert_predictor(block, *located, keep_mask, positions)
             self._gather_position_tables(block, "attention", positions)
-            scoring = located is not None and self.plan.scorer == "attention"
-            score = self._hook_block_attention(block, keep_mask, scoring, positions)
+            scoring = located is not None and placement == AFTER_ATTENTION
+            score = self._hook_block_attention(block, keep_mask, scoring, positions, sizes)
             self._wrap_grid_ops(block, "attention", keep_mask, positions)
             if scoring:  # the block's MLP already sees the reduced tokens
-                positions = self._insert_attention_reducer(block, *located, score, positions)
+                positions, sizes = self._insert_attention_reducer(
+                    block, *located, score, positions, sizes
+                )
             self._gather_position_tables(block, "mlp", positions)
             self._wrap_grid_ops(block, "mlp", keep_mask, positions)
         self._pad_stage_exit(self.map.stages[stage], keep_mask, positions)
@@ -139,39 +141,40 @@ class _Rewriter:
             padded = self.graph.call_module(f"{HOOK_PREFIX}.{name}", (tokens, keep_mask, positions))
         to_grid.replace_input_with(tokens, padded)
 
-    def _insert_reducer(self, stream_name: str, index: int, module: nn.Module, args: tuple):
+    def _insert_reducer(
+        self, stream_name: str, index: int, module: nn.Module, args: tuple, outputs: int = 3
+    ) -> list[fx.Node]:
         """Put ``module`` on the residual stream after ``stream_name``; everything that read the
-        stream reads the reducer's tokens instead. Returns its (keep_mask, positions) outputs."""
+        stream reads the reducer's tokens instead. Returns its outputs after the tokens
+        (keep_mask, positions[, sizes])."""
         stream = self.nodes[stream_name]
         self.reducers.add_module(str(index), module)
         with self.graph.inserting_after(stream):
             reducer = self.graph.call_module(f"{REDUCER_PREFIX}.{index}", (stream, *args))
-        tokens, new_mask, new_positions = _getitems(self.graph, reducer, 3)
+        tokens, *rest = _getitems(self.graph, reducer, outputs)
         _replace_uses(stream, tokens, {reducer})
-        return new_mask, new_positions
+        return rest
 
     def _insert_predictor(self, block: Block, index: int, loc, keep_mask, positions):
-        module = PredictorReducer(
-            dim=block.dim,
-            prefix_tokens=block.prefix_tokens,
-            keep_tokens=loc.keep_tokens,
-            keep_ratio=loc.cumulative_keep,
-            squeeze=self.plan.fuse == "squeeze",
-            policy=self.plan.policy,
+        module = self.plan.method.build_reducer(block, loc, self.plan)
+        new_mask, new_positions = self._insert_reducer(
+            block.input_node, index, module, (keep_mask, positions)
         )
-        return self._insert_reducer(block.input_node, index, module, (keep_mask, positions))
+        return new_mask, new_positions
 
-    def _insert_attention_reducer(self, block: Block, index: int, loc, score, positions):
-        module = AttentionReducer(
-            prefix_tokens=block.prefix_tokens,
-            keep_ratio=loc.keep,
-            fuse=self.plan.fuse,
-            policy=self.plan.policy,
-        )
+    def _insert_attention_reducer(self, block: Block, index: int, loc, score, positions, sizes):
+        """The reducer after the attention residual; returns (positions, sizes) after it."""
+        method = self.plan.method
+        module = method.build_reducer(block, loc, self.plan)
+        if method.tracks_sizes:
+            _, new_positions, new_sizes = self._insert_reducer(
+                block.attn_add_node, index, module, (score, None, positions, sizes), outputs=4
+            )
+            return new_positions, new_sizes
         _, new_positions = self._insert_reducer(
             block.attn_add_node, index, module, (score, None, positions)
         )
-        return new_positions
+        return new_positions, None
 
     def _hook_block_attention(
         self, block: Block, keep_mask, scoring: bool, *rest: Any
@@ -205,33 +208,43 @@ class _Rewriter:
                 total = self.graph.call_function(operator.add, (total, score))
             return self.graph.call_function(operator.truediv, (total, len(scores)))
 
-    def _hook_attention(self, block: Block, keep_mask, scoring: bool, positions) -> fx.Node | None:
-        """Replace the block's attention core when it must mask keys or score tokens."""
-        if keep_mask is None and not scoring:
+    def _hook_attention(
+        self, block: Block, keep_mask, scoring: bool, positions, sizes=None
+    ) -> fx.Node | None:
+        """Replace the block's attention core when it must mask keys, weigh merged keys by their
+        sizes, or give the reducer after it what it takes (a score, or the keys)."""
+        if keep_mask is None and sizes is None and not scoring:
             return None
         core = block.attention
         node = self.nodes[core.node]
         has_cls = self.map.cls_token and block.prefix_tokens > 0
+        keys = scoring and self.plan.method.attention_gives == ATTENTION_GIVES_KEYS
         options = dict(
-            prefix_tokens=block.prefix_tokens, has_cls=has_cls, score=scoring, grid=block.grid
+            prefix_tokens=block.prefix_tokens,
+            has_cls=has_cls,
+            score=scoring,
+            grid=block.grid,
+            keys=keys,
         )
         name = f"attn{block.index}{_core_suffix(block)}"
         if core.kind == "sdpa":
             target = self._add_hook(name, SDPAHook(**options))
             args = (*node.args[:3], keep_mask, *node.args[3:])
-            kwargs = {**node.kwargs, "positions": positions}
+            kwargs = {**node.kwargs, "positions": positions, "sizes": sizes}
         elif core.kind in ("matmul_softmax", "einsum_softmax"):
             dim = ops.softmax_dim(self.gm, node)
             if dim not in (-1, 3):
                 raise RewriteError(f"softmax over dim {dim} in {core.path}; expected the key dim")
             target = self._add_hook(name, SoftmaxHook(**options))
-            args, kwargs = (node.args[0], keep_mask, positions), {}
+            args, kwargs = (node.args[0], keep_mask, positions), {"sizes": sizes}
+            if keys:
+                kwargs["keys"] = self._key_operand(core)
         else:  # a kept-whole nn.MultiheadAttention
             target = self._add_hook(name, MHAHook(**options))
             with self.graph.inserting_before(node):
                 module = self.graph.get_attr(str(node.target))
             args = (module, *node.args[:3], keep_mask)
-            kwargs = {**node.kwargs, "positions": positions}
+            kwargs = {**node.kwargs, "positions": positions, "sizes": sizes}
         with self.graph.inserting_after(node):
             hook = self.graph.call_module(target, args, kwargs)
         if not scoring:
@@ -249,6 +262,23 @@ class _Rewriter:
             node.replace_all_uses_with(out)
         self.graph.erase_node(node)
         return score
+
+    def _key_operand(self, core) -> fx.Node:
+        """The keys of an explicit ``q @ k^T`` attention: the right operand of the product that
+        feeds the softmax, laid out (..., D, N_keys) by the definition of a matrix product."""
+        product = self.nodes.get(core.logits_node or "")
+        if (
+            product is None
+            or core.kind != "matmul_softmax"
+            or product.op not in ("call_function", "call_method")
+            or len(product.args) != 2
+            or not isinstance(product.args[1], fx.Node)
+        ):
+            raise RewriteError(
+                f"the keys of {core.path} cannot be found (no plain query-key product feeds its "
+                "softmax); a variant that matches on keys cannot use it"
+            )
+        return product.args[1]
 
     def _gather_position_tables(self, block: Block, branch: str, positions) -> None:
         """Make every position table that ``branch`` of a reduced block reads follow the kept

@@ -6,14 +6,32 @@ refer to positions along ``N``.
 """
 
 from vitcompress.method.attention import masked_attention, masked_softmax
-from vitcompress.method.keep import CumulativeKeep, KeepListError, per_location_keep
+from vitcompress.method.keep import (
+    CumulativeKeep,
+    KeepListError,
+    MergesPerBlock,
+    per_location_keep,
+)
+from vitcompress.method.merge import (
+    Matching,
+    bipartite_soft_matching,
+    merge_count,
+    merge_sources,
+    merge_tokens,
+)
 from vitcompress.method.score import (
     cls_attention_score,
     key_scores_to_tokens,
     received_attention_score,
     score_from_probs,
 )
-from vitcompress.method.select import gather_tokens, keep_count, scatter_tokens, split_by_score
+from vitcompress.method.select import (
+    SELECTION_POLICIES,
+    gather_tokens,
+    keep_count,
+    scatter_tokens,
+    split_by_score,
+)
 from vitcompress.method.squeeze import (
     cosine_similarity,
     evit_fuse,
@@ -28,6 +46,10 @@ from vitcompress.method.squeeze import (
 __all__ = [
     "CumulativeKeep",
     "KeepListError",
+    "Matching",
+    "MergesPerBlock",
+    "SELECTION_POLICIES",
+    "bipartite_soft_matching",
     "cls_attention_score",
     "cosine_similarity",
     "evit_fuse",
@@ -39,6 +61,9 @@ __all__ = [
     "masked_softmax",
     "match_hosts",
     "match_hosts_cosine",
+    "merge_count",
+    "merge_sources",
+    "merge_tokens",
     "per_location_keep",
     "received_attention_score",
     "scatter_tokens",

@@ -7,6 +7,9 @@ import math
 import torch
 from torch import Tensor
 
+# How tokens are chosen: by the variant's scores, or uniformly at random (same counts; ablation).
+SELECTION_POLICIES = ("score", "random")
+
 
 def keep_count(n: int, keep: float, mode: str) -> int:
     """How many of ``n`` tokens to keep.

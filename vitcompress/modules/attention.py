@@ -5,11 +5,16 @@ Each hook does what the original node did, plus, when asked:
   applied only where the keys are the block's own tokens (a spatial-reduction attention attends
   to pooled keys, whose masking happens on the grid before the reduction);
 - ``score=True``: also return a per-token score for eTPS/EViT: the cls row, head-mean, or without
-  a cls token the mean attention each token receives.
+  a cls token the mean attention each token receives; with ``keys=True`` instead the keys
+  averaged over heads, ``(B, N, D)``, ToMe's matching metric;
+- ``sizes`` (B, N): how many patches each token stands for after ToMe's merges; ``log(size)`` is
+  added to the key logits (proportional attention), so a merged token draws the attention its
+  patches would have drawn together.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -25,16 +30,25 @@ from vitcompress.method import (
 
 class _ScoringHook(nn.Module):
     def __init__(
-        self, prefix_tokens: int, has_cls: bool, score: bool, grid: tuple[int, int] | None = None
+        self,
+        prefix_tokens: int,
+        has_cls: bool,
+        score: bool,
+        grid: tuple[int, int] | None = None,
+        keys: bool = False,
     ) -> None:
         super().__init__()
         self.prefix_tokens = prefix_tokens
         self.has_cls = has_cls
         self.score = score
+        self.keys = keys  # with score: give the head-mean keys instead of a per-token score
         self.grid = tuple(grid) if grid is not None else None
 
     def extra_repr(self) -> str:
-        return f"prefix_tokens={self.prefix_tokens}, has_cls={self.has_cls}, score={self.score}"
+        keys = ", keys=True" if self.keys else ""
+        return (
+            f"prefix_tokens={self.prefix_tokens}, has_cls={self.has_cls}, score={self.score}{keys}"
+        )
 
     def _score_qk(
         self,
@@ -62,6 +76,26 @@ def _applies(keep_mask: Tensor | None, key_tokens: int) -> bool:
     return keep_mask is not None and keep_mask.shape[1] == key_tokens
 
 
+def _size_bias(sizes: Tensor, key_tokens: int, dtype: torch.dtype) -> Tensor:
+    """``log(size)`` of every key as an additive logit bias ``(B, 1, 1, N)``."""
+    if sizes.shape[1] != key_tokens:
+        raise NotImplementedError(
+            f"token sizes for {sizes.shape[1]} tokens but {key_tokens} keys (pooled keys)"
+        )
+    return sizes.log().to(dtype)[:, None, None, :]
+
+
+def _with_bias(attn_mask: Tensor | None, bias: Tensor, dtype: torch.dtype) -> Tensor:
+    """An SDPA ``attn_mask`` that also adds ``bias``; a boolean mask becomes 0 / -inf first."""
+    if attn_mask is None:
+        return bias
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(
+            ~attn_mask, float("-inf")
+        )
+    return attn_mask + bias
+
+
 class SDPAHook(_ScoringHook):
     """Stands in for ``F.scaled_dot_product_attention(q, k, v, ...)`` on (B, H, N, D) tensors."""
 
@@ -76,8 +110,13 @@ class SDPAHook(_ScoringHook):
         is_causal: bool = False,
         scale: float | None = None,
         positions: Tensor | None = None,
+        sizes: Tensor | None = None,
         **kwargs,
     ) -> Tensor | tuple[Tensor, Tensor]:
+        if sizes is not None:
+            if is_causal:
+                raise NotImplementedError("token sizes combined with causal attention")
+            attn_mask = _with_bias(attn_mask, _size_bias(sizes, k.shape[-2], q.dtype), q.dtype)
         if _applies(keep_mask, k.shape[-2]):
             if is_causal:
                 raise NotImplementedError("a key mask combined with causal attention")
@@ -98,6 +137,8 @@ class SDPAHook(_ScoringHook):
             )
         if not self.score:
             return out
+        if self.keys:
+            return out, k.mean(dim=1)
         return out, self._score_qk(q, k, scale, positions, attn_mask)
 
 
@@ -105,14 +146,28 @@ class SoftmaxHook(_ScoringHook):
     """Stands in for the softmax of an explicit ``q @ k^T`` (or einsum) attention."""
 
     def forward(
-        self, logits: Tensor, keep_mask: Tensor | None = None, positions: Tensor | None = None
+        self,
+        logits: Tensor,
+        keep_mask: Tensor | None = None,
+        positions: Tensor | None = None,
+        sizes: Tensor | None = None,
+        keys: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
+        """``keys``: the right operand of ``q @ k^T``, ``(B, H, D, N)``, when the keys are asked."""
+        if sizes is not None:
+            if logits.dim() != 4:
+                raise NotImplementedError(f"token sizes on {logits.dim()}-D attention logits")
+            logits = logits + _size_bias(sizes, logits.shape[-1], logits.dtype)
         if _applies(keep_mask, logits.shape[-1]):
             probs = masked_softmax(logits, keep_mask)
         else:
             probs = logits.softmax(dim=-1)
         if not self.score:
             return probs
+        if self.keys:
+            if keys is None or keys.dim() != 4:
+                raise NotImplementedError("the keys of a (B, H, D, N) query-key product")
+            return probs, keys.transpose(-2, -1).mean(dim=1)
         scores = score_from_probs(probs, self.prefix_tokens, self.has_cls)
         return probs, self._per_token(scores, logits.shape[-2], positions)
 
@@ -131,9 +186,10 @@ class MHAHook(_ScoringHook):
         value: Tensor,
         keep_mask: Tensor | None = None,
         positions: Tensor | None = None,
+        sizes: Tensor | None = None,
         **kwargs,
     ):
-        if keep_mask is None and not self.score:
+        if keep_mask is None and sizes is None and not self.score:
             return mha(query, key, value, **kwargs)
         if (
             not mha._qkv_same_embed_dim
@@ -162,10 +218,13 @@ class MHAHook(_ScoringHook):
                 y = F.dropout(probs, mha.dropout) @ v
         else:
             dropout = mha.dropout if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
+            bias = None if sizes is None else _size_bias(sizes, k.shape[-2], q.dtype)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)
         out = mha.out_proj(y.transpose(1, 2).reshape(b, n, c))
         if not mha.batch_first:
             out = out.transpose(0, 1)
         if not self.score:
             return out, None
+        if self.keys:
+            return out, None, k.mean(dim=1)
         return out, None, self._score_qk(q, k, None, positions)

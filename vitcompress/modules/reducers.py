@@ -16,16 +16,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vitcompress.method import (
+    SELECTION_POLICIES,
+    bipartite_soft_matching,
     evit_fuse,
     gather_tokens,
     keep_count,
+    merge_tokens,
     split_by_score,
     squeeze,
     squeeze_masked,
 )
 from vitcompress.modules.predictor import ScorePredictor
 
-POLICIES = ("score", "random")
+POLICIES = SELECTION_POLICIES  # the name other modules import
 
 
 def _kept_positions(positions: Tensor | None, keep_index: Tensor) -> Tensor:
@@ -156,3 +159,41 @@ class AttentionReducer(nn.Module):
         extra = evit_fuse(pruned, torch.gather(scores, 1, prune_index))
         positions = torch.cat([positions, positions.new_full((x.shape[0], 1), -1)], dim=1)
         return torch.cat([prefix, kept, extra], dim=1), None, positions
+
+
+class MergeReducer(nn.Module):
+    """ToMe, placed INSIDE a block after the attention residual add: merges ``r`` tokens by
+    bipartite soft matching on the block's keys (``metric``, head-mean, (B, t, D)), weighted by the
+    tokens' sizes; prefix tokens are protected. The same in training (gradients flow through the
+    weighted average) and inference.
+
+    Returns ``(tokens, None, positions, sizes)``: a merged token keeps its destination's grid
+    position; ``sizes`` (B, t - r) says how many patches each token stands for, for the
+    proportional attention of the blocks after it. ``None`` sizes mean all 1 (nothing merged yet).
+    """
+
+    def __init__(self, prefix_tokens: int, r: int) -> None:
+        super().__init__()
+        self.prefix_tokens = prefix_tokens
+        self.r = r
+
+    def extra_repr(self) -> str:
+        return f"prefix_tokens={self.prefix_tokens}, r={self.r}"
+
+    def forward(
+        self,
+        x: Tensor,
+        metric: Tensor,
+        keep_mask: Tensor | None = None,
+        positions: Tensor | None = None,
+        sizes: Tensor | None = None,
+    ) -> tuple[Tensor, None, Tensor | None, Tensor | None]:
+        matching = bipartite_soft_matching(metric, self.r, self.prefix_tokens)
+        if matching.src.shape[1] == 0:  # r = 0 merges nothing: the tokens pass as they came
+            return x, None, positions, sizes
+        if sizes is None:
+            sizes = x.new_ones(x.shape[:2], dtype=torch.float32)
+        tokens, sizes, index = merge_tokens(x, sizes, matching)
+        patch_index = index[:, self.prefix_tokens :] - self.prefix_tokens
+        positions = _kept_positions(positions, patch_index)
+        return tokens, None, positions, sizes

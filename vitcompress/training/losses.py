@@ -19,11 +19,18 @@ from torch import Tensor, nn
 
 from vitcompress.graph.rewrite import REDUCER_PREFIX
 from vitcompress.metadata import compression_info
+from vitcompress.variants import UnknownVariantError, get_variant
+from vitcompress.variants.base import RATIO_LOSS
 
 log = logging.getLogger(__name__)
 
-# Variants whose reducers learn a keep mask; only they get the ratio loss.
-LEARNED_VARIANTS = ("dtps", "dynamicvit")
+
+def _takes_ratio_loss(variant: str) -> bool:
+    """Whether the variant's reducers learn a keep mask: only they get the ratio loss."""
+    try:
+        return RATIO_LOSS in get_variant(variant).losses
+    except UnknownVariantError:
+        return False
 
 
 @dataclass
@@ -86,7 +93,7 @@ class DistillationTaps:
         tps = getattr(student, REDUCER_PREFIX, None)
         self.reducers = list(tps.children()) if isinstance(tps, nn.Module) else []
         self.learned = (
-            self.variant in LEARNED_VARIANTS
+            _takes_ratio_loss(self.variant)
             and all(hasattr(r, "keep_ratio") for r in self.reducers)
             and bool(self.reducers)
         )

@@ -490,5 +490,8 @@ def point_label(row: ReportRow) -> str:
 
 
 def _variant_colour(variant: str | None) -> int:
-    order = ("dtps", "etps", "dynamicvit", "evit")
-    return order.index(variant) if variant in order else 4
+    """The variant's colour slot: the registry's report order, then any other (one slot)."""
+    from vitcompress.variants import VARIANTS
+
+    order = sorted(VARIANTS, key=lambda name: (VARIANTS[name].report_order, name))
+    return order.index(variant) if variant in order else len(order)

@@ -21,8 +21,8 @@ from vitcompress.data.config import DataConfig
 from vitcompress.graph.plan import Location
 from vitcompress.graph.rewrite import REDUCER_PREFIX
 from vitcompress.metadata import CompressionInfo, compression_info
-from vitcompress.method import match_hosts_cosine
-from vitcompress.modules.reducers import AttentionReducer, PredictorReducer
+from vitcompress.method import bipartite_soft_matching, match_hosts_cosine, merge_sources
+from vitcompress.variants import BEFORE_BLOCK, VARIANTS, Variant
 from vitcompress.workflows.report import ReportError, import_pyplot
 
 __all__ = [
@@ -51,7 +51,9 @@ class LocationRecord:
     kept: list[int]  # grid positions leaving it (EViT's fused token left out)
     pruned: list[int]
     fused_token: bool = False  # EViT: an extra token off the grid after this location
-    hosts: dict[int, list[int]] = field(default_factory=dict)  # TPS: host -> its donors
+    # TPS: host -> its donors; ToMe: a merged token's position -> every position merged into it
+    # so far (its group, this location's merges and earlier ones)
+    hosts: dict[int, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -119,7 +121,8 @@ def _reducers(model: nn.Module, info: CompressionInfo | None) -> list[nn.Module]
         )
     reducers = [tps.get_submodule(str(i)) for i in range(len(info.plan.locations))]
     for r in reducers:
-        if not isinstance(r, PredictorReducer | AttentionReducer):
+        # What a variant's reducer must have for the hooks below (Variant.build_reducer).
+        if not isinstance(getattr(r, "prefix_tokens", None), int):
             raise VisualizeError(f"unknown reducer {type(r).__name__} in model.{REDUCER_PREFIX}")
     return reducers
 
@@ -129,16 +132,11 @@ def _location_grid(info: CompressionInfo, location: Location) -> tuple[int, int]
     return info.model_map.stages[location.stage].grid
 
 
-def _input_positions(reducer: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
-    """``positions`` is the reducer's 3rd (predictor) or 4th (attention) argument."""
-    slot = 3 if isinstance(reducer, AttentionReducer) else 2
+def _input_positions(method: Variant, args: tuple, kwargs: dict) -> Tensor | None:
+    """``positions`` is the reducer's 3rd argument before a block, its 4th after the attention
+    (which gives it a score or keys first)."""
+    slot = 2 if method.placement == BEFORE_BLOCK else 3
     return kwargs.get("positions", args[slot] if len(args) > slot else None)
-
-
-def _is_tps(reducer: nn.Module) -> bool:
-    if isinstance(reducer, PredictorReducer):
-        return bool(reducer.squeeze)
-    return getattr(reducer, "fuse", None) == "squeeze"
 
 
 def _hosts(
@@ -160,6 +158,25 @@ def _hosts(
     return hosts
 
 
+def _merged_groups(
+    reducer: nn.Module,
+    metric: Tensor,
+    present: list[int],
+    groups: dict[int, list[int]],
+) -> dict[int, list[int]]:
+    """Recompute the merges ToMe made at this block (the reducer's matching on the first image's
+    keys) and fold them into ``groups`` (position -> positions merged into it so far), in place.
+    Returns the groups of the tokens merged into at this block or before, that are still here."""
+    prefix = reducer.prefix_tokens
+    matching = bipartite_soft_matching(metric[:1], reducer.r, prefix)
+    for dst, sources in merge_sources(matching, metric.shape[1]).items():
+        host = present[dst - prefix]
+        for src in sources:
+            donor = present[src - prefix]
+            groups.setdefault(host, []).extend([donor, *groups.pop(donor, [])])
+    return {pos: sorted(members) for pos, members in groups.items()}
+
+
 @torch.no_grad()
 def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationRecord], Tensor]:
     """Run ``image`` (1, C, H, W) through the model in eval mode; one record per location, and
@@ -167,8 +184,10 @@ def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationReco
     info = compression_info(model)
     reducers = _reducers(model, info)
     assert info is not None  # _reducers refused an uncompressed model
+    method = info.plan.method
     records: list[LocationRecord] = []
     failures: list[BaseException] = []
+    groups: dict[int, list[int]] = {}  # ToMe: merged so far, by the position merged into
 
     def make_hook(i: int) -> Callable[..., None]:
         location = info.plan.locations[i]
@@ -177,7 +196,7 @@ def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationReco
             try:
                 x = args[0] if args else kwargs["x"]
                 n = x.shape[1] - module.prefix_tokens
-                given = _input_positions(module, args, kwargs)
+                given = _input_positions(method, args, kwargs)
                 present = list(range(n)) if given is None else given[0].tolist()
                 after = output[2]
                 out_positions = list(range(n)) if after is None else after[0].tolist()
@@ -194,10 +213,14 @@ def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationReco
                     pruned=[p for p in present if p >= 0 and p not in kept_set],
                     # EViT appends a fused token whenever it prunes (it returns x unchanged
                     # when there is nothing to prune)
-                    fused_token=getattr(module, "fuse", None) == "evit" and output[0] is not x,
+                    fused_token=method.fuse == "evit" and output[0] is not x,
                 )
-                if _is_tps(module):
+                if method.fuse == "squeeze":
                     record.hosts = _hosts(module, x, present, kept)
+                elif method.fuse == "merge":
+                    metric = args[1] if len(args) > 1 else kwargs["metric"]
+                    merged = _merged_groups(module, metric, present, groups)
+                    record.hosts = {pos: merged[pos] for pos in kept if pos in merged}
                 records.append(record)
             except Exception as e:  # noqa: BLE001 - re-raised after the forward pass
                 failures.append(e)
@@ -246,13 +269,34 @@ _GONE = {"facecolor": "white", "edgecolor": "0.6", "alpha": 1.0}
 _PRUNED_HERE = {"facecolor": "white", "edgecolor": "0.6", "alpha": 0.92}
 
 
+def _merges(record: LocationRecord) -> bool:
+    method = VARIANTS.get(record.variant)
+    return method is not None and method.fuse == "merge"
+
+
 def legend_entries(
     records: Sequence[LocationRecord], colour: Any = "tab:blue"
 ) -> list[tuple[str, dict[str, Any]]]:
     """(label, patch style) for each kind of cell the panels of ``records`` show."""
     tps = any(record.hosts for record in records)
+    merges = any(_merges(record) for record in records)
     entries: list[tuple[str, dict[str, Any]]] = []
-    if tps:
+    if tps and merges:
+        entries += [
+            (
+                "a merged token, at the position it keeps (outlined)",
+                {"facecolor": colour, "edgecolor": "black", "alpha": 0.8},
+            ),
+            (
+                "merged into the outlined token of its colour (here or earlier)",
+                {"facecolor": colour, "edgecolor": "none", "alpha": 0.55},
+            ),
+            (
+                "a token nothing was merged into (grey image)",
+                {"facecolor": "0.55", "edgecolor": "none", "alpha": 1.0},
+            ),
+        ]
+    elif tps:
         entries += [
             (
                 "host: a kept token that pruned tokens are squeezed into (outlined)",
@@ -347,11 +391,12 @@ def draw_locations(
                 )
             )
         n0 = gh * gw
-        what = (
-            f"{len(groups)} hosts take {len(record.pruned)}"
-            if record.hosts
-            else f"{len(record.pruned)} pruned"
-        )
+        if record.hosts and _merges(record):
+            what = f"{len(record.pruned)} merged here; {len(groups)} merged tokens"
+        elif record.hosts:
+            what = f"{len(groups)} hosts take {len(record.pruned)}"
+        else:
+            what = f"{len(record.pruned)} pruned"
         extra = " +1 fused" if record.fused_token else ""
         ax.set_title(
             f"block {record.block} (stage {record.stage}): "

@@ -1,0 +1,15 @@
+"""dTPS: DynamicViT's learned predictor before the block, pruned tokens squeezed into the kept."""
+
+from vitcompress.variants.base import Variant
+from vitcompress.variants.kinds import PredictorVariant
+from vitcompress.variants.registry import register_variant
+
+
+@register_variant
+def dtps() -> Variant:
+    return PredictorVariant(
+        name="dtps",
+        summary="learned predictor before the block; pruned tokens squeezed into kept hosts",
+        fuse="squeeze",
+        report_order=0,
+    )

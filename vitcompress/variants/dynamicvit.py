@@ -1,0 +1,15 @@
+"""DynamicViT: a learned predictor before the block; pruned tokens are dropped."""
+
+from vitcompress.variants.base import Variant
+from vitcompress.variants.kinds import PredictorVariant
+from vitcompress.variants.registry import register_variant
+
+
+@register_variant
+def dynamicvit() -> Variant:
+    return PredictorVariant(
+        name="dynamicvit",
+        summary="learned predictor before the block; pruned tokens dropped",
+        fuse="drop",
+        report_order=2,
+    )

@@ -1,0 +1,16 @@
+"""eTPS: scored by the block's cls attention after its attention residual; pruned tokens squeezed
+into the kept."""
+
+from vitcompress.variants.base import Variant
+from vitcompress.variants.kinds import AttentionScoredVariant
+from vitcompress.variants.registry import register_variant
+
+
+@register_variant
+def etps() -> Variant:
+    return AttentionScoredVariant(
+        name="etps",
+        summary="cls attention inside the block; pruned tokens squeezed into kept hosts",
+        fuse="squeeze",
+        report_order=1,
+    )

@@ -1,0 +1,16 @@
+"""EViT: scored by the block's cls attention after its attention residual; pruned tokens fused into
+one extra token weighted by that attention."""
+
+from vitcompress.variants.base import Variant
+from vitcompress.variants.kinds import AttentionScoredVariant
+from vitcompress.variants.registry import register_variant
+
+
+@register_variant
+def evit() -> Variant:
+    return AttentionScoredVariant(
+        name="evit",
+        summary="cls attention inside the block; pruned tokens fused into one extra token",
+        fuse="evit",
+        report_order=3,
+    )

@@ -1,0 +1,191 @@
+"""ToMe (Token Merging, Bolya et al., ICLR 2023): in every block from the first location to the end
+of its stage, after the attention residual add, merge ``r`` tokens into their most similar ones
+(bipartite soft matching on the head-mean keys, size-weighted average, prefix tokens protected);
+every later block of the stage adds ``log(size)`` to its key logits (proportional attention).
+
+``keep`` maps to ``r`` through token counts (docs/method.md, "ToMe"):
+
+- the locations name every block of the range (as a saved plan does): each location's ratio is
+  that block's, ``r_i = round(n_i * (1 - keep_i))`` of the ``n_i`` patch tokens entering it;
+- otherwise (the default placements, or any sparser list): merging starts at the stage's first
+  location and one ``r`` is used in every block, the one whose patch-token count after the
+  stage's last block comes nearest to ``int(N0 * c)``, ``c`` the cumulative keep of the stage's
+  last location, i.e. the count dTPS/DynamicViT keep there (ties to the smaller r);
+- ``tome_r`` (``--tome-r``) gives ``r`` itself.
+
+As in ToMe, a block merges at most half of its unprotected tokens (``r`` is clamped there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from torch import nn
+
+from vitcompress.method import merge_count
+from vitcompress.modules.reducers import MergeReducer
+from vitcompress.variants.base import (
+    AFTER_ATTENTION,
+    ATTENTION_GIVES_KEYS,
+    COUNT_MERGED,
+    Block,
+    Location,
+    ModelMap,
+    Plan,
+    Variant,
+    VariantRefusal,
+)
+from vitcompress.variants.registry import register_variant
+
+# Attention cores whose keys the rewrite can hand the reducer.
+_KEYED_ATTENTION = ("sdpa", "matmul_softmax", "multihead_attention")
+
+
+def _merging_blocks(model_map: ModelMap, first: Location) -> list[Block]:
+    """The blocks of ``first``'s stage from it to the stage's end; a class-attention block (keys
+    from elsewhere) ends the range. A block that pools its keys (spatial-reduction attention) is
+    refused: its keys are not its tokens, so neither the matching nor the sizes apply."""
+    blocks = []
+    for block in model_map.blocks[first.block :]:
+        keys = block.attention.key_tokens
+        if block.stage != first.stage or block.tokens <= 1 or (keys or 0) > block.tokens:
+            break
+        if keys is not None and keys < block.tokens:
+            raise VariantRefusal(
+                f"block {block.index} ({block.attention.path}) attends over {keys} pooled keys "
+                f"for its {block.tokens} tokens: tome matches tokens by their keys and weighs "
+                "keys by the tokens' sizes, so it is refused on this stage"
+            )
+        blocks.append(block)
+    return blocks
+
+
+def _counts_after(n0: int, rs: list[int]) -> list[int]:
+    counts, n = [], n0
+    for r in rs:
+        n -= r
+        counts.append(n)
+    return counts
+
+
+def _clamped(n0: int, r: int, blocks: int) -> list[int]:
+    """ToMe's per-block r: at most half the patch tokens present (prefix tokens protected)."""
+    rs, n = [], n0
+    for _ in range(blocks):
+        step = merge_count(n, r, 0)
+        rs.append(step)
+        n -= step
+    return rs
+
+
+def fit_r(n0: int, blocks: int, target: int) -> int:
+    """The ``r`` whose patch-token count after ``blocks`` blocks is nearest ``target`` (ties: the
+    smaller r, which merges less)."""
+    best, best_gap = 0, None
+    for r in range(n0 // 2 + 1):
+        gap = abs(_counts_after(n0, _clamped(n0, r, blocks))[-1] - target)
+        if best_gap is None or gap < best_gap:
+            best, best_gap = r, gap
+    return best
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenMerging(Variant):
+    placement: str = AFTER_ATTENTION
+    scorer: str = "matching"
+    fuse: str = "merge"
+    learned: bool = False
+    keep_count: str = COUNT_MERGED
+    resorts_tokens: bool = False  # survivors stay in their original order
+    attention_gives: str = ATTENTION_GIVES_KEYS
+    policies: tuple[str, ...] = ("score",)
+
+    @property
+    def tracks_sizes(self) -> bool:
+        return True
+
+    def plan_locations(
+        self, model_map: ModelMap, locations: list[Location], merge_r: int | None
+    ) -> list[Location]:
+        planned: list[Location] = []
+        for stage in dict.fromkeys(loc.stage for loc in locations):
+            given = [loc for loc in locations if loc.stage == stage]
+            blocks = _merging_blocks(model_map, given[0])
+            n0 = blocks[0].tokens - blocks[0].prefix_tokens
+            if merge_r is None and [loc.block for loc in given] == [b.index for b in blocks]:
+                rs, n = [], n0
+                for loc in given:  # a ratio per block: the form a saved plan is written in
+                    r = round(n * (1.0 - loc.keep))
+                    if r > merge_count(n, r, 0):
+                        raise VariantRefusal(
+                            f"{loc.keep:g} at block {loc.block} merges {r} of {n} tokens; ToMe "
+                            f"merges at most half of a block's tokens (keep >= 0.5 per block)",
+                            "keep",
+                        )
+                    rs.append(r)
+                    n -= r
+            else:
+                beyond = [loc.block for loc in given if loc.block > blocks[-1].index]
+                if beyond:
+                    raise VariantRefusal(
+                        f"{beyond} lie after block {blocks[-1].index}, where tome's merging in "
+                        f"every block from block {given[0].block} ends",
+                        "locs",
+                    )
+                if merge_r is None:
+                    target = int(n0 * given[-1].cumulative_keep)
+                    merge_r = fit_r(n0, len(blocks), target)
+                rs = _clamped(n0, merge_r, len(blocks))
+            after = _counts_after(n0, rs)
+            before = [n0, *after[:-1]]
+            for step, (block, r, n, kept) in enumerate(
+                zip(blocks, rs, before, after, strict=True), start=1
+            ):
+                planned.append(
+                    dataclasses.replace(
+                        given[0],
+                        block=block.index,
+                        step=step,
+                        keep=kept / n,
+                        cumulative_keep=kept / n0,
+                        patch_tokens=n0,
+                        keep_tokens=kept,
+                        merge_tokens=r,
+                    )
+                )
+        return planned
+
+    def refusal(self, model_map: ModelMap, plan: Plan) -> str | None:
+        for loc in plan.locations:
+            block = model_map.blocks[loc.block]
+            core = block.attention
+            if core.kind not in _KEYED_ATTENTION or (
+                core.kind == "matmul_softmax" and not core.logits_node
+            ):
+                return (
+                    f"block {loc.block} ({core.path}) computes attention as {core.kind}, whose "
+                    "keys tome cannot read for its matching; tome is refused there"
+                )
+        first = plan.locations[0] if plan.locations else None
+        for block in model_map.blocks[first.block :] if first else []:
+            keys = block.attention.key_tokens
+            if block.stage != first.stage and keys is not None and keys > block.tokens:
+                return (
+                    f"block {block.index} ({block.path}) attends over {keys} keys from an "
+                    f"earlier stage, merged from block {first.block} on, without their sizes: "
+                    "proportional attention cannot reach it, so tome is refused"
+                )
+        return None
+
+    def build_reducer(self, block: Block, location: Location, plan: Plan) -> nn.Module:
+        return MergeReducer(prefix_tokens=block.prefix_tokens, r=location.merge_tokens or 0)
+
+
+@register_variant
+def tome() -> Variant:
+    return TokenMerging(
+        name="tome",
+        summary="merges r tokens in every block by bipartite matching on the keys (ToMe)",
+        report_order=4,
+    )
