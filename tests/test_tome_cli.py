@@ -51,6 +51,8 @@ def test_tome_r_sets_r_and_excludes_keep() -> None:
     assert result.exit_code == 0, result.output
     locations = json.loads(result.stdout)["plan"]["locations"]
     assert [loc["merge_tokens"] for loc in locations] == [3] * len(locations)
+    shown = run("apply", *MODEL, "--variant", "tome", "--tome-r", "3", "--no-throughput")
+    assert shown.exit_code == 0 and f"merging r {[3] * len(locations)}" in shown.stdout
     both = run("apply", *MODEL, "--variant", "tome", "--tome-r", "3", "--keep", "0.5")
     assert both.exit_code == 2 and "--keep and --tome-r exclude each other" in both.output
     other = run("apply", *MODEL, "--variant", "etps", "--tome-r", "3", "--no-throughput")
@@ -65,7 +67,8 @@ def test_bench_report_visualize_and_export_the_artifact(applied, tmp_path) -> No
     (tmp_path / "bench.json").write_text(bench.stdout)
     report = run("report", root / "apply.json", tmp_path / "bench.json", "--json")
     assert report.exit_code == 0, report.output
-    assert any(row["variant"] == "tome" for row in json.loads(report.stdout)["rows"])
+    tome_rows = [row for row in json.loads(report.stdout)["rows"] if row["variant"] == "tome"]
+    assert tome_rows and all(row["keep"].startswith("r=") for row in tome_rows)
 
     rows, cols = np.mgrid[0:32, 0:32]
     pixels = np.stack([cols * 7, rows * 7, (rows // 8 % 2) * 200], axis=-1).astype(np.uint8)

@@ -315,9 +315,12 @@ def apply(
         finish_gates(gates, as_json)
         return
     plan = data["plan"]
+    merged = [loc.get("merge_tokens") for loc in plan["locations"]]
+    amount = (  # ToMe: tokens merged per block, its own setting
+        f"merging r {merged}" if any(r is not None for r in merged) else f"keep {plan['keep']}"
+    )
     console.print(
-        f"[bold]{model_spec}[/] + {variant} at blocks {plan['locs']} keep "
-        f"{plan['keep']} (policy {policy})"
+        f"[bold]{model_spec}[/] + {variant} at blocks {plan['locs']} {amount} (policy {policy})"
     )
     table = Table(show_edge=False)
     for column in ("", "params (M)", "GMACs", "throughput (img/s)"):

@@ -184,7 +184,7 @@ def _apply_rows(data: dict[str, Any], path: Path, stem: str) -> list[ReportRow]:
         _named_row(data["base"].get("identity"), None, f"{stem} (base)", variant="none"),
         data["base"],
     )
-    keep = _keep_text(plan.get("keep"))
+    keep = _plan_keep_text(plan)
     identity = data["compressed"].get("identity")
     out = _path_or_none(data.get("out"), path)
     if identity is None and out is not None:  # written before results named their model
@@ -229,7 +229,7 @@ def _artifact_row(
         None,
         directory.name if directory else stem,
         variant=str(plan["variant"]) if plan.get("variant") else None,
-        keep=_keep_text(plan.get("keep")),
+        keep=_plan_keep_text(plan),
         # fine-tuning records a fraction; eval and the table use percent
         top1=None if top1 is None else 100.0 * float(top1),
     )
@@ -260,6 +260,16 @@ def _number(value: Any) -> float | None:
     if math.isnan(number):
         return None
     return number
+
+
+def _plan_keep_text(plan: dict[str, Any]) -> str | None:
+    """A plan's keep as a row shows it; ToMe's plans (a merge count per block) show their r."""
+    locations = plan.get("locations") or []
+    merged = [loc.get("merge_tokens") for loc in locations if isinstance(loc, dict)]
+    if merged and all(isinstance(r, int) for r in merged):
+        texts = sorted({str(r) for r in merged}, key=int, reverse=True)
+        return "r=" + ",".join(texts) if len(texts) > 1 else f"r={texts[0]}"
+    return _keep_text(plan.get("keep"))
 
 
 def _keep_text(keep: Any) -> str | None:
@@ -301,7 +311,7 @@ def _read_plan(row: ReportRow) -> None:
         return
     if plan.get("variant"):
         row.variant = str(plan["variant"])
-        row.keep = _keep_text(plan.get("keep"))
+        row.keep = _plan_keep_text(plan)
 
 
 # --------------------------------------------------------------------------------------------------
