@@ -10,9 +10,11 @@ search (the block inputs are read by dTPS reducers at keep 1, the attention by e
 keep 1: each of those models computes exactly the base). Later locations of a stage see the
 tokens the earlier ones kept (teacher-forced), scored among those.
 
-Steps: ``WARMUP_STEPS`` of ``WARMUP_BATCH`` images (200 x 32 = 6400 images: 12 passes over 512
-calibration images, about 1.3M token decisions per location). The predictor has C^2 + C^2/4 +
-C^2/8 + C/2 weights; its loss stops falling well before that on the models tried (see
+Steps: ``WARMUP_STEPS`` of ``WARMUP_BATCH`` images (200 x 8 = 1600 images, three passes over 512
+calibration images: 200 x 8 x 196 = 314k keep/drop decisions per location on DeiT-S, for a
+predictor of C^2 + C^2/4 + C^2/8 + C/2 weights; the predictor is a per-token classifier, so
+every token of a batch is a sample). A step on DeiT-S's 384 channels costs about 0.1 s on one
+core of an idle CPU, seconds per location in all (see
 docs/search.md). The block inputs at later locations come from the base, not from the reduced
 model: an approximation the proxy benchmark (benchmarks/search_proxy.py) measures.
 """
@@ -31,7 +33,7 @@ from vitcompress.modules.predictor import ScorePredictor
 from vitcompress.search.score import CandidateBuilder
 
 WARMUP_STEPS = 200
-WARMUP_BATCH = 32
+WARMUP_BATCH = 8
 WARMUP_LR = 1e-3
 
 

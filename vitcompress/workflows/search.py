@@ -43,6 +43,7 @@ from vitcompress.search.score import (
 from vitcompress.search.space import DEFAULT_KEEP_GRID, Candidate, Space, build_space, valid
 from vitcompress.search.strategy import Proposals, evenly_spaced, match_budget
 from vitcompress.search.warmup import (
+    WARMUP_BATCH,
     WARMUP_STEPS,
     BlockSignals,
     block_signals,
@@ -139,6 +140,8 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
         raise SearchError(f"--max-candidates must be at least 1, got {config.max_candidates}")
     torch.manual_seed(config.seed)
     random.seed(config.seed)
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
     model = loaded.model.eval()
     size = loaded.input_size
     with step("capturing and profiling the base"):
@@ -169,14 +172,18 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
         "calib_images": config.calib_images,
         "seed": config.seed,
         "warmup_steps": config.warmup_steps,
+        "warmup_batch": WARMUP_BATCH,
         "base_macs": base_macs,
     }
     try:
         cache = ScoreCache(Path(config.out), settings)
     except CacheMismatch as e:
         raise SearchError(str(e)) from None
+    timings["prepare"] = time.perf_counter() - clock
+    clock = time.perf_counter()
     with step("base logits on the calibration images"):
         calibration = Calibration(images, labels, logits_of(model, images, config.batch_size))
+    timings["base_pass"] = time.perf_counter() - clock
 
     default = _paper_default(model_map, space, variants, cost, budget)
     seeds = [c for c in default.values() if c is not None]
@@ -201,8 +208,10 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
             if cache.get(candidate.key) is None:
                 if _kind(candidate.variant)[0] in LEARNED and signals is None:
                     with step("reading block inputs and attention for the predictor warm-up"):
+                        clock = time.perf_counter()
                         blocks = sorted({b for g in space.groups for b in g})
                         signals = block_signals(builder, images, blocks, config.batch_size)
+                        timings["warmup_inputs"] = time.perf_counter() - clock
                 result = _score(candidate, builder, calibration, signals, config, cost)
                 cache.put(candidate.key, result)
                 scored_now += 1
@@ -224,8 +233,11 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
     if best_row is None:
         raise SearchError("no scored candidate fits the budget")
 
+    clock = time.perf_counter()
     with step("cross-checking analytic MACs against counted MACs"):
         check = _cross_check(builder, rows, best_row, base_macs)
+    timings["cross_check"] = time.perf_counter() - clock
+    timings["scoring"] = seconds - timings.get("warmup_inputs", 0.0)
     # The paper's placement, matched to the budget, for each variant; the chosen variant's first.
     default_rows = [
         _row(c, cache.get(c.key), base_macs)
@@ -255,7 +267,8 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
         "scored_now": scored_now,
         "from_cache": len(rows) - scored_now,
         "seconds": seconds,
-        "seconds_per_candidate": seconds / scored_now if scored_now else None,
+        "seconds_per_candidate": (timings["scoring"] / scored_now if scored_now else None),
+        "timings": timings,
         "calib_images": config.calib_images,
         "labels": labels is not None,
         "macs_check": check,
