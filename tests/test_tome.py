@@ -4,6 +4,7 @@ code, keep -> r, exactness at r = 0, training through merges, artifacts and refu
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -320,3 +321,36 @@ def test_refusals_are_one_line() -> None:
         make_plan(model_map, "tome", [0.4], [1, 2, 3])
     with pytest.raises(PlanError, match="exclude each other"):
         vitcompress.compress(model, "tome", keep=0.5, tome_r=2)
+
+
+def test_the_finetune_workflow_trains_tome_and_saves_it(tmp_path, monkeypatch) -> None:
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.utils.data import TensorDataset
+
+    from vitcompress.api import compress_loaded
+    from vitcompress.loading import load_model
+    from vitcompress.workflows.finetune import FinetuneConfig, finetune
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    torch.manual_seed(0)
+    args = dict(img_size=32, patch_size=8, depth=4, embed_dim=32, num_heads=2, num_classes=2)
+    base = load_model("vit_small_patch16_224", args)
+    student = compress_loaded(base, "tome", keep=0.5)
+    x = torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(x, (x[:, 0].mean((1, 2)) > 0).long())
+    config = FinetuneConfig(epochs=1, batch_size=4, lr=1e-3, warmup_epochs=0, log_every=1)
+    try:
+        result = finetune(student, base.model, data, None, tmp_path / "run", config)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert result["steps"] == 4
+    steps = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["type"] == "step"
+    ]
+    # No ratio loss (no predictor); token distillation pairs the merged tokens by position.
+    assert {"ce", "distill", "token_distill"} <= set(steps[0]) and "ratio" not in steps[0]
+    loaded = vitcompress.load(tmp_path / "run").eval()
+    assert compression_info(loaded).plan == compression_info(student.model).plan
