@@ -316,6 +316,8 @@ def test_refusals_are_one_line() -> None:
         vitcompress.compress(model, "etps", tome_r=2)
     with pytest.raises(PlanError, match="keep_cumulative is for dtps and dynamicvit"):
         vitcompress.compress(model, "tome", keep_cumulative=[0.7, 0.49, 0.343])
+    with pytest.raises(PlanError, match="has 2 attention cores; tome matches tokens by one"):
+        vitcompress.compress(timm_small("vit_small_patch16_18x2_224"), "tome")
     model_map = vitcompress.compression.map_model(model)
     with pytest.raises(PlanError, match="at most half"):
         make_plan(model_map, "tome", [0.4], [1, 2, 3])

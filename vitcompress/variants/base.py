@@ -38,6 +38,7 @@ ATTENTION_GIVES_KEYS = "keys"  # the keys averaged over heads, (B, N, D) (ToMe's
 # package: the variants stay below it and name the fields they use, not the classes).
 class Block(Protocol):
     index: int
+    path: str
     dim: int
     tokens: int  # prefix included
     prefix_tokens: int

@@ -160,6 +160,12 @@ class TokenMerging(Variant):
         for loc in plan.locations:
             block = model_map.blocks[loc.block]
             core = block.attention
+            cores = 1 + len(getattr(block, "parallel_cores", None) or ())
+            if cores > 1:
+                return (
+                    f"block {loc.block} ({block.path}) has {cores} attention cores; tome matches "
+                    "tokens by one attention's keys, so it is refused there"
+                )
             if core.kind not in _KEYED_ATTENTION or (
                 core.kind == "matmul_softmax" and not core.logits_node
             ):
