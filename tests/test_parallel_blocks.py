@@ -23,6 +23,7 @@ from tests.models import timm_small
 from vitcompress import compress, map_model
 from vitcompress.graph.analyse import MappingError
 from vitcompress.graph.plan import PlanError
+from vitcompress.graph.rewrite import RewriteError
 from vitcompress.measure import count_macs
 from vitcompress.modules import AttentionReducer
 
@@ -247,3 +248,12 @@ def test_branches_that_never_rejoin_before_the_next_attention_are_refused_in_one
     line = str(refused.value)
     assert "\n" not in line and line.startswith("parallel block at attns.0 ")
     assert "branches do not rejoin into one token stream before other attention" in line
+
+
+def test_a_variant_that_matches_on_keys_is_refused_at_a_block_with_several_attention_cores():
+    """ToMe matches tokens by one attention's keys: two softmaxes' keys make no such set. Its plan
+    refuses it; the rewrite refuses it too, should a plan get that far."""
+    with pytest.raises((PlanError, RewriteError)) as refused:
+        compress(build("dwee"), "tome", keep=0.9, input_size=SIZE)
+    line = str(refused.value)
+    assert "\n" not in line and "has 2 attention cores; tome " in line
