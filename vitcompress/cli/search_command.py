@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 
 import click
+from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from vitcompress.cli.app import EXIT_USAGE, cli, console, emit_json, err_console
@@ -250,7 +252,11 @@ def _print_table(data: dict) -> None:
             "-" if row["accuracy"] is None else f"{row['accuracy']:.4f}",
             " ".join(marks),
         )
-    console.print(table)
+    if console.is_terminal:
+        console.print(table)
+    else:  # a file or a pipe: the table as wide as it needs, nothing cut to "..."
+        width = Measurement.get(console, console.options.update_width(1_000_000), table).maximum
+        Console(file=console.file, width=max(width, console.width), color_system=None).print(table)
     if default is not None and not any(_same(r, default) for r in data["pareto"]):
         console.print(
             f"paper default {default['variant']} at {default['locs']} keep {default['keep']}: "
