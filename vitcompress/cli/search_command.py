@@ -194,6 +194,8 @@ def search_command(
             warmup_steps=warmup_steps,
             seed=seed,
             timing=timing,
+            variants_named=ctx.get_parameter_source("variants")
+            == click.core.ParameterSource.COMMANDLINE,
             identity={
                 "model": model_spec,
                 "model_args": list(model_args),
@@ -263,6 +265,8 @@ def _print_table(data: dict) -> None:
             f"{default['gmacs']:.4g} GMACs, KL {default['kl']:.4g} (not on the front)",
             highlight=False,
         )
+    for name, why in data["space"]["left_out"].items():
+        console.print(f"left out: {name} ({why})", highlight=False)
     check = data["macs_check"]
     console.print(
         f"analytic vs counted MACs on {len(check['sample'])} candidates: largest error "

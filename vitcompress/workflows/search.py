@@ -58,6 +58,7 @@ from vitcompress.workflows.status import detail, step, warn
 ANALYTIC = {("predictor", "squeeze"), ("predictor", "drop"), ("attention", "squeeze"),
             ("attention", "evit")}  # fmt: skip
 LEARNED = ("predictor",)
+LEFT_OUT_WHY = "its MACs have no analytic count here"
 CROSS_CHECK_SAMPLE = 4  # candidates whose analytic MACs are compared with counted MACs
 MAX_SPEEDUP_TIMINGS = 5  # candidates timed, best first, for --min-speedup
 
@@ -122,6 +123,7 @@ class SearchConfig:
     warmup_steps: int = WARMUP_STEPS
     seed: int = 0
     timing: TimingOptions | None = None  # for --min-speedup
+    variants_named: bool = True  # False: the default (every registered), left-outs not warned
     # Settings the scores depend on besides the above (model spec, data), for the cache.
     identity: dict[str, Any] = field(default_factory=dict)
     # Called after each newly scored candidate (tests stop a search here to resume it).
@@ -150,7 +152,7 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
         cost_model = profile(model, model_map)
     base_macs = cost_model.base_macs
     budget = config.budget.macs(base_macs)
-    variants = _searchable(config.variants)
+    variants, left_out = _searchable(config.variants, config.variants_named)
     space = build_space(model_map, variants, config.keep_grid)
     cost = _cost_function(cost_model, model_map)
 
@@ -259,6 +261,7 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
             "locations": space.describe(),
             "keep_grid": list(space.keep_grid),
             "variants": list(variants),
+            "left_out": {name: LEFT_OUT_WHY for name in left_out},
             "size": space_size,
             "budget_matched": len(matched),
         },
@@ -303,10 +306,12 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
     return SearchResult(data=data, out=out)
 
 
-def _searchable(variants: Sequence[str]) -> list[str]:
+def _searchable(variants: Sequence[str], named: bool) -> tuple[list[str], list[str]]:
+    """The variants the search can cost, and those it leaves out (said in the results; a
+    warning too where the user named them)."""
     from vitcompress.graph.plan import VARIANTS
 
-    out = []
+    out, left_out = [], []
     for name in variants:
         if name not in VARIANTS:
             raise SearchError(f"--variants: {name!r} is unknown; choose from {', '.join(VARIANTS)}")
@@ -314,10 +319,14 @@ def _searchable(variants: Sequence[str]) -> list[str]:
         if (scorer, fuse) in ANALYTIC:
             out.append(name)
         else:
-            warn(f"{name}: its MACs have no analytic count here; left out of the search")
+            left_out.append(name)
+            if named:
+                warn(f"{name}: {LEFT_OUT_WHY}; left out of the search")
     if not out:
-        raise SearchError(f"none of --variants {','.join(variants)} can be searched")
-    return out
+        raise SearchError(
+            f"none of --variants {','.join(variants)} can be searched: {LEFT_OUT_WHY}"
+        )
+    return out, left_out
 
 
 def _kind(variant: str) -> tuple[str, str]:
