@@ -318,7 +318,8 @@ def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
             continue
         for use in block.position_uses:
             if use.kind == HEAD_KIND:  # the head sees whatever the stage's reduction left
-                return head_refusal(use, loc.block, plan.variant)
+                last = block.stage == len(model_map.stages) - 1
+                return head_refusal(use, loc.block, plan.variant, None if last else block.stage)
             after_attention = plan.method.placement == AFTER_ATTENTION
             if block.index == loc.block and after_attention and use.branch != "mlp":
                 continue

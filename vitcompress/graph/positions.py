@@ -380,13 +380,37 @@ def _index_reading(node: fx.Node, axis: int) -> object:
     return None
 
 
-def head_refusal(use: PositionUse, block: int, variant: str) -> str:
-    """The one-line refusal of a plan reducing tokens that a position-reading head then sees."""
+def _joined(
+    cat: fx.Node, node: fx.Node, axis: int, prefix: int
+) -> tuple[str | None, tuple[int, int] | None]:
+    """A concatenation along the token axis keeps the tokens' order where they come last (a class
+    token prepended: CaiT's class attention); they are then further from the start by the
+    tokens put before them, which count as prefix tokens from there on."""
+    tensors = cat.args[0] if cat.args else cat.kwargs.get("tensors", ())
+    dim = cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
+    ndim = len(ops.shape(node))
+    if not isinstance(dim, int) or dim % ndim != axis:
+        return None, (axis, prefix)  # joined on another axis (channels): tokens stay put
+    tensors = list(tensors)
+    last = bool(tensors) and tensors[-1] is node and tensors.count(node) == 1
+    before = tensors[:-1]
+    if last and all(isinstance(t, fx.Node) and ops.shape(t) is not None for t in before):
+        return None, (axis, prefix + sum(ops.shape(t)[axis] for t in before))
+    return (
+        f"cat ({cat.name}) joins the {ops.shape(node)[axis]} tokens of "
+        f"{tuple(ops.shape(node))[1:]} with others by position"
+    ), None
+
+
+def head_refusal(use: PositionUse, block: int, variant: str, stage: int | None = None) -> str:
+    """The one-line refusal of a plan reducing tokens that a position-reading head then sees
+    (``stage``: which, when not the last)."""
     # The predictor variants re-sort the tokens by score even when they keep all of them.
     method = VARIANTS.get(variant)
     resorted = " (it re-sorts them even at keep 1)" if method and method.resorts_tokens else ""
+    whose = "the last stage's" if stage is None else f"stage {stage}'s"
     return (
-        f"the head reads the last stage's tokens by position: {use.table}; {variant} "
+        f"the head reads {whose} tokens by position: {use.table}; {variant} "
         f"drops and reorders them from block {block}{resorted}, so it is refused in that "
         "stage rather than giving wrong logits (a head that pools the tokens or reads the "
         "cls token is fine)"
@@ -401,8 +425,13 @@ def find_head_position_use(
     prefix_tokens: int,
     exit_grid: fx.Node | None,
     is_ancestor,
+    stop=None,
 ) -> PositionUse | None:
-    """Where the head reads the last stage's tokens by their position, else ``None``.
+    """Where the head reads a stage's tokens by their position, else ``None``.
+
+    ``last_output`` is the stage's last block output; ``stop(node)`` says where the following
+    ends without a verdict (for a stage before the last: the way into the next stage, whose
+    tokens are that stage's business).
 
     From the last block's output (tokens on axis 1) the token axis is followed through every op
     that keeps it (norms, linears on channels, transposes, slices over all patch tokens). Where
@@ -422,6 +451,8 @@ def find_head_position_use(
         axis, prefix = axes[node]
         for user in node.users:
             if user in axes or user.op == "output" or user is exit_grid:
+                continue
+            if stop is not None and stop(user):
                 continue
             if not user.meta.get("carries_tensor", True):
                 continue  # reads a size only (x.shape)
@@ -484,6 +515,8 @@ def _consumed(
         ):
             return None, (axis, prefix - (index.start or 0))  # all patch tokens, in any order
         return f"{name} ({user.name}) reads token(s) {index!r} of the {size} by position", None
+    if ops.is_cat(user):
+        return _joined(user, node, axis, prefix)
     where = _follow(gm, user, node, axis)
     if where is None:
         return None, None
