@@ -19,7 +19,7 @@ from vitcompress.api import compress_loaded  # noqa: E402
 from vitcompress.artifact import ArtifactError, load_artifact_base  # noqa: E402
 from vitcompress.cli.main import cli  # noqa: E402
 from vitcompress.graph.rewrite import REDUCER_PREFIX  # noqa: E402
-from vitcompress.loading import load_model  # noqa: E402
+from vitcompress.loading import ModelLoadError, load_model  # noqa: E402
 from vitcompress.measure import count_macs  # noqa: E402
 
 VARIANTS = ("dtps", "etps", "dynamicvit", "evit")
@@ -176,3 +176,17 @@ def test_finetune_one_step_trains_the_predictors_of_an_hf_model(hf_dir, tmp_path
     assert steps and math.isfinite(steps[0]["loss"])
     after = dict(student.model.named_parameters())
     assert before and any(not torch.equal(after[n].detach(), v) for n, v in before.items())
+
+
+def test_weights_that_do_not_cover_the_model_are_refused_not_randomly_initialised(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model, _ = hf_models.build("hf_vit")
+    directory = tmp_path / "hf-vit"
+    model.save_pretrained(directory)
+    weights = directory / "model.safetensors"
+    state = {k: v for k, v in load_file(str(weights)).items() if "classifier" not in k}
+    save_file(state, str(weights), metadata={"format": "pt"})
+    # transformers would start the classifier from random values, with a warning only.
+    with pytest.raises(ModelLoadError, match="2 missing or mismatched .*classifier"):
+        load_model(str(directory))

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitcompress.loading.errors import ModelLoadError, one_line
+from vitcompress.loading.errors import SHOW_KEYS, ModelLoadError, one_line
 
 HF_CONFIG = "config.json"
 HF_PREPROCESSOR = "preprocessor_config.json"
@@ -151,7 +151,9 @@ def load_hf_directory(spec: str, args: Mapping[str, Any]) -> tuple[HFImageClassi
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
     try:
-        model = auto.from_pretrained(str(directory), local_files_only=True, **dict(args))
+        model, info = auto.from_pretrained(
+            str(directory), local_files_only=True, output_loading_info=True, **dict(args)
+        )
     except Exception as exc:  # transformers raises ValueError, OSError, KeyError, ...
         raise ModelLoadError(
             f"could not build the HuggingFace model in {directory} with {auto.__name__}: "
@@ -160,6 +162,17 @@ def load_hf_directory(spec: str, args: Mapping[str, Any]) -> tuple[HFImageClassi
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
+    # transformers starts weights the file lacks (or has in another shape) from random values,
+    # with a warning only: such a base would be silently another model.
+    missing = sorted(info.get("missing_keys") or []) + sorted(
+        str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or []
+    )
+    if missing:
+        shown = ", ".join(missing[:SHOW_KEYS]) + (", ..." if len(missing) > SHOW_KEYS else "")
+        raise ModelLoadError(
+            f"the weights in {directory} do not cover {type(model).__name__}: {len(missing)} "
+            f"missing or mismatched ({shown}), which transformers would start from random values"
+        )
     wrapped = HFImageClassifier(
         model, input_size=input_size_of(model.config), data_config=data_config_of(directory)
     )
