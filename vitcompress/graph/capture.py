@@ -25,6 +25,15 @@ class CaptureError(Exception):
     """The model could not be captured as a graph."""
 
 
+INSERTED_MODULES = "vitcompress.modules."
+
+
+def _inserted(module: nn.Module) -> bool:
+    """A module a plan inserted (reducer, attention hook, grid pad): captured whole, so that a
+    compressed model maps to the model's own structure, not to the reducers' insides."""
+    return type(module).__module__.startswith(INSERTED_MODULES)
+
+
 class LeafFallbackTracer(fx.Tracer):
     """A tracer that remembers which submodule it was inside when tracing failed."""
 
@@ -35,8 +44,10 @@ class LeafFallbackTracer(fx.Tracer):
         self._stack: list[str] = []
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.leaves or super().is_leaf_module(
-            m, module_qualified_name
+        return (
+            module_qualified_name in self.leaves
+            or _inserted(m)
+            or super().is_leaf_module(m, module_qualified_name)
         )
 
     def call_module(self, m, forward, args, kwargs):  # type: ignore[override]
