@@ -300,6 +300,10 @@ def _best_trace(model: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule
             gm, leaves = _symbolic_trace(model, example)
         except CaptureError:
             raise plain_error from None
+        if leaves:
+            # torch.export sees inside every module; a guarded trace that keeps some whole (SAM's
+            # attention) would hide what the analysis needs, so export takes over as before.
+            raise plain_error from None
         return gm, leaves, "guarded_trace"
     if not leaves:
         return gm, leaves, "symbolic_trace"
