@@ -164,6 +164,8 @@ def test_a_plan_file_with_another_key_is_one_line(tmp_path):
     assert "sets 'epochs'" in line
     plan.write_text("variant: nope\nlocs: [1]\nkeep: 0.5\n")
     assert "variant 'nope'" in one_line_error(run("apply", *MODEL, "--plan", str(plan)))
+    plan.write_bytes(bytes(range(128, 256)))  # not text at all
+    assert "cannot read" in one_line_error(run("apply", *MODEL, "--plan", str(plan)))
 
 
 def test_search_without_a_budget_is_one_line(tmp_path):

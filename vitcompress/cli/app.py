@@ -18,10 +18,12 @@ from vitcompress.graph.capture import CaptureError
 from vitcompress.graph.plan import PlanError
 from vitcompress.graph.rewrite import RewriteError
 from vitcompress.loading import ModelLoadError
+from vitcompress.variants.registry import UnknownVariantError
 from vitcompress.workflows.batch_sweep import BatchSizesError
 from vitcompress.workflows.export import ExportError
 from vitcompress.workflows.gates import GateError, GateResult, failed
 from vitcompress.workflows.report import ReportError
+from vitcompress.workflows.search import SearchError
 from vitcompress.workflows.status import reporting
 from vitcompress.workflows.visualize import VisualizeError
 
@@ -38,6 +40,8 @@ USER_ERRORS = (
     ReportError,
     VisualizeError,
     BatchSizesError,
+    SearchError,
+    UnknownVariantError,
 )
 EXIT_BUG = 1
 EXIT_USAGE = 2

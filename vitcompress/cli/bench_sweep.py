@@ -58,9 +58,8 @@ def run_sweep(
             ratio = point.speedup[COMPRESSED]
             cells += [
                 ratio.text(),
-                verdict(ratio.interval, 1.0)
-                if ratio.interval is not None
-                else ("yes" if ratio.median > 1.0 else "no"),
+                # Too few pairs for an interval: the median alone cannot say.
+                verdict(ratio.interval, 1.0) if ratio.interval is not None else "undecided",
             ]
         table.add_row(*cells)
     console.print(table)

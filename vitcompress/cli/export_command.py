@@ -119,7 +119,16 @@ def export(
     result["model"] = model_spec
     if base is not None:
         result["bench"] = _bench(
-            loaded, base, Path(out), batch_size, opset, dynamic_batch, warmup, runs, bench_seconds
+            loaded,
+            base,
+            Path(out),
+            batch_size,
+            opset,
+            dynamic_batch,
+            warmup,
+            runs,
+            bench_seconds,
+            check=not no_check,
         )
     if as_json:
         emit_json(result)
@@ -159,6 +168,7 @@ def _bench(
     warmup: int,
     runs: int,
     seconds: float,
+    check: bool = True,
 ) -> dict[str, Any]:
     from vitcompress.workflows.export import export_model
     from vitcompress.workflows.export_bench import bench_exported
@@ -173,6 +183,7 @@ def _bench(
             base_out,
             batch_size=batch_size,
             opset=opset,
+            check=check,
             dynamic_batch=dynamic_batch,
         )
     with step(f"timing base and compressed in pytorch and onnxruntime (batch {batch_size})"):

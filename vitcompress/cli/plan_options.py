@@ -199,7 +199,7 @@ def read_plan_file(path: str, accepted: Sequence[str]) -> dict[str, str]:
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise PlanError(f"--plan: cannot read {path}: {one_line_error(e)}") from None
     if not isinstance(data, dict) or not data:
         raise PlanError(f"--plan: {path} is not a mapping of plan options (variant, locs, keep)")

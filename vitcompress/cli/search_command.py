@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from vitcompress.cli.app import EXIT_USAGE, cli, console, emit_json, err_console
+from vitcompress.cli.app import cli, console, emit_json, err_console
 from vitcompress.cli.data_options import data_config_options
 from vitcompress.cli.options import load_from_options, model_options, timing_options
 
@@ -169,53 +169,49 @@ def search_command(
 
     budget = Budget(max_gmacs, max_gmacs_ratio, min_speedup)
     batch_size = ctx.params["batch_size"]
-    try:
-        budget.check()  # before minutes of loading
-        loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
-        if compression_info(loaded.model) is not None:
-            raise SearchError(f"{model_spec} is already compressed; search its base model instead")
-        config = resolve_data_config(loaded.model, loaded.input_size[0], data_overrides)
-        dataset = build_dataset(
-            data,
-            split,
-            loaded.input_size,
-            augment=AugmentConfig.none(),
-            data_dir=data_dir,
-            data_config=config,
-        )
-        search_config = SearchConfig(
-            budget=budget,
-            variants=variants,
-            out=out,
-            calib_images=calib_images,
-            batch_size=batch_size,
-            keep_grid=keep_grid,
-            max_candidates=max_candidates,
-            warmup_steps=warmup_steps,
-            seed=seed,
-            timing=timing,
-            variants_named=ctx.get_parameter_source("variants")
-            == click.core.ParameterSource.COMMANDLINE,
-            identity={
-                "model": model_spec,
-                "model_args": list(model_args),
-                "checkpoint": checkpoint,
-                "pretrained": pretrained,
-                "data": data,
-                "split": split,
-                "data_config": config.to_json(),
-            },
-        )
-        shown = (
-            reporting(ConsoleStatus(err_console, "plain"))
-            if show_progress
-            else contextlib.nullcontext()
-        )
-        with shown:
-            result = search(loaded, dataset, search_config)
-    except SearchError as e:
-        click.echo(f"error: {e}", err=True)
-        ctx.exit(EXIT_USAGE)
+    budget.check()  # before minutes of loading
+    loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
+    if compression_info(loaded.model) is not None:
+        raise SearchError(f"{model_spec} is already compressed; search its base model instead")
+    config = resolve_data_config(loaded.model, loaded.input_size[0], data_overrides)
+    dataset = build_dataset(
+        data,
+        split,
+        loaded.input_size,
+        augment=AugmentConfig.none(),
+        data_dir=data_dir,
+        data_config=config,
+    )
+    search_config = SearchConfig(
+        budget=budget,
+        variants=variants,
+        out=out,
+        calib_images=calib_images,
+        batch_size=batch_size,
+        keep_grid=keep_grid,
+        max_candidates=max_candidates,
+        warmup_steps=warmup_steps,
+        seed=seed,
+        timing=timing,
+        variants_named=ctx.get_parameter_source("variants")
+        == click.core.ParameterSource.COMMANDLINE,
+        identity={
+            "model": model_spec,
+            "model_args": list(model_args),
+            "checkpoint": checkpoint,
+            "pretrained": pretrained,
+            "data": data,
+            "split": split,
+            "data_config": config.to_json(),
+        },
+    )
+    shown = (
+        reporting(ConsoleStatus(err_console, "plain"))
+        if show_progress
+        else contextlib.nullcontext()
+    )
+    with shown:
+        result = search(loaded, dataset, search_config)
     data_out = result.data
     if as_json:
         emit_json(data_out)

@@ -113,7 +113,7 @@ def reduces_tokens(block: Block) -> bool:
     return block.tokens > 1 and (keys is None or keys <= block.tokens)
 
 
-def _token_stages(model_map: ModelMap) -> list[list[int]]:
+def token_stages(model_map: ModelMap) -> list[list[int]]:
     """Each stage's blocks that can reduce tokens, stages without any left out."""
     stages = [
         [i for i in stage.blocks if reduces_tokens(model_map.blocks[i])]
@@ -122,14 +122,14 @@ def _token_stages(model_map: ModelMap) -> list[list[int]]:
     return [blocks for blocks in stages if blocks]
 
 
-def _dominant_last_stage(stages: list[list[int]]) -> bool:
+def dominant_last_stage(stages: list[list[int]]) -> bool:
     """CvT-like: several stages, but the last holds at least two thirds of the blocks."""
     return len(stages) > 1 and 3 * len(stages[-1]) >= 2 * sum(len(s) for s in stages)
 
 
 def default_keep(model_map: ModelMap) -> float:
     """The paper's keep ratios: 0.5 for CvT-like models, 0.7 otherwise."""
-    return 0.5 if _dominant_last_stage(_token_stages(model_map)) else 0.7
+    return 0.5 if dominant_last_stage(token_stages(model_map)) else 0.7
 
 
 def default_locs(model_map: ModelMap) -> list[int]:
@@ -138,8 +138,8 @@ def default_locs(model_map: ModelMap) -> list[int]:
     ceil(L/4) (3, 6, 9 for CvT-13, 5, 9, 13 for CvT-21); for a pyramid (PVT) the first block of
     every stage but the first. Only blocks that attend over their own tokens count (CaiT's
     class-attention blocks do not)."""
-    stages = _token_stages(model_map)
-    if _dominant_last_stage(stages):
+    stages = token_stages(model_map)
+    if dominant_last_stage(stages):
         blocks = stages[-1]
         step = math.ceil(len(blocks) / 4)
         return [blocks[k * step] for k in range(3) if k * step < len(blocks)]
@@ -203,7 +203,7 @@ def make_plan(
             raise PlanError(
                 f"{loc} is a class-attention block ({core.query_tokens} query token(s) "
                 f"over {core.key_tokens} keys from earlier blocks): it has no tokens of its own to "
-                f"reduce; choose among blocks {_describe(_token_stages(model_map))}",
+                f"reduce; choose among blocks {_describe(token_stages(model_map))}",
                 "locs",
             )
     locs = [int(loc) for loc in locs]

@@ -220,9 +220,11 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
-def _run_counter(
+def run_counter(
     model: nn.Module, input_size: tuple[int, int, int], device: str | torch.device
 ) -> FlopCounterMode:
+    """Run ``model`` once on a batch of one under torch's flop counter and return the counter
+    (its totals and per-module counts)."""
     if len(input_size) != 3:
         raise ValueError(f"input_size must be (channels, height, width), got {tuple(input_size)}")
     device = torch.device(device)
@@ -268,7 +270,7 @@ def count_macs(
     ``input_size`` is ``(channels, height, width)``. The model must already be on ``device``. Its
     training flags are restored afterwards. Divide by 1e9 for the "GFLOPs" of the papers.
     """
-    return _run_counter(model, input_size, device).get_total_flops() // 2
+    return run_counter(model, input_size, device).get_total_flops() // 2
 
 
 def macs_by_module(
@@ -279,7 +281,7 @@ def macs_by_module(
     Totals are inclusive (a block includes its attention and MLP); ``""`` is the whole model.
     Modules that did no counted work are absent. Ordered like ``model.named_modules()``.
     """
-    counts = _run_counter(model, input_size, device).get_flop_counts()
+    counts = run_counter(model, input_size, device).get_flop_counts()
     root = type(model).__name__
     per_module: dict[str, int] = {}
     for name, per_op in counts.items():

@@ -30,7 +30,7 @@ from torch import nn
 
 from vitcompress.graph.model_map import ModelMap
 from vitcompress.graph.plan import Plan
-from vitcompress.measure.macs import _run_counter
+from vitcompress.measure.macs import run_counter
 from vitcompress.method import keep_count
 
 # aten ops whose work is the attention products (counted by FlopCounterMode as 2 FLOPs per MAC).
@@ -157,7 +157,7 @@ def _predictor_macs(patch_tokens: int, dim: int) -> float:
 
 def profile(model: nn.Module, model_map: ModelMap) -> CostModel:
     """Count the base's MACs once, by module and op, and split each block's share."""
-    counter = _run_counter(model, tuple(model_map.input_size), _device(model))
+    counter = run_counter(model, tuple(model_map.input_size), _device(model))
     counts = counter.get_flop_counts()
     root = type(model).__name__
 

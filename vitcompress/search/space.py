@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vitcompress.graph.model_map import ModelMap
-from vitcompress.graph.plan import Plan, PlanError, _dominant_last_stage, _token_stages, make_plan
+from vitcompress.graph.plan import Plan, PlanError, dominant_last_stage, make_plan, token_stages
 
 DEFAULT_KEEP_GRID = tuple(round(0.3 + 0.05 * i, 2) for i in range(13))  # 0.3 .. 0.9
 MAX_LOCATIONS = 4
@@ -96,12 +96,12 @@ def build_space(
     max_locations: int = MAX_LOCATIONS,
 ) -> Space:
     """The space for ``model_map`` (see the module's docstring)."""
-    stages = _token_stages(model_map)
+    stages = token_stages(model_map)
     if not stages:
         raise PlanError(
             "the model has no block that attends over its own tokens: nothing to search"
         )
-    if _dominant_last_stage(stages):
+    if dominant_last_stage(stages):
         groups, one_per_group = [stages[-1]], False
     elif len(stages) > 1:
         groups, one_per_group = stages, True
