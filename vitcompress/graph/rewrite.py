@@ -184,7 +184,11 @@ class _Rewriter:
         as the block's map combines them (``parallel.py``)."""
         if scoring and block.score_blocker is not None:  # the plan refuses it: never a guess
             raise RewriteError(block.score_blocker)
-        if scoring and block.parallel_cores and self.plan.scorer != "attention":
+        if (
+            scoring
+            and block.parallel_cores
+            and self.plan.method.attention_gives == ATTENTION_GIVES_KEYS
+        ):
             raise RewriteError(
                 f"block {block.index} ({block.path}) has {1 + len(block.parallel_cores)} "
                 f"attention cores; {self.plan.variant} reads one attention's keys, so it is "
