@@ -51,13 +51,13 @@ from vitcompress.search.warmup import (
     predictor_state,
     warm_predictors,
 )
+from vitcompress.variants import get_variant, variant_names
 from vitcompress.workflows.measure_models import TimingOptions, measure_models, speedup
 from vitcompress.workflows.status import detail, step, warn
 
 # Variants whose MACs the analytic model counts (scorer, fuse); others are left out with a warning.
 ANALYTIC = {("predictor", "squeeze"), ("predictor", "drop"), ("attention", "squeeze"),
             ("attention", "evit")}  # fmt: skip
-LEARNED = ("predictor",)
 LEFT_OUT_WHY = "its MACs have no analytic count here"
 CROSS_CHECK_SAMPLE = 4  # candidates whose analytic MACs are compared with counted MACs
 MAX_SPEEDUP_TIMINGS = 5  # candidates timed, best first, for --min-speedup
@@ -208,7 +208,7 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
     with step(f"scoring candidates ({proposals.name}, at most {planned})"):
         for candidate in proposals:
             if cache.get(candidate.key) is None:
-                if _kind(candidate.variant)[0] in LEARNED and signals is None:
+                if get_variant(candidate.variant).learned and signals is None:
                     with step("reading block inputs and attention for the predictor warm-up"):
                         clock = time.perf_counter()
                         blocks = sorted({b for g in space.groups for b in g})
@@ -309,12 +309,12 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
 def _searchable(variants: Sequence[str], named: bool) -> tuple[list[str], list[str]]:
     """The variants the search can cost, and those it leaves out (said in the results; a
     warning too where the user named them)."""
-    from vitcompress.graph.plan import VARIANTS
-
     out, left_out = [], []
     for name in variants:
-        if name not in VARIANTS:
-            raise SearchError(f"--variants: {name!r} is unknown; choose from {', '.join(VARIANTS)}")
+        if name not in variant_names():
+            raise SearchError(
+                f"--variants: {name!r} is unknown; choose from {', '.join(variant_names())}"
+            )
         scorer, fuse = _kind(name)
         if (scorer, fuse) in ANALYTIC:
             out.append(name)
@@ -330,12 +330,8 @@ def _searchable(variants: Sequence[str], named: bool) -> tuple[list[str], list[s
 
 
 def _kind(variant: str) -> tuple[str, str]:
-    from vitcompress.graph.plan import VARIANTS
-
-    entry = VARIANTS[variant]
-    if isinstance(entry, tuple):
-        return entry[0], entry[1]
-    return getattr(entry, "scorer", ""), getattr(entry, "fuse", "")
+    method = get_variant(variant)
+    return method.scorer, method.fuse
 
 
 def _cost_function(cost_model: CostModel, model_map) -> Callable[[Candidate], float | None]:
@@ -413,7 +409,7 @@ def _score(
     except PlanError as e:
         return {**candidate.to_json(), "macs": None, "score": None, "refused": str(e)}
     warm_loss = None
-    if _kind(candidate.variant)[0] in LEARNED:
+    if get_variant(candidate.variant).learned:
         warm_loss = _warm(model, candidate, signals, config)
     metrics = score_model(model, calibration, config.batch_size)
     return {
