@@ -445,7 +445,7 @@ def variant_cell(
         steps = (
             ("gmac_ratio", lambda: _ratio(count_macs(reduced, input_size), base_macs)),
             ("train", lambda: _train_step(reduced, x)),
-            ("onnx", lambda: _onnx(reduced, input_size)),
+            ("onnx", lambda: _onnx(reduced, input_size, base=model)),
         )
         for key, step in steps:
             try:
@@ -454,7 +454,7 @@ def variant_cell(
                 errors.append(f"{key}: {one_line(e)}")
         if isinstance(cell.get("train"), dict) and not cell["train"]["ok"]:
             errors.append(f"train: loss {cell['train']['loss']} or its gradients not finite")
-        if isinstance(cell.get("onnx"), dict) and not cell["onnx"]["ok"]:
+        if isinstance(cell.get("onnx"), dict) and cell["onnx"]["ok"] is False:
             errors.append(f"onnx: {cell['onnx']['line']}")
         if isinstance(cell.get("gmac_ratio"), float) and not cell["gmac_ratio"] < 1.0:
             errors.append(
@@ -481,12 +481,23 @@ def _ratio(macs: int, base_macs: int | str) -> float:
     return round(macs / base_macs, 4)
 
 
-def _onnx(model: nn.Module, input_size: tuple[int, int, int]) -> dict[str, Any]:
+def _onnx(
+    model: nn.Module, input_size: tuple[int, int, int], base: nn.Module | None = None
+) -> dict[str, Any]:
+    """The compressed model's ONNX export. Where it fails and the uncompressed ``base`` fails to
+    export too, the failure is the model family's, not the compression's: ``ok`` is None."""
     with tempfile.TemporaryDirectory() as directory:
         try:
             result = export_model(model, input_size, "onnx", Path(directory) / "model.onnx")
         except Exception as e:  # noqa: BLE001 - export failures are this column's result
-            return {"ok": False, "line": one_line(e)}
+            line = one_line(e)
+            if base is not None:
+                try:
+                    export_model(base, input_size, "onnx", Path(directory) / "base.onnx")
+                except Exception as base_error:  # noqa: BLE001
+                    return {"ok": None, "line": f"the base model does not export either: "
+                            f"{one_line(base_error)}"}  # fmt: skip
+            return {"ok": False, "line": line}
     return {"ok": True, "max_abs_diff": result["max_abs_diff"]}
 
 
@@ -675,7 +686,8 @@ def refusal_reason(line: str) -> str:
 def cell_text(cell: dict[str, Any]) -> str:
     status = cell["status"]
     if status == "ok":
-        return f"ok {cell['gmac_ratio']:.2f}"
+        no_onnx = isinstance(cell.get("onnx"), dict) and cell["onnx"]["ok"] is None
+        return f"ok {cell['gmac_ratio']:.2f}" + (" (no ONNX)" if no_onnx else "")
     if status == "wrong":
         return f"**WRONG** Δ{cell['keep1_relative_diff']:.0e}"
     if status == "error":
@@ -719,6 +731,8 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "step (train mode, cross-entropy, backward) gives a finite loss and finite gradients, and "
         "the ONNX export (`vitcompress.workflows.export.export_model`, checked with "
         "onnxruntime) matches PyTorch;",
+        "- **(no ONNX)**: all of the above but ONNX, which fails for the uncompressed base "
+        "model too (the family does not export; its line is below);",
         "- **refused**: the tool refuses in one line (the line is below);",
         "- **WRONG**: keep 1 changes the logits without an error (a silently wrong model);",
         "- **error (step)**: a raw error in that step: a bug (listed below);",
@@ -780,6 +794,22 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "|---|---|---|",
         ]
         out += [f"| {f} | {v} | {_md(line)} |" for f, v, line in partial]
+    no_onnx = [
+        (row["family"], v, cell["onnx"]["line"])
+        for row in rows
+        if row.get("model")
+        for v, cell in row["variants"].items()
+        if isinstance(cell.get("onnx"), dict) and cell["onnx"]["ok"] is None
+    ]
+    if no_onnx:
+        out += [
+            "",
+            "No ONNX export, because the uncompressed model does not export either:",
+            "",
+            "| family | variant | line |",
+            "|---|---|---|",
+        ]
+        out += [f"| {f} | {v} | {_md(line)} |" for f, v, line in no_onnx]
     out += ["", "## Failures (bugs)", ""]
     if summary["failing"]:
         out += ["| family | model | variant | status | line |", "|---|---|---|---|---|"]

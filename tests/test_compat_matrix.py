@@ -165,3 +165,28 @@ def test_the_full_matrix_has_no_silently_wrong_family(tmp_path):
     assert statuses <= {"ok", "refused", "error", "timeout"}
     doc = out_doc.read_text()
     assert "## Summary" in doc and "benchmarks/compat_matrix.py" in doc
+
+
+def test_an_export_the_base_fails_too_is_the_familys_not_a_bug(monkeypatch):
+    """A compressed model whose ONNX export fails is a bug, unless the uncompressed model fails to
+    export as well (vit_rope_mixed in torch 2.14): then the cell stays ok, marked "no ONNX"."""
+    import torch
+
+    base, compressed = torch.nn.Linear(2, 2), torch.nn.Linear(2, 3)
+    exporting = {"fails": {id(compressed)}}
+
+    def fake_export(model, input_size, fmt, out, **kwargs):
+        if id(model) in exporting["fails"]:
+            raise RuntimeError("Expand: Incompatible dimensions")
+        return {"max_abs_diff": 0.0}
+
+    monkeypatch.setattr(matrix, "export_model", fake_export)
+    assert matrix._onnx(compressed, (3, 32, 32), base=base) == {
+        "ok": False,
+        "line": "RuntimeError: Expand: Incompatible dimensions",
+    }
+    exporting["fails"].add(id(base))
+    result = matrix._onnx(compressed, (3, 32, 32), base=base)
+    assert result["ok"] is None and "the base model does not export either" in result["line"]
+    cell = {"status": "ok", "gmac_ratio": 0.7, "onnx": result}
+    assert matrix.cell_text(cell) == "ok 0.70 (no ONNX)"
