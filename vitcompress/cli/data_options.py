@@ -1,4 +1,5 @@
-"""``--mean``, ``--std``, ``--interpolation``, ``--crop-pct``: override the model's data config."""
+"""Data options: where the images come from (``--data``, ``--data-dir``, ``--split``) and
+``--mean``, ``--std``, ``--interpolation``, ``--crop-pct``, which override the model's data config."""
 
 from __future__ import annotations
 
@@ -8,6 +9,38 @@ from collections.abc import Callable
 import click
 
 from vitcompress.data.config import INTERPOLATIONS, NAMED_STATS, DataConfig, data_overrides
+
+
+def data_source_options(split_default: str, split_help: str) -> Callable[[Callable], Callable]:
+    """``--data``, ``--data-dir`` and ``--split``, with the split a command reads by default."""
+    options = (
+        click.option(
+            "--data",
+            required=True,
+            metavar="DATA",
+            help="ImageNet-style folder with train/ and val/, or 'fashion-mnist'.",
+        ),
+        click.option(
+            "--data-dir",
+            default=None,
+            type=click.Path(file_okay=False),
+            help="Folder with the Fashion-MNIST IDX files (plain or .gz).",
+        ),
+        click.option(
+            "--split",
+            type=click.Choice(["val", "train"]),
+            default=split_default,
+            show_default=True,
+            help=split_help,
+        ),
+    )
+
+    def decorate(command: Callable) -> Callable:
+        for option in reversed(options):  # click lists options in decorator order, top first
+            command = option(command)
+        return command
+
+    return decorate
 
 
 def data_config_options(command: Callable) -> Callable:

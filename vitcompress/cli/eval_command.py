@@ -15,7 +15,7 @@ from vitcompress.cli.app import (
     fmt_throughput,
     print_environment,
 )
-from vitcompress.cli.data_options import data_config_options, describe
+from vitcompress.cli.data_options import data_config_options, data_source_options, describe
 from vitcompress.cli.options import (
     BASE_FROM_ARTIFACT,
     base_options_given,
@@ -33,25 +33,7 @@ from vitcompress.workflows.measure_models import speedup
 
 @cli.command(name="eval")
 @model_options
-@click.option(
-    "--data",
-    required=True,
-    metavar="DATA",
-    help="ImageNet-style folder with train/ and val/, or 'fashion-mnist'.",
-)
-@click.option(
-    "--data-dir",
-    default=None,
-    type=click.Path(file_okay=False),
-    help="Folder with the Fashion-MNIST IDX files (plain or .gz).",
-)
-@click.option(
-    "--split",
-    type=click.Choice(["val", "train"]),
-    default="val",
-    show_default=True,
-    help="Split to evaluate (train is read without augmentation).",
-)
+@data_source_options("val", "Split to evaluate (train is read without augmentation).")
 @click.option(
     "--base",
     "base_spec",

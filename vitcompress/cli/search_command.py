@@ -10,7 +10,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from vitcompress.cli.app import cli, console, emit_json, err_console
-from vitcompress.cli.data_options import data_config_options
+from vitcompress.cli.data_options import data_config_options, data_source_options
 from vitcompress.cli.options import load_from_options, model_options, timing_options
 
 
@@ -44,21 +44,8 @@ def _keep_grid(ctx: click.Context, param: click.Parameter, value: str | None):
 
 @cli.command(name="search")
 @model_options
-@click.option(
-    "--data", required=True, metavar="DATA", help="Folder (train/, val/) or fashion-mnist."
-)
-@click.option(
-    "--data-dir",
-    default=None,
-    type=click.Path(file_okay=False),
-    help="Folder with the Fashion-MNIST IDX files (plain or .gz).",
-)
-@click.option(
-    "--split",
-    type=click.Choice(["train", "val"]),
-    default="train",
-    show_default=True,
-    help="Split the calibration images are drawn from (read without augmentation).",
+@data_source_options(
+    "train", "Split the calibration images are drawn from (read without augmentation)."
 )
 @click.option("--max-gmacs", type=float, default=None, metavar="G", help="Budget: at most G GMACs.")
 @click.option(
