@@ -24,6 +24,7 @@ from vitcompress.compression import capture_and_map, compress_mapped
 from vitcompress.data import DataError
 from vitcompress.graph.capture import CapturedGraph
 from vitcompress.graph.model_map import ModelMap
+from vitcompress.measure.logits import unwrap_logits
 
 MIN_CALIB_IMAGES = 8  # below this a KL mean says little, and the predictor warm-up has no data
 
@@ -58,12 +59,6 @@ def calibration_images(dataset: Dataset, count: int, seed: int = 0) -> tuple[Ten
     return stacked, torch.as_tensor([int(label) for label in labels])
 
 
-def _class_logits(output: Any) -> Tensor:
-    """The class head's logits (a distilled head returns a pair; workflows.evaluate reads it the
-    same way, a layer above this package)."""
-    return output[0] if isinstance(output, tuple | list) else output
-
-
 @torch.no_grad()
 def logits_of(model: nn.Module, images: Tensor, batch_size: int) -> Tensor:
     """The model's logits (eval mode) on ``images``, batch by batch, as float32 on the CPU."""
@@ -72,7 +67,7 @@ def logits_of(model: nn.Module, images: Tensor, batch_size: int) -> Tensor:
     device = next(iter(model.parameters())).device
     try:
         out = [
-            _class_logits(model(images[i : i + batch_size].to(device))).float().cpu()
+            unwrap_logits(model(images[i : i + batch_size].to(device))).float().cpu()
             for i in range(0, len(images), batch_size)
         ]
     finally:

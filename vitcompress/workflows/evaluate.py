@@ -9,12 +9,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from vitcompress.data import DataError, num_classes
+from vitcompress.measure.logits import unwrap_logits
 
-
-def unwrap_logits(output: Any) -> torch.Tensor:
-    """The class logits of a model's output: some heads return (logits, distillation logits) in
-    training mode, and the first is the class head."""
-    return output[0] if isinstance(output, tuple | list) else output
+__all__ = ["evaluate", "evaluate_top1", "unwrap_logits"]
 
 
 def evaluate(
