@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 import vitcompress
+from vitcompress.kernels import enable_fused_kernels
 from vitcompress.measure import (
     bootstrap_median_ci,
     count_macs,
@@ -54,6 +55,7 @@ from vitcompress.metadata import compression_info
 INPUT_SIZE = (3, 224, 224)
 VARIANTS = ("dtps", "etps", "dynamicvit", "evit")
 PREDICTOR_VARIANTS = ("dtps", "dynamicvit")  # drop before the block, int(N0 * rho**s) kept
+FUSABLE = ("dtps", "dynamicvit", "etps")  # the variants the fused kernel serves (not EViT)
 TARGET = 0.95
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -170,6 +172,7 @@ def tokens_per_block(model: nn.Module, depth: int) -> list[tuple[int, int]]:
 
 
 COMPILED = "@compiled"  # suffix of a model's compiled twin when eager and compiled are timed
+FUSED = "+fused"  # suffix of a compressed model whose reducers use the fused C++ kernel
 
 
 def with_compiled(models: dict[str, nn.Module], args: argparse.Namespace) -> dict[str, nn.Module]:
@@ -305,14 +308,26 @@ def part_overhead(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
         )
         models[variant] = compressed
         models[f"{variant}-ideal"] = ideal
+        if args.fused and variant in FUSABLE:
+            # The same weights, select -> gather -> squeeze as one op (vitcompress.kernels).
+            fused = copy.deepcopy(compressed)
+            enable_fused_kernels(fused)
+            with torch.inference_mode():
+                probe = torch.randn(2, *INPUT_SIZE)
+                difference = (fused(probe) - compressed(probe)).abs().max().item()
+            if difference > 1e-4:
+                raise SystemExit(f"{variant}: the fused kernel changes the logits by {difference}")
+            models[variant + FUSED] = fused
+            info[variant + FUSED] = info[variant]
 
     pooled, reports = timed_rounds(with_compiled(models, args), args, log)
     env = reports[-1]["environment"]
     modes = [""] + ([COMPILED] if args.compile and args.eager_too else [])
     rows = []
+    rows_of = [*args.variants] + [v + FUSED for v in args.variants if args.fused and v in FUSABLE]
     for mode in modes:
-        for variant in args.variants:
-            name, ideal_name = variant + mode, f"{variant}-ideal{mode}"
+        for variant in rows_of:
+            name, ideal_name = variant + mode, f"{variant.removesuffix(FUSED)}-ideal{mode}"
             c, i = median(pooled[name]), median(pooled[ideal_name])
             pairs = paired_ratios(reports, name, ideal_name)
             interval = bootstrap_median_ci(pairs)
@@ -568,6 +583,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="with --compile: time each model eager and compiled, interleaved in the same rounds "
         "(the compiled twin is NAME@compiled)",
+    )
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="overhead part: also time each dtps/dynamicvit/etps model with its reducers on the "
+        "fused C++ kernel (NAME+fused; vitcompress.kernels), against the same sliced model",
     )
     p.add_argument(
         "--compile-mode",

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vitcompress.kernels.select_squeeze import select_squeeze
 from vitcompress.method import (
     SELECTION_POLICIES,
     bipartite_soft_matching,
@@ -63,6 +64,9 @@ class PredictorReducer(nn.Module):
         self.squeeze = squeeze
         self.policy = policy
         self.predictor = ScorePredictor(dim)
+        # Set by vitcompress.kernels.enable_fused_kernels: select -> gather -> squeeze as one op
+        # at inference. Not state: a saved model loads with the method's path.
+        self.fused_kernel = False
 
     def extra_repr(self) -> str:
         return (
@@ -81,7 +85,11 @@ class PredictorReducer(nn.Module):
             scores = torch.rand(patches.shape[:2], device=x.device)
         else:
             scores = self.predictor.keep_score(patches)
-        keep_index, prune_index = split_by_score(scores, min(self.keep_tokens, patches.shape[1]))
+        k = min(self.keep_tokens, patches.shape[1])
+        if self.fused_kernel and not x.requires_grad:
+            tokens, keep_index = select_squeeze(x, scores, p, k, self.squeeze)
+            return tokens, None, _kept_positions(positions, keep_index)
+        keep_index, prune_index = split_by_score(scores, k)
         kept = gather_tokens(patches, keep_index)
         positions = _kept_positions(positions, keep_index)
         if self.squeeze:
@@ -128,6 +136,8 @@ class AttentionReducer(nn.Module):
         self.keep_ratio = keep_ratio
         self.fuse = fuse
         self.policy = policy
+        # As PredictorReducer's; EViT's fused token keeps the method's path.
+        self.fused_kernel = False
 
     def extra_repr(self) -> str:
         return (
@@ -150,6 +160,14 @@ class AttentionReducer(nn.Module):
             return x, None, positions
         # A random policy only changes who is kept; EViT still weights its fused token by attention.
         order = torch.rand_like(scores) if self.policy == "random" else scores
+        if (
+            self.fused_kernel
+            and self.fuse == "squeeze"
+            and not self.training
+            and not x.requires_grad
+        ):
+            tokens, keep_index = select_squeeze(x, order, p, k)
+            return tokens, None, _kept_positions(positions, keep_index)
         keep_index, prune_index = split_by_score(order, k)
         kept = gather_tokens(patches, keep_index)
         pruned = gather_tokens(patches, prune_index)

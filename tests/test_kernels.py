@@ -1,0 +1,159 @@
+"""The fused select -> gather -> squeeze kernel (``vitcompress.kernels``): equal to the method's
+composition, by hand on a small case, inside compressed models, and as one op under compile.
+
+The first test to run builds the C++ extension (about a minute on 2 cores; cached afterwards).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import vitcompress
+from tests.models import timm_small
+from vitcompress.kernels import (
+    FusedKernelError,
+    enable_fused_kernels,
+    select_squeeze,
+    select_squeeze_reference,
+)
+
+SIZE = (3, 32, 32)
+
+
+@pytest.mark.parametrize("prefix", [0, 1, 2])
+@pytest.mark.parametrize("keep", [1, 7, 20])
+@pytest.mark.parametrize("squeeze", [True, False])
+def test_kernel_equals_the_method(prefix: int, keep: int, squeeze: bool) -> None:
+    x = torch.randn(3, prefix + 20, 16)
+    scores = torch.randn(3, 20)
+    tokens, keep_index = select_squeeze(x, scores, prefix, keep, squeeze)
+    want_tokens, want_index = select_squeeze_reference(x, scores, prefix, keep, squeeze)
+    assert tokens.shape == (3, prefix + keep, 16) and tokens.dtype == x.dtype
+    assert torch.equal(keep_index, want_index)
+    torch.testing.assert_close(tokens, want_tokens, atol=1e-5, rtol=1e-5)
+    if keep < 20 and squeeze:  # the donors changed their hosts
+        pruned_only, _ = select_squeeze_reference(x, scores, prefix, keep, False)
+        assert (tokens - pruned_only).abs().max() > 1e-3
+
+
+def test_ties_keep_the_stable_order() -> None:
+    scores = torch.tensor([[1.0, 2.0, 2.0, 1.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    x = torch.randn(2, 6, 4)
+    _, keep_index = select_squeeze(x, scores, 0, 4)
+    assert keep_index.tolist() == [[1, 2, 4, 0], [0, 1, 2, 3]]
+
+
+def test_half_precision_is_computed_in_float32_like_the_method() -> None:
+    x = torch.randn(2, 1 + 30, 32).to(torch.bfloat16)
+    scores = torch.randn(2, 30)
+    tokens, _ = select_squeeze(x, scores, 1, 12)
+    want, _ = select_squeeze_reference(x, scores, 1, 12)
+    assert tokens.dtype == torch.bfloat16
+    torch.testing.assert_close(tokens.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_by_hand() -> None:
+    """Patches a (score 3), b (2), c (1), keep 2: c = (1, 2) has cosine 1/sqrt 5 to a = (2, 0) and
+    2/sqrt 5 to b = (0, 3), so b hosts it: y_b = (e b + w c) / (e + w), w = exp(2/sqrt 5); a, which
+    hosts nobody, comes out bit-identical."""
+    cls, a, b, c = [0.5, -0.5], [2.0, 0.0], [0.0, 3.0], [1.0, 2.0]
+    x = torch.tensor([[cls, a, b, c]])
+    tokens, keep_index = select_squeeze(x, torch.tensor([[3.0, 2.0, 1.0]]), 1, 2)
+    w = math.exp(2 / math.sqrt(5))
+    y_b = [(math.e * b[i] + w * c[i]) / (math.e + w) for i in range(2)]
+    assert keep_index.tolist() == [[0, 1]]
+    torch.testing.assert_close(tokens, torch.tensor([[cls, a, y_b]]), atol=1e-6, rtol=1e-6)
+    assert torch.equal(tokens[0, 1], x[0, 1])
+
+
+def test_off_the_cpu_is_refused_in_one_line() -> None:
+    x = torch.empty(1, 5, 4, device="meta")
+    with pytest.raises(FusedKernelError, match="CPU only"):
+        select_squeeze(x, torch.empty(1, 4, device="meta"), 1, 2)
+
+
+def _compressed(variant: str, name: str = "vit_small_patch16_224", **extra) -> nn.Module:
+    torch.manual_seed(0)
+    base = timm_small(name, **extra)
+    return vitcompress.compress(base, variant, keep=0.6, locs=[1, 2], input_size=SIZE).eval()
+
+
+def _sharpen(model: nn.Module) -> None:
+    """Large query/key weights: near one-hot attention, so that a token or a position table in the
+    wrong place changes the logits (random-init attention is near uniform and would hide it)."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("qkv.weight"):
+                parameter.mul_(6.0)
+
+
+@pytest.mark.parametrize(
+    ("variant", "name"),
+    [
+        ("dtps", "vit_small_patch16_224"),
+        ("dynamicvit", "vit_small_patch16_224"),
+        ("etps", "vit_small_patch16_224"),
+        ("dtps", "vit_relpos_small_patch16_224"),  # position tables follow the kept index
+        ("etps", "vit_small_patch16_rope_224"),
+    ],
+)
+def test_compressed_model_gives_the_same_logits(variant: str, name: str) -> None:
+    model = _compressed(variant, name)
+    _sharpen(model)
+    x = torch.randn(4, *SIZE)
+    with torch.inference_mode():
+        want = model(x)
+        assert enable_fused_kernels(model) == 2
+        got = model(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_training_and_autograd_keep_the_methods_path() -> None:
+    model = _compressed("dtps")
+    enable_fused_kernels(model)
+    model.train()
+    loss = model(torch.randn(2, *SIZE))
+    loss = (loss[0] if isinstance(loss, tuple) else loss).sum()
+    loss.backward()
+    predictor_grads = [
+        p.grad for n, p in model.named_parameters() if "predictor" in n and p.grad is not None
+    ]
+    assert predictor_grads and any(g.abs().sum() > 0 for g in predictor_grads)
+    model.eval()  # eval with autograd on: gradients must still reach the input
+    x = torch.randn(2, *SIZE, requires_grad=True)
+    model(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_compiled_as_one_graph_with_the_kernel_as_one_call() -> None:
+    model = _compressed("etps")
+    enable_fused_kernels(model)
+    targets: list[str] = []
+
+    def backend(graph_module: torch.fx.GraphModule, example_inputs):
+        targets.extend(str(node.target) for node in graph_module.graph.nodes)
+        return graph_module.forward
+
+    x = torch.randn(2, *SIZE)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    assert sum("vitcompress.select_squeeze" in t for t in targets) == 2
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_fused_model() -> None:
+    model = _compressed("dtps")
+    enable_fused_kernels(model)
+    x = torch.randn(2, *SIZE)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        compiled = torch.compile(model, fullgraph=True)
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)
+    torch._dynamo.reset()

@@ -1,0 +1,111 @@
+"""``vitcompress::select_squeeze``: top-k -> gather -> squeeze as one op (TPS at inference, CPU).
+
+:func:`select_squeeze_reference` is the same computation from the method's functions; the kernel
+must equal it. The kernel serves inference only: it has no backward, and training keeps the
+method's path (dTPS trains on masks, eTPS needs the gradients of its gathers).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor, nn
+
+from vitcompress.method import gather_tokens, split_by_score, squeeze
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "select_squeeze.cpp"
+
+
+class FusedKernelError(RuntimeError):
+    """The fused kernels cannot be built or used here (a user error: one line)."""
+
+
+@functools.cache
+def _extension() -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load(
+            name="vitcompress_select_squeeze",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3"],
+            verbose=False,
+        )
+    except Exception as error:  # noqa: BLE001 - a compiler's failure has many types
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise FusedKernelError(
+            f"the fused kernels could not be built (they need a C++ compiler and ninja): {first}"
+        ) from error
+
+
+def fused_kernels_available() -> bool:
+    """Whether the extension builds (or is built) here."""
+    try:
+        _extension()
+    except FusedKernelError:
+        return False
+    return True
+
+
+@torch.library.custom_op("vitcompress::select_squeeze", mutates_args=())
+def _select_squeeze_op(
+    x: Tensor, scores: Tensor, prefix_tokens: int, keep_tokens: int, squeeze: bool
+) -> tuple[Tensor, Tensor]:
+    tokens, keep_index = _extension().select_squeeze(x, scores, prefix_tokens, keep_tokens, squeeze)
+    return tokens, keep_index
+
+
+@_select_squeeze_op.register_fake
+def _(
+    x: Tensor, scores: Tensor, prefix_tokens: int, keep_tokens: int, squeeze: bool
+) -> tuple[Tensor, Tensor]:
+    batch, _, channels = x.shape
+    return (
+        x.new_empty(batch, prefix_tokens + keep_tokens, channels),
+        x.new_empty(batch, keep_tokens, dtype=torch.long),
+    )
+
+
+def select_squeeze(
+    x: Tensor, scores: Tensor, prefix_tokens: int, keep_tokens: int, squeeze: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Keep the ``keep_tokens`` best-scored of ``x``'s non-prefix tokens; with ``squeeze``, fuse
+    the rest into them. Returns ``(tokens (B, P + K, C), keep_index (B, K))``, as the reference."""
+    if x.device.type != "cpu":
+        raise FusedKernelError(f"the fused kernels run on the CPU only, not on {x.device}")
+    return _select_squeeze_op(x, scores, prefix_tokens, keep_tokens, squeeze)
+
+
+def select_squeeze_reference(
+    x: Tensor, scores: Tensor, prefix_tokens: int, keep_tokens: int, squeeze: bool = True
+) -> tuple[Tensor, Tensor]:
+    """:func:`select_squeeze` composed from the method's functions (what the reducers run)."""
+    prefix, patches = x[:, :prefix_tokens], x[:, prefix_tokens:]
+    keep_index, prune_index = split_by_score(scores, keep_tokens)
+    kept = gather_tokens(patches, keep_index)
+    if not squeeze:
+        return torch.cat([prefix, kept], dim=1), keep_index
+    return _squeeze(kept, gather_tokens(patches, prune_index), prefix), keep_index
+
+
+_squeeze = squeeze  # the parameter named ``squeeze`` shadows the method's function above
+
+
+def enable_fused_kernels(model: nn.Module, enabled: bool = True) -> int:
+    """Let the model's dTPS/DynamicViT/eTPS reducers use the fused kernel at inference.
+
+    Builds the kernel first, so a machine that cannot build it fails here, in one line, and not
+    in the middle of a forward. Returns how many reducers were switched. Training and autograd
+    still take the method's path; a model on another device is refused at its first forward.
+    """
+    if enabled:
+        _extension()
+    switched = 0
+    for module in model.modules():
+        if hasattr(module, "fused_kernel"):
+            module.fused_kernel = enabled
+            switched += 1
+    return switched
