@@ -6,6 +6,7 @@ The first test to run builds the C++ extension (about a minute on 2 cores; cache
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -157,3 +158,46 @@ def test_inductor_compiles_the_fused_model() -> None:
         compiled = torch.compile(model, fullgraph=True)
         torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)
     torch._dynamo.reset()
+
+
+def _cli(*args: str):
+    from click.testing import CliRunner
+
+    from vitcompress.cli.main import cli
+
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_apply_times_with_the_fused_kernels(tmp_path) -> None:
+    from tests.models import FIXTURES
+
+    result = _cli(
+        "apply",
+        "--model",
+        f"{FIXTURES}:mha_vit",
+        "--variant",
+        "etps",
+        "--keep",
+        "0.5",
+        "--locs",
+        "1,2",
+        "--fused-kernels",
+        *("--batch-size", "2", "--warmup", "0", "--runs", "1", "--json"),
+        "--out",
+        str(tmp_path / "artifact"),
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert sorted(data["environment"]["fused_kernel_reducers"].values()) == [0, 2]
+    # The artifact does not carry the switch: loaded again, it runs the method's path.
+    loaded = vitcompress.load(str(tmp_path / "artifact"))
+    assert any(hasattr(m, "fused_kernel") for m in loaded.modules())
+    assert not any(getattr(m, "fused_kernel", False) for m in loaded.modules())
+
+
+def test_fused_kernels_without_timing_is_refused_in_one_line() -> None:
+    from tests.models import FIXTURES
+
+    result = _cli("bench", "--model", f"{FIXTURES}:mha_vit", "--no-throughput", "--fused-kernels")
+    assert result.exit_code == 2
+    assert result.stderr.strip().count("\n") == 0 and "--fused-kernels" in result.stderr

@@ -17,6 +17,7 @@ from vitcompress.graph.analyse import MappingError
 from vitcompress.graph.capture import CaptureError
 from vitcompress.graph.plan import PlanError
 from vitcompress.graph.rewrite import RewriteError
+from vitcompress.kernels import FusedKernelError
 from vitcompress.loading import ModelLoadError
 from vitcompress.variants.registry import UnknownVariantError
 from vitcompress.workflows.batch_sweep import BatchSizesError
@@ -42,6 +43,7 @@ USER_ERRORS = (
     BatchSizesError,
     SearchError,
     UnknownVariantError,
+    FusedKernelError,
 )
 EXIT_BUG = 1
 EXIT_USAGE = 2

@@ -207,6 +207,12 @@ def timing_options(command: Callable) -> Callable:
             default=None,
             help="With --compile: torch.compile's mode (default: torch's).",
         ),
+        click.option(
+            "--fused-kernels",
+            is_flag=True,
+            help="Time compressed models with select, gather and squeeze as one C++ op "
+            "(dtps, dynamicvit, etps; CPU; built on first use, about a minute).",
+        ),
         click.option("--amp", is_flag=True, help="Autocast (GPU only) in --dtype."),
         click.option("--no-throughput", is_flag=True, help="Skip timing; count params and MACs."),
     ]
@@ -224,12 +230,17 @@ def timing_options(command: Callable) -> Callable:
         bench_seconds,
         use_compile,
         compile_mode,
+        fused_kernels,
         amp,
         no_throughput,
         **kwargs,
     ):
         if compile_mode and not use_compile:
             raise ModelLoadError("--compile-mode sets how models are compiled: add --compile")
+        if fused_kernels and (no_throughput or not device.startswith("cpu")):
+            raise ModelLoadError(
+                "--fused-kernels times compressed models on the CPU: drop it, or time on the CPU"
+            )
         timing = (
             None
             if no_throughput
@@ -243,6 +254,7 @@ def timing_options(command: Callable) -> Callable:
                 amp=amp,
                 seconds=bench_seconds,
                 compile_mode=compile_mode,
+                fused_kernels=fused_kernels,
             )
         )
         return command(*args, timing=timing, **kwargs)

@@ -105,7 +105,7 @@ def enable_fused_kernels(model: nn.Module, enabled: bool = True) -> int:
         _extension()
     switched = 0
     for module in model.modules():
-        if hasattr(module, "fused_kernel"):
+        if getattr(module, "supports_fused_kernel", False):
             module.fused_kernel = enabled
             switched += 1
     return switched

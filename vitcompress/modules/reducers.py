@@ -67,6 +67,7 @@ class PredictorReducer(nn.Module):
         # Set by vitcompress.kernels.enable_fused_kernels: select -> gather -> squeeze as one op
         # at inference. Not state: a saved model loads with the method's path.
         self.fused_kernel = False
+        self.supports_fused_kernel = True
 
     def extra_repr(self) -> str:
         return (
@@ -138,6 +139,7 @@ class AttentionReducer(nn.Module):
         self.policy = policy
         # As PredictorReducer's; EViT's fused token keeps the method's path.
         self.fused_kernel = False
+        self.supports_fused_kernel = fuse == "squeeze"
 
     def extra_repr(self) -> str:
         return (

@@ -11,6 +11,7 @@ from torch import nn
 from vitcompress.api import load_model
 from vitcompress.artifact import ArtifactError, base_source, load_artifact_base, read_meta
 from vitcompress.graph.capture import annotate_shapes
+from vitcompress.kernels import enable_fused_kernels
 from vitcompress.loading import LoadedModel
 from vitcompress.measure import (
     PairedRatio,
@@ -38,6 +39,7 @@ class TimingOptions:
     amp: bool = False
     seconds: float | None = DEFAULT_BENCH_SECONDS  # time budget of the throughput step
     compile_mode: str | None = None  # torch.compile's mode; None: torch's default
+    fused_kernels: bool = False  # the reducers' select -> gather -> squeeze as one C++ op (CPU)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -82,6 +84,11 @@ def measure_models(
                 count_params(model), count_macs(model, input_size, _device_of(model))
             )
     environment: dict[str, Any] = {}
+    if timing is not None and timing.fused_kernels:
+        with step("building the fused kernels"):
+            fused = {name: enable_fused_kernels(model) for name, model in models.items()}
+        if not any(fused.values()):
+            warn("--fused-kernels: no model timed has a dtps, dynamicvit or etps reducer")
     if timing is not None:
         with step(
             f"timing {' and '.join(models)} (batch {timing.batch_size}, at most "
@@ -105,6 +112,8 @@ def measure_models(
             results[name].throughput = report.results[name].median
             results[name].samples = list(report.results[name].samples)
         environment = report.to_json()["environment"] | {"warnings": list(report.warnings)}
+        if timing.fused_kernels:
+            environment["fused_kernel_reducers"] = fused
         for text in report.warnings:
             warn(text)
     return results, environment
