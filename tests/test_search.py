@@ -82,6 +82,8 @@ PLANS = [
     ("evit", [0.5], [1, 3]),
     ("dtps", [0.7, 0.6, 0.5], [1, 2, 3]),
     ("dynamicvit", [0.4], [2]),
+    ("tome", [0.5], [1]),  # r fitted to the cumulative keep, merging in blocks 1-3
+    ("tome", [0.8, 0.7, 0.6], [1, 2, 3]),  # a ratio per merging block (a saved plan's form)
 ]
 
 
@@ -119,6 +121,18 @@ def test_tokens_per_block_follow_the_plan():
     assert cost.tokens_per_block(make_plan(model_map, "dtps", [0.5], [1])) == [65, 33, 33, 33]
     assert cost.tokens_per_block(make_plan(model_map, "etps", [0.5], [1])) == [65, 65, 33, 33]
     assert cost.tokens_per_block(make_plan(model_map, "evit", [0.5], [1])) == [65, 65, 34, 34]
+    # ToMe from block 1: r = round(64 * 0.2) = 13, then round(51 * 0.3) = 15, merged after the
+    # attention of blocks 1, 2, 3
+    tome = make_plan(model_map, "tome", [0.8, 0.7, 0.6], [1, 2, 3])
+    assert cost.tokens_per_block(tome) == [65, 65, 52, 37]
+
+
+def test_a_single_location_variant_gets_single_locations():
+    _, model_map = capture_and_map(tiny_vit(), SIZE)
+    space = build_space(model_map, ["etps", "tome"], single_location=["tome"])
+    assert list(space.location_sets("tome")) == [(0,), (1,), (2,), (3,)]
+    assert len(list(space.location_sets("etps"))) == 15
+    assert space.allows((0, 2), "etps") and not space.allows((0, 2), "tome")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,6 +276,29 @@ def test_exhaustive_when_the_matched_candidates_are_few(tmp_path):
     assert data["best"]["score"] == max(r["score"] for r in data["candidates"])
     assert data["macs_check"]["max_relative_error"] < 0.01
     assert json.loads((tmp_path / "search.json").read_text())["best"] == data["best"]
+
+
+def test_tome_is_searched_at_one_location_with_exact_analytic_macs(tmp_path):
+    data = search(
+        loaded_tiny(),
+        calibration_set(),
+        config(
+            tmp_path,
+            variants=["tome"],
+            max_candidates=20,
+            budget=Budget(max_gmacs_ratio=0.85),
+        ),
+    ).data
+    assert data["space"]["left_out"] == {} and data["strategy"] == "exhaustive"
+    rows = [r for r in data["candidates"] if r["variant"] == "tome"]
+    # One per single location within the budget, plus the paper default's placement (merging
+    # from its first location).
+    assert {tuple(r["locs"]) for r in rows if len(r["locs"]) == 1} <= {(0,), (1,), (2,), (3,)}
+    assert len([r for r in rows if len(r["locs"]) == 1]) >= 2
+    assert data["macs_check"]["max_relative_error"] < 0.01
+    best = data["best"]
+    model = vitcompress.compress(tiny_vit(), "tome", best["keep"], best["locs"], SIZE).eval()
+    assert count_macs(model, SIZE) <= data["budget"]["macs"]
 
 
 def test_an_impossible_budget_names_the_smallest_candidate(tmp_path):

@@ -14,7 +14,9 @@ counts a plan leaves each block with. Per block:
 
 The reducers a plan inserts add their own work, counted from dimensions: the predictor's MLP over
 the patch tokens present (dTPS/DynamicViT), the donor-host similarity of squeezing
-(``donors x hosts x C``: dTPS/eTPS) and the cls-row attention score (eTPS/EViT on SDPA).
+(``donors x hosts x C``: dTPS/eTPS), the cls-row attention score (eTPS/EViT on SDPA) and ToMe's
+bipartite similarity (``ceil(t/2) x floor(t/2) x head dim`` in every merging block; its
+size-weighted averages and ``log s`` bias are not multiply-accumulates).
 Everything outside the blocks (patch embedding, a pyramid's next patch embedding on the full grid,
 the head) is taken as constant. :func:`cross_check` compares the result with the counted MACs of
 compressed models.
@@ -56,6 +58,7 @@ class BlockCost:
     grid: float  # convolutions/pools on the (padded) grid
     dim: int
     attention_width: float  # heads x head dim, from the attention products
+    heads: int
     prefix_tokens: int
     patch_tokens: int  # the stage's N0
 
@@ -97,6 +100,11 @@ class CostModel:
             loc = at.get(index)
             if loc is None:
                 total += block.macs(p + n, p + n)
+            elif plan.fuse == "merge":  # ToMe: every block of its range is a location
+                attention_tokens = p + n
+                total += self._matching_macs(index, attention_tokens)
+                n -= loc.merge_tokens or 0
+                total += block.macs(attention_tokens, p + n)
             elif predictor:
                 kept = min(loc.keep_tokens or n, n)
                 total += _predictor_macs(n, block.dim)
@@ -115,6 +123,13 @@ class CostModel:
                 total += block.macs(attention_tokens, p + n)
             present[stage] = n
         return total
+
+    def _matching_macs(self, index: int, tokens: int) -> float:
+        """ToMe's matching: the cosine similarity of the ``ceil(t/2)`` even tokens to the
+        ``floor(t/2)`` odd ones, on the head-mean keys (one head's width)."""
+        block = self.blocks[index]
+        head_dim = block.attention_width / block.heads if block.heads else block.dim
+        return ((tokens + 1) // 2) * (tokens // 2) * head_dim
 
     def _score_macs(self, index: int, tokens: int) -> float:
         """eTPS/EViT on an SDPA core: the hook computes the score rows next to the fused kernel
@@ -139,7 +154,9 @@ class CostModel:
             if loc is not None and predictor:
                 n = min(loc.keep_tokens or n, n)
             tokens.append(block.prefix_tokens + n)
-            if loc is not None and not predictor:
+            if loc is not None and plan.fuse == "merge":
+                n -= loc.merge_tokens or 0
+            elif loc is not None and not predictor:
                 kept = keep_count(n, loc.keep, "ceil")
                 if kept < n:
                     n = kept + (1 if plan.fuse == "evit" else 0)
@@ -195,6 +212,7 @@ def profile(model: nn.Module, model_map: ModelMap) -> CostModel:
                 dim=block.dim,
                 # products = 2 (q k^T and attn v) x queries x keys x width
                 attention_width=products / (2 * block.tokens * keys) if products else 0.0,
+                heads=block.heads,
                 prefix_tokens=block.prefix_tokens,
                 patch_tokens=stage.grid[0] * stage.grid[1],
             )

@@ -5,7 +5,8 @@ such blocks; a CvT-like model (its last stage holds two thirds of the blocks) ta
 stage, where the paper puts them. A pyramid takes at most one block per stage: a stage's exit
 gives the next stage its full grid back, so a reduction acts only within its stage, and a stage
 with two would compound them into an ever smaller grid share. Keep ratios come from a grid;
-a candidate has one ratio per location.
+a candidate has one ratio per location. A variant whose plan is set by one location and one
+ratio (ToMe: merging in every block from the first location) gets single locations only.
 """
 
 from __future__ import annotations
@@ -59,9 +60,18 @@ class Space:
     keep_grid: tuple[float, ...] = DEFAULT_KEEP_GRID
     max_locations: int = MAX_LOCATIONS
     variants: tuple[str, ...] = field(default_factory=tuple)
+    single_location: frozenset[str] = frozenset()  # variants searched at one location
 
-    def location_sets(self) -> Iterator[tuple[int, ...]]:
-        """Every allowed set of 1..max_locations blocks, in increasing order."""
+    def most_locations(self, variant: str | None = None) -> int:
+        return 1 if variant in self.single_location else self.max_locations
+
+    def location_sets(self, variant: str | None = None) -> Iterator[tuple[int, ...]]:
+        """Every allowed set of 1..max_locations blocks (for ``variant``), in increasing order."""
+        for locs in self._location_sets():
+            if len(locs) <= self.most_locations(variant):
+                yield locs
+
+    def _location_sets(self) -> Iterator[tuple[int, ...]]:
         if self.one_per_group:
             for size in range(1, min(self.max_locations, len(self.groups)) + 1):
                 for stages in itertools.combinations(self.groups, size):
@@ -71,8 +81,10 @@ class Space:
         for size in range(1, min(self.max_locations, len(blocks)) + 1):
             yield from itertools.combinations(blocks, size)
 
-    def allows(self, locs: Sequence[int]) -> bool:
-        if not locs or len(locs) > self.max_locations or list(locs) != sorted(set(locs)):
+    def allows(self, locs: Sequence[int], variant: str | None = None) -> bool:
+        if not locs or len(locs) > self.most_locations(variant):
+            return False
+        if list(locs) != sorted(set(locs)):
             return False
         if self.one_per_group:
             stages = [next((i for i, g in enumerate(self.groups) if b in g), None) for b in locs]
@@ -94,8 +106,10 @@ def build_space(
     variants: Sequence[str],
     keep_grid: Sequence[float] = DEFAULT_KEEP_GRID,
     max_locations: int = MAX_LOCATIONS,
+    single_location: Sequence[str] = (),
 ) -> Space:
-    """The space for ``model_map`` (see the module's docstring)."""
+    """The space for ``model_map`` (see the module's docstring); ``single_location`` names the
+    variants searched at one location."""
     stages = token_stages(model_map)
     if not stages:
         raise PlanError(
@@ -113,6 +127,7 @@ def build_space(
         keep_grid=tuple(sorted(keep_grid)),
         max_locations=max_locations,
         variants=tuple(variants),
+        single_location=frozenset(single_location),
     )
 
 

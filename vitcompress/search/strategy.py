@@ -11,7 +11,7 @@
    candidates as parents and proposes their neighbours: one location moved by one or two blocks,
    one added in the widest gap, one removed, the same placement with another variant, and
    per-location keep ratios (one location one grid step up, another one down, still within the
-   budget). Unscored neighbours are scored best parent first, until ``max_candidates`` are scored;
+   budget); a single-location variant (ToMe) only moves. Unscored neighbours are scored best parent first, until ``max_candidates`` are scored;
    when no parent has an unscored neighbour left, the next unscored matched candidate is taken.
 
 The cost is one scoring pass over the calibration images per scored candidate (plus, for learned
@@ -40,17 +40,18 @@ def match_budget(
     return None
 
 
-def evenly_spaced(space: Space) -> list[tuple[int, ...]]:
-    """Seeds: for 1..4 locations, blocks spread evenly over the allowed ones (for a pyramid, the
-    first block of the later stages first)."""
+def evenly_spaced(space: Space, variant: str | None = None) -> list[tuple[int, ...]]:
+    """Seeds: for 1..4 locations (1 for a single-location variant), blocks spread evenly over
+    the allowed ones (for a pyramid, the first block of the later stages first)."""
     seeds: list[tuple[int, ...]] = []
+    most = space.most_locations(variant)
     if space.one_per_group:
         firsts = [g[0] for g in space.groups]
-        for size in range(1, min(space.max_locations, len(firsts)) + 1):
+        for size in range(1, min(most, len(firsts)) + 1):
             seeds.append(tuple(firsts[-size:]))
         return seeds
     blocks = space.groups[0]
-    for size in range(1, min(space.max_locations, len(blocks)) + 1):
+    for size in range(1, min(most, len(blocks)) + 1):
         picks = sorted({blocks[(len(blocks) * (i + 1)) // (size + 1)] for i in range(size)})
         seeds.append(tuple(picks))
     return seeds
@@ -75,12 +76,12 @@ def neighbours(
         moved.append(tuple(locs[:i] + locs[i + 1 :]))
     out: list[Candidate] = []
     for placement in moved:
-        if space.allows(placement):
+        if space.allows(placement, parent.variant):
             matched = match_budget(parent.variant, placement, space, cost, budget)
             if matched is not None:
                 out.append(matched)
     for variant in variants:
-        if variant != parent.variant:
+        if variant != parent.variant and space.allows(parent.locs, variant):
             matched = match_budget(variant, parent.locs, space, cost, budget)
             if matched is not None:
                 out.append(matched)

@@ -101,6 +101,9 @@ class Variant:
     attention_gives: str = ATTENTION_GIVES_NOTHING  # what the located block's attention returns
     policies: tuple[str, ...] = SELECTION_POLICIES
     report_order: int = 100  # colour/order slot in reports; lower comes first
+    # The plan is set by its first location and one cumulative ratio (ToMe merges in every later
+    # block): a search gives it one location, where more would only repeat the same plan.
+    single_location: bool = False
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:

@@ -100,6 +100,7 @@ class TokenMerging(Variant):
     resorts_tokens: bool = False  # survivors stay in their original order
     attention_gives: str = ATTENTION_GIVES_KEYS
     policies: tuple[str, ...] = ("score",)
+    single_location: bool = True
 
     @property
     def tracks_sizes(self) -> bool:

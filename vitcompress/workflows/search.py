@@ -57,7 +57,7 @@ from vitcompress.workflows.status import detail, step, warn
 
 # Variants whose MACs the analytic model counts (scorer, fuse); others are left out with a warning.
 ANALYTIC = {("predictor", "squeeze"), ("predictor", "drop"), ("attention", "squeeze"),
-            ("attention", "evit")}  # fmt: skip
+            ("attention", "evit"), ("matching", "merge")}  # fmt: skip
 LEFT_OUT_WHY = "its MACs have no analytic count here"
 CROSS_CHECK_SAMPLE = 4  # candidates whose analytic MACs are compared with counted MACs
 MAX_SPEEDUP_TIMINGS = 5  # candidates timed, best first, for --min-speedup
@@ -153,7 +153,12 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
     base_macs = cost_model.base_macs
     budget = config.budget.macs(base_macs)
     variants, left_out = _searchable(config.variants, config.variants_named)
-    space = build_space(model_map, variants, config.keep_grid)
+    space = build_space(
+        model_map,
+        variants,
+        config.keep_grid,
+        single_location=[v for v in variants if get_variant(v).single_location],
+    )
     cost = _cost_function(cost_model, model_map)
 
     with step("enumerating the candidate space"):
@@ -190,7 +195,7 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
     default = _paper_default(model_map, space, variants, cost, budget)
     seeds = [c for c in default.values() if c is not None]
     for variant in variants:
-        for locs in evenly_spaced(space):
+        for locs in evenly_spaced(space, variant):
             candidate = match_budget(variant, locs, space, cost, budget)
             if candidate is not None:
                 seeds.append(candidate)
@@ -354,7 +359,7 @@ def _enumerate(
     smallest: float | None = None
     size = 0
     for variant in variants:
-        for locs in space.location_sets():
+        for locs in space.location_sets(variant):
             size += len(space.keep_grid)
             low = cost(Candidate(variant, locs, (min(space.keep_grid),) * len(locs)))
             if low is None:
