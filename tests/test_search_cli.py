@@ -175,6 +175,25 @@ def test_search_without_a_budget_is_one_line(tmp_path):
     assert "a budget is required" in line
 
 
+@pytest.mark.parametrize("flag", ["--compile", "--fused-kernels"])
+def test_timing_flags_without_min_speedup_are_one_line(tmp_path, flag):
+    line = one_line_error(
+        run(
+            "search",
+            *MODEL,
+            "--data",
+            str(tmp_path),
+            "--max-gmacs-ratio",
+            "0.6",
+            flag,
+            "--out",
+            str(tmp_path / "o"),
+        )  # fmt: skip
+    )
+    assert f"{flag} set how --min-speedup is timed" in line
+    assert not (tmp_path / "o").exists()
+
+
 def test_an_impossible_budget_is_one_line(searched, tmp_path):
     data_dir, *_ = searched
     line = one_line_error(

@@ -157,6 +157,20 @@ def search_command(
     budget = Budget(max_gmacs, max_gmacs_ratio, min_speedup)
     batch_size = ctx.params["batch_size"]
     budget.check()  # before minutes of loading
+    if timing is not None and min_speedup is None:
+        timed_only = [
+            flag
+            for flag, given in (
+                ("--compile", timing.compile),
+                ("--fused-kernels", timing.fused_kernels),
+            )
+            if given
+        ]
+        if timed_only:
+            raise SearchError(
+                f"{' and '.join(timed_only)} set how --min-speedup is timed; without "
+                "--min-speedup nothing is timed: add it or drop them"
+            )
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
     if compression_info(loaded.model) is not None:
         raise SearchError(f"{model_spec} is already compressed; search its base model instead")
