@@ -44,6 +44,7 @@ class Block(Protocol):
     prefix_tokens: int
     stage: int
     attention: Any  # AttentionCore: kind, key_tokens, path
+    parallel_cores: Sequence[Any]  # further attention cores of a parallel block (AttentionCore)
 
 
 class Location(Protocol):

@@ -161,7 +161,7 @@ class TokenMerging(Variant):
         for loc in plan.locations:
             block = model_map.blocks[loc.block]
             core = block.attention
-            cores = 1 + len(getattr(block, "parallel_cores", None) or ())
+            cores = 1 + len(block.parallel_cores)
             if cores > 1:
                 return (
                     f"block {loc.block} ({block.path}) has {cores} attention cores; tome matches "
