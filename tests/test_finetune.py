@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -18,6 +14,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import vitcompress
+from tests.torchrun import torchrun
 from vitcompress.api import compress_loaded
 from vitcompress.cli.main import cli
 from vitcompress.loading import load_model
@@ -417,40 +414,7 @@ def test_two_processes_end_with_identical_weights(tmp_path):
     script = tmp_path / "ddp_run.py"
     script.write_text(DDP_SCRIPT.format(root=str(ROOT)))
     (tmp_path / "out-dump").mkdir()
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT),
-        "ACCELERATE_USE_CPU": "true",
-    }
-    # torchrun sets RANK/WORLD_SIZE/MASTER_* and ACCELERATE_USE_CPU selects gloo, as
-    # `accelerate launch` does on GPUs; `accelerate launch --cpu` would need MPI for two ranks.
-    # --standalone: a local rendezvous on a free port, so concurrent runs cannot collide. A new
-    # session lets a timeout kill the workers with the launcher instead of leaving them behind.
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(script),
-            str(tmp_path / "out"),
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, stderr[-3000:]
+    torchrun([str(script), str(tmp_path / "out")], timeout=240)
     rank0 = torch.load(tmp_path / "out-dump" / "rank0.pt", weights_only=True)
     rank1 = torch.load(tmp_path / "out-dump" / "rank1.pt", weights_only=True)
     for key in rank0:

@@ -5,10 +5,6 @@ checkpoint, and the resumed run ends with the uninterrupted run's weights."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +12,7 @@ import torch
 
 import vitcompress
 from tests.test_finetune import _config, _data, _fresh_accelerate_state, _models  # noqa: F401
+from tests.torchrun import torchrun
 from vitcompress.training.checkpoint import find_latest, load_checkpoint
 from vitcompress.workflows.finetune import FinetuneError, finetune
 
@@ -61,36 +58,7 @@ run("resumed", fsdp=True, resume=True)
 def _torchrun(tmp_path: Path, script: str) -> None:
     path = tmp_path / "fsdp_run.py"
     path.write_text(script)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT),
-        "ACCELERATE_USE_CPU": "true",
-    }
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(path),
-            str(tmp_path / "out"),
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = proc.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, stderr[-4000:]
+    torchrun([str(path), str(tmp_path / "out")], timeout=400)
 
 
 def test_fsdp_shards_during_training_and_writes_the_ddp_runs_model(tmp_path):

@@ -27,6 +27,7 @@ from tests.test_finetune import (  # noqa: F401
     _image_folder,
     _models,
 )
+from tests.torchrun import torchrun
 from vitcompress.api import compress_loaded
 from vitcompress.cli.main import cli
 from vitcompress.cli.progress import LogLines
@@ -251,24 +252,7 @@ def test_seed_also_draws_the_random_base_and_the_predictor(tmp_path):
 def test_two_processes_print_one_json_summary(tmp_path):
     """Under torchrun only the main process prints the summary: --json stays one document."""
     data = _image_folder(tmp_path / "data")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env["ACCELERATE_USE_CPU"] = "true"
     args = _cli_args(data, tmp_path / "run", "--max-steps", "1", "--json")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        + ["-m", "vitcompress.cli.main", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, stderr[-3000:]
+    stdout = torchrun(["-m", "vitcompress.cli.main", *args], timeout=240)
     summary = json.loads(stdout)  # one document: a second one would make this fail
     assert summary["steps"] == 1 and summary["processes"] == 2
