@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from vitcompress.fingerprint import eval_mode
+from vitcompress.measure.onnx_runtime import onnx_session
 
 FORMATS = ("onnx", "torchscript", "exported-program")
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
@@ -168,11 +169,7 @@ def _export_onnx(
         )
 
     def run(x: Tensor) -> Tensor:
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = max(1, torch.get_num_threads())
-        session = ort.InferenceSession(str(out), options, providers=["CPUExecutionProvider"])
+        session = onnx_session(out)
         return torch.from_numpy(session.run(None, {"image": x.numpy()})[0])
 
     return run
