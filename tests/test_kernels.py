@@ -71,6 +71,37 @@ def test_by_hand() -> None:
     assert torch.equal(tokens[0, 1], x[0, 1])
 
 
+def test_nan_and_double_scores_are_ordered_as_torch_sorts_them() -> None:
+    x = torch.randn(2, 1 + 6, 8)
+    nan = float("nan")
+    scores = torch.tensor([[0.5, nan, 2.0, nan, -1.0, 2.0], [1.0, 1.0 + 1e-12, 1.0, 3.0, 0.0, 2.0]])
+    scores = scores.double()
+    scores[1, 1] = 1.0 + 1e-12  # a difference float32 would round away
+    for squeeze in (True, False):
+        got, got_index = select_squeeze(x, scores, 1, 4, squeeze)
+        want, want_index = select_squeeze_reference(x, scores, 1, 4, squeeze)
+        assert torch.equal(got_index, want_index)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got_index[0, :2].tolist() == [1, 3] and got_index[1, :2].tolist() == [3, 5]
+
+
+def test_scores_that_require_grad_do_not_reach_the_op() -> None:
+    """A trainable predictor's scores over a frozen backbone's tokens: the op has no backward,
+    and the method passes no gradient to the scores either (they only choose indices)."""
+    x = torch.randn(2, 1 + 10, 8)
+    scores = torch.randn(2, 10, requires_grad=True)
+    tokens, _ = select_squeeze(x, scores, 1, 6)
+    want, _ = select_squeeze_reference(x, scores, 1, 6)
+    assert not tokens.requires_grad and not want.requires_grad
+    torch.testing.assert_close(tokens, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("prefix", [-1, 12])
+def test_a_prefix_outside_the_tokens_is_refused(prefix: int) -> None:
+    with pytest.raises(ValueError, match="prefix_tokens"):
+        select_squeeze(torch.randn(1, 11, 4), torch.randn(1, 10), prefix, 2)
+
+
 def test_off_the_cpu_is_refused_in_one_line() -> None:
     x = torch.empty(1, 5, 4, device="meta")
     with pytest.raises(FusedKernelError, match="CPU only"):
@@ -148,6 +179,16 @@ def test_compiled_as_one_graph_with_the_kernel_as_one_call() -> None:
     assert sum("vitcompress.select_squeeze" in t for t in targets) == 2
 
 
+def test_export_traces_the_methods_path_and_restores_the_switch(tmp_path) -> None:
+    from vitcompress.workflows.export import export_model
+
+    model = _compressed("dtps")
+    enable_fused_kernels(model)
+    result = export_model(model, SIZE, "onnx", tmp_path / "model.onnx", batch_size=2)
+    assert result["max_abs_diff"] < 1e-4
+    assert all(m.fused_kernel for m in model.modules() if hasattr(m, "fused_kernel"))
+
+
 @pytest.mark.slow
 def test_inductor_compiles_the_fused_model() -> None:
     model = _compressed("dtps")
@@ -193,6 +234,26 @@ def test_apply_times_with_the_fused_kernels(tmp_path) -> None:
     loaded = vitcompress.load(str(tmp_path / "artifact"))
     assert any(hasattr(m, "fused_kernel") for m in loaded.modules())
     assert not any(getattr(m, "fused_kernel", False) for m in loaded.modules())
+
+
+def test_a_batch_sweep_times_with_the_fused_kernels(tmp_path) -> None:
+    from tests.models import FIXTURES
+
+    artifact = tmp_path / "artifact"
+    applied = _cli(
+        "apply",
+        *("--model", f"{FIXTURES}:mha_vit", "--variant", "dtps", "--keep", "0.5"),
+        *("--locs", "1,2", "--no-throughput", "--out", str(artifact)),
+    )
+    assert applied.exit_code == 0, applied.output
+    result = _cli(
+        "bench",
+        *("--model", str(artifact), "--batch-sizes", "1,2", "--fused-kernels"),
+        *("--warmup", "0", "--runs", "1", "--json"),
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert sorted(data["environment"]["fused_kernel_reducers"].values()) == [0, 2]
 
 
 def test_fused_kernels_without_timing_is_refused_in_one_line() -> None:

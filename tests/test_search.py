@@ -133,6 +133,11 @@ def test_a_single_location_variant_gets_single_locations():
     assert list(space.location_sets("tome")) == [(0,), (1,), (2,), (3,)]
     assert len(list(space.location_sets("etps"))) == 15
     assert space.allows((0, 2), "etps") and not space.allows((0, 2), "tome")
+    # A pyramid plans each stage on its own: one location per stage, as for every variant.
+    model, size = pvt()
+    _, model_map = capture_and_map(model, size)
+    pyramid = build_space(model_map, ["etps", "tome"], single_location=["tome"])
+    assert list(pyramid.location_sets("tome")) == list(pyramid.location_sets("etps"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,14 +296,30 @@ def test_tome_is_searched_at_one_location_with_exact_analytic_macs(tmp_path):
     ).data
     assert data["space"]["left_out"] == {} and data["strategy"] == "exhaustive"
     rows = [r for r in data["candidates"] if r["variant"] == "tome"]
-    # One per single location within the budget, plus the paper default's placement (merging
-    # from its first location).
-    assert {tuple(r["locs"]) for r in rows if len(r["locs"]) == 1} <= {(0,), (1,), (2,), (3,)}
-    assert len([r for r in rows if len(r["locs"]) == 1]) >= 2
+    # One per single location within the budget; the paper default (blocks 1, 2, 3 at 0.5 on
+    # this 4-block model) is scored as the same plan, from block 1 at the cumulative keep.
+    assert {tuple(r["locs"]) for r in rows} <= {(0,), (1,), (2,), (3,)} and len(rows) >= 2
+    assert [tuple(r["locs"]) for r in data["paper_defaults"]] == [(1,)]
     assert data["macs_check"]["max_relative_error"] < 0.01
     best = data["best"]
     model = vitcompress.compress(tiny_vit(), "tome", best["keep"], best["locs"], SIZE).eval()
     assert count_macs(model, SIZE) <= data["budget"]["macs"]
+
+
+def test_an_evolutionary_search_keeps_tome_at_one_location(tmp_path):
+    settings = dict(
+        variants=["tome", "etps"], max_candidates=5, budget=Budget(max_gmacs_ratio=0.85)
+    )
+    data = search(loaded_tiny(), calibration_set(), config(tmp_path, **settings)).data
+    assert data["strategy"] == "evolutionary"
+    tome = [r for r in data["candidates"] if r["variant"] == "tome"]
+    assert tome and all(len(r["locs"]) == 1 for r in tome)
+    # An older cache's ToMe row at several locations is not taken back as a parent.
+    with open(tmp_path / CACHE_NAME, "a") as f:
+        row = {**tome[0], "locs": [0, 2], "keep": [0.9, 0.9], "score": 1e9}
+        f.write(json.dumps({"key": "tome|0,2|0.9,0.9", **row}) + "\n")
+    again = search(loaded_tiny(), calibration_set(), config(tmp_path, **settings)).data
+    assert all(len(r["locs"]) == 1 for r in again["candidates"] if r["variant"] == "tome")
 
 
 def test_an_impossible_budget_names_the_smallest_candidate(tmp_path):

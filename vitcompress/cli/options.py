@@ -239,7 +239,8 @@ def timing_options(command: Callable) -> Callable:
             raise ModelLoadError("--compile-mode sets how models are compiled: add --compile")
         if fused_kernels and (no_throughput or not device.startswith("cpu")):
             raise ModelLoadError(
-                "--fused-kernels times compressed models on the CPU: drop it, or time on the CPU"
+                "--fused-kernels changes only how compressed models are timed on the CPU: it has "
+                "no effect with --no-throughput or another --device; drop it"
             )
         timing = (
             None

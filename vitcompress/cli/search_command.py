@@ -171,6 +171,10 @@ def search_command(
                 f"{' and '.join(timed_only)} set how --min-speedup is timed; without "
                 "--min-speedup nothing is timed: add it or drop them"
             )
+    if timing is not None and timing.fused_kernels:
+        from vitcompress.kernels import build_fused_kernels
+
+        build_fused_kernels()  # before minutes of scoring, not after them
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
     if compression_info(loaded.model) is not None:
         raise SearchError(f"{model_spec} is already compressed; search its base model instead")

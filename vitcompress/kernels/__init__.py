@@ -5,18 +5,22 @@ Optional and off by default: the first use builds the extension with the machine
 as a ``torch.library`` custom op, so ``torch.compile(fullgraph=True)`` keeps it as one call.
 """
 
-from vitcompress.kernels.select_squeeze import (
+from vitcompress.kernels.ops import (
     FusedKernelError,
+    build_fused_kernels,
     enable_fused_kernels,
     fused_kernels_available,
+    method_path,
     select_squeeze,
     select_squeeze_reference,
 )
 
 __all__ = [
     "FusedKernelError",
+    "build_fused_kernels",
     "enable_fused_kernels",
     "fused_kernels_available",
+    "method_path",
     "select_squeeze",
     "select_squeeze_reference",
 ]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vitcompress.kernels.select_squeeze import select_squeeze
+from vitcompress.kernels.ops import select_squeeze
 from vitcompress.method import (
     SELECTION_POLICIES,
     bipartite_soft_matching,

@@ -6,7 +6,8 @@ stage, where the paper puts them. A pyramid takes at most one block per stage: a
 gives the next stage its full grid back, so a reduction acts only within its stage, and a stage
 with two would compound them into an ever smaller grid share. Keep ratios come from a grid;
 a candidate has one ratio per location. A variant whose plan is set by one location and one
-ratio (ToMe: merging in every block from the first location) gets single locations only.
+ratio per stage (ToMe: merging in every block from the first location) gets single locations
+(in a pyramid, one per stage, as every variant).
 """
 
 from __future__ import annotations
@@ -63,7 +64,12 @@ class Space:
     single_location: frozenset[str] = frozenset()  # variants searched at one location
 
     def most_locations(self, variant: str | None = None) -> int:
-        return 1 if variant in self.single_location else self.max_locations
+        """Locations a candidate of ``variant`` may have. A single-location variant gets one,
+        except in a pyramid, where each stage is planned on its own and one per stage is already
+        the rule."""
+        if variant in self.single_location and not self.one_per_group:
+            return 1
+        return self.max_locations
 
     def location_sets(self, variant: str | None = None) -> Iterator[tuple[int, ...]]:
         """Every allowed set of 1..max_locations blocks (for ``variant``), in increasing order."""

@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from vitcompress.measure import PairedRatio, measure_throughput, paired_ratio, verdict
-from vitcompress.workflows.measure_models import TimingOptions, show_round
+from vitcompress.workflows.measure_models import TimingOptions, show_round, use_fused_kernels
 from vitcompress.workflows.status import step, warn
 
 __all__ = ["BatchSweep", "SweepPoint", "parse_batch_sizes", "plot_sweep", "sweep_batch_sizes"]
@@ -126,6 +126,7 @@ def sweep_batch_sizes(
         raise ValueError(f"the reference {reference!r} is not among {sorted(models)}")
     points: list[SweepPoint] = []
     environment: dict[str, Any] = {}
+    fused = use_fused_kernels(models, timing)
     compile_options = timing.compile_options() | ({"dynamic": False} if timing.compile else {})
     for batch_size in batch_sizes:
         options = replace(timing, batch_size=batch_size)
@@ -171,6 +172,8 @@ def sweep_batch_sizes(
         if on_point is not None:
             on_point(point)
     environment["batch_sizes"] = list(batch_sizes)
+    if fused is not None:
+        environment["fused_kernel_reducers"] = fused
     return BatchSweep(points=points, reference=reference, environment=environment)
 
 

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from vitcompress.fingerprint import eval_mode
+from vitcompress.kernels import method_path
 from vitcompress.measure.onnx_runtime import onnx_session
 
 FORMATS = ("onnx", "torchscript", "exported-program")
@@ -256,7 +257,7 @@ def export_model(
     check_batches = [1, DYNAMIC_TRACE_BATCH + 1] if dynamic_batch else [batch_size]
     example = _inputs(trace_batch, input_size, seed=0)
     start = time.perf_counter()
-    with eval_mode(model), torch.no_grad():
+    with eval_mode(model), method_path(model), torch.no_grad():
         module = _Inference(model)
         if not isinstance(module(example), Tensor):
             raise ExportError(

@@ -84,11 +84,7 @@ def measure_models(
                 count_params(model), count_macs(model, input_size, _device_of(model))
             )
     environment: dict[str, Any] = {}
-    if timing is not None and timing.fused_kernels:
-        with step("building the fused kernels"):
-            fused = {name: enable_fused_kernels(model) for name, model in models.items()}
-        if not any(fused.values()):
-            warn("--fused-kernels: no model timed has a dtps, dynamicvit or etps reducer")
+    fused = use_fused_kernels(models, timing)
     if timing is not None:
         with step(
             f"timing {' and '.join(models)} (batch {timing.batch_size}, at most "
@@ -112,11 +108,25 @@ def measure_models(
             results[name].throughput = report.results[name].median
             results[name].samples = list(report.results[name].samples)
         environment = report.to_json()["environment"] | {"warnings": list(report.warnings)}
-        if timing.fused_kernels:
+        if fused is not None:
             environment["fused_kernel_reducers"] = fused
         for text in report.warnings:
             warn(text)
     return results, environment
+
+
+def use_fused_kernels(
+    models: dict[str, nn.Module], timing: TimingOptions | None
+) -> dict[str, int] | None:
+    """With ``timing.fused_kernels``: switch every model's reducers to the fused kernel (built
+    first) and return how many each has; otherwise None."""
+    if timing is None or not timing.fused_kernels:
+        return None
+    with step("building the fused kernels"):
+        fused = {name: enable_fused_kernels(model) for name, model in models.items()}
+    if not any(fused.values()):
+        warn("--fused-kernels: no model timed has a dtps, dynamicvit or etps reducer")
+    return fused
 
 
 def show_round(progress: RoundProgress) -> None:

@@ -203,7 +203,8 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
     for row in cache.entries.values():  # a resumed (or earlier) search's scores count
         candidate = Candidate.from_json(row)
         macs = cost(candidate)
-        if macs is not None and macs <= budget:
+        allowed = space.allows(candidate.locs, candidate.variant) or candidate in seeds
+        if macs is not None and macs <= budget and allowed:
             proposals.scored(candidate, row["score"])
 
     signals: dict[int, BlockSignals] | None = None
@@ -385,10 +386,15 @@ def _paper_default(
 ) -> dict[str, Candidate | None]:
     """Per variant: the paper's placement at its keep ratio where that fits the budget, else
     the same placement matched to the budget (the default at matched MACs)."""
-    locs = tuple(default_locs(model_map))
-    keep = default_keep(model_map)
+    paper_locs = tuple(default_locs(model_map))
+    paper_keep = default_keep(model_map)
     out: dict[str, Candidate | None] = {}
     for variant in variants:
+        locs, keep = paper_locs, paper_keep
+        if len(locs) > space.most_locations(variant):
+            # The same plan from its first location at the cumulative keep (ToMe fits its r to
+            # the cumulative keep of the last location; the locations between change nothing).
+            locs, keep = locs[:1], round(keep ** len(locs), 4)
         candidate = Candidate(variant, locs, (keep,) * len(locs))
         macs = cost(candidate)
         if macs is None:

@@ -45,6 +45,8 @@ std::vector<at::Tensor> select_squeeze(const at::Tensor& x_in, const at::Tensor&
   TORCH_CHECK(x_in.device().is_cpu() && scores_in.device().is_cpu(), "select_squeeze: CPU only");
   TORCH_CHECK(x_in.dim() == 3, "select_squeeze: x must be (B, N, C)");
   TORCH_CHECK(scores_in.dim() == 2, "select_squeeze: scores must be (B, N)");
+  TORCH_CHECK(prefix_tokens >= 0 && prefix_tokens <= x_in.size(1),
+              "select_squeeze: prefix_tokens out of range");
   const int64_t B = x_in.size(0), P = prefix_tokens, N = x_in.size(1) - prefix_tokens;
   const int64_t C = x_in.size(2), K = keep_tokens, R = N - keep_tokens;
   TORCH_CHECK(scores_in.size(0) == B && scores_in.size(1) == N,
@@ -52,13 +54,15 @@ std::vector<at::Tensor> select_squeeze(const at::Tensor& x_in, const at::Tensor&
   TORCH_CHECK(K >= 1 && K <= N, "select_squeeze: keep_tokens out of range");
 
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const at::Tensor scores = scores_in.to(at::kFloat).contiguous();
+  // Scores are ordered in double precision: exact for float32 and float64 scores alike.
+  const at::Tensor scores = scores_in.to(at::kDouble).contiguous();
+  const bool fuse = squeeze && R > 0;
   at::Tensor order = at::empty({B, N}, x.options().dtype(at::kLong));
   at::Tensor out = at::empty({B, P + K, C}, x.options());
-  at::Tensor donors = at::empty({B, R, C}, x.options());
-  at::Tensor unit_hosts = at::empty({B, K, C}, x.options());
+  at::Tensor donors = at::empty({fuse ? B : 0, R, C}, x.options());
+  at::Tensor unit_hosts = at::empty({fuse ? B : 0, K, C}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* sp = scores.data_ptr<float>();
+  const double* sp = scores.data_ptr<double>();
   int64_t* op = order.data_ptr<int64_t>();
   float* outp = out.data_ptr<float>();
   float* dp = donors.data_ptr<float>();
@@ -70,23 +74,28 @@ std::vector<at::Tensor> select_squeeze(const at::Tensor& x_in, const at::Tensor&
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       int64_t* o = op + b * N;
-      const float* s = sp + b * N;
+      const double* s = sp + b * N;
       std::iota(o, o + N, int64_t{0});
-      // Descending and stable, as torch.sort(descending=True, stable=True): ties keep N's order.
-      std::stable_sort(o, o + N, [s](int64_t i, int64_t j) { return s[i] > s[j]; });
+      // Descending and stable, as torch.sort(descending=True, stable=True): ties keep N's order,
+      // and NaN counts as the largest value (torch puts it first).
+      std::stable_sort(o, o + N, [s](int64_t i, int64_t j) {
+        if (std::isnan(s[i])) return !std::isnan(s[j]);
+        if (std::isnan(s[j])) return false;
+        return s[i] > s[j];
+      });
       const float* xb = xp + b * row;
       float* ob = outp + b * (P + K) * C;
       std::memcpy(ob, xb, sizeof(float) * P * C);
       for (int64_t k = 0; k < K; ++k) {
         const float* token = xb + (P + o[k]) * C;
         std::memcpy(ob + (P + k) * C, token, sizeof(float) * C);
-        if (squeeze && R > 0) {
+        if (fuse) {
           const float inv = 1.f / (norm_of(token, C) + kNormEps);
           float* unit = hp + (b * K + k) * C;
           for (int64_t c = 0; c < C; ++c) unit[c] = token[c] * inv;
         }
       }
-      if (squeeze) {
+      if (fuse) {
         for (int64_t r = 0; r < R; ++r) {
           std::memcpy(dp + (b * R + r) * C, xb + (P + o[K + r]) * C, sizeof(float) * C);
         }
@@ -94,7 +103,7 @@ std::vector<at::Tensor> select_squeeze(const at::Tensor& x_in, const at::Tensor&
     }
   });
 
-  if (squeeze && R > 0) {
+  if (fuse) {
     // Raw donor . unit host for every pair: the donor's own norm is constant along its row, so it
     // is divided out after the argmax (as method.squeeze.match_hosts_cosine does).
     const at::Tensor dots = at::bmm(donors, unit_hosts.transpose(1, 2));  // (B, R, K)
@@ -111,9 +120,10 @@ std::vector<at::Tensor> select_squeeze(const at::Tensor& x_in, const at::Tensor&
         float* hosts = outp + (b * (P + K) + P) * C;
         for (int64_t r = 0; r < R; ++r) {
           const float* d = dot + (b * R + r) * K;
+          // The first maximum, as torch.max, which also takes the first NaN as the maximum.
           int64_t best = 0;
-          for (int64_t k = 1; k < K; ++k) {
-            if (d[k] > d[best]) best = k;  // the first maximum, as torch.max
+          for (int64_t k = 1; k < K && !std::isnan(d[best]); ++k) {
+            if (std::isnan(d[k]) || d[k] > d[best]) best = k;
           }
           const float similarity = d[best] / (norm_of(dp + (b * R + r) * C, C) + kNormEps);
           host[r] = best;

@@ -7,7 +7,8 @@ method's path (dTPS trains on masks, eTPS needs the gradients of its gathers).
 
 from __future__ import annotations
 
-import functools
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -23,22 +24,39 @@ class FusedKernelError(RuntimeError):
     """The fused kernels cannot be built or used here (a user error: one line)."""
 
 
-@functools.cache
-def _extension() -> ModuleType:
-    from torch.utils.cpp_extension import load
+# The built extension, or the error its build raised: either way the build is tried once per
+# process (a failed build takes as long as a good one).
+_built: dict[str, ModuleType | FusedKernelError] = {}
 
-    try:
-        return load(
-            name="vitcompress_select_squeeze",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3"],
-            verbose=False,
-        )
-    except Exception as error:  # noqa: BLE001 - a compiler's failure has many types
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise FusedKernelError(
-            f"the fused kernels could not be built (they need a C++ compiler and ninja): {first}"
-        ) from error
+
+def _extension() -> ModuleType:
+    if "extension" not in _built:
+        from torch.utils.cpp_extension import load
+
+        try:
+            _built["extension"] = load(
+                name="vitcompress_select_squeeze",
+                sources=[str(_SOURCE)],
+                extra_cflags=["-O3"],
+                verbose=False,
+            )
+        except Exception as error:  # noqa: BLE001 - a compiler's failure has many types
+            text = str(error).strip()
+            first = text.splitlines()[0] if text else type(error).__name__
+            _built["extension"] = FusedKernelError(
+                f"the fused kernels could not be built (they need a C++ compiler and ninja): "
+                f"{first}"
+            )
+    built = _built["extension"]
+    if isinstance(built, FusedKernelError):
+        raise built
+    return built
+
+
+def build_fused_kernels() -> None:
+    """Build the extension now (about a minute the first time; cached on disk afterwards), so
+    that a machine that cannot build it fails here, in one line (:class:`FusedKernelError`)."""
+    _extension()
 
 
 def fused_kernels_available() -> bool:
@@ -76,7 +94,11 @@ def select_squeeze(
     the rest into them. Returns ``(tokens (B, P + K, C), keep_index (B, K))``, as the reference."""
     if x.device.type != "cpu":
         raise FusedKernelError(f"the fused kernels run on the CPU only, not on {x.device}")
-    return _select_squeeze_op(x, scores, prefix_tokens, keep_tokens, squeeze)
+    if not 0 <= prefix_tokens <= x.shape[1]:
+        raise ValueError(f"prefix_tokens must be in 0..{x.shape[1]}, got {prefix_tokens}")
+    # The scores only choose indices (no gradient reaches them in the method either); detached,
+    # a trainable predictor's output cannot carry autograd into an op that has no backward.
+    return _select_squeeze_op(x, scores.detach(), prefix_tokens, keep_tokens, squeeze)
 
 
 def select_squeeze_reference(
@@ -102,10 +124,24 @@ def enable_fused_kernels(model: nn.Module, enabled: bool = True) -> int:
     still take the method's path; a model on another device is refused at its first forward.
     """
     if enabled:
-        _extension()
+        build_fused_kernels()
     switched = 0
     for module in model.modules():
         if getattr(module, "supports_fused_kernel", False):
             module.fused_kernel = enabled
             switched += 1
     return switched
+
+
+@contextlib.contextmanager
+def method_path(model: nn.Module) -> Iterator[None]:
+    """Within the block, every reducer of ``model`` runs the method's ops (export traces them;
+    the custom op has no ONNX or ``torch.export`` form); the switches are restored afterwards."""
+    switched = [m for m in model.modules() if getattr(m, "fused_kernel", False)]
+    for module in switched:
+        module.fused_kernel = False
+    try:
+        yield
+    finally:
+        for module in switched:
+            module.fused_kernel = True
