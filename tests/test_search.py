@@ -306,6 +306,25 @@ def test_tome_is_searched_at_one_location_with_exact_analytic_macs(tmp_path):
     assert count_macs(model, SIZE) <= data["budget"]["macs"]
 
 
+def test_a_neighbour_in_tome_starts_at_the_parents_first_block():
+    from vitcompress.search.space import valid
+    from vitcompress.search.strategy import neighbours
+
+    model = tiny_vit()
+    _, model_map = capture_and_map(model, SIZE)
+    profile_ = profile(model, model_map)
+    space = build_space(model_map, ["etps", "tome"], single_location=["tome"])
+
+    def cost(candidate):
+        plan = valid(candidate, model_map)
+        return None if plan is None else profile_.macs(plan)
+
+    parent = Candidate("etps", (1, 2, 3), (0.7, 0.7, 0.7))
+    children = neighbours(parent, space, ["etps", "tome"], cost, 0.85 * profile_.base_macs)
+    tome = [c for c in children if c.variant == "tome"]
+    assert [c.locs for c in tome] == [(1,)]
+
+
 def test_an_evolutionary_search_keeps_tome_at_one_location(tmp_path):
     settings = dict(
         variants=["tome", "etps"], max_candidates=5, budget=Budget(max_gmacs_ratio=0.85)

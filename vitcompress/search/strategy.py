@@ -11,7 +11,8 @@
    candidates as parents and proposes their neighbours: one location moved by one or two blocks,
    one added in the widest gap, one removed, the same placement with another variant, and
    per-location keep ratios (one location one grid step up, another one down, still within the
-   budget); a single-location variant (ToMe) only moves. Unscored neighbours are scored best parent first, until ``max_candidates`` are scored;
+   budget); a single-location variant (ToMe) only moves, and takes another variant's placement
+   from its first block. Unscored neighbours are scored best parent first, until ``max_candidates`` are scored;
    when no parent has an unscored neighbour left, the next unscored matched candidate is taken.
 
 The cost is one scoring pass over the calibration images per scored candidate (plus, for learned
@@ -81,8 +82,11 @@ def neighbours(
             if matched is not None:
                 out.append(matched)
     for variant in variants:
-        if variant != parent.variant and space.allows(parent.locs, variant):
-            matched = match_budget(variant, parent.locs, space, cost, budget)
+        if variant != parent.variant:
+            # A single-location variant (ToMe) takes the placement's first block, where its
+            # reduction would start.
+            placement = parent.locs[: space.most_locations(variant)]
+            matched = match_budget(variant, placement, space, cost, budget)
             if matched is not None:
                 out.append(matched)
     out.extend(_keep_shifts(parent, space, cost, budget))
