@@ -12,8 +12,9 @@
    one added in the widest gap, one removed, the same placement with another variant, and
    per-location keep ratios (one location one grid step up, another one down, still within the
    budget); a single-location variant (ToMe) only moves, and takes another variant's placement
-   from its first block. Unscored neighbours are scored best parent first, until ``max_candidates`` are scored;
-   when no parent has an unscored neighbour left, the next unscored matched candidate is taken.
+   from its first block. Unscored neighbours are scored best parent first, until
+   ``max_candidates`` are scored; when no parent has an unscored neighbour left, the next
+   unscored matched candidate is taken.
 
 The cost is one scoring pass over the calibration images per scored candidate (plus, for learned
 variants, a warm-up of seconds); :class:`Proposals` yields candidates one at a time, so the caller
