@@ -91,7 +91,7 @@ def eval_command(
     Each model is fed its own data config (an artifact's record, the model's data_config or
     timm pretrained_cfg); --mean/--std/--interpolation/--crop-pct override it for both.
     """
-    from vitcompress.data import AugmentConfig, build_dataset, resolve_data_config
+    from vitcompress.data import model_dataset
     from vitcompress.data.config import defaults_note
     from vitcompress.workflows.evaluate import evaluate
     from vitcompress.workflows.measure_models import measure_models
@@ -115,18 +115,9 @@ def eval_command(
             "--base-model-arg, --base-checkpoint and --base-pretrained need --base"
         )
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
-    channels = loaded.input_size[0]
 
     def dataset_for(model):
-        config = resolve_data_config(model, channels, data_overrides)
-        return build_dataset(
-            data,
-            split,
-            loaded.input_size,
-            augment=AugmentConfig.none(),
-            data_dir=data_dir,
-            data_config=config,
-        )
+        return model_dataset(model, data, split, loaded.input_size, data_dir, data_overrides)[0]
 
     datasets = {"model": dataset_for(loaded.model)}
     models = {"model": loaded.model}

@@ -149,7 +149,7 @@ def search_command(
     Writes OUT/plan.yaml for apply --plan and finetune --plan. See docs/search.md.
     """
     from vitcompress.cli.status import ConsoleStatus
-    from vitcompress.data import AugmentConfig, build_dataset, resolve_data_config
+    from vitcompress.data import model_dataset
     from vitcompress.metadata import compression_info
     from vitcompress.workflows.search import Budget, SearchConfig, SearchError, search
     from vitcompress.workflows.status import reporting
@@ -178,14 +178,8 @@ def search_command(
     loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
     if compression_info(loaded.model) is not None:
         raise SearchError(f"{model_spec} is already compressed; search its base model instead")
-    config = resolve_data_config(loaded.model, loaded.input_size[0], data_overrides)
-    dataset = build_dataset(
-        data,
-        split,
-        loaded.input_size,
-        augment=AugmentConfig.none(),
-        data_dir=data_dir,
-        data_config=config,
+    dataset, config = model_dataset(
+        loaded.model, data, split, loaded.input_size, data_dir, data_overrides
     )
     search_config = SearchConfig(
         budget=budget,

@@ -1,7 +1,7 @@
 """Data for evaluation and fine-tuning: ImageNet-layout folders and Fashion-MNIST."""
 
 from vitcompress.data.config import DataConfig, resolve_data_config
-from vitcompress.data.datasets import build_dataset, num_classes
+from vitcompress.data.datasets import build_dataset, model_dataset, num_classes
 from vitcompress.data.transforms import AugmentConfig, DataError
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "DataConfig",
     "DataError",
     "build_dataset",
+    "model_dataset",
     "num_classes",
     "resolve_data_config",
 ]

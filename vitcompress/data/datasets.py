@@ -15,7 +15,7 @@ from timm.data.constants import DEFAULT_CROP_PCT
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
 
-from vitcompress.data.config import DEFAULTS_SOURCE, DataConfig
+from vitcompress.data.config import DEFAULTS_SOURCE, DataConfig, resolve_data_config
 from vitcompress.data.transforms import (
     AugmentConfig,
     DataError,
@@ -88,6 +88,29 @@ def build_dataset(
         dataset.data_config = config
         return dataset
     return _image_folder(data, split, size, train, augment or AugmentConfig.deit(), config)
+
+
+def model_dataset(
+    model: torch.nn.Module,
+    data: str,
+    split: str,
+    input_size: tuple[int, int, int],
+    data_dir: str | None = None,
+    overrides: dict | None = None,
+) -> tuple[Dataset, DataConfig]:
+    """``data``'s ``split`` without augmentation, brought to ``model`` as it expects its images
+    (its own mean/std, resize and crop, ``overrides`` from ``data_overrides`` on top), and the
+    config resolved for it."""
+    config = resolve_data_config(model, input_size[0], overrides)
+    dataset = build_dataset(
+        data,
+        split,
+        input_size,
+        augment=AugmentConfig.none(),
+        data_dir=data_dir,
+        data_config=config,
+    )
+    return dataset, config
 
 
 def _config_for(
