@@ -170,6 +170,27 @@ def test_masked_softmax_gives_dropped_keys_no_weight_but_keeps_diagonal():
     torch.testing.assert_close(full, logits.softmax(-1), atol=1e-5, rtol=1e-5)
 
 
+def test_masked_softmax_ignores_a_dropped_outlier_key():
+    # A dropped key 200 above the rest (a high-norm outlier token): shifting by the max over all
+    # keys would underflow every kept weight and leave a uniform row over all keys.
+    torch.manual_seed(8)
+    logits = torch.randn(1, 2, 5, 5)
+    logits[..., 4] += 200.0
+    keep = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    probs = masked_softmax(logits, keep)
+    kept_rows = logits[:, :, :4, :4].softmax(-1)
+    torch.testing.assert_close(probs[:, :, :4, :4], kept_rows, atol=1e-5, rtol=1e-5)
+    assert probs[:, :, :4, 4].max() < 1e-6
+    assert probs[0, :, 4, 4].min() > 0.999  # the dropped token still attends to itself
+    half = masked_softmax(logits.to(torch.bfloat16), keep)
+    assert half.dtype == torch.bfloat16
+    # The mask still gets a finite gradient (the predictor learns through it).
+    soft_keep = keep.clone().requires_grad_(True)
+    masked_softmax(logits, soft_keep)[..., :4, :].pow(2).sum().backward()
+    assert soft_keep.grad is not None and torch.isfinite(soft_keep.grad).all()
+    assert soft_keep.grad[0, 4] != 0
+
+
 def test_evit_fuse_is_the_attention_weighted_sum():
     donors = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])
     scores = torch.tensor([[0.25, 0.5]])

@@ -8,22 +8,37 @@ import torch
 from torch import Tensor
 
 
+_MAX_EXPONENT = 80.0  # exp(80) ~ 5.5e34, finite in float32 (up to ~3.4e38)
+
+
 def masked_softmax(logits: Tensor, keep_mask: Tensor, eps: float = 1e-6) -> Tensor:
     """Softmax over keys where dropped keys (``keep_mask == 0``) get no weight.
 
     ``logits`` is ``(B, H, Nq, Nk)``, ``keep_mask`` is ``(B, Nk)`` (1 = kept, prefix tokens 1).
     The diagonal is always allowed so a dropped token still attends to itself and the row never
-    becomes empty: ``G_ij = p_j + (1 - p_j) [i == j]``. Computed in float32 with the max over all
-    keys, as DynamicViT does, so gradients reach the mask through the straight-through estimator.
+    becomes empty: ``G_ij = p_j + (1 - p_j) [i == j]``. Computed in float32, so gradients reach
+    the mask through the straight-through estimator as in DynamicViT.
+
+    The logits are shifted by the max over the *allowed* keys, where DynamicViT takes it over all
+    keys: a dropped key whose logit stands ~90 above the kept ones (a high-norm outlier token) would
+    otherwise underflow every allowed weight to 0 and turn the row into a uniform ``1 / Nk`` over
+    all keys, dropped ones included, with no error. The shift cancels in the softmax, so where
+    nothing underflows the two differ only in the ``eps`` term.
     """
     n_q, n_k = logits.shape[-2], logits.shape[-1]
     policy = keep_mask.float().reshape(keep_mask.shape[0], 1, 1, n_k)
     eye = torch.eye(n_q, n_k, dtype=torch.float32, device=logits.device).reshape(1, 1, n_q, n_k)
     allowed = policy + (1.0 - policy) * eye
-    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
+    dtype, logits = logits.dtype, logits.float()
+    row_max = logits.masked_fill(allowed == 0, float("-inf")).amax(dim=-1, keepdim=True)
+    # A row whose allowed keys are all -inf (a boolean attn_mask) has no finite max to shift by.
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    # A dropped key may now stand far above the shift; capping its exponent at e^80 keeps its
+    # weight finite (so ``0 * weight`` is 0, not NaN) and its gradient to the mask finite.
+    shifted = (logits - row_max.detach()).clamp(max=_MAX_EXPONENT)
     weights = shifted.exp() * allowed
     probs = (weights + eps / n_k) / (weights.sum(dim=-1, keepdim=True) + eps)
-    return probs.to(logits.dtype)
+    return probs.to(dtype)
 
 
 def add_attention_bias(logits: Tensor, bias: Tensor | None) -> Tensor:
