@@ -254,6 +254,15 @@ def paired_ratios(reports: list[dict], a: str, b: str) -> list[float]:
     ]
 
 
+def speedup_kept(reports: list[dict], name: str, base: str) -> list[float]:
+    """Per sweep index, ``name``'s compiled speed-up over the compiled base divided by its eager
+    speed-up over the eager base: the four batches of one index ran within one sweep, seconds
+    apart, so a slow spell of the machine cancels as in :func:`paired_ratios`."""
+    compiled = paired_ratios(reports, name + COMPILED, base + COMPILED)
+    eager = paired_ratios(reports, name, base)
+    return [c / e for c, e in zip(compiled, eager, strict=True)]
+
+
 def machine_line(env: dict[str, Any]) -> str:
     return (
         f"{env['device_name']} ({env['device']}), {env['threads']} threads "
@@ -349,6 +358,13 @@ def part_overhead(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
                 vs_base = paired_ratios(reports, name, args.model + mode)
                 row["vs_base_paired_median"] = median(vs_base)
                 row["vs_base_paired_ci95"] = list(bootstrap_median_ci(vs_base))
+                if mode == COMPILED:
+                    # Does compiling keep the speed-up? Per sweep, the compiled speed-up over the
+                    # compiled base divided by the eager one over the eager base: >= 1 when it does.
+                    kept = speedup_kept(reports, variant, args.model)
+                    row["speedup_kept_paired_median"] = median(kept)
+                    row["speedup_kept_paired_ci95"] = list(bootstrap_median_ci(kept))
+                    row["speedup_kept_verdict"] = verdict(bootstrap_median_ci(kept), 1.0)
             rows.append(row)
     base_row = median(pooled[args.model]) if args.with_base else None
 
@@ -387,6 +403,18 @@ def part_overhead(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
         "bootstrap interval of their median: 'yes' when all of it is at or above the target, "
         "'no' when all of it is below, else 'undecided'."
     )
+    kept_rows = [row for row in rows if "speedup_kept_paired_median" in row]
+    if kept_rows:
+        print(
+            "\nSpeed-up kept by compiling (per sweep: the compiled speed-up over the compiled "
+            "base / the eager one over the eager base; >= 1 when compiling keeps it):"
+        )
+        for row in kept_rows:
+            low, high = row["speedup_kept_paired_ci95"]
+            print(
+                f"- {row['variant']}: {row['speedup_kept_paired_median']:.3f} "
+                f"[{low:.3f}, {high:.3f}], >= 1: {row['speedup_kept_verdict']}"
+            )
     if base_row is not None:
         print(f"\nUncompressed {args.model}: {gmacs(base):.3f} GMACs, {base_row:.2f} img/s.")
         if COMPILED in modes:

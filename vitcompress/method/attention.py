@@ -7,7 +7,6 @@ import math
 import torch
 from torch import Tensor
 
-
 _MAX_EXPONENT = 80.0  # exp(80) ~ 5.5e34, finite in float32 (up to ~3.4e38)
 
 
