@@ -4,6 +4,8 @@ naming the table, the block and why it cannot follow."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -15,6 +17,7 @@ from tests.models import FIXTURES, VANILLA, timm_small
 from vitcompress import map_model
 from vitcompress.cli.main import cli
 from vitcompress.graph.plan import PlanError
+from vitcompress.graph.positions import gather_layout
 from vitcompress.graph.rewrite import _Rewriter
 from vitcompress.measure import count_macs
 
@@ -206,6 +209,46 @@ def test_an_in_house_bias_follows_the_kept_tokens_wherever_the_reduction_is(vari
         torch.testing.assert_close(same(x), model(x), atol=1e-5, rtol=0)
         reduced = vitcompress.compress(model, variant, keep=0.7, locs=[loc], input_size=SIZE)
         assert torch.isfinite(reduced.eval()(x)).all()
+
+
+def _with_bias(shape_of: str) -> nn.Module:
+    """OneBiasedBlockViT with block 2's bias replaced by one broadcast over queries or keys."""
+    torch.manual_seed(0)
+    model = OneBiasedBlockViT(biased=2).eval()
+    mixer = model.layers[2].mixer
+    heads, tokens = mixer.bias.shape[0], mixer.bias.shape[-1]
+    shape = {"keys": (heads, 1, tokens), "keys 1-D": (tokens,), "queries": (heads, tokens, 1)}
+    mixer.bias = nn.Parameter(3.0 * torch.randn(shape[shape_of]))  # strong enough to matter
+    return model
+
+
+@pytest.mark.parametrize("shape_of", ["keys", "keys 1-D", "queries"])
+def test_a_bias_over_the_keys_or_queries_alone_follows_the_kept_tokens(shape_of):
+    """A bias with the token count in the logits' last dim only (one value per key) is a position
+    table too: dTPS reorders the tokens even at keep 1, and an undetected key bias then paired
+    each key with another key's value (the logits moved by 0.17, with no error)."""
+    model = _with_bias(shape_of)
+    model_map = map_model(model, SIZE)
+    assert [len(b.position_uses) for b in model_map.blocks] == [0, 0, 1, 0]
+    assert model_map.blocks[2].position_uses[0].kind == "attention bias"
+    x = torch.randn(2, *SIZE)
+    for variant in VARIANTS:
+        same = vitcompress.compress(model, variant, keep=1.0, locs=[1], input_size=SIZE).eval()
+        reduced = vitcompress.compress(model, variant, keep=0.7, locs=[1], input_size=SIZE).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(same(x), model(x), atol=1e-5, rtol=0)
+            assert torch.isfinite(reduced(x)).all()
+
+
+def test_the_gather_layout_of_biases_broadcast_over_queries_or_keys():
+    # rank 4 logits (B, H, N, N) over 1 + 64 tokens
+    layout = partial(gather_layout, rank=4, kind="attention bias", tokens=65, prefix_tokens=1)
+    assert layout((2, 65, 65)) == ((2, 3), (1, 1))
+    assert layout((2, 1, 65)) == ((3,), (1,))
+    assert layout((65,)) == ((3,), (1,))
+    assert layout((2, 64, 1)) == ((2,), (0,))
+    assert layout((2, 7, 65)) == "its last two dims (7, 65) are not the queries and keys"
+    assert layout((2, 1, 1)) == "its last two dims (1, 1) are not the queries and keys"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -10,7 +10,9 @@ the logits change with no error. Such tensors are found from the graph alone:
 - one of its dimensions other than the last equals the block's token count (prefix included) or
   its patch-token count; the last dimension is left out because it is the channel axis of a
   per-channel weight (LayerScale, a bias), which does not depend on position; an attention bias
-  (..., N, N) and a RoPE table (N, D) still carry N in a dimension before the last;
+  (..., N, N) and a RoPE table (N, D) still carry N in a dimension before the last. Added to the
+  attention logits, the last dimension counts too: there it is the keys (a key-only bias
+  (..., 1, N));
 - it is a direct input of an op inside the block's attention or MLP residual branch that does
   derive from the image: where it meets the token stream.
 
@@ -32,7 +34,12 @@ from vitcompress.variants import VARIANTS
 CONSTANT_PREFIX = "_tensor_constant"  # how torch.fx names tensors it folds into the graph
 
 
-def _token_dims(shape: tuple, counts: set[int]) -> bool:
+def _token_dims(shape: tuple, counts: set[int], keys_last: bool = False) -> bool:
+    """Whether ``shape`` has a token dim: one before the last (the last is a channel axis), or
+    any dim with ``keys_last``, for a tensor added to attention logits, whose last dim is the
+    keys (a key-only bias ``(..., 1, N)``)."""
+    if keys_last:
+        return any(size in counts for size in shape)
     return len(shape) >= 2 and any(size in counts for size in shape[:-1])
 
 
@@ -120,10 +127,12 @@ def find_position_uses(
                 shape = ops.shape(operand)
                 if shape is None or operand is image or is_ancestor(image, operand):
                     continue
-                if not _token_dims(shape, counts) or (meeting.name, operand.name) in seen:
+                if (meeting.name, operand.name) in seen:
+                    continue
+                kind = _kind(meeting, core, nodes, is_ancestor)
+                if not _token_dims(shape, counts, keys_last=kind == "attention bias"):
                     continue
                 seen.add((meeting.name, operand.name))
-                kind = _kind(meeting, core, nodes, is_ancestor)
                 found.append(
                     PositionUse(
                         table=describe(operand, parameters),
@@ -175,8 +184,9 @@ def gather_layout(
     (``prefix_tokens`` of them first), is gathered: (its token dims once right-aligned to that
     rank, the prefix rows each holds); or why it cannot be, as a phrase for the refusal.
 
-    An attention bias lies on the logits' last two dims (queries, keys); any other table has
-    one token dim before its last (the last is its channel axis, as RoPE's D).
+    An attention bias lies on the logits' last two dims (queries, keys), either of which may be
+    broadcast (1: a key-only or query-only bias); any other table has one token dim before its
+    last (the last is its channel axis, as RoPE's D).
     """
     if len(shape) > rank:
         return f"its {len(shape)} dims do not line up with the {rank} of the tokens it meets"
@@ -185,8 +195,9 @@ def gather_layout(
         return f"its first dim ({padded[0]}) is not broadcast over the images"
     rows = {tokens - prefix_tokens: 0, tokens: prefix_tokens}  # rows before the patch tokens
     if kind == "attention bias":
-        dims = (rank - 2, rank - 1)
-        if rank < 3 or any(padded[d] not in rows for d in dims):
+        last_two = (rank - 2, rank - 1)
+        dims = tuple(d for d in last_two if padded[d] in rows)
+        if rank < 3 or not dims or any(padded[d] not in rows and padded[d] != 1 for d in last_two):
             return f"its last two dims {padded[-2:]} are not the queries and keys"
     else:
         dims = tuple(d for d in range(1, rank - 1) if padded[d] in rows and padded[d] > 1)
