@@ -209,3 +209,30 @@ def test_an_unregistered_method_is_not_offered() -> None:
         cli, ["apply", "--model", f"{FIXTURES}:mha_vit", "--variant", "attndrop"]
     )
     assert result.exit_code == 2 and "'attndrop' is not one of" in result.output
+
+
+@pytest.mark.parametrize(
+    "name, keep, keep_tokens, merge_tokens, present, after",
+    [
+        ("dtps", 0.5, 32, None, 64, 32),  # the plan's static count
+        ("dtps", 0.5, 32, None, 20, 20),  # never more than were present
+        ("dynamicvit", 0.7, 44, None, 64, 44),
+        ("etps", 0.5, None, None, 63, 32),  # ceil(0.5 * 63) of those present
+        ("etps", 0.99, None, None, 4, 4),  # ceil rounds up to all: nothing removed
+        ("evit", 0.5, None, None, 63, 33),  # plus the one fused token
+        ("evit", 0.7, None, None, 4, 4),  # ceil(2.8) = 3, plus 1 fused: 4, nothing removed
+        ("tome", 0.7, None, 13, 64, 51),  # r merged
+    ],
+)
+def test_tokens_after_a_location(name, keep, keep_tokens, merge_tokens, present, after):
+    location = plan_module.Location(
+        block=1,
+        stage=0,
+        step=1,
+        keep=keep,
+        cumulative_keep=keep,
+        patch_tokens=64,
+        keep_tokens=keep_tokens,
+        merge_tokens=merge_tokens,
+    )
+    assert get_variant(name).tokens_after(present, location) == after

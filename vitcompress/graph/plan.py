@@ -14,7 +14,7 @@ from typing import Any
 
 from vitcompress.graph.model_map import Block, ModelMap
 from vitcompress.graph.positions import HEAD_KIND, head_refusal
-from vitcompress.method import SELECTION_POLICIES, keep_count
+from vitcompress.method import SELECTION_POLICIES
 from vitcompress.variants import (
     AFTER_ATTENTION,
     UnknownVariantError,
@@ -22,7 +22,7 @@ from vitcompress.variants import (
     get_variant,
 )
 from vitcompress.variants import VARIANTS as VARIANTS  # the registry's live, read-only view
-from vitcompress.variants.base import VariantRefusal
+from vitcompress.variants.base import COUNT_MERGED, VariantRefusal
 
 POLICIES = SELECTION_POLICIES
 
@@ -371,7 +371,8 @@ def no_reduction_refusal(model_map: ModelMap, plan: Plan) -> str | None:
     location, else ``None``. With few tokens, EViT's fused token can make up for the one token it
     prunes (4 tokens at keep 0.7: ceil(2.8) = 3 kept + 1 fused), and a count can round to all
     of them: the model would run with the reducers' cost and no saving, so it is refused."""
-    if plan.fuse not in ("squeeze", "drop", "evit"):
+    method = plan.method
+    if method.keep_count == COUNT_MERGED:  # ToMe: its plan already merged a count per block
         return None
     if all(loc.keep >= 1.0 for loc in plan.locations):
         return None
@@ -379,11 +380,7 @@ def no_reduction_refusal(model_map: ModelMap, plan: Plan) -> str | None:
     steps = []
     for loc in plan.locations:
         before = present.get(loc.stage, loc.patch_tokens)
-        if plan.scorer == "predictor" and loc.keep_tokens is not None:
-            after = min(loc.keep_tokens, before)
-        else:
-            kept = keep_count(before, loc.keep, "ceil")
-            after = before if kept >= before else kept + (plan.fuse == "evit")
+        after = method.tokens_after(before, loc)
         if after < before:
             return None
         present[loc.stage] = after

@@ -33,7 +33,7 @@ from torch import nn
 from vitcompress.graph.model_map import ModelMap
 from vitcompress.graph.plan import Plan
 from vitcompress.measure.macs import run_counter
-from vitcompress.method import keep_count
+from vitcompress.variants.base import BEFORE_BLOCK
 
 # aten ops whose work is the attention products (counted by FlopCounterMode as 2 FLOPs per MAC).
 _ATTENTION_PRODUCT_OPS = ("bmm", "baddbmm", "scaled_dot_product", "_flash_attention", "_efficient")
@@ -90,7 +90,7 @@ class CostModel:
         """MACs of ``plan`` at batch size 1, in :func:`vitcompress.measure.count_macs`'s
         convention."""
         at = {loc.block: loc for loc in plan.locations}
-        predictor = plan.scorer == "predictor"
+        method = plan.method
         total = self.outside
         present: dict[int, int] = {}  # stage -> non-prefix tokens present now
         for index, block in enumerate(self.blocks):
@@ -100,28 +100,18 @@ class CostModel:
             loc = at.get(index)
             if loc is None:
                 total += block.macs(p + n, p + n)
-            elif plan.fuse == "merge":  # ToMe: every block of its range is a location
-                attention_tokens = p + n
-                total += self._matching_macs(index, attention_tokens)
-                n -= loc.merge_tokens or 0
-                total += block.macs(attention_tokens, p + n)
-            elif predictor:
-                kept = min(loc.keep_tokens or n, n)
-                total += _predictor_macs(n, block.dim)
-                if plan.fuse == "squeeze":
-                    total += (n - kept) * kept * block.dim
-                n = kept
-                total += block.macs(p + n, p + n)
-            else:
-                attention_tokens = p + n
-                total += self._score_macs(index, attention_tokens)
-                kept = keep_count(n, loc.keep, "ceil")
-                if kept < n:
-                    if plan.fuse == "squeeze":
-                        total += (n - kept) * kept * block.dim
-                    n = kept + (1 if plan.fuse == "evit" else 0)
-                total += block.macs(attention_tokens, p + n)
-            present[stage] = n
+                continue
+            after = method.tokens_after(n, loc)
+            # The squeeze's similarity of each donor to each host (hosts = the kept tokens).
+            squeeze = (n - after) * after * block.dim if method.fuse == "squeeze" else 0
+            if method.fuse == "merge":  # ToMe: every block of its range is a location
+                total += self._matching_macs(index, p + n)
+                total += block.macs(p + n, p + after)
+            elif method.placement == BEFORE_BLOCK:  # a predictor on the tokens entering
+                total += _predictor_macs(n, block.dim) + squeeze + block.macs(p + after, p + after)
+            else:  # scored by the block's attention, reduced before its MLP
+                total += self._score_macs(index, p + n) + squeeze + block.macs(p + n, p + after)
+            present[stage] = after
         return total
 
     def _matching_macs(self, index: int, tokens: int) -> float:
@@ -144,23 +134,18 @@ class CostModel:
     def tokens_per_block(self, plan: Plan) -> list[int]:
         """Tokens each block is entered with under ``plan`` (inference)."""
         at = {loc.block: loc for loc in plan.locations}
-        predictor = plan.scorer == "predictor"
+        method = plan.method
         present: dict[int, int] = {}
         tokens = []
         for index, block in enumerate(self.blocks):
             stage = self.stage_of[index]
             n = present.get(stage, block.patch_tokens)
             loc = at.get(index)
-            if loc is not None and predictor:
-                n = min(loc.keep_tokens or n, n)
-            tokens.append(block.prefix_tokens + n)
-            if loc is not None and plan.fuse == "merge":
-                n -= loc.merge_tokens or 0
-            elif loc is not None and not predictor:
-                kept = keep_count(n, loc.keep, "ceil")
-                if kept < n:
-                    n = kept + (1 if plan.fuse == "evit" else 0)
-            present[stage] = n
+            after = n if loc is None else method.tokens_after(n, loc)
+            # A reducer before the block: the block is entered with the tokens it kept.
+            entered = after if loc is not None and method.placement == BEFORE_BLOCK else n
+            tokens.append(block.prefix_tokens + entered)
+            present[stage] = after
         return tokens
 
 

@@ -128,6 +128,22 @@ class Variant:
             return keep_count(patch_tokens, cumulative_keep, "floor")
         return None
 
+    def tokens_after(self, present: int, location: Location) -> int:
+        """The patch tokens present after ``location`` at inference, from the ``present`` ones
+        before it: the static count the plan fixed (no more than were present), a fixed number
+        merged, or ``ceil(rho * n)`` of those present, plus EViT's one fused token when any was
+        pruned. The plan's checks, the search's cost model and its token counts all read this."""
+        from vitcompress.method import keep_count
+
+        if self.keep_count == COUNT_MERGED:
+            return present - (location.merge_tokens or 0)
+        if self.keep_count == COUNT_OF_INITIAL and location.keep_tokens is not None:
+            return min(location.keep_tokens, present)
+        kept = keep_count(present, location.keep, "ceil")
+        if kept >= present:
+            return present
+        return kept + (1 if self.fuse == "evit" else 0)
+
     def plan_locations(
         self, model_map: ModelMap, locations: list[Location], merge_r: int | None
     ) -> list[Location]:
