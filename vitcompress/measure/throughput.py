@@ -203,7 +203,8 @@ def measure_throughput(
     ``torch.compile(**compile_options)``. Each compiled model is run once before warm-up, outside
     the time budget: its compilation time (``environment["compile_seconds"]``) and the graphs
     dynamo made of it (``environment["compiled_graphs"]``; more than one means graph breaks, which
-    is also a warning) are recorded, and nothing of it is timed.
+    is also a warning; 0 means dynamo reused the graph of an identical model compiled earlier in
+    this process) are recorded, and nothing of it is timed.
 
     ``time_budget`` (seconds) bounds warm-up and timing together: no round starts once it is
     spent, but one warm-up round (when ``warmup`` > 0) and one timed round always run, so a round
