@@ -12,41 +12,16 @@ from rich.console import Console
 from vitcompress import __version__
 from vitcompress.cli.plan_options import plan_error_line
 from vitcompress.cli.status import PROGRESS_MODES, ConsoleStatus
-from vitcompress.data import DataError
-from vitcompress.graph.analyse import MappingError
-from vitcompress.graph.capture import CaptureError
+from vitcompress.errors import EXIT_USAGE as EXIT_USAGE  # re-exported for the commands
+from vitcompress.errors import UserError
 from vitcompress.graph.plan import PlanError
-from vitcompress.graph.rewrite import RewriteError
-from vitcompress.kernels import FusedKernelError
-from vitcompress.loading import ModelLoadError
-from vitcompress.variants.registry import UnknownVariantError
-from vitcompress.workflows.batch_sweep import BatchSizesError
-from vitcompress.workflows.export import ExportError
-from vitcompress.workflows.gates import GateError, GateResult, failed
-from vitcompress.workflows.report import ReportError
-from vitcompress.workflows.search import SearchError
+from vitcompress.workflows.gates import GateResult, failed
 from vitcompress.workflows.status import reporting
-from vitcompress.workflows.visualize import VisualizeError
 
-# Errors that are the user's input, not a bug: one line on stderr, exit code 2.
-USER_ERRORS = (
-    ModelLoadError,
-    PlanError,
-    MappingError,
-    CaptureError,
-    RewriteError,
-    DataError,
-    GateError,
-    ExportError,
-    ReportError,
-    VisualizeError,
-    BatchSizesError,
-    SearchError,
-    UnknownVariantError,
-    FusedKernelError,
-)
+# Errors that are the user's input, not a bug: one line on stderr, exit code 2 (the error's own
+# exit_code). Every layer's own kind subclasses it (vitcompress/errors.py).
+USER_ERRORS = (UserError,)
 EXIT_BUG = 1
-EXIT_USAGE = 2
 EXIT_GATE = 3
 EXIT_INTERRUPTED = 130
 # click's own control flow (ctx.exit, usage errors, abort) passes through the handlers below.
@@ -64,12 +39,12 @@ class VitcompressGroup(click.Group):
             return super().invoke(ctx)
         except _CLICK_FLOW:
             raise
-        except PlanError as e:  # it names make_plan's parameter; the user typed an option
-            self._fail(ctx, e, EXIT_USAGE, plan_error_line(e))
-        except USER_ERRORS as e:
-            self._fail(ctx, e, EXIT_USAGE)
-        except KeyboardInterrupt as e:
-            self._fail(ctx, e, EXIT_INTERRUPTED, "interrupted")
+        except UserError as e:
+            # A PlanError names make_plan's parameter; the user typed an option.
+            text = plan_error_line(e) if isinstance(e, PlanError) else None
+            self._fail(ctx, e, e.exit_code, text)
+        except KeyboardInterrupt as e:  # finetune's says where its last step was saved
+            self._fail(ctx, e, EXIT_INTERRUPTED, str(e) or "interrupted")
         except Exception as e:  # noqa: BLE001 - a bug still gets one line, not a traceback
             text = f"{type(e).__name__}: {_first_line(e)} (rerun with --debug for the traceback)"
             self._fail(ctx, e, EXIT_BUG, text)

@@ -11,8 +11,10 @@ from PIL import Image
 from timm.data import auto_augment, create_transform
 from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
+from vitcompress.errors import UserError
 
-class DataError(Exception):
+
+class DataError(UserError):
     """A problem with the data the user pointed at; its message is one line for the CLI."""
 
 

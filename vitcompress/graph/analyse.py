@@ -24,6 +24,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from vitcompress.errors import UserError
 from vitcompress.graph import ops
 from vitcompress.graph.capture import CapturedGraph
 from vitcompress.graph.final_norm import find_final_norm
@@ -32,7 +33,7 @@ from vitcompress.graph.parallel import Combination, block_end, combine_cores
 from vitcompress.graph.positions import find_head_position_use, find_position_uses
 
 
-class MappingError(Exception):
+class MappingError(UserError):
     """The graph does not look like a ViT this tool can rewrite; says what was found and missing."""
 
 

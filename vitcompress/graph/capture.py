@@ -18,10 +18,12 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from vitcompress.errors import UserError
+
 MAX_LEAF_RETRIES = 16
 
 
-class CaptureError(Exception):
+class CaptureError(UserError):
     """The model could not be captured as a graph."""
 
 

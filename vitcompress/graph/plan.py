@@ -12,6 +12,7 @@ import numbers
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vitcompress.errors import UserError
 from vitcompress.graph.model_map import Block, ModelMap
 from vitcompress.graph.positions import HEAD_KIND, head_refusal
 from vitcompress.method import SELECTION_POLICIES
@@ -27,7 +28,7 @@ from vitcompress.variants.base import COUNT_MERGED, VariantRefusal
 POLICIES = SELECTION_POLICIES
 
 
-class PlanError(ValueError):
+class PlanError(ValueError, UserError):
     """A plan that cannot be applied to this model; the message is one line for the user.
 
     ``parameter`` names the argument of :func:`make_plan` at fault (``"keep"``, ``"locs"``,

@@ -22,6 +22,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from vitcompress.errors import UserError
 from vitcompress.graph import ops
 from vitcompress.graph.model_map import Block, ModelMap
 from vitcompress.graph.parallel import DIFFERENCE
@@ -37,7 +38,7 @@ REDUCER_PREFIX = "tps"
 HOOK_PREFIX = "tps_hooks"
 
 
-class RewriteError(Exception):
+class RewriteError(UserError):
     """The plan cannot be carried out on this graph."""
 
 

@@ -15,12 +15,13 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
+from vitcompress.errors import UserError
 from vitcompress.method import gather_tokens, split_by_score, squeeze
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "select_squeeze.cpp"
 
 
-class FusedKernelError(RuntimeError):
+class FusedKernelError(RuntimeError, UserError):
     """The fused kernels cannot be built or used here (a user error: one line)."""
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import re
 
+from vitcompress.errors import UserError
+
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 SHOW_KEYS = 5  # how many names (keys, models) an error message lists before "..."
 
 
-class ModelLoadError(Exception):
+class ModelLoadError(UserError):
     """One clear line for the user; the CLI prints ``str(e)`` and exits 2."""
 
     def __init__(self, message: str) -> None:

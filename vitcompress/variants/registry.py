@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
+from vitcompress.errors import UserError
 from vitcompress.variants.base import Variant
 
 _REGISTRY: dict[str, Variant] = {}
@@ -16,7 +17,7 @@ _REGISTRY: dict[str, Variant] = {}
 Factory = TypeVar("Factory", bound=Callable[[], Variant])
 
 
-class UnknownVariantError(KeyError):
+class UnknownVariantError(KeyError, UserError):
     """No variant of that name is registered."""
 
     def __str__(self) -> str:

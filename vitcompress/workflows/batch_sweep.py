@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import nn
 
+from vitcompress.errors import UserError
 from vitcompress.measure import PairedRatio, measure_throughput, paired_ratio, verdict
 from vitcompress.workflows.measure_models import TimingOptions, show_round, use_fused_kernels
 from vitcompress.workflows.status import step, warn
@@ -25,7 +26,7 @@ from vitcompress.workflows.status import step, warn
 __all__ = ["BatchSweep", "SweepPoint", "parse_batch_sizes", "plot_sweep", "sweep_batch_sizes"]
 
 
-class BatchSizesError(ValueError):
+class BatchSizesError(ValueError, UserError):
     """``--batch-sizes`` that is not a list of positive integers (a user error)."""
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vitcompress.errors import UserError
 from vitcompress.fingerprint import eval_mode
 from vitcompress.kernels import method_path
 from vitcompress.measure.onnx_runtime import onnx_session
@@ -37,7 +38,7 @@ BATCH_AXIS = "batch"  # the name of the symbolic batch dimension (ONNX dim_param
 DYNAMIC_TRACE_BATCH = 2
 
 
-class ExportError(Exception):
+class ExportError(UserError):
     """The request cannot be exported as asked (a user error: bad output path, an unsupported
     model output, a model the exporter cannot handle)."""
 

@@ -18,6 +18,8 @@ StepCallback = Callable[[int, nn.Module], None]
 class TrainingDiverged(FinetuneError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
+    exit_code = 1  # not the input's fault as such: the run failed
+
 
 class FinetuneInterrupted(KeyboardInterrupt):
     """A run stopped by SIGINT/SIGTERM (or a ``KeyboardInterrupt``) between optimizer steps.

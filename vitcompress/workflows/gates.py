@@ -11,10 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vitcompress.errors import UserError
+
 NO_THROUGHPUT = "needs throughput, which --no-throughput skips"
 
 
-class GateError(ValueError):
+class GateError(ValueError, UserError):
     """A bound that the command cannot check (e.g. ``--min-speedup`` on one model); exit 2."""
 
 

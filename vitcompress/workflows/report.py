@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vitcompress.errors import UserError
 from vitcompress.loading import ARTIFACT_MARKER
 from vitcompress.workflows.identity import artifact_identity, identity_key
 
@@ -44,7 +45,7 @@ MARKDOWN_COLUMNS = (
 )
 
 
-class ReportError(ValueError):
+class ReportError(ValueError, UserError):
     """A report input that cannot be read or recognised; one line for the user."""
 
     def __init__(self, message: str) -> None:

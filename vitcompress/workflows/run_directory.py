@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from vitcompress.errors import UserError
 from vitcompress.training.checkpoint import find_latest
 
 CHECKPOINTS = "checkpoints"
@@ -21,7 +22,7 @@ METRICS = "metrics.jsonl"
 EMA_DIR = "ema"
 
 
-class FinetuneError(Exception):
+class FinetuneError(UserError):
     """A run that cannot start or continue as asked (one line for the user)."""
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from vitcompress.errors import UserError
 from vitcompress.graph.plan import PlanError, default_keep, default_locs
 from vitcompress.loading import LoadedModel
 from vitcompress.measure import count_macs
@@ -63,7 +64,7 @@ CROSS_CHECK_SAMPLE = 4  # candidates whose analytic MACs are compared with count
 MAX_SPEEDUP_TIMINGS = 5  # candidates timed, best first, for --min-speedup
 
 
-class SearchError(ValueError):
+class SearchError(ValueError, UserError):
     """A search that cannot run as asked; the message is one line for the user."""
 
 

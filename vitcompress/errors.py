@@ -1,0 +1,22 @@
+"""The one base class of the errors that are the user's input, not a bug.
+
+Every layer raises its own kind (``ModelLoadError``, ``PlanError``, ``DataError``, ...), each a
+subclass of :class:`UserError`; the command line catches this one class, prints the message as one
+line and exits with the error's ``exit_code``. This module imports nothing, so any layer may
+build on it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EXIT_USAGE", "UserError"]
+
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """What the user asked for cannot be done as asked; the message is one line for them.
+
+    ``exit_code`` is the command's exit status: 2 (bad input) unless a subclass says otherwise.
+    """
+
+    exit_code: int = EXIT_USAGE
