@@ -47,6 +47,12 @@ def parse_spec(spec: str) -> tuple[str, str, str]:
                 f"'{spec}' is a weights file; name the architecture with --model and pass the "
                 "file with --checkpoint"
             )
+        if os.path.isfile(spec):
+            raise ModelLoadError(
+                f"'{spec}' is a file but not a model: --model takes a timm name, "
+                "path/to/file.py:factory, package.module:factory, a HuggingFace save_pretrained "
+                "directory or a compressed model directory"
+            )
         return "timm", spec, ""
     if not attr or not all(part.isidentifier() for part in attr.split(".")):
         raise ModelLoadError(f"model spec '{spec}': '{attr}' is not a factory name")

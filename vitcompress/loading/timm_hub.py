@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
+import re
 import socket
 import urllib.request
 import warnings
@@ -84,8 +85,10 @@ def _unknown_model_message(name: str, known: Sequence[str]) -> str:
     prefixed = sorted((n for n in known if n.startswith(wanted)), key=lambda n: (len(n), n))
     close = difflib.get_close_matches(wanted, known, n=SHOW_KEYS)
     suggestions = list(dict.fromkeys(prefixed + close))[:SHOW_KEYS]
-    # timm refuses "owner/name" without a source prefix; say how to write a Hub model.
-    hub = f"; for a Hugging Face Hub model write hf-hub:{name}" if "/" in name else ""
+    # timm refuses "owner/name" without a source prefix; say how to write a Hub model. A path
+    # ("/tmp/x", "a/b/c", "./x") is no Hub id: the hint would send the user the wrong way.
+    hub_id = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) is not None
+    hub = f"; for a Hugging Face Hub model write hf-hub:{name}" if hub_id else ""
     if suggestions:
         return f"unknown model '{name}'; closest: {', '.join(suggestions)}{hub}"
     return (
