@@ -54,8 +54,9 @@ def build_dataset(
     std: Sequence[float] | None = None,
     data_config: DataConfig | None = None,
 ) -> Dataset:
-    """A dataset of ``(normalised float tensor (C, H, W), int label)`` with ``.classes`` and
-    ``.data_config``, the config its images are brought to the model with.
+    """A dataset of ``(normalised float tensor (C, H, W), int label)`` with ``.classes``,
+    ``.data_config``, the config its images are brought to the model with, and ``.augment``, the
+    preset its train split is augmented with (batch-level mixup and smoothing are the trainer's).
 
     ``data`` is an ImageFolder tree with ``train/`` and ``val/`` or the word ``fashion-mnist``.
     ``augment`` only applies to the train split; None means the data's default preset
@@ -86,8 +87,12 @@ def build_dataset(
             channels=size[0],
         )
         dataset.data_config = config
+        dataset.augment = augment
         return dataset
-    return _image_folder(data, split, size, train, augment or AugmentConfig.deit(), config)
+    augment = augment or AugmentConfig.deit()
+    dataset = _image_folder(data, split, size, train, augment, config)
+    dataset.augment = augment
+    return dataset
 
 
 def model_dataset(
