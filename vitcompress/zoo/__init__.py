@@ -3,6 +3,11 @@
 Importing this package registers ``pvt_tiny``, ``pvt_small``, ``pvt_medium``, ``pvt_large``,
 ``cvt_13``, ``cvt_21`` and ``cvt_w24`` so that ``timm.create_model(name, ...)`` builds them. See
 ``docs/zoo.md`` for sizes, costs and how to load the authors' checkpoints.
+
+Written for graph rewriting: each model is ``torch.fx.symbolic_trace``-able, every token grid size
+is read from tensor shapes at run time (never from config integers), and attention is an explicit
+``q @ k^T -> softmax -> @ v`` so both graph analysis and ``FlopCounterMode`` see it. What the
+families share is in ``_common``.
 """
 
 from . import cvt, pvt  # noqa: F401  (imported for the registration side effect)

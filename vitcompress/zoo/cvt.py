@@ -10,47 +10,34 @@ k and v.
 Parameter names follow ``lib/models/cls_cvt.py`` of github.com/microsoft/CvT exactly, so the
 released checkpoints load with ``strict=True`` (see ``docs/zoo.md``).
 
-Written for graph rewriting: the model is ``torch.fx.symbolic_trace``-able, every token grid size is
-read from tensor shapes at run time (never from config integers), and attention is an explicit
-``q @ k^T -> softmax -> @ v`` so both graph analysis and ``FlopCounterMode`` see it.
+Written for graph rewriting, as every zoo model (see ``vitcompress.zoo``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import torch
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, QuickGELU, trunc_normal_
-from timm.models import (
-    build_model_with_cfg,
-    generate_default_cfgs,
-    register_model,
-    resolve_pretrained_cfg,
-)
+from timm.layers import QuickGELU, trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
+from vitcompress.zoo._common import (
+    ActLayer,
+    GridBlock,
+    GridClassifier,
+    GridEmbed,
+    NormLayer,
+    attend,
+    base_cfg,
+    drop_path_rates,
+    init_weights,
+    require_weight_source,
+)
+
 __all__ = ["ConvolutionalVisionTransformer"]
-
-NormLayer = Callable[[int], nn.Module]
-ActLayer = Callable[[], nn.Module]
-
-
-class Mlp(nn.Module):
-    """Two-layer MLP; attribute names match the original (``fc1``/``fc2``)."""
-
-    def __init__(self, dim: int, hidden_dim: int, act_layer: ActLayer, drop: float = 0.0) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = act_layer()
-        self.fc2 = nn.Linear(hidden_dim, dim)
-        self.drop = nn.Dropout(drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.drop(self.act(self.fc1(x)))
-        return self.drop(self.fc2(x))
 
 
 class ConvProjection(nn.Module):
@@ -131,72 +118,8 @@ class ConvAttention(nn.Module):
         k = self._heads(self.proj_k(k))
         v = self._heads(self.proj_v(v))
 
-        attn = q @ k.transpose(-2, -1) * self.scale
-        attn = attn.softmax(dim=-1)
-        attn = self.attn_drop(attn)
-        x = (attn @ v).transpose(1, 2).reshape(B, -1, C)
+        x = attend(q, k, v, self.scale, self.attn_drop).reshape(B, -1, C)
         return self.proj_drop(self.proj(x))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``."""
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        mlp_ratio: float,
-        qkv_bias: bool,
-        with_cls_token: bool,
-        drop: float = 0.0,
-        attn_drop: float = 0.0,
-        drop_path: float = 0.0,
-        act_layer: ActLayer = QuickGELU,
-        norm_layer: NormLayer = nn.LayerNorm,
-    ) -> None:
-        super().__init__()
-        self.norm1 = norm_layer(dim)
-        self.attn = ConvAttention(
-            dim,
-            num_heads,
-            qkv_bias=qkv_bias,
-            with_cls_token=with_cls_token,
-            attn_drop=attn_drop,
-            proj_drop=drop,
-        )
-        self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-        self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer, drop)
-
-    def forward(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x), H, W))
-        x = x + self.drop_path(self.mlp(self.norm2(x)))
-        return x
-
-
-class ConvEmbed(nn.Module):
-    """Overlapping strided conv + LayerNorm; returns tokens and the grid read off its output."""
-
-    def __init__(
-        self,
-        patch_size: int,
-        stride: int,
-        padding: int,
-        in_chans: int,
-        embed_dim: int,
-        norm_layer: NormLayer,
-    ) -> None:
-        super().__init__()
-        self.proj = nn.Conv2d(
-            in_chans, embed_dim, kernel_size=patch_size, stride=stride, padding=padding
-        )
-        self.norm = norm_layer(embed_dim)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        x = self.proj(x)
-        B, C, H, W = x.shape
-        x = self.norm(x.flatten(2).transpose(1, 2))
-        return x, H, W
 
 
 class CvTStage(nn.Module):
@@ -221,8 +144,9 @@ class CvTStage(nn.Module):
         norm_layer: NormLayer = nn.LayerNorm,
     ) -> None:
         super().__init__()
-        self.patch_embed = ConvEmbed(
-            patch_size, patch_stride, patch_padding, in_chans, embed_dim, norm_layer
+        # Overlapping patches (the original's "convolutional token embedding").
+        self.patch_embed = GridEmbed(
+            in_chans, embed_dim, patch_size, patch_stride, patch_padding, norm_layer
         )
         if with_cls_token:
             self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
@@ -232,14 +156,18 @@ class CvTStage(nn.Module):
         self.pos_drop = nn.Dropout(drop)
         dpr = list(drop_path) or [0.0] * depth
         self.blocks = nn.ModuleList(
-            Block(
+            GridBlock(
                 embed_dim,
-                num_heads,
+                ConvAttention(
+                    embed_dim,
+                    num_heads,
+                    qkv_bias=qkv_bias,
+                    with_cls_token=with_cls_token,
+                    attn_drop=attn_drop,
+                    proj_drop=drop,
+                ),
                 mlp_ratio,
-                qkv_bias,
-                with_cls_token,
                 drop=drop,
-                attn_drop=attn_drop,
                 drop_path=dpr[j],
                 act_layer=act_layer,
                 norm_layer=norm_layer,
@@ -257,7 +185,7 @@ class CvTStage(nn.Module):
         return x, H, W
 
 
-class ConvolutionalVisionTransformer(nn.Module):
+class ConvolutionalVisionTransformer(GridClassifier):
     """CvT classifier: three stages, classification on the last stage's class token."""
 
     def __init__(
@@ -293,10 +221,7 @@ class ConvolutionalVisionTransformer(nn.Module):
         self.use_cls_token = bool(cls_tokens[-1])
         self.num_prefix_tokens = 1 if self.use_cls_token else 0
 
-        # Stochastic depth rate grows linearly over all blocks (plain Python so that building on
-        # the meta device works).
-        total = sum(depths)
-        dpr = [drop_path_rate * j / max(total - 1, 1) for j in range(total)]
+        dpr = drop_path_rates(drop_path_rate, depths)
         cur = 0
         for i in range(self.num_stages):
             stage = CvTStage(
@@ -321,19 +246,11 @@ class ConvolutionalVisionTransformer(nn.Module):
 
         self.norm = norm_layer(embed_dims[-1])
         self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         return {f"stage{i}.cls_token" for i in range(self.num_stages)}
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         B = x.shape[0]
@@ -354,58 +271,17 @@ class ConvolutionalVisionTransformer(nn.Module):
         x = x[:, 0] if self.use_cls_token else x.mean(dim=1)
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
-
-def _init_weights(m: nn.Module) -> None:
-    # The original's "trunc_norm" init: truncated normal linears, unit norms, default convs.
-    if isinstance(m, nn.Linear):
-        trunc_normal_(m.weight, std=0.02)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-    elif isinstance(m, (nn.LayerNorm, nn.BatchNorm2d)):
-        nn.init.ones_(m.weight)
-        nn.init.zeros_(m.bias)
-
-
-def _require_weight_source(variant: str, pretrained: bool, kwargs: dict[str, Any]) -> None:
-    # The registry carries no download location, so ``pretrained=True`` only makes sense with a
-    # local file or an in-memory state dict; say so instead of timm's generic "no weights" error.
-    if not pretrained:
-        return
-    cfg = resolve_pretrained_cfg(
-        variant,
-        pretrained_cfg=kwargs.get("pretrained_cfg"),
-        pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"),
-    )
-    if not (cfg.has_weights or cfg.state_dict is not None):
-        raise RuntimeError(
-            f"{variant}: no pretrained weights are registered (nothing is downloaded). Load the "
-            f"official checkpoint from disk with timm.create_model('{variant}', pretrained=True, "
-            f"pretrained_cfg_overlay=dict(file='/path/to/checkpoint.pth'))."
-        )
-
 
 def _cfg(**kwargs: Any) -> dict[str, Any]:
-    return {
-        # No url/hf_hub_id on purpose: nothing is downloaded. Official weights load from a local
-        # file via ``pretrained_cfg_overlay=dict(file=...)``.
-        "num_classes": 1000,
-        "input_size": (3, 224, 224),
-        "pool_size": None,
-        "crop_pct": 0.875,  # the original test pipeline: resize to 224 / 0.875, centre crop 224
-        "interpolation": "bicubic",
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "stage0.patch_embed.proj",
-        "classifier": "head",
-        "license": "mit",
-        "origin_url": "https://github.com/microsoft/CvT",
-        "paper_ids": "arXiv:2103.15808",
-        "paper_name": "CvT: Introducing Convolutions to Vision Transformers",
+    # ``base_cfg``'s crop_pct is the original test pipeline: resize to 224 / 0.875, centre crop.
+    return base_cfg(
+        first_conv="stage0.patch_embed.proj",
+        license="mit",
+        origin_url="https://github.com/microsoft/CvT",
+        paper_ids="arXiv:2103.15808",
+        paper_name="CvT: Introducing Convolutions to Vision Transformers",
         **kwargs,
-    }
+    )
 
 
 default_cfgs = generate_default_cfgs(
@@ -420,7 +296,7 @@ default_cfgs = generate_default_cfgs(
 
 
 def _create_cvt(variant: str, pretrained: bool, **kwargs: Any) -> ConvolutionalVisionTransformer:
-    _require_weight_source(variant, pretrained, kwargs)
+    require_weight_source(variant, pretrained, kwargs)
     return build_model_with_cfg(ConvolutionalVisionTransformer, variant, pretrained, **kwargs)
 
 

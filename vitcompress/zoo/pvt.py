@@ -8,47 +8,34 @@ token only exists in the last stage.
 Parameter names follow ``classification/pvt.py`` of github.com/whai362/PVT exactly, so the released
 checkpoints load with ``strict=True`` (see ``docs/zoo.md``).
 
-Written for graph rewriting: the model is ``torch.fx.symbolic_trace``-able, every token grid size is
-read from tensor shapes at run time (never from config integers), and attention is an explicit
-``q @ k^T -> softmax -> @ v`` so both graph analysis and ``FlopCounterMode`` see it.
+Written for graph rewriting, as every zoo model (see ``vitcompress.zoo``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, to_2tuple, trunc_normal_
-from timm.models import (
-    build_model_with_cfg,
-    generate_default_cfgs,
-    register_model,
-    resolve_pretrained_cfg,
-)
+from timm.layers import to_2tuple, trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
+from vitcompress.zoo._common import (
+    GridBlock,
+    GridClassifier,
+    GridEmbed,
+    NormLayer,
+    attend,
+    base_cfg,
+    drop_path_rates,
+    init_weights,
+    require_weight_source,
+)
+
 __all__ = ["PyramidVisionTransformer", "checkpoint_filter_fn"]
-
-NormLayer = Callable[[int], nn.Module]
-
-
-class Mlp(nn.Module):
-    """Two-layer GELU MLP; attribute names match the original (``fc1``/``fc2``)."""
-
-    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden_dim, dim)
-        self.drop = nn.Dropout(drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.drop(self.act(self.fc1(x)))
-        return self.drop(self.fc2(x))
 
 
 class SpatialReductionAttention(nn.Module):
@@ -98,59 +85,11 @@ class SpatialReductionAttention(nn.Module):
         kv = self.kv(kv_in).reshape(B, -1, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         k, v = kv[0], kv[1]
 
-        attn = q @ k.transpose(-2, -1) * self.scale
-        attn = attn.softmax(dim=-1)
-        attn = self.attn_drop(attn)
-        x = (attn @ v).transpose(1, 2).reshape(B, N, C)
+        x = attend(q, k, v, self.scale, self.attn_drop).reshape(B, N, C)
         return self.proj_drop(self.proj(x))
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``."""
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        mlp_ratio: float,
-        qkv_bias: bool,
-        sr_ratio: int,
-        drop: float = 0.0,
-        attn_drop: float = 0.0,
-        drop_path: float = 0.0,
-        norm_layer: NormLayer = nn.LayerNorm,
-    ) -> None:
-        super().__init__()
-        self.norm1 = norm_layer(dim)
-        self.attn = SpatialReductionAttention(dim, num_heads, qkv_bias, sr_ratio, attn_drop, drop)
-        self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-        self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
-
-    def forward(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x), H, W))
-        x = x + self.drop_path(self.mlp(self.norm2(x)))
-        return x
-
-
-class PatchEmbed(nn.Module):
-    """Non-overlapping patch conv + LayerNorm; returns tokens and the grid read off its output."""
-
-    def __init__(self, patch_size: int, in_chans: int, embed_dim: int) -> None:
-        super().__init__()
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
-        # Plain ``nn.LayerNorm`` (eps 1e-5) as in the original; only the blocks and the final norm
-        # use the model's eps-1e-6 ``norm_layer``.
-        self.norm = nn.LayerNorm(embed_dim)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        x = self.proj(x)
-        B, C, H, W = x.shape
-        x = self.norm(x.flatten(2).transpose(1, 2))
-        return x, H, W
-
-
-class PyramidVisionTransformer(nn.Module):
+class PyramidVisionTransformer(GridClassifier):
     """PVT v1 classifier (four stages, class token in the last stage, classification on it)."""
 
     def __init__(
@@ -177,10 +116,7 @@ class PyramidVisionTransformer(nn.Module):
         self.num_features = self.embed_dim = embed_dims[-1]
         self.num_prefix_tokens = 1
 
-        # Stochastic depth rate grows linearly over all blocks (plain Python so that building on
-        # the meta device works).
-        total = sum(depths)
-        dpr = [drop_path_rate * j / max(total - 1, 1) for j in range(total)]
+        dpr = drop_path_rates(drop_path_rate, depths)
         size = to_2tuple(img_size)
         # Build-time grid of each stage's position embedding. Only the *parameter layout* depends on
         # it; at run time the grid is read from the patch embedding output and the embedding is
@@ -200,22 +136,22 @@ class PyramidVisionTransformer(nn.Module):
             self.sr_ratios.append(sr)
 
             num_pos = size[0] * size[1] + (1 if i == self.num_stages - 1 else 0)
-            setattr(
-                self,
-                f"patch_embed{i + 1}",
-                PatchEmbed(patch, in_chans if i == 0 else embed_dims[i - 1], embed_dims[i]),
+            # Non-overlapping patches; the embedding's norm is a plain ``nn.LayerNorm`` (eps 1e-5)
+            # as in the original: only the blocks and the final norm use the eps-1e-6 norm_layer.
+            embed = GridEmbed(
+                in_chans if i == 0 else embed_dims[i - 1], embed_dims[i], patch, patch
             )
+            setattr(self, f"patch_embed{i + 1}", embed)
             setattr(self, f"pos_embed{i + 1}", nn.Parameter(torch.zeros(1, num_pos, embed_dims[i])))
             setattr(self, f"pos_drop{i + 1}", nn.Dropout(drop_rate))
             blocks = nn.ModuleList(
-                Block(
+                GridBlock(
                     embed_dims[i],
-                    num_heads[i],
+                    SpatialReductionAttention(
+                        embed_dims[i], num_heads[i], qkv_bias, sr, attn_drop_rate, drop_rate
+                    ),
                     mlp_ratios[i],
-                    qkv_bias,
-                    sr,
                     drop=drop_rate,
-                    attn_drop=attn_drop_rate,
                     drop_path=dpr[cur + j],
                     norm_layer=norm_layer,
                 )
@@ -231,29 +167,18 @@ class PyramidVisionTransformer(nn.Module):
         for i in range(self.num_stages):
             trunc_normal_(getattr(self, f"pos_embed{i + 1}"), std=0.02)
         trunc_normal_(self.cls_token, std=0.02)
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         return {"cls_token"}
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
 
     def _resize_pos_embed(
         self, pos_embed: torch.Tensor, stage: int, H: int, W: int
     ) -> torch.Tensor:
         # Always resample instead of branching on ``H * W == num_patches``: a branch on a run-time
         # shape is not fx-traceable, and bilinear resampling to the same size is an exact identity.
-        gh, gw = self.pos_grids[stage]
-        grid = pos_embed.reshape(1, gh, gw, -1).permute(0, 3, 1, 2)
-        grid = F.interpolate(grid, size=(H, W), mode="bilinear", align_corners=False)
-        return grid.flatten(2).transpose(1, 2)
+        return _resample(pos_embed, self.pos_grids[stage], (H, W))
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         B = x.shape[0]
@@ -281,37 +206,14 @@ class PyramidVisionTransformer(nn.Module):
         x = x[:, 0]
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
 
-
-def _require_weight_source(variant: str, pretrained: bool, kwargs: dict[str, Any]) -> None:
-    # The registry carries no download location, so ``pretrained=True`` only makes sense with a
-    # local file or an in-memory state dict; say so instead of timm's generic "no weights" error.
-    if not pretrained:
-        return
-    cfg = resolve_pretrained_cfg(
-        variant,
-        pretrained_cfg=kwargs.get("pretrained_cfg"),
-        pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay"),
-    )
-    if not (cfg.has_weights or cfg.state_dict is not None):
-        raise RuntimeError(
-            f"{variant}: no pretrained weights are registered (nothing is downloaded). Load the "
-            f"official checkpoint from disk with timm.create_model('{variant}', pretrained=True, "
-            f"pretrained_cfg_overlay=dict(file='/path/to/checkpoint.pth'))."
-        )
-
-
-def _init_weights(m: nn.Module) -> None:
-    # Same init as the original: truncated normal linears, unit LayerNorms, default convs.
-    if isinstance(m, nn.Linear):
-        trunc_normal_(m.weight, std=0.02)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-    elif isinstance(m, nn.LayerNorm):
-        nn.init.ones_(m.weight)
-        nn.init.zeros_(m.bias)
+def _resample(pos: torch.Tensor, grid: tuple[int, int], new_grid: tuple[int, int]) -> torch.Tensor:
+    """A position embedding (1, gh * gw, C) laid out on ``grid``, resampled (bilinear) to
+    ``new_grid``."""
+    gh, gw = grid
+    image = pos.reshape(1, gh, gw, -1).permute(0, 3, 1, 2)
+    image = F.interpolate(image, size=new_grid, mode="bilinear", align_corners=False)
+    return image.flatten(2).transpose(1, 2)
 
 
 def _resample_grid(pos: torch.Tensor, new_grid: tuple[int, int]) -> torch.Tensor:
@@ -320,9 +222,7 @@ def _resample_grid(pos: torch.Tensor, new_grid: tuple[int, int]) -> torch.Tensor
         raise ValueError(
             f"cannot infer the grid of a position embedding with {pos.shape[1]} entries"
         )
-    grid = pos.reshape(1, old, old, -1).permute(0, 3, 1, 2)
-    grid = F.interpolate(grid, size=new_grid, mode="bilinear", align_corners=False)
-    return grid.flatten(2).transpose(1, 2)
+    return _resample(pos, (old, old), new_grid)
 
 
 def checkpoint_filter_fn(
@@ -351,32 +251,19 @@ def checkpoint_filter_fn(
     return out
 
 
-def _cfg(**kwargs: Any) -> dict[str, Any]:
-    return {
-        # No url/hf_hub_id on purpose: nothing is downloaded. Official weights load from a local
-        # file via ``pretrained_cfg_overlay=dict(file=...)``.
-        "num_classes": 1000,
-        "input_size": (3, 224, 224),
-        "pool_size": None,
-        "crop_pct": 0.875,  # DeiT evaluation pipeline used by the PVT repo: resize 256, crop 224
-        "interpolation": "bicubic",
-        "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD,
-        "first_conv": "patch_embed1.proj",
-        "classifier": "head",
-        "license": "apache-2.0",
-        "origin_url": "https://github.com/whai362/PVT",
-        "paper_ids": "arXiv:2102.12122",
-        "paper_name": (
-            "Pyramid Vision Transformer: A Versatile Backbone for Dense Prediction "
-            "without Convolutions"
-        ),
-        **kwargs,
-    }
-
+# The PVT repo evaluates with DeiT's pipeline (resize 256, crop 224): ``base_cfg``'s crop_pct.
+_CFG = base_cfg(
+    first_conv="patch_embed1.proj",
+    license="apache-2.0",
+    origin_url="https://github.com/whai362/PVT",
+    paper_ids="arXiv:2102.12122",
+    paper_name=(
+        "Pyramid Vision Transformer: A Versatile Backbone for Dense Prediction without Convolutions"
+    ),
+)
 
 default_cfgs = generate_default_cfgs(
-    {name: _cfg() for name in ("pvt_tiny", "pvt_small", "pvt_medium", "pvt_large")}
+    {name: dict(_CFG) for name in ("pvt_tiny", "pvt_small", "pvt_medium", "pvt_large")}
 )
 
 # Shared by all four sizes; only the depths differ (Table 1 of the paper).
@@ -393,7 +280,7 @@ _PVT_ARGS: dict[str, Any] = {
 def _create_pvt(
     variant: str, pretrained: bool, depths: tuple[int, ...], **kwargs: Any
 ) -> PyramidVisionTransformer:
-    _require_weight_source(variant, pretrained, kwargs)
+    require_weight_source(variant, pretrained, kwargs)
     model_args = {**_PVT_ARGS, "depths": depths}
     return build_model_with_cfg(
         PyramidVisionTransformer,
