@@ -55,7 +55,7 @@ from vitcompress.api import compress_loaded, load, map_model
 from vitcompress.data.datasets import FASHION_MNIST_CLASSES, build_dataset
 from vitcompress.data.transforms import AugmentConfig
 from vitcompress.graph.plan import default_locs
-from vitcompress.loading import LoadedModel, load_model
+from vitcompress.loading import LoadedModel, load_base_model
 from vitcompress.measure import count_macs, count_params, measure_throughput
 from vitcompress.method import MergesPerBlock
 from vitcompress.training.optim import build_optimizer, build_scheduler
@@ -146,7 +146,7 @@ def train_base(
     cycle = len(info["cycles"]) if info else 0
     torch.manual_seed(args.seed + cycle)
     if info is None:
-        model = load_model(SPEC, MODEL_ARGS, input_size=INPUT_SIZE).model
+        model = load_base_model(SPEC, MODEL_ARGS, input_size=INPUT_SIZE).model
     else:
         model = load_base(path).model
     model.train()
@@ -285,7 +285,7 @@ def _base_record(path: Path) -> dict[str, Any]:
 
 
 def load_base(path: Path) -> LoadedModel:
-    loaded = load_model(SPEC, MODEL_ARGS, input_size=INPUT_SIZE)
+    loaded = load_base_model(SPEC, MODEL_ARGS, input_size=INPUT_SIZE)
     loaded.model.load_state_dict(load_file(str(path)))
     return loaded
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fashion_mnist_repro as repro  # noqa: E402 - the reproduction's base, data and budget
 
 from vitcompress.api import compress_loaded  # noqa: E402
-from vitcompress.loading import LoadedModel, load_model  # noqa: E402
+from vitcompress.loading import LoadedModel, load_base_model  # noqa: E402
 from vitcompress.measure import count_macs  # noqa: E402
 from vitcompress.workflows.evaluate import evaluate  # noqa: E402
 from vitcompress.workflows.finetune import FinetuneConfig, finetune  # noqa: E402
@@ -163,7 +163,7 @@ def fine_tune_one(
 
 
 def _fresh(base: LoadedModel, state: dict[str, torch.Tensor]) -> LoadedModel:
-    loaded = load_model(repro.SPEC, repro.MODEL_ARGS, input_size=repro.INPUT_SIZE)
+    loaded = load_base_model(repro.SPEC, repro.MODEL_ARGS, input_size=repro.INPUT_SIZE)
     loaded.model.load_state_dict(state)
     return loaded
 
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     train_set, test_set = data(args)
     if args.quick:
         torch.manual_seed(args.seed)
-        base = load_model(repro.SPEC, repro.MODEL_ARGS, input_size=repro.INPUT_SIZE)
+        base = load_base_model(repro.SPEC, repro.MODEL_ARGS, input_size=repro.INPUT_SIZE)
         base_sha256 = "random-quick-base"
     else:
         base_path = args.cache / "base.safetensors"

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 import vitcompress
 from vitcompress.artifact import ArtifactError, read_meta
 from vitcompress.fingerprint import fixed_input
-from vitcompress.loading import ModelLoadError, ModelSource, load_model
+from vitcompress.loading import ModelLoadError, ModelSource, load_base_model
 
 NAME = "vit_tiny_patch16_224"
 TINY = {
@@ -109,7 +109,7 @@ def test_what_a_timm_model_shows_is_recorded(tmp_path: Path) -> None:
 def test_a_factory_default_that_is_not_the_models_is_named(tmp_path: Path) -> None:
     factory = tmp_path / "my_vit.py"
     factory.write_text(FACTORY)
-    loaded = load_model(f"{factory}:build", {"depth": 8})
+    loaded = load_base_model(f"{factory}:build", {"depth": 8})
     compressed = vitcompress.compress(loaded.model, "dtps", keep=0.5, locs=[6])
     with pytest.raises(ArtifactError) as info:
         vitcompress.save(compressed, tmp_path / "art", source=f"{factory}:build")
@@ -138,7 +138,7 @@ def test_random_policy_artifacts_are_verified_with_the_same_draw(tmp_path: Path)
 def factory_artifact(tmp_path: Path) -> tuple[Path, Path]:
     factory = tmp_path / "my_vit.py"
     factory.write_text(FACTORY)
-    loaded = load_model(f"{factory}:build", {"depth": 4})
+    loaded = load_base_model(f"{factory}:build", {"depth": 4})
     compressed = vitcompress.api.compress_loaded(loaded, "dtps", keep=0.5, locs=[2]).model
     vitcompress.save(compressed, tmp_path / "art")
     return factory, tmp_path / "art"
@@ -277,7 +277,7 @@ def test_fixed_input_does_not_depend_on_torchs_generator() -> None:
 
 def test_a_wrong_input_size_is_a_user_error() -> None:
     with pytest.raises(ModelLoadError) as info:
-        load_model(NAME, TINY, input_size=(3, 48, 48))
+        load_base_model(NAME, TINY, input_size=(3, 48, 48))
     message = one_line(info.value)
     assert "does not run on --input-size 3,48,48" in message and "3,32,32" in message
     with pytest.raises(ModelLoadError, match="does not run on input 3,48,48"):
@@ -291,7 +291,7 @@ def test_a_factory_that_returns_no_image_model_is_a_user_error(tmp_path: Path) -
         "    m.default_input_size = (3, 32, 32)\n    return m\n"
     )
     with pytest.raises(ModelLoadError, match="does not run on its input size 3,32,32"):
-        load_model(f"{factory}:build")
+        load_base_model(f"{factory}:build")
 
 
 def test_compressing_a_compressed_model_is_refused() -> None:

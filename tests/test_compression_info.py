@@ -18,7 +18,7 @@ from vitcompress.artifact import ArtifactError
 from vitcompress.graph.model_map import ModelMap
 from vitcompress.graph.plan import Plan, default_locs, make_plan, reduces_tokens
 from vitcompress.graph.rewrite import RewriteError, rewrite
-from vitcompress.loading import ModelLoadError, load_model
+from vitcompress.loading import ModelLoadError, load_base_model
 from vitcompress.metadata import compression_info
 
 MHA = f"{FIXTURES}:mha_vit"
@@ -73,7 +73,7 @@ def test_compression_info_of_a_compressed_model_and_its_copy() -> None:
 
 
 def test_compression_info_names_source_and_artifact(tmp_path: Path) -> None:
-    loaded = load_model(MHA, MHA_ARGS, input_size=SIZE)
+    loaded = load_base_model(MHA, MHA_ARGS, input_size=SIZE)
     compressed = compress_loaded(loaded, "etps", keep=0.5, locs=[1]).model
     info = compression_info(compressed)
     assert info.source == loaded.source and info.artifact is None

@@ -19,7 +19,7 @@ from vitcompress.artifact import read_meta
 from vitcompress.cli.main import cli
 from vitcompress.data import DataConfig, DataError, build_dataset, resolve_data_config
 from vitcompress.data.config import stated_data_config
-from vitcompress.loading import load_model
+from vitcompress.loading import load_base_model
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
@@ -356,7 +356,7 @@ def test_finetune_records_the_config_it_trained_with_and_eval_uses_it(tmp_path):
     from safetensors.torch import save_file
 
     mha = f"{FIXTURES}:mha_vit"
-    base = load_model(mha, {"depth": 2, "dim": 32, "heads": 2, "num_classes": 2}).model
+    base = load_base_model(mha, {"depth": 2, "dim": 32, "heads": 2, "num_classes": 2}).model
     checkpoint = tmp_path / "base.safetensors"
     save_file(base.state_dict(), str(checkpoint))
     data = _image_folder(tmp_path / "data")
@@ -440,7 +440,7 @@ def test_a_model_trained_with_its_own_normalisation_scores_the_same_through_eval
     factory.write_text(TRAINED_ELSEWHERE)
     spec = f"{factory}:fmnist_vit"
     torch.manual_seed(0)
-    model = load_model(spec).model.train()
+    model = load_base_model(spec).model.train()
     images, labels = load_fashion_mnist("train")
     x, y = own_preprocessing(images[:6000]), torch.from_numpy(labels[:6000].astype(np.int64))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -10,7 +10,7 @@ from tests.models import FIXTURES
 from tests.test_data import write_image_folder
 from vitcompress.cli.main import cli
 from vitcompress.data import AugmentConfig, DataError, build_dataset
-from vitcompress.loading import load_model
+from vitcompress.loading import load_base_model
 from vitcompress.workflows.evaluate import evaluate
 
 EINSUM = f"{FIXTURES}:einsum_vit"
@@ -26,7 +26,7 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return load_model(EINSUM, {"num_classes": 2}).model
+    return load_base_model(EINSUM, {"num_classes": 2}).model
 
 
 def test_evaluate_matches_the_models_own_predictions(folder, model):
@@ -48,7 +48,7 @@ def test_evaluate_matches_the_models_own_predictions(folder, model):
 
 def test_evaluate_rejects_a_model_with_too_few_outputs(folder):
     dataset = build_dataset(str(folder), "val", (3, 32, 32))
-    one_output = load_model(EINSUM, {"num_classes": 1}).model
+    one_output = load_base_model(EINSUM, {"num_classes": 1}).model
     with pytest.raises(DataError, match="predicts 1 classes but the data has 2"):
         evaluate(one_output, dataset)
 
@@ -145,7 +145,7 @@ def _always_class_2(tmp_path):
     top-1 is exactly 0 with these weights, whatever the images."""
     from safetensors.torch import save_file
 
-    model = load_model(EINSUM, {"num_classes": 3}).model
+    model = load_base_model(EINSUM, {"num_classes": 3}).model
     state = {k: v.clone() for k, v in model.state_dict().items()}
     head = [k for k in state if k.endswith("bias") and state[k].shape == (3,)][-1]
     state[head.replace("bias", "weight")].zero_()

@@ -17,7 +17,7 @@ import vitcompress
 from tests.torchrun import torchrun
 from vitcompress.api import compress_loaded
 from vitcompress.cli.main import cli
-from vitcompress.loading import load_model
+from vitcompress.loading import load_base_model
 from vitcompress.training.checkpoint import find_latest, load_checkpoint
 from vitcompress.training.losses import (
     DistillationTaps,
@@ -57,7 +57,7 @@ def _fresh_accelerate_state(monkeypatch):
 
 def _models(variant: str = "dtps"):
     torch.manual_seed(0)
-    base = load_model(TINY, TINY_ARGS)
+    base = load_base_model(TINY, TINY_ARGS)
     return compress_loaded(base, variant, keep=0.5, locs=[1, 2]), base.model
 
 
@@ -126,7 +126,7 @@ def test_token_distillation_pairs_dropped_tokens_by_grid_position(variant):
     position they equal the teacher's exactly and the term is 0. Pairing by order would not be,
     because the kept tokens come in score order. eTPS's hosts absorb donors, so its term is > 0."""
     torch.manual_seed(0)
-    base = load_model(TINY, TINY_ARGS)
+    base = load_base_model(TINY, TINY_ARGS)
     student = compress_loaded(base, variant, keep=0.5, locs=[3]).model.train()
     teacher = base.model.eval()
     taps = DistillationTaps(student, teacher, token_distill=True)
@@ -155,7 +155,7 @@ def test_token_distillation_on_a_hybrid_pruned_before_its_last_stage(variant):
     import vitcompress.zoo  # noqa: F401 - registers pvt_tiny
 
     torch.manual_seed(0)
-    base = load_model("pvt_tiny", {"num_classes": 2, "img_size": 64}, input_size=(3, 64, 64))
+    base = load_base_model("pvt_tiny", {"num_classes": 2, "img_size": 64}, input_size=(3, 64, 64))
     student = compress_loaded(base, variant, keep=0.5, locs=[2]).model.train()
     teacher = base.model.eval()
     taps = DistillationTaps(student, teacher, token_distill=True)

@@ -31,7 +31,7 @@ from tests.torchrun import torchrun
 from vitcompress.api import compress_loaded
 from vitcompress.cli.main import cli
 from vitcompress.cli.progress import LogLines
-from vitcompress.loading import load_model
+from vitcompress.loading import load_base_model
 from vitcompress.training.checkpoint import find_latest, load_checkpoint
 from vitcompress.workflows.finetune import finetune
 
@@ -151,10 +151,10 @@ def _compressed_artifact(folder: Path) -> Path:
     """A compressed model whose weights, predictor and teacher all come from files, so that
     runs in different processes start alike (a random base is drawn anew in each process)."""
     torch.manual_seed(0)
-    base = load_model(TINY, TINY_ARGS)
+    base = load_base_model(TINY, TINY_ARGS)
     folder.mkdir()
     torch.save(base.model.state_dict(), folder / "base.pt")
-    loaded = load_model(TINY, TINY_ARGS, checkpoint=str(folder / "base.pt"))
+    loaded = load_base_model(TINY, TINY_ARGS, checkpoint=str(folder / "base.pt"))
     student = compress_loaded(loaded, "dtps", keep=0.5, locs=[1, 2])
     return vitcompress.save(student.model, folder / "compressed")
 

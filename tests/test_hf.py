@@ -19,7 +19,7 @@ from vitcompress.api import compress_loaded  # noqa: E402
 from vitcompress.artifact import ArtifactError, load_artifact_base  # noqa: E402
 from vitcompress.cli.main import cli  # noqa: E402
 from vitcompress.graph.rewrite import REDUCER_PREFIX  # noqa: E402
-from vitcompress.loading import ModelLoadError, load_model  # noqa: E402
+from vitcompress.loading import ModelLoadError, load_base_model  # noqa: E402
 from vitcompress.measure import count_macs  # noqa: E402
 
 VARIANTS = ("dtps", "etps", "dynamicvit", "evit")
@@ -89,7 +89,7 @@ def hf_dir(tmp_path):
 
 def test_a_save_pretrained_directory_loads_with_its_weights_size_and_preprocessing(hf_dir):
     directory, original = hf_dir
-    loaded = load_model(str(directory))
+    loaded = load_base_model(str(directory))
     assert loaded.input_size == (3, 32, 32)  # the config's image_size and num_channels
     assert loaded.source.spec == str(directory.resolve())
     assert loaded.source.checkpoint == str(directory.resolve() / "model.safetensors")
@@ -149,7 +149,7 @@ def test_finetune_one_step_trains_the_predictors_of_an_hf_model(hf_dir, tmp_path
 
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     directory, _ = hf_dir
-    base = load_model(str(directory))
+    base = load_base_model(str(directory))
     student = compress_loaded(base, "dtps", keep=0.7)
     before = {
         n: p.detach().clone()
@@ -189,4 +189,4 @@ def test_weights_that_do_not_cover_the_model_are_refused_not_randomly_initialise
     save_file(state, str(weights), metadata={"format": "pt"})
     # transformers would start the classifier from random values, with a warning only.
     with pytest.raises(ModelLoadError, match="2 missing or mismatched .*classifier"):
-        load_model(str(directory))
+        load_base_model(str(directory))

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from vitcompress.cli.main import cli
-from vitcompress.loading import ModelLoadError, load_model
+from vitcompress.loading import ModelLoadError, load_base_model
 
 
 def _directory(tmp_path, weights: bool = True):
@@ -25,7 +25,7 @@ def test_without_transformers_the_directory_is_refused_naming_the_extra(tmp_path
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
     directory = _directory(tmp_path)
     with pytest.raises(ModelLoadError, match=r"pip install 'vitcompress\[hf\]'"):
-        load_model(str(directory))
+        load_base_model(str(directory))
     result = CliRunner().invoke(cli, ["inspect", "--model", str(directory)])
     assert result.exit_code == 2
     assert len(result.output.strip().splitlines()) == 1 and "transformers" in result.output
@@ -35,9 +35,9 @@ def test_a_directory_without_weights_is_one_line(tmp_path):
     pytest.importorskip("transformers")
     directory = _directory(tmp_path, weights=False)
     with pytest.raises(ModelLoadError, match="holds no weights file"):
-        load_model(str(directory))
+        load_base_model(str(directory))
 
 
 def test_a_plain_directory_names_both_kinds_of_model_directory(tmp_path):
     with pytest.raises(ModelLoadError, match=r"vitcompress.json .* or config.json"):
-        load_model(str(tmp_path))
+        load_base_model(str(tmp_path))

@@ -4,7 +4,7 @@ table, or 224 tried, with one line on stderr saying which, instead of a refusal.
 from __future__ import annotations
 
 from tests.fixtures import issue10
-from vitcompress.loading import default_input_size, load_model
+from vitcompress.loading import default_input_size, load_base_model
 
 FIXTURE = "tests/fixtures/issue10.py"
 
@@ -18,13 +18,13 @@ def test_size_read_from_patch_stride_and_position_table(capsys) -> None:
 
 
 def test_load_model_runs_the_inferred_size(capsys) -> None:
-    loaded = load_model(f"{FIXTURE}:unsized_vit")
+    loaded = load_base_model(f"{FIXTURE}:unsized_vit")
     assert loaded.input_size == (3, 32, 32)
     assert "3,32,32" in capsys.readouterr().err
 
 
 def test_without_a_position_table_224_is_tried_and_said(capsys) -> None:
-    loaded = load_model(f"{FIXTURE}:unsized_vit_without_table")
+    loaded = load_base_model(f"{FIXTURE}:unsized_vit_without_table")
     assert loaded.input_size == (3, 224, 224)
     note = capsys.readouterr().err
     assert "trying 3,224,224" in note and "--input-size" in note

@@ -22,8 +22,8 @@ from vitcompress.loading import (
     ModelLoadError,
     ModelSource,
     default_input_size,
+    load_base_model,
     load_checkpoint,
-    load_model,
     timm_hub,
 )
 
@@ -153,7 +153,7 @@ def test_parse_input_size_errors(text: str) -> None:
 
 
 def test_timm_model_with_args() -> None:
-    loaded = load_model(TIMM_NAME, model_args=TINY)
+    loaded = load_base_model(TIMM_NAME, model_args=TINY)
     assert isinstance(loaded, LoadedModel)
     assert not loaded.model.training
     assert loaded.input_size == (3, 32, 32)
@@ -172,7 +172,7 @@ def test_timm_model_with_args() -> None:
 )
 def test_unknown_timm_name_suggests_close_names(typo: str, expected: str) -> None:
     with pytest.raises(ModelLoadError) as info:
-        load_model(typo)
+        load_base_model(typo)
     text = assert_one_line(info.value)
     assert text.startswith(f"unknown model '{typo}'; closest: ")
     assert expected in text.split("closest: ")[1].split(", ")
@@ -180,13 +180,13 @@ def test_unknown_timm_name_suggests_close_names(typo: str, expected: str) -> Non
 
 def test_unknown_timm_name_without_any_suggestion() -> None:
     with pytest.raises(ModelLoadError, match="unknown model 'qqqqqqqq'") as info:
-        load_model("qqqqqqqq")
+        load_base_model("qqqqqqqq")
     assert_one_line(info.value)
 
 
 def test_bad_timm_kwargs_are_reported() -> None:
     with pytest.raises(ModelLoadError, match=f"could not build timm model '{TIMM_NAME}'") as info:
-        load_model(TIMM_NAME, model_args={**TINY, "no_such_option": 1})
+        load_base_model(TIMM_NAME, model_args={**TINY, "no_such_option": 1})
     assert "no_such_option" in assert_one_line(info.value)
 
 
@@ -207,7 +207,7 @@ def test_pretrained_offline_fails_cleanly(monkeypatch: pytest.MonkeyPatch, tmp_p
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     start = time.monotonic()
     with pytest.raises(ModelLoadError) as info:
-        load_model(TIMM_NAME, pretrained=True)
+        load_base_model(TIMM_NAME, pretrained=True)
     assert time.monotonic() - start < 30
     text = assert_one_line(info.value)
     assert text.startswith(f"could not download pretrained weights for {TIMM_NAME}: ")
@@ -236,7 +236,7 @@ def test_pretrained_unreachable_host_fails_fast(
     monkeypatch.setattr(timm_hub.socket, "create_connection", refuse)
     start = time.monotonic()
     with pytest.raises(ModelLoadError) as info:
-        load_model(TIMM_NAME, pretrained=True)
+        load_base_model(TIMM_NAME, pretrained=True)
     assert time.monotonic() - start < 20
     assert probed and probed[0][1] == 443
     text = assert_one_line(info.value)
@@ -248,7 +248,7 @@ def test_pretrained_unreachable_host_fails_fast(
 
 def test_pretrained_only_for_timm_names(factory_file: Path) -> None:
     with pytest.raises(ModelLoadError, match="--pretrained only applies to timm") as info:
-        load_model(f"{factory_file}:build", pretrained=True)
+        load_base_model(f"{factory_file}:build", pretrained=True)
     assert_one_line(info.value)
 
 
@@ -263,7 +263,7 @@ def test_file_factory_with_parsed_args(factory_file: Path) -> None:
     args = parse_model_args(
         ["width=6", "scale=0.5", "shape=(2, 3)", "bias=False", "name=gelu", "extra=[1, 'x']"]
     )
-    loaded = load_model(f"{factory_file}:build", model_args=args)
+    loaded = load_base_model(f"{factory_file}:build", model_args=args)
     assert loaded.model.received == {
         "width": 6,
         "scale": 0.5,
@@ -289,7 +289,7 @@ def test_file_factory_imports_a_sibling_module(tmp_path: Path) -> None:
         "def build():\n"
         "    return nn.Linear(sibling_helper.WIDTH, 1)\n"
     )
-    loaded = load_model(f"{tmp_path / 'net.py'}:build", input_size=(1, 1, 5))
+    loaded = load_base_model(f"{tmp_path / 'net.py'}:build", input_size=(1, 1, 5))
     assert loaded.model.in_features == 5
     assert str(tmp_path) not in sys.path
     sys.modules.pop("sibling_helper", None)
@@ -302,8 +302,8 @@ def test_two_files_with_the_same_name_do_not_clash(tmp_path: Path) -> None:
         (folder / "model.py").write_text(
             f"from torch import nn\ndef build():\n    return nn.Linear({width}, 1)\n"
         )
-    a = load_model(f"{tmp_path / 'v3' / 'model.py'}:build", input_size=(1, 1, 3)).model
-    b = load_model(f"{tmp_path / 'v4' / 'model.py'}:build", input_size=(1, 1, 4)).model
+    a = load_base_model(f"{tmp_path / 'v3' / 'model.py'}:build", input_size=(1, 1, 3)).model
+    b = load_base_model(f"{tmp_path / 'v4' / 'model.py'}:build", input_size=(1, 1, 4)).model
     assert (a.in_features, b.in_features) == (3, 4)
 
 
@@ -316,7 +316,7 @@ def test_module_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     for name in ("vc_test_pkg", "vc_test_pkg.models"):
         monkeypatch.delitem(sys.modules, name, raising=False)
 
-    loaded = load_model("vc_test_pkg.models:build", model_args={"width": 8})
+    loaded = load_base_model("vc_test_pkg.models:build", model_args={"width": 8})
     assert loaded.model.received["width"] == 8
     assert loaded.input_size == (1, 2, 4)
     assert loaded.source.spec == "vc_test_pkg.models:build"
@@ -324,7 +324,7 @@ def test_module_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_missing_module_is_reported() -> None:
     with pytest.raises(ModelLoadError, match="no module named 'vc_no_such_pkg'") as info:
-        load_model("vc_no_such_pkg.models:build")
+        load_base_model("vc_no_such_pkg.models:build")
     assert_one_line(info.value)
 
 
@@ -332,60 +332,60 @@ def test_factory_returning_a_non_module(factory_file: Path) -> None:
     with pytest.raises(
         ModelLoadError, match=r"returned builtins\.dict, not a torch\.nn\.Module"
     ) as info:
-        load_model(f"{factory_file}:not_a_model", model_args={"a": 1})
+        load_base_model(f"{factory_file}:not_a_model", model_args={"a": 1})
     assert_one_line(info.value)
 
 
 def test_factory_that_raises(factory_file: Path) -> None:
     with pytest.raises(ModelLoadError) as info:
-        load_model(f"{factory_file}:broken")
+        load_base_model(f"{factory_file}:broken")
     text = assert_one_line(info.value)
     assert "factory" in text and "broken" in text and text.endswith("ValueError: boom")
 
 
 def test_factory_with_unexpected_args(factory_file: Path) -> None:
     with pytest.raises(ModelLoadError, match="failed: TypeError") as info:
-        load_model(f"{factory_file}:build_unsized", model_args={"depth": 2})
+        load_base_model(f"{factory_file}:build_unsized", model_args={"depth": 2})
     assert_one_line(info.value)
 
 
 def test_missing_factory_lists_what_the_file_defines(factory_file: Path) -> None:
     with pytest.raises(ModelLoadError) as info:
-        load_model(f"{factory_file}:biuld")
+        load_base_model(f"{factory_file}:biuld")
     text = assert_one_line(info.value)
     assert "no attribute 'biuld'" in text and "build" in text and "Tiny" in text
 
 
 def test_non_callable_factory(factory_file: Path) -> None:
     with pytest.raises(ModelLoadError, match="is a int, not a callable"):
-        load_model(f"{factory_file}:NOT_CALLABLE")
+        load_base_model(f"{factory_file}:NOT_CALLABLE")
 
 
 def test_missing_file_and_broken_file(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="not found") as info:
-        load_model(f"{tmp_path / 'absent.py'}:build")
+        load_base_model(f"{tmp_path / 'absent.py'}:build")
     assert_one_line(info.value)
 
     bad = tmp_path / "bad.py"
     bad.write_text("import torch\ndef build(:\n")
     with pytest.raises(ModelLoadError, match="could not import .*SyntaxError") as info:
-        load_model(f"{bad}:build")
+        load_base_model(f"{bad}:build")
     assert_one_line(info.value)
 
 
 def test_file_without_factory_is_explained(factory_file: Path) -> None:
     with pytest.raises(ModelLoadError, match="no factory"):
-        load_model(str(factory_file))
+        load_base_model(str(factory_file))
 
 
 def test_empty_spec() -> None:
     with pytest.raises(ModelLoadError, match="no model given"):
-        load_model(" ")
+        load_base_model(" ")
 
 
 def test_plain_directory_is_not_an_artifact(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="without vitcompress.json"):
-        load_model(str(tmp_path))
+        load_base_model(str(tmp_path))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -399,7 +399,7 @@ def test_safetensors_checkpoint_reproduces_weights(tmp_path: Path) -> None:
     save_file(original.state_dict(), str(path))
 
     torch.manual_seed(123)  # a different random init, so a no-op load would be noticed
-    loaded = load_model(TIMM_NAME, model_args=TINY, checkpoint=str(path))
+    loaded = load_base_model(TIMM_NAME, model_args=TINY, checkpoint=str(path))
     assert_same_weights(loaded.model, original)
     assert loaded.source.checkpoint == str(path.resolve())
 
@@ -412,7 +412,7 @@ def test_wrapped_torch_checkpoint_reproduces_weights(tmp_path: Path) -> None:
     torch.save({"model": state, "epoch": 7, "optimizer": {"lr": 0.1}}, path)
 
     torch.manual_seed(123)
-    loaded = load_model(TIMM_NAME, model_args=TINY, checkpoint=path)
+    loaded = load_base_model(TIMM_NAME, model_args=TINY, checkpoint=path)
     assert_same_weights(loaded.model, original)
 
 
@@ -448,7 +448,7 @@ def test_checkpoint_with_missing_and_unexpected_keys(tmp_path: Path) -> None:
     save_file(state, str(path))
 
     with pytest.raises(ModelLoadError) as info:
-        load_model(TIMM_NAME, model_args=TINY, checkpoint=path)
+        load_base_model(TIMM_NAME, model_args=TINY, checkpoint=path)
     text = assert_one_line(info.value)
     assert f"checkpoint {path} does not fit model {TIMM_NAME}" in text
     assert "missing keys (1): head.bias" in text
@@ -459,7 +459,7 @@ def test_checkpoint_with_wrong_shapes(tmp_path: Path) -> None:
     path = tmp_path / "ten_classes.pth"
     torch.save(tiny_vit().state_dict(), path)
     with pytest.raises(ModelLoadError) as info:
-        load_model(TIMM_NAME, model_args={**TINY, "num_classes": 5}, checkpoint=path)
+        load_base_model(TIMM_NAME, model_args={**TINY, "num_classes": 5}, checkpoint=path)
     text = assert_one_line(info.value)
     assert "shape mismatch (2)" in text
     assert "head.weight (checkpoint [10, 64] vs model [5, 64])" in text
@@ -479,7 +479,7 @@ def test_truncated_checkpoint(tmp_path: Path, suffix: str) -> None:
     cut.write_bytes(data[: len(data) // 2])
 
     with pytest.raises(ModelLoadError, match="truncated") as info:
-        load_model(TIMM_NAME, model_args=TINY, checkpoint=cut)
+        load_base_model(TIMM_NAME, model_args=TINY, checkpoint=cut)
     assert_one_line(info.value)
 
 
@@ -494,7 +494,7 @@ def test_garbage_checkpoint(tmp_path: Path, content: bytes) -> None:
 
 def test_missing_checkpoint_fails_before_building(tmp_path: Path, factory_file: Path) -> None:
     with pytest.raises(ModelLoadError, match="not found"):
-        load_model(f"{factory_file}:broken", checkpoint=tmp_path / "absent.pth")
+        load_base_model(f"{factory_file}:broken", checkpoint=tmp_path / "absent.pth")
 
 
 class _Payload:
@@ -513,7 +513,7 @@ def test_pickled_objects_are_refused_not_executed(tmp_path: Path) -> None:
     torch.save({"model": tiny_vit().state_dict(), "hook": _Payload(marker)}, path)
 
     with pytest.raises(ModelLoadError) as info:
-        load_model(TIMM_NAME, model_args=TINY, checkpoint=path)
+        load_base_model(TIMM_NAME, model_args=TINY, checkpoint=path)
     text = assert_one_line(info.value)
     assert "contains pickled Python objects (" in text
     assert not marker.exists()
@@ -554,17 +554,17 @@ def test_input_size_from_timm_config() -> None:
 def test_input_size_override() -> None:
     # A model that takes other sizes (dynamic_img_size) gets the size it is given.
     dynamic = {**TINY, "dynamic_img_size": True}
-    loaded = load_model(TIMM_NAME, model_args=dynamic, input_size=(3, 48, 48))
+    loaded = load_base_model(TIMM_NAME, model_args=dynamic, input_size=(3, 48, 48))
     assert loaded.input_size == (3, 48, 48)
     with pytest.raises(ModelLoadError, match="three positive integers"):
-        load_model(TIMM_NAME, model_args=TINY, input_size=(3, 48))
+        load_base_model(TIMM_NAME, model_args=TINY, input_size=(3, 48))
 
 
 def test_user_model_without_input_size_needs_the_option(factory_file: Path) -> None:
     with pytest.raises(ModelLoadError, match="--input-size") as info:
-        load_model(f"{factory_file}:build_unsized")
+        load_base_model(f"{factory_file}:build_unsized")
     assert_one_line(info.value)
-    loaded = load_model(f"{factory_file}:build_unsized", input_size=parse_input_size("1,2,2"))
+    loaded = load_base_model(f"{factory_file}:build_unsized", input_size=parse_input_size("1,2,2"))
     assert loaded.input_size == (1, 2, 2)
 
 
@@ -626,7 +626,7 @@ def test_artifact_directory_is_for_the_api(tmp_path: Path, monkeypatch: pytest.M
     # says where to go instead of treating the directory as a model file or a timm name.
     (tmp_path / "vitcompress.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="is a compressed model; load it with vitcompress"):
-        load_model(str(tmp_path))
+        load_base_model(str(tmp_path))
     calls: list[str] = []
 
     def fake_load_artifact(spec: str) -> LoadedModel:

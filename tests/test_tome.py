@@ -330,13 +330,13 @@ def test_the_finetune_workflow_trains_tome_and_saves_it(tmp_path, monkeypatch) -
     from torch.utils.data import TensorDataset
 
     from vitcompress.api import compress_loaded
-    from vitcompress.loading import load_model
+    from vitcompress.loading import load_base_model
     from vitcompress.workflows.finetune import FinetuneConfig, finetune
 
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     torch.manual_seed(0)
     args = dict(img_size=32, patch_size=8, depth=4, embed_dim=32, num_heads=2, num_classes=2)
-    base = load_model("vit_small_patch16_224", args)
+    base = load_base_model("vit_small_patch16_224", args)
     student = compress_loaded(base, "tome", keep=0.5)
     x = torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     data = TensorDataset(x, (x[:, 0].mean((1, 2)) > 0).long())

@@ -53,9 +53,9 @@ def load_model(
 ) -> LoadedModel:
     """The model ``spec`` names, in eval mode: a compressed model directory (an artifact) is
     rebuilt by :func:`vitcompress.artifact.load_artifact`, anything else is built by
-    :func:`vitcompress.loading.load_model`."""
+    :func:`vitcompress.loading.load_base_model`."""
     if not spec or not is_artifact_directory(spec):
-        return loading.load_model(spec, model_args, checkpoint, pretrained, input_size)
+        return loading.load_base_model(spec, model_args, checkpoint, pretrained, input_size)
     size = checked_input_size(input_size)
     # An artifact fixes architecture and weights; silently ignoring these would mislead the user.
     given = [

@@ -48,7 +48,7 @@ from vitcompress.loading import (
     LoadedModel,
     ModelLoadError,
     ModelSource,
-    load_model,
+    load_base_model,
     one_line,
 )
 from vitcompress.metadata import attach, compression_info
@@ -106,7 +106,7 @@ def _rebuild(
     """The compressed model (with fresh weights) that ``source`` and the plan build, and the
     base's source as loading resolved it. ``fail(what differs)`` makes the error to raise."""
     try:
-        base = load_model(source.spec, source.model_args, input_size=size)
+        base = load_base_model(source.spec, source.model_args, input_size=size)
         captured, model_map = capture_and_map(base.model, size)
     except (ModelLoadError, MappingError, CaptureError) as e:
         raise fail(f"its base does not build: {e}") from e
@@ -423,7 +423,7 @@ def load_artifact_base(
     if problem is not None:
         raise ArtifactError(f"cannot rebuild the base of {directory}: {problem}")
     size = input_size or tuple(meta["input_size"])
-    return load_model(
+    return load_base_model(
         source.spec,
         source.model_args,
         checkpoint=source.checkpoint,

@@ -208,7 +208,7 @@ def compress_loaded(
     locs: list[int] | None = None,
     policy: str = "score",
 ) -> LoadedModel:
-    """``compress`` for a model from :func:`vitcompress.loading.load_model`, keeping its source
+    """``compress`` for a model from :func:`vitcompress.loading.load_base_model`, keeping its source
     so the result can be saved and rebuilt."""
     model = compress(loaded.model, variant, keep, locs, loaded.input_size, policy)
     attach(model, vitcompress_source=loaded.source)

@@ -15,13 +15,13 @@ CLI prints it and exits with status 2 instead of showing a traceback.
 
 Modules: ``spec`` (what a spec names, importing files and modules), ``timm_hub`` (timm and the
 Hugging Face hub), ``checkpoint`` (weights files), ``input_size``, ``source`` (``ModelSource``,
-``LoadedModel``), ``errors``, and ``load`` (``load_model``, which uses them all).
+``LoadedModel``), ``errors``, and ``load`` (``load_base_model``, which uses them all).
 """
 
 from vitcompress.loading.checkpoint import load_checkpoint
 from vitcompress.loading.errors import ModelInputError, ModelLoadError, one_line
 from vitcompress.loading.input_size import default_input_size
-from vitcompress.loading.load import load_model
+from vitcompress.loading.load import load_base_model
 from vitcompress.loading.source import LoadedModel, ModelSource
 from vitcompress.loading.spec import ARTIFACT_MARKER, is_artifact_directory
 
@@ -34,6 +34,6 @@ __all__ = [
     "default_input_size",
     "is_artifact_directory",
     "load_checkpoint",
-    "load_model",
+    "load_base_model",
     "one_line",
 ]

@@ -1,4 +1,4 @@
-"""``load_model``: build the base model a spec names, load its weights, check its input size."""
+"""``load_base_model``: build the base model a spec names, load its weights, check its input size."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from vitcompress.loading.spec import (
 from vitcompress.loading.timm_hub import create_timm
 
 
-def load_model(
+def load_base_model(
     spec: str,
     model_args: Mapping[str, Any] | None = None,
     checkpoint: str | Path | None = None,

@@ -104,13 +104,13 @@ def student_and_teacher(
         student = compress_loaded(loaded, variant=variant, keep=keep, locs=locs, policy=policy)
         return student, loaded.model, False
     from vitcompress.artifact import base_source, base_weights_problem, read_meta
-    from vitcompress.loading import load_model
+    from vitcompress.loading import load_base_model
 
     source = base_source(read_meta(artifact))
     problem = base_weights_problem(source)
     if problem is not None:  # fine-tuning can go on; only distillation loses its meaning
         log.warning("%s: the teacher is the base model with its initial weights", problem)
-    teacher = load_model(
+    teacher = load_base_model(
         source.spec,
         source.model_args,
         checkpoint=None if problem else source.checkpoint,
