@@ -20,6 +20,7 @@ from vitcompress.graph.plan import Plan, default_locs, make_plan, reduces_tokens
 from vitcompress.graph.rewrite import RewriteError, rewrite
 from vitcompress.loading import ModelLoadError, load_base_model
 from vitcompress.metadata import compression_info
+from vitcompress.variants import get_variant
 
 MHA = f"{FIXTURES}:mha_vit"
 MHA_ARGS = {"dim": 32, "depth": 4}
@@ -53,7 +54,7 @@ def test_a_model_map_reads_back_what_it_wrote(factory, size) -> None:
 
 def test_a_map_read_back_cannot_rewrite_a_graph() -> None:
     captured, model_map = capture_and_map(inhouse.mha_vit(**MHA_ARGS).eval(), SIZE)
-    plan = make_plan(model_map, "etps", [0.5], [1])
+    plan = make_plan(model_map, get_variant("etps"), [0.5], [1])
     with pytest.raises(RewriteError, match="names no graph nodes"):
         rewrite(captured.module, ModelMap.from_json(model_map.to_json()), plan)
 
@@ -65,7 +66,9 @@ def test_compression_info_of_a_compressed_model_and_its_copy() -> None:
     for model in (compressed, copy.deepcopy(compressed)):  # EMA copies are deepcopies
         info = compression_info(model)
         assert isinstance(info.plan, Plan) and isinstance(info.model_map, ModelMap)
-        assert info.plan == make_plan(vitcompress.map_model(base, SIZE), "dtps", [0.5], [1, 2])
+        assert info.plan == make_plan(
+            vitcompress.map_model(base, SIZE), get_variant("dtps"), [0.5], [1, 2]
+        )
         assert info.plan.locs == [1, 2] and info.plan.locations[1].cumulative_keep == 0.25
         assert [b.tokens for b in info.model_map.blocks] == [65] * 4
         assert info.model_map.final_norm == "final_ln"

@@ -15,7 +15,8 @@ from tests.models import FIXTURES
 from vitcompress import map_model
 from vitcompress.cli.main import cli
 from vitcompress.cli.plan_options import parse_keep, parse_locs, plan_error_line
-from vitcompress.graph.plan import Plan, PlanError, make_plan
+from vitcompress.graph.plan import Plan, PlanError, make_plan, resolve_variant
+from vitcompress.variants import get_variant
 
 PACKAGE = Path(vitcompress.__file__).parent
 GRAPH = PACKAGE / "graph"
@@ -93,7 +94,7 @@ def model_map():
 )
 def test_plan_errors_name_the_parameter(model_map, keep, locs, parameter, detail) -> None:
     with pytest.raises(PlanError) as raised:
-        make_plan(model_map, "etps", keep, locs)
+        make_plan(model_map, get_variant("etps"), keep, locs)
     error = raised.value
     assert (error.parameter, error.detail) == (parameter, detail)
     assert str(error) == f"{parameter} {detail}" and "--" not in str(error)
@@ -102,13 +103,13 @@ def test_plan_errors_name_the_parameter(model_map, keep, locs, parameter, detail
 
 def test_unknown_variant_and_policy_name_their_parameter(model_map) -> None:
     with pytest.raises(PlanError, match=r"^variant 'tps' is unknown; choose from dtps"):
-        make_plan(model_map, "tps", [0.5])
+        resolve_variant("tps")
     with pytest.raises(PlanError, match=r"^policy 'best' is unknown"):
-        make_plan(model_map, "etps", [0.5], policy="best")
+        make_plan(model_map, get_variant("etps"), [0.5], policy="best")
 
 
 def test_one_keep_ratio_applies_to_every_location(model_map) -> None:
-    plan = make_plan(model_map, "dtps", [0.5], [1, 2])
+    plan = make_plan(model_map, get_variant("dtps"), [0.5], [1, 2])
     assert plan.keep == [0.5, 0.5] and plan.locs == [1, 2]
     assert [loc.cumulative_keep for loc in plan.locations] == [0.5, 0.25]
     assert Plan.from_json(plan.to_json()) == plan

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from tests.models import timm_small
 from vitcompress import compress
-from vitcompress.modules import reducers
 from vitcompress.modules.reducers import PredictorReducer
+from vitcompress.variants import Squeeze, fuses
 
 RELATIVE_TOLERANCE = 1e-3
 
@@ -128,7 +128,7 @@ def test_masked_squeeze_gradients_match_the_official_form():
         (out * probe).sum().backward()
         return out.detach(), xs.grad, ls.grad
 
-    out, x_grad, mask_grad = run(reducers.squeeze_masked)
+    out, x_grad, mask_grad = run(fuses.squeeze_masked)
     ref_out, ref_x_grad, ref_mask_grad = run(reference_squeeze)
     torch.testing.assert_close(out, ref_out)
     assert relative_difference([mask_grad], [ref_mask_grad]) < RELATIVE_TOLERANCE
@@ -146,7 +146,8 @@ def test_predictor_gradients_match_the_reference_per_location(monkeypatch: pytes
     probe = torch.randn(b, prefix + n, c)
     noises = noise_for((b, n), len(keeps), seed=13)
     library = [
-        PredictorReducer(c, prefix, keep_tokens=int(n * k), keep_ratio=k).train() for k in keeps
+        PredictorReducer(c, prefix, keep_tokens=int(n * k), keep_ratio=k, fuse=Squeeze()).train()
+        for k in keeps
     ]
     reference = [copy.deepcopy(r.predictor) for r in library]
 
@@ -193,12 +194,12 @@ def test_compressed_vit_trains_with_the_official_squeeze_gradients(monkeypatch: 
 
     def predictor_gradients(squeeze_fn) -> list[list[Tensor]]:
         monkeypatch.setattr(torch.nn.functional, "gumbel_softmax", FixedGumbel(noises))
-        monkeypatch.setattr(reducers, "squeeze_masked", squeeze_fn)
+        monkeypatch.setattr(fuses, "squeeze_masked", squeeze_fn)
         model.zero_grad(set_to_none=True)
         F.cross_entropy(model(images), labels).backward()
         return [gradients(p) for p in predictors]
 
-    got = predictor_gradients(reducers.squeeze_masked)
+    got = predictor_gradients(fuses.squeeze_masked)
     expected = predictor_gradients(
         lambda x, host_mask, donor_mask: reference_squeeze(x, host_mask, donor_mask)
     )

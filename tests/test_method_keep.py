@@ -10,6 +10,7 @@ from tests.models import timm_small
 from vitcompress.api import map_model
 from vitcompress.graph.plan import make_plan
 from vitcompress.method import KeepListError, per_location_keep
+from vitcompress.variants import get_variant
 
 OFFICIAL_DEIT_S = [0.7, 0.49, 0.343]  # keep_ratio_list of the official DeiT-S configs
 
@@ -28,7 +29,7 @@ def planned_counts(model_map, fractions: list[float], locs: list[int]) -> list[i
     stages = [model_map.blocks[b].stage for b in locs]
     grids = [model_map.stages[s].grid for s in stages]
     ratios = per_location_keep(fractions, stages, [h * w for h, w in grids])
-    plan = make_plan(model_map, "dtps", ratios, locs)
+    plan = make_plan(model_map, get_variant("dtps"), ratios, locs)
     for loc, fraction in zip(plan.locations, fractions, strict=True):
         assert loc.cumulative_keep == pytest.approx(fraction, rel=1e-9)  # the ratio loss target
     return [loc.keep_tokens for loc in plan.locations]

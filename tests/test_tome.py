@@ -201,7 +201,10 @@ def tome_reference(model: nn.Module, image: torch.Tensor, merges: dict[int, int]
 def test_compressed_vit_matches_the_tome_reference(name, keep, tome_r) -> None:
     torch.manual_seed(0)
     model = sharpen(timm_small(name, depth=6))
-    compressed = vitcompress.compress(model, "tome", keep=keep, tome_r=tome_r, input_size=SIZE)
+    settings = None if tome_r is None else {"r": tome_r}
+    compressed = vitcompress.compress(
+        model, "tome", keep=keep, variant_args=settings, input_size=SIZE
+    )
     plan = compression_info(compressed).plan
     merges = {loc.block: loc.merge_tokens for loc in plan.locations}
     assert sum(merges.values()) > 0
@@ -215,7 +218,7 @@ def test_compressed_vit_matches_the_tome_reference(name, keep, tome_r) -> None:
 
 
 @pytest.mark.parametrize("name", ["vit", "deit_distilled", "mha", "registers"])
-@pytest.mark.parametrize("how", [dict(keep=1.0), dict(tome_r=0)])
+@pytest.mark.parametrize("how", [dict(keep=1.0), dict(variant_args={"r": 0})])
 def test_exact_when_nothing_is_merged(name: str, how: dict) -> None:
     torch.manual_seed(0)
     model = {
@@ -254,9 +257,11 @@ def test_keep_maps_to_r_by_the_tokens_left_after_the_last_block() -> None:
     assert fit_r(196, 9, int(196 * 0.125)) == 19  # DeiT-S, keep 0.5: 196 - 9 * 19 = 25
 
 
-def test_tome_r_is_merged_in_every_block_from_the_first_location() -> None:
+def test_r_is_merged_in_every_block_from_the_first_location() -> None:
     model = vit(depth=6)
-    plan = compression_info(vitcompress.compress(model, "tome", tome_r=5, locs=[2])).plan
+    compressed = vitcompress.compress(model, "tome", variant_args={"r": 5}, locs=[2])
+    plan = compression_info(compressed).plan
+    assert plan.method.settings == {"r": 5} and plan.to_json()["variant_args"] == {"r": 5}
     assert [(loc.block, loc.merge_tokens, loc.keep_tokens) for loc in plan.locations] == [
         (2, 5, 59),
         (3, 5, 54),
@@ -312,17 +317,19 @@ def test_refusals_are_one_line() -> None:
     model = vit(depth=4)
     with pytest.raises(PlanError, match="policy 'random' is not defined for tome"):
         vitcompress.compress(model, "tome", policy="random")
-    with pytest.raises(PlanError, match="tome_r is ToMe's setting; etps"):
-        vitcompress.compress(model, "etps", tome_r=2)
+    with pytest.raises(PlanError, match="variant_args r: etps has no such setting; it takes none"):
+        vitcompress.compress(model, "etps", variant_args={"r": 2})
+    with pytest.raises(PlanError, match="r: must be a whole number of tokens >= 0, got -1"):
+        vitcompress.compress(model, "tome", variant_args={"r": -1})
     with pytest.raises(PlanError, match="keep_cumulative is for dtps and dynamicvit"):
         vitcompress.compress(model, "tome", keep_cumulative=[0.7, 0.49, 0.343])
     with pytest.raises(PlanError, match="has 2 attention cores; tome matches tokens by one"):
         vitcompress.compress(timm_small("vit_small_patch16_18x2_224"), "tome")
     model_map = vitcompress.compression.map_model(model)
     with pytest.raises(PlanError, match="at most half"):
-        make_plan(model_map, "tome", [0.4], [1, 2, 3])
-    with pytest.raises(PlanError, match="exclude each other"):
-        vitcompress.compress(model, "tome", keep=0.5, tome_r=2)
+        make_plan(model_map, get_variant("tome"), [0.4], [1, 2, 3])
+    with pytest.raises(PlanError, match="keep and tome's r exclude each other"):
+        vitcompress.compress(model, "tome", keep=0.5, variant_args={"r": 2})
 
 
 def test_the_finetune_workflow_trains_tome_and_saves_it(tmp_path, monkeypatch) -> None:

@@ -1,4 +1,4 @@
-"""``--variant tome`` through the commands: apply (GMACs, throughput, CI gates, --tome-r), bench,
+"""``--variant tome`` through the commands: apply (GMACs, throughput, CI gates, --variant-arg r=R), bench,
 report, visualize (merged groups) and export, on a tiny model."""
 
 from __future__ import annotations
@@ -46,17 +46,22 @@ def test_apply_reports_gmacs_throughput_and_gates(applied) -> None:
     assert sum(merged) > 0
 
 
-def test_tome_r_sets_r_and_excludes_keep() -> None:
-    result = run("apply", *MODEL, "--variant", "tome", "--tome-r", "3", "--no-throughput", "--json")
+def test_variant_arg_r_sets_r_and_excludes_keep() -> None:
+    r3 = ("--variant", "tome", "--variant-arg", "r=3")
+    result = run("apply", *MODEL, *r3, "--no-throughput", "--json")
     assert result.exit_code == 0, result.output
-    locations = json.loads(result.stdout)["plan"]["locations"]
-    assert [loc["merge_tokens"] for loc in locations] == [3] * len(locations)
-    shown = run("apply", *MODEL, "--variant", "tome", "--tome-r", "3", "--no-throughput")
-    assert shown.exit_code == 0 and f"merging r {[3] * len(locations)}" in shown.stdout
-    both = run("apply", *MODEL, "--variant", "tome", "--tome-r", "3", "--keep", "0.5")
-    assert both.exit_code == 2 and "--keep and --tome-r exclude each other" in both.output
-    other = run("apply", *MODEL, "--variant", "etps", "--tome-r", "3", "--no-throughput")
-    assert other.exit_code == 2 and "--tome-r is ToMe's setting; etps" in other.output
+    plan = json.loads(result.stdout)["plan"]
+    assert [loc["merge_tokens"] for loc in plan["locations"]] == [3] * len(plan["locations"])
+    assert plan["variant_args"] == {"r": 3}
+    shown = run("apply", *MODEL, *r3, "--no-throughput")
+    assert shown.exit_code == 0 and f"merging r {[3] * len(plan['locations'])}" in shown.stdout
+    both = run("apply", *MODEL, *r3, "--keep", "0.5")
+    assert both.exit_code == 2 and "--keep and --variant-arg r exclude each other" in both.output
+    other = run("apply", *MODEL, "--variant", "etps", "--variant-arg", "r=3", "--no-throughput")
+    assert other.exit_code == 2
+    assert "--variant-arg r: etps has no such setting; it takes none" in other.output
+    bad = run("apply", *MODEL, "--variant", "tome", "--variant-arg", "r3")
+    assert bad.exit_code == 2 and "--variant-arg 'r3' has no '='" in bad.output
 
 
 def test_bench_report_visualize_and_export_the_artifact(applied, tmp_path) -> None:

@@ -8,12 +8,15 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from PIL import Image
 
 import vitcompress
 from tests.models import FIXTURES, timm_small
+from tests.test_search_cli import image_folder
 from vitcompress.cli.main import cli
 from vitcompress.graph import plan as plan_module
 from vitcompress.graph.plan import Plan, PlanError
@@ -21,87 +24,128 @@ from vitcompress.metadata import compression_info
 from vitcompress.training.losses import DistillationTaps
 from vitcompress.variants import (
     VARIANTS,
+    AttentionScorer,
+    FuseOne,
+    MatchingScorer,
+    Merge,
+    PredictorScorer,
+    Squeeze,
     UnknownVariantError,
     get_variant,
     register_variant,
     unregister_variant,
     variant_names,
+    variant_settings,
 )
 from vitcompress.variants.base import AFTER_ATTENTION, BEFORE_BLOCK
 from vitcompress.workflows.report import _variant_colour
 
 SIZE = (3, 32, 32)
 
-# A whole new method in one file: keep the tokens the cls attends to most, drop the others.
+# A whole new method in one file, with a scorer and a fuse of its own: score the patch tokens by
+# their norm before the block, keep the largest, and average the others into the kept token they
+# lie nearest to on the grid.
 ONE_FILE_METHOD = '''
-"""attndrop: keeps ceil(rho * n) tokens by cls attention after the attention residual; drops
-the rest (EViT without its fused token)."""
+"""normpool: keeps the ceil(rho * n) patch tokens of largest norm before a block and averages
+each other token into the kept one nearest to it on the token axis."""
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from vitcompress.method import gather_tokens, split_by_score
-from vitcompress.variants import register_variant
-from vitcompress.variants.base import (
-    AFTER_ATTENTION,
-    ATTENTION_GIVES_SCORE,
-    COUNT_OF_PRESENT,
-    Variant,
-)
+from vitcompress.method import gather_tokens, keep_count, split_by_score
+from vitcompress.modules.reducers import RecordsAssignment
+from vitcompress.variants import Fuse, Scorer, Variant, register_variant
+from vitcompress.variants.placement import BEFORE_BLOCK, COUNT_OF_PRESENT
 
 
-class DropByAttention(nn.Module):
-    def __init__(self, prefix_tokens, keep_ratio):
+@dataclass(frozen=True)
+class NormScorer(Scorer):
+    label: str = "token norm"
+    placement: str = BEFORE_BLOCK
+    keep_count: str = COUNT_OF_PRESENT
+
+    def macs(self, cost):
+        return cost.patch_tokens * cost.dim  # one squared norm per patch token
+
+
+@dataclass(frozen=True)
+class NearestAverage(Fuse):
+    label: str = "averaged into the nearest kept token"
+
+    def fuse(self, prefix, kept, pruned, pruned_scores, keep_index=None, prune_index=None):
+        distance = (prune_index.unsqueeze(-1) - keep_index.unsqueeze(1)).abs()
+        host_index = distance.argmin(dim=-1)  # (B, pruned)
+        index = host_index.unsqueeze(-1).expand(-1, -1, kept.shape[-1])
+        total = kept.scatter_add(1, index, pruned)
+        count = torch.ones(kept.shape[:2]).scatter_add(1, host_index, torch.ones(host_index.shape))
+        return torch.cat([prefix, total / count.unsqueeze(-1)], dim=1), host_index
+
+    def macs(self, removed, kept, dim):
+        return removed * dim  # one add per channel of every averaged token
+
+    def explain(self, assignment, present, groups):
+        kept = [present[i] for i in assignment.keep_index[0].tolist()]
+        hosts = {pos: [] for pos in kept}
+        pruned = [present[i] for i in assignment.prune_index[0].tolist()]
+        for donor, host in zip(pruned, assignment.host_index[0].tolist()):
+            hosts[kept[host]].append(donor)
+        return hosts
+
+
+class NormPool(RecordsAssignment, nn.Module):
+    def __init__(self, prefix_tokens, keep_ratio, fuse):
         super().__init__()
-        self.prefix_tokens = prefix_tokens
-        self.keep_ratio = keep_ratio
+        self.prefix_tokens, self.keep_ratio, self.fuse = prefix_tokens, keep_ratio, fuse
 
-    def forward(self, x, scores, keep_mask=None, positions=None):
+    def forward(self, x, keep_mask=None, positions=None):
         p = self.prefix_tokens
-        k = max(1, math.ceil(self.keep_ratio * (x.shape[1] - p)))
-        keep = split_by_score(scores, k)[0].sort(dim=1).values
-        kept_positions = keep if positions is None else torch.gather(positions, 1, keep)
-        return torch.cat([x[:, :p], gather_tokens(x[:, p:], keep)], 1), None, kept_positions
+        prefix, patches = x[:, :p], x[:, p:]
+        k = keep_count(patches.shape[1], self.keep_ratio, "ceil")
+        if k >= patches.shape[1]:
+            return x, keep_mask, positions
+        keep_index, prune_index = split_by_score(patches.norm(dim=-1), k)
+        keep_index, prune_index = keep_index.sort(dim=1).values, prune_index.sort(dim=1).values
+        kept, pruned = gather_tokens(patches, keep_index), gather_tokens(patches, prune_index)
+        tokens, host_index = self.fuse.fuse(prefix, kept, pruned, None, keep_index, prune_index)
+        self._recorded(x, keep_index=keep_index, prune_index=prune_index, host_index=host_index)
+        kept_positions = keep_index if positions is None else positions.gather(1, keep_index)
+        return tokens, None, kept_positions
 
 
 @dataclass(frozen=True, kw_only=True)
-class AttentionDrop(Variant):
+class NormPoolVariant(Variant):
     def build_reducer(self, block, location, plan):
-        return DropByAttention(block.prefix_tokens, location.keep)
+        return NormPool(block.prefix_tokens, location.keep, self.fuse)
 
 
 @register_variant
-def attndrop():
-    return AttentionDrop(
-        name="attndrop",
-        summary="cls attention inside the block; pruned tokens dropped",
-        placement=AFTER_ATTENTION,
-        scorer="attention",
-        fuse="drop",
-        learned=False,
-        keep_count=COUNT_OF_PRESENT,
+def normpool():
+    return NormPoolVariant(
+        name="normpool",
+        summary="token norm before the block; the others averaged into the nearest kept token",
+        scorer=NormScorer(),
+        fuse=NearestAverage(),
         resorts_tokens=False,
-        attention_gives=ATTENTION_GIVES_SCORE,
+        policies=("score",),
     )
 '''
 
 
 @pytest.fixture
 def one_file_method(tmp_path: Path):
-    path = tmp_path / "attndrop_method.py"
+    path = tmp_path / "normpool_method.py"
     path.write_text(ONE_FILE_METHOD)
-    spec = importlib.util.spec_from_file_location("attndrop_method", path)
+    spec = importlib.util.spec_from_file_location("normpool_method", path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["attndrop_method"] = module
+    sys.modules["normpool_method"] = module
     spec.loader.exec_module(module)  # registers it
     try:
         yield module
     finally:
-        unregister_variant("attndrop")
-        del sys.modules["attndrop_method"]
+        unregister_variant("normpool")
+        del sys.modules["normpool_method"]
 
 
 def test_the_built_in_variants_are_registered_objects() -> None:
@@ -110,22 +154,28 @@ def test_the_built_in_variants_are_registered_objects() -> None:
     dtps, evit, tome = get_variant("dtps"), get_variant("evit"), get_variant("tome")
     assert (dtps.placement, dtps.scorer, dtps.fuse, dtps.learned) == (
         BEFORE_BLOCK,
-        "predictor",
-        "squeeze",
+        PredictorScorer(),
+        Squeeze(),
         True,
     )
     assert (evit.placement, evit.scorer, evit.fuse, evit.learned) == (
         AFTER_ATTENTION,
-        "attention",
-        "evit",
+        AttentionScorer(),
+        FuseOne(),
         False,
     )
     assert (tome.placement, tome.scorer, tome.fuse, tome.tracks_sizes) == (
         AFTER_ATTENTION,
-        "matching",
-        "merge",
+        MatchingScorer(),
+        Merge(),
         True,
     )
+    # What callers ask, answered by the parts.
+    assert dtps.fused_kernel and not evit.fused_kernel and not tome.fused_kernel
+    assert dtps.keeps_grid_positions and not evit.keeps_grid_positions
+    assert all(v.searchable for v in (dtps, evit, tome))
+    assert tome.settings == {} and get_variant("tome", {"r": 4}).settings == {"r": 4}
+    assert variant_settings("tome") == {"r": None} and variant_settings("dtps") == {}
     assert "ratio" in dtps.losses and "ratio" not in evit.losses
     assert dtps.keep_tokens(196, 0.49) == 96 and evit.keep_tokens(196, 0.49) is None
 
@@ -146,7 +196,7 @@ def test_plans_ask_their_variant_and_keep_their_json() -> None:
     model = timm_small("vit_small_patch16_224")
     compressed = vitcompress.compress(model, "etps", keep=0.7)
     plan = compression_info(compressed).plan
-    assert plan.method is get_variant("etps") and plan.scorer == "attention"
+    assert plan.method is get_variant("etps") and plan.method.scorer == AttentionScorer()
     data = plan.to_json()
     # Only ToMe's locations carry merge_tokens: the others' JSON is as before, and JSON without
     # it (every artifact saved before) reads back.
@@ -165,50 +215,89 @@ def test_losses_and_report_ask_the_variant() -> None:
     assert slots == [0, 1, 2, 3, 4] and _variant_colour("none") == len(VARIANTS)
 
 
-def test_adding_a_method_is_one_file(one_file_method) -> None:
+def test_adding_a_method_is_one_file(one_file_method, tmp_path) -> None:
+    """A method with its own scorer and fuse, defined in one file, goes through compress, apply,
+    search, visualize, report and export with nothing else edited."""
     torch.manual_seed(0)
     model = timm_small("vit_small_patch16_224").eval()
     image = torch.randn(2, *SIZE)
-    compressed = vitcompress.compress(model, "attndrop", keep=0.5, locs=[1]).eval()
+    compressed = vitcompress.compress(model, "normpool", keep=0.5, locs=[1]).eval()
     seen = []
     compressed.tps.get_submodule("0").register_forward_hook(
         lambda module, args, output: seen.append(output[0].shape[1])
     )
     with torch.no_grad():
         out = compressed(image)
-        same = vitcompress.compress(model, "attndrop", keep=1.0, locs=[1]).eval()(image)
+        same = vitcompress.compress(model, "normpool", keep=1.0, locs=[1]).eval()(image)
         base = model(image)
     assert seen == [1 + 32]  # cls + ceil(0.5 * 64) patch tokens
     assert out.shape == base.shape and not torch.allclose(out, base, atol=1e-4)
     assert torch.allclose(same, base, atol=1e-6)
-    # The command line offers it and runs it, through the same choices.
+
+    # apply: offered and run through the same choices, its MACs counted.
     runner = CliRunner()
-    assert "attndrop" in runner.invoke(cli, ["apply", "--help"]).output
-    result = runner.invoke(
+    assert "normpool" in runner.invoke(cli, ["apply", "--help"]).output
+    tiny = ["--model", f"{FIXTURES}:mha_vit", "--model-arg", "depth=4", "--model-arg", "dim=32"]
+    art = tmp_path / "art"
+    applied = runner.invoke(
         cli,
-        [
-            "apply",
-            "--model",
-            f"{FIXTURES}:mha_vit",
-            "--model-arg",
-            "depth=2",
-            "--variant",
-            "attndrop",
-            "--keep",
-            "0.5",
-            "--no-throughput",
-            "--json",
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["plan"]["variant"] == "attndrop"
+        [*("apply", *tiny, "--variant", "normpool", "--keep", "0.5", "--locs", "1"),
+         *("--no-throughput", "--out", str(art), "--json")],
+    )  # fmt: skip
+    assert applied.exit_code == 0, applied.output
+    data = json.loads(applied.stdout)
+    assert data["plan"]["variant"] == "normpool"
+    assert data["compressed"]["gmacs"] < data["base"]["gmacs"]
+    (tmp_path / "apply.json").write_text(applied.stdout)
+
+    # search: its scorer and fuse give its MACs, so it is searched, and they match the count.
+    searched = runner.invoke(
+        cli,
+        [*("search", *tiny, "--data", str(image_folder(tmp_path / "data"))),
+         *("--max-gmacs-ratio", "0.8", "--variants", "normpool", "--calib-images", "8"),
+         *("--max-candidates", "3", "--batch-size", "4", "--out", str(tmp_path / "s"), "--json")],
+    )  # fmt: skip
+    assert searched.exit_code == 0, searched.output
+    found = json.loads(searched.stdout)
+    assert found["best"]["variant"] == "normpool" and not found["space"]["left_out"]
+    assert found["macs_check"]["max_relative_error"] < 0.01, found["macs_check"]
+
+    # visualize: the assignment its reducer recorded, as its fuse explains it.
+    rows, cols = np.mgrid[0:32, 0:32]
+    pixels = np.stack([cols * 7, rows * 7, (rows // 8 % 2) * 200], axis=-1).astype(np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "image.png")
+    shown = runner.invoke(
+        cli,
+        [*("visualize", "--model", str(art), "--image", str(tmp_path / "image.png")),
+         *("--out", str(tmp_path / "v.png"), "--json")],
+    )  # fmt: skip
+    assert shown.exit_code == 0, shown.output
+    (location,) = json.loads(shown.stdout)["locations"]
+    members = sorted(m for group in location["hosts"].values() for m in group)
+    assert members == sorted(location["pruned"]) and len(location["kept"]) == 32
+    for host, group in location["hosts"].items():  # each went to its nearest kept token
+        for donor in group:
+            assert all(abs(donor - int(host)) <= abs(donor - k) for k in location["kept"])
+
+    # report and export.
+    report = runner.invoke(cli, ["report", str(tmp_path / "apply.json"), "--json"])
+    assert report.exit_code == 0, report.output
+    assert any(row["variant"] == "normpool" and row["keep"] == "0.5" for row in
+               json.loads(report.stdout)["rows"])  # fmt: skip
+    exported = runner.invoke(
+        cli,
+        [*("export", "--model", str(art), "--format", "onnx", "--out", str(tmp_path / "m.onnx")),
+         *("--batch-size", "2", "--json")],
+    )  # fmt: skip
+    assert exported.exit_code == 0, exported.output
+    assert json.loads(exported.stdout)["max_abs_diff"] <= 1e-4
 
 
 def test_an_unregistered_method_is_not_offered() -> None:
     result = CliRunner().invoke(
-        cli, ["apply", "--model", f"{FIXTURES}:mha_vit", "--variant", "attndrop"]
+        cli, ["apply", "--model", f"{FIXTURES}:mha_vit", "--variant", "normpool"]
     )
-    assert result.exit_code == 2 and "'attndrop' is not one of" in result.output
+    assert result.exit_code == 2 and "'normpool' is not one of" in result.output
 
 
 @pytest.mark.parametrize(

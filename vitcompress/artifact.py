@@ -116,8 +116,10 @@ def _rebuild(
             raise fail(f"model map: {'; '.join(differences)}")
     try:
         plan = Plan.from_json(plan_json)
+        # A method's setting that replaced the keep ratios (ToMe's r) plans them again itself.
+        keep = None if plan.method.keep_setting else plan.keep
         model = compress_mapped(
-            base.model, captured, model_map, size, plan.variant, plan.keep, plan.locs, plan.policy
+            base.model, captured, model_map, size, plan.method, keep, plan.locs, plan.policy
         )
     except PlanError as e:
         raise fail(

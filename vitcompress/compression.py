@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import numbers
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +23,7 @@ from vitcompress.graph.capture import (
     check_rewritable,
 )
 from vitcompress.graph.model_map import ModelMap
-from vitcompress.graph.plan import PlanError, default_keep, make_plan
+from vitcompress.graph.plan import PlanError, default_keep, make_plan, resolve_variant
 from vitcompress.graph.rewrite import rewrite
 from vitcompress.keep_lists import plan_from_cumulative
 from vitcompress.loading import (
@@ -33,8 +34,9 @@ from vitcompress.loading import (
     one_line,
 )
 from vitcompress.metadata import attach, compression_info
-from vitcompress.method import CumulativeKeep, KeepListError, MergesPerBlock
+from vitcompress.method import CumulativeKeep
 from vitcompress.model_args import readable_timm_args
+from vitcompress.variants import Variant
 from vitcompress.weight_decay import (
     NO_WEIGHT_DECAY_ATTRIBUTE,
     no_weight_decay_parameters,
@@ -100,15 +102,18 @@ def map_model(model: nn.Module, input_size: tuple[int, int, int] | None = None) 
     return capture_and_map(model, resolve_input_size(model, input_size))[1]
 
 
+Keep = float | list[float] | CumulativeKeep | None
+
+
 def compress(
     model: nn.Module,
-    variant: str = "etps",
-    keep: float | list[float] | CumulativeKeep | MergesPerBlock | None = None,
+    variant: str | Variant = "etps",
+    keep: Keep = None,
     locs: list[int] | None = None,
     input_size: tuple[int, int, int] | None = None,
     policy: str = "score",
     keep_cumulative: Sequence[float] | None = None,
-    tome_r: int | None = None,
+    variant_args: dict[str, Any] | None = None,
 ) -> nn.Module:
     """Return a compressed copy of ``model`` (left unchanged): an ordinary ``nn.Module`` whose
     ``.eval()`` drops tokens physically and whose ``.train()`` runs its variant's training path.
@@ -116,9 +121,10 @@ def compress(
     ``keep`` is a ratio per location (``0.7`` or ``[0.7, 0.7, 0.7]``); ``keep_cumulative``, the
     official configs' form, gives instead the fraction of the stage's initial patch count kept
     after each location (``[0.7, 0.49, 0.343]``: 137, 96 and 67 of DeiT-S's 196), dtps and
-    dynamicvit only; ``tome_r``, ToMe's native setting, the tokens merged in every block from the
-    first location on (tome only). Give one of the three. ``variant`` names a registered variant
-    (:func:`vitcompress.variants.variant_names`).
+    dynamicvit only. ``variant`` names a registered variant
+    (:func:`vitcompress.variants.variant_names`) or is a variant object; ``variant_args`` are the
+    method's own settings (:func:`vitcompress.variants.variant_settings`), e.g. ToMe's
+    ``{"r": 8}``, the tokens merged in every block, which replaces ``keep``.
 
     The result carries its plan and model map (read them with
     :func:`vitcompress.metadata.compression_info`).
@@ -129,16 +135,10 @@ def compress(
         if keep is not None:
             raise PlanError("keep and keep_cumulative exclude each other; give one")
         keep = CumulativeKeep(tuple(keep_cumulative))
-    if tome_r is not None:
-        if keep is not None:
-            raise PlanError("keep, keep_cumulative and tome_r exclude each other; give one")
-        try:
-            keep = MergesPerBlock(tome_r)
-        except KeepListError as e:
-            raise PlanError(str(e), "tome_r") from None
+    method = resolve_variant(variant, variant_args)
     size = resolve_input_size(model, input_size)
     captured, model_map = capture_and_map(model, size)
-    return compress_mapped(model, captured, model_map, size, variant, keep, locs, policy)
+    return compress_mapped(model, captured, model_map, size, method, keep, locs, policy)
 
 
 def compress_mapped(
@@ -146,20 +146,20 @@ def compress_mapped(
     captured: CapturedGraph,
     model_map: ModelMap,
     size: tuple[int, int, int],
-    variant: str,
-    keep: float | list[float] | CumulativeKeep | MergesPerBlock | None,
+    method: Variant,
+    keep: Keep,
     locs: list[int] | None,
     policy: str,
 ) -> nn.Module:
     """``compress`` from a capture of ``model`` made by :func:`capture_and_map` (consumed)."""
-    check_rewritable(captured, variant)
+    check_rewritable(captured)
+    setting = method.keep_setting
+    if setting is not None and keep is not None:
+        raise PlanError(f"keep and {method.name}'s {setting} exclude each other; give one")
     if isinstance(keep, CumulativeKeep):
-        plan = plan_from_cumulative(model_map, variant, keep, locs, policy)
-    elif isinstance(keep, MergesPerBlock):
-        keep_default = [default_keep(model_map)]  # unused: r replaces the keep ratios
-        plan = make_plan(model_map, variant, keep_default, locs, policy, tome_r=keep.r)
+        plan = plan_from_cumulative(model_map, method, keep, locs, policy)
     else:
-        plan = make_plan(model_map, variant, _keep_ratios(keep, model_map), locs, policy)
+        plan = make_plan(model_map, method, _keep_ratios(keep, model_map), locs, policy)
     # Found before the rewrite, which changes the graph they are read from.
     no_decay = no_weight_decay_parameters(model, captured.module, EXAMPLE_BATCH)
     compressed = rewrite(captured.module, model_map, plan)
@@ -203,13 +203,16 @@ def _keep_ratios(keep: float | Sequence[float] | None, model_map: ModelMap) -> l
 
 def compress_loaded(
     loaded: LoadedModel,
-    variant: str = "etps",
-    keep: float | list[float] | CumulativeKeep | MergesPerBlock | None = None,
+    variant: str | Variant = "etps",
+    keep: Keep = None,
     locs: list[int] | None = None,
     policy: str = "score",
+    variant_args: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """``compress`` for a model from :func:`vitcompress.loading.load_base_model`, keeping its source
     so the result can be saved and rebuilt."""
-    model = compress(loaded.model, variant, keep, locs, loaded.input_size, policy)
+    model = compress(
+        loaded.model, variant, keep, locs, loaded.input_size, policy, variant_args=variant_args
+    )
     attach(model, vitcompress_source=loaded.source)
     return LoadedModel(model=model, source=loaded.source, input_size=loaded.input_size)

@@ -10,14 +10,13 @@ from __future__ import annotations
 from vitcompress.graph.model_map import ModelMap
 from vitcompress.graph.plan import Plan, PlanError, default_locs, make_plan
 from vitcompress.method import CumulativeKeep, KeepListError, keep_count, per_location_keep
-from vitcompress.variants import VARIANTS
-from vitcompress.variants.base import COUNT_OF_INITIAL, COUNT_OF_PRESENT
+from vitcompress.variants import VARIANTS, Variant
 
 PARAMETER = "keep_cumulative"  # how PlanError names it (the CLI says --keep-cumulative)
 
 
 def plan_from_cumulative(
-    model_map: ModelMap, variant: str, keep: CumulativeKeep, locs: list[int] | None, policy: str
+    model_map: ModelMap, method: Variant, keep: CumulativeKeep, locs: list[int] | None, policy: str
 ) -> Plan:
     """``make_plan`` with keep given as cumulative fractions of each stage's initial patch count.
 
@@ -41,17 +40,12 @@ def plan_from_cumulative(
         ratios = per_location_keep(list(keep.fractions), stages, patch_tokens)
     except KeepListError as e:
         raise PlanError(str(e), PARAMETER) from None
-    plan = make_plan(model_map, variant, ratios, locs, policy)
-    if plan.method.keep_count != COUNT_OF_INITIAL:
-        takers = [name for name, v in VARIANTS.items() if v.keep_count == COUNT_OF_INITIAL]
-        counted = (
-            "keeps ceil(rho * n) of the tokens present"
-            if plan.method.keep_count == COUNT_OF_PRESENT
-            else "merges a fixed number of tokens in every block"
-        )
+    plan = make_plan(model_map, method, ratios, locs, policy)
+    if not method.keeps_fraction_of_initial:
+        takers = [name for name, v in VARIANTS.items() if v.keeps_fraction_of_initial]
         raise PlanError(
             f"is for {' and '.join(takers)}, which keep a fraction of the initial "
-            f"count; {variant} {counted}: give per-location ratios",
+            f"count; {method.name} {method.keep_counting()}: give per-location ratios",
             PARAMETER,
         )
     for loc, fraction in zip(plan.locations, keep.fractions, strict=True):

@@ -233,7 +233,7 @@ class CapturedGraph:
     trace_error: str | None = None  # why symbolic tracing failed, for a graph from torch.export
 
 
-def check_rewritable(captured: CapturedGraph, variant: str) -> None:
+def check_rewritable(captured: CapturedGraph) -> None:
     """Refuse, in one line naming the blocker, to compress a graph only ``torch.export`` took.
 
     An exported graph fixes every shape to the example's (its reshapes hold the token count as
@@ -242,7 +242,7 @@ def check_rewritable(captured: CapturedGraph, variant: str) -> None:
     if captured.method != "export":
         return
     raise CaptureError(
-        f"{variant} cannot rewrite this model: only torch.export could capture it, and an "
+        "tokens cannot be reduced in this model: only torch.export could capture it, and an "
         "exported graph fixes every tensor shape to the example's token count (and cannot "
         f"train), so tokens cannot be dropped in it; symbolic tracing stopped at: "
         f"{captured.trace_error}"

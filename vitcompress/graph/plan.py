@@ -14,16 +14,16 @@ from typing import Any
 
 from vitcompress.errors import UserError
 from vitcompress.graph.model_map import Block, ModelMap
-from vitcompress.graph.positions import HEAD_KIND, head_refusal
+from vitcompress.graph.positions import HEAD_KIND, PositionUse
 from vitcompress.method import SELECTION_POLICIES
 from vitcompress.variants import (
     AFTER_ATTENTION,
     UnknownVariantError,
     Variant,
+    VariantRefusal,
     get_variant,
 )
 from vitcompress.variants import VARIANTS as VARIANTS  # the registry's live, read-only view
-from vitcompress.variants.base import COUNT_MERGED, VariantRefusal
 
 POLICIES = SELECTION_POLICIES
 
@@ -56,22 +56,14 @@ class Location:
 
 @dataclass
 class Plan:
-    variant: str
+    method: Variant  # the method object, with its settings
     policy: str
     locations: list[Location]
 
     @property
-    def method(self) -> Variant:
-        """The registered variant this plan names."""
-        return get_variant(self.variant)
-
-    @property
-    def scorer(self) -> str:
-        return self.method.scorer
-
-    @property
-    def fuse(self) -> str:
-        return self.method.fuse
+    def variant(self) -> str:
+        """The method's name, as users type it and artifacts record it."""
+        return self.method.name
 
     @property
     def locs(self) -> list[int]:
@@ -82,8 +74,11 @@ class Plan:
         return [loc.keep for loc in self.locations]
 
     def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"variant": self.variant}
+        if self.method.settings:  # only a method made with settings says them
+            data["variant_args"] = self.method.settings
         return {
-            "variant": self.variant,
+            **data,
             "policy": self.policy,
             "locs": self.locs,
             "keep": self.keep,
@@ -94,10 +89,18 @@ class Plan:
     def from_json(cls, data: dict[str, Any]) -> Plan:
         """The plan :meth:`to_json` wrote (``locs`` and ``keep`` there repeat the locations)."""
         return cls(
-            variant=data["variant"],
+            method=variant_from_json(data),
             policy=data["policy"],
             locations=[Location(**loc) for loc in data["locations"]],
         )
+
+
+def variant_from_json(data: dict[str, Any]) -> Variant:
+    """The method a plan's JSON names, with the settings it recorded."""
+    try:
+        return get_variant(str(data["variant"]), data.get("variant_args") or None)
+    except (UnknownVariantError, VariantRefusal) as e:
+        raise PlanError(str(e), "variant") from None
 
 
 def _location_json(location: Location) -> dict[str, Any]:
@@ -159,22 +162,33 @@ def _describe(stages: list[list[int]]) -> str:
     return ", ".join(map(str, blocks))
 
 
+def resolve_variant(variant: str | Variant, args: dict[str, Any] | None = None) -> Variant:
+    """Where a method enters by name (``compress()``, the command line): the method object with
+    its settings; below, every layer receives the object. Errors are one-line ``PlanError`` exceptions."""
+    if isinstance(variant, Variant):
+        if args:
+            raise PlanError("settings go with a method's name, not with a method object", "variant")
+        return variant
+    try:
+        return get_variant(variant, args)
+    except UnknownVariantError as e:
+        raise PlanError(str(e), "variant") from None
+    except VariantRefusal as e:
+        raise PlanError(e.detail, e.parameter) from None
+
+
 def make_plan(
     model_map: ModelMap,
-    variant: str,
+    method: Variant,
     keep: list[float],
     locs: list[int] | None = None,
     policy: str = "score",
-    tome_r: int | None = None,
 ) -> Plan:
-    """The plan for ``model_map``: ``variant`` at blocks ``locs`` (``None``: the paper's
+    """The plan for ``model_map``: ``method`` at blocks ``locs`` (``None``: the paper's
     placements, :func:`default_locs`), keeping ``keep`` of the tokens at each (one ratio for
-    all locations, or one per location); :func:`default_keep` gives the paper's ratio.
-    ``tome_r``: ToMe's native setting, tokens merged per block (instead of ``keep``)."""
-    try:
-        method = get_variant(variant)
-    except UnknownVariantError as e:
-        raise PlanError(str(e), "variant") from None
+    all locations, or one per location); :func:`default_keep` gives the paper's ratio. A method
+    made with a setting that replaces keep ratios (ToMe's ``r``) reads it instead."""
+    variant = method.name
     if policy not in method.policies:
         known = policy in POLICIES
         raise PlanError(
@@ -246,44 +260,32 @@ def make_plan(
             )
         )
     try:
-        locations = method.plan_locations(model_map, locations, tome_r)
+        locations = method.plan_locations(model_map, locations)
     except VariantRefusal as e:
         raise PlanError(e.detail, e.parameter) from None
-    plan = Plan(variant=variant, policy=policy, locations=locations)
+    plan = Plan(method=method, policy=policy, locations=locations)
     refusal = (
         method.refusal(model_map, plan)
         or position_refusal(model_map, plan)
-        or masked_keys_refusal(model_map, plan)
-        or score_refusal(model_map, plan)
-        or no_reduction_refusal(model_map, plan)
+        or method.reduction_refusal(plan)
     )
     if refusal is not None:
         raise PlanError(refusal)
     return plan
 
 
-def masked_keys_refusal(model_map: ModelMap, plan: Plan) -> str | None:
-    """One line when a predictor variant's training path would be wrong, else ``None``.
-
-    In training, dTPS/DynamicViT keep every token and mask the pruned ones out of the attention
-    of the later blocks of their stage. A later block whose keys come from elsewhere (CaiT's
-    class attention over the patch tokens of the stage before) lies outside that mask: it would
-    attend to pruned tokens in training and not at inference, so the fine-tune would learn another
-    model than the one served.
-    """
-    if not plan.method.learned or not plan.locations:
-        return None
-    first = plan.locations[0]
-    for block in model_map.blocks[first.block :]:
-        keys = block.attention.key_tokens
-        if block.stage != first.stage and keys is not None and keys > block.tokens:
-            return (
-                f"block {block.index} ({block.path}) attends over {keys} keys from an earlier "
-                f"stage, which {plan.variant}'s training path cannot mask after the reduction at "
-                f"block {first.block}: fine-tuning would attend to pruned tokens, so "
-                f"{plan.variant} is refused; use etps or evit"
-            )
-    return None
+def head_refusal(use: PositionUse, block: int, method: Variant, stage: int | None = None) -> str:
+    """The one-line refusal of a plan reducing tokens that a position-reading head then sees
+    (``stage``: which, when not the last)."""
+    # The predictor variants re-sort the tokens by score even when they keep all of them.
+    resorted = " (it re-sorts them even at keep 1)" if method.resorts_tokens else ""
+    whose = "the last stage's" if stage is None else f"stage {stage}'s"
+    return (
+        f"the head reads {whose} tokens by position: {use.table}; {method.name} "
+        f"drops and reorders them from block {block}{resorted}, so it is refused in that "
+        "stage rather than giving wrong logits (a head that pools the tokens or reads the "
+        "cls token is fine)"
+    )
 
 
 _MEETS = {
@@ -320,7 +322,7 @@ def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
         for use in block.position_uses:
             if use.kind == HEAD_KIND:  # the head sees whatever the stage's reduction left
                 last = block.stage == len(model_map.stages) - 1
-                return head_refusal(use, loc.block, plan.variant, None if last else block.stage)
+                return head_refusal(use, loc.block, plan.method, None if last else block.stage)
             after_attention = plan.method.placement == AFTER_ATTENTION
             if block.index == loc.block and after_attention and use.branch != "mlp":
                 continue
@@ -342,53 +344,11 @@ def _table_refusal(use, block: int, reduced_at: int, plan: Plan) -> str | None:
             f"{where}, and it cannot follow the kept tokens: {use.blocker}; so {plan.variant} "
             "is refused rather than giving wrong logits"
         )
-    if use.neutral is None and plan.fuse == "evit":
+    if use.neutral is None and not plan.method.keeps_grid_positions:
         return (
-            f"{where}: EViT's fused token has no grid position, and no row of that table is "
+            f"{where}: {plan.variant}'s fused token has no grid position, and no row of that table is "
             "known to leave it unchanged (the table is not added, nor multiplied alone, nor "
             "told apart as the cos or the sin of a rotation x * cos + r(x) * sin), so "
             f"{plan.variant} is refused rather than guessing one"
         )
     return None
-
-
-def score_refusal(model_map: ModelMap, plan: Plan) -> str | None:
-    """One line where an attention-scored variant would score with a block whose attention cores
-    do not make one map (``Block.score_blocker``, see ``parallel.py``), else ``None``."""
-    if plan.scorer != "attention":
-        return None
-    for loc in plan.locations:
-        blocker = model_map.blocks[loc.block].score_blocker
-        if blocker is not None:
-            return (
-                f"block {loc.block}: {blocker}; {plan.variant} scores tokens with that "
-                "attention, so it is refused there (dtps and dynamicvit score with a predictor)"
-            )
-    return None
-
-
-def no_reduction_refusal(model_map: ModelMap, plan: Plan) -> str | None:
-    """One line when a plan asks for a reduction (a keep below 1) that removes no token at any
-    location, else ``None``. With few tokens, EViT's fused token can make up for the one token it
-    prunes (4 tokens at keep 0.7: ceil(2.8) = 3 kept + 1 fused), and a count can round to all
-    of them: the model would run with the reducers' cost and no saving, so it is refused."""
-    method = plan.method
-    if method.keep_count == COUNT_MERGED:  # ToMe: its plan already merged a count per block
-        return None
-    if all(loc.keep >= 1.0 for loc in plan.locations):
-        return None
-    present: dict[int, int] = {}  # patch tokens present in each stage (EViT's fused one counts)
-    steps = []
-    for loc in plan.locations:
-        before = present.get(loc.stage, loc.patch_tokens)
-        after = method.tokens_after(before, loc)
-        if after < before:
-            return None
-        present[loc.stage] = after
-        steps.append(f"{before} -> {after} at block {loc.block}")
-    return (
-        f"keep {', '.join(f'{loc.keep:g}' for loc in plan.locations)} removes no token: "
-        f"{plan.variant}'s patch tokens go {'; '.join(steps)}"
-        + (" (its fused token replaces the pruned ones)" if plan.fuse == "evit" else "")
-        + "; choose a lower keep or blocks with more tokens"
-    )

@@ -29,7 +29,6 @@ import torch.fx as fx
 
 from vitcompress.graph import ops
 from vitcompress.graph.model_map import AttentionCore, PositionUse
-from vitcompress.variants import VARIANTS
 
 CONSTANT_PREFIX = "_tensor_constant"  # how torch.fx names tensors it folds into the graph
 
@@ -411,21 +410,6 @@ def _joined(
         f"cat ({cat.name}) joins the {ops.shape(node)[axis]} tokens of "
         f"{tuple(ops.shape(node))[1:]} with others by position"
     ), None
-
-
-def head_refusal(use: PositionUse, block: int, variant: str, stage: int | None = None) -> str:
-    """The one-line refusal of a plan reducing tokens that a position-reading head then sees
-    (``stage``: which, when not the last)."""
-    # The predictor variants re-sort the tokens by score even when they keep all of them.
-    method = VARIANTS.get(variant)
-    resorted = " (it re-sorts them even at keep 1)" if method and method.resorts_tokens else ""
-    whose = "the last stage's" if stage is None else f"stage {stage}'s"
-    return (
-        f"the head reads {whose} tokens by position: {use.table}; {variant} "
-        f"drops and reorders them from block {block}{resorted}, so it is refused in that "
-        "stage rather than giving wrong logits (a head that pools the tokens or reads the "
-        "cls token is fine)"
-    )
 
 
 def find_head_position_use(

@@ -9,7 +9,6 @@ from vitcompress.method.attention import masked_attention, masked_softmax
 from vitcompress.method.keep import (
     CumulativeKeep,
     KeepListError,
-    MergesPerBlock,
     per_location_keep,
 )
 from vitcompress.method.merge import (
@@ -47,7 +46,6 @@ __all__ = [
     "CumulativeKeep",
     "KeepListError",
     "Matching",
-    "MergesPerBlock",
     "SELECTION_POLICIES",
     "bipartite_soft_matching",
     "cls_attention_score",

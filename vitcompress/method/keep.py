@@ -38,18 +38,6 @@ class CumulativeKeep:
         object.__setattr__(self, "fractions", tuple(self.fractions))
 
 
-@dataclass(frozen=True)
-class MergesPerBlock:
-    """Keep given as ToMe's native setting: ``r`` tokens merged in every block it acts in.
-    Passed where a keep ratio or list is taken (``--tome-r``, ``tome_r=``); tome only."""
-
-    r: int
-
-    def __post_init__(self) -> None:
-        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 0:
-            raise KeepListError(f"must be a whole number of tokens >= 0, got {self.r!r}")
-
-
 def planned_cumulative(ratios: Sequence[float]) -> float:
     """The cumulative keep the plan derives from a stage's ratios so far: ``rho ** s`` when they
     are all equal, else their product left to right (as ``graph.plan.make_plan`` computes it;

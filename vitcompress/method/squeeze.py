@@ -9,6 +9,7 @@ weight on itself (its similarity to itself is 1). Hosts without donors are uncha
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -78,24 +79,29 @@ def fuse_into_hosts(
     return x.scatter_add(1, index, contribution).to(hosts.dtype)
 
 
-def squeeze(hosts: Tensor, donors: Tensor, prefix: Tensor | None = None) -> Tensor:
+def squeeze(
+    hosts: Tensor, donors: Tensor, prefix: Tensor | None = None, return_hosts: bool = False
+) -> Any:
     """TPS at inference: squeeze ``(B, Np, C)`` donors into ``(B, Nr, C)`` hosts.
 
     With ``prefix`` ``(B, P, C)`` the result is ``cat([prefix, squeezed hosts])``, fused in place
     into the concatenation's fresh buffer rather than into a copy that is concatenated after.
+    ``return_hosts``: also each donor's host, its index among ``hosts`` (B, Np).
     """
     offset = 0 if prefix is None else prefix.shape[1]
     out = hosts if prefix is None else torch.cat([prefix, hosts], dim=1)
     if donors.shape[1] == 0:
-        return out
+        empty = donors.new_zeros(donors.shape[:2], dtype=torch.long)
+        return (out, empty) if return_hosts else out
     host_index, host_similarity = match_hosts_cosine(donors, hosts)
-    return fuse_into_hosts(
+    out = fuse_into_hosts(
         out,
         donors,
         host_index + offset if offset else host_index,
         host_similarity,
         inplace=prefix is not None,
     )
+    return (out, host_index) if return_hosts else out
 
 
 def squeeze_dense(hosts: Tensor, donors: Tensor) -> Tensor:

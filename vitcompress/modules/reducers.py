@@ -11,25 +11,68 @@ Both return ``(tokens, keep_mask, positions)``:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vitcompress.kernels.ops import select_squeeze
 from vitcompress.method import (
     SELECTION_POLICIES,
+    Matching,
     bipartite_soft_matching,
-    evit_fuse,
     gather_tokens,
     keep_count,
     merge_tokens,
     split_by_score,
-    squeeze,
-    squeeze_masked,
 )
 from vitcompress.modules.predictor import ScorePredictor
 
 POLICIES = SELECTION_POLICIES  # the name other modules import
+
+
+class TokenFuse(Protocol):
+    """What a reducer asks of its method's fuse (``vitcompress.variants.fuses.Fuse``)."""
+
+    adds_token: bool
+    fused_kernel: bool
+
+    def fuse(
+        self, prefix: Tensor, kept: Tensor, pruned: Tensor, pruned_scores: Tensor
+    ) -> tuple[Tensor, Tensor | None]: ...
+
+    def fuse_masked(self, patches: Tensor, host_mask: Tensor, donor_mask: Tensor) -> Tensor: ...
+
+    def kernel(
+        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int
+    ) -> tuple[Tensor, Tensor]: ...
+
+
+@dataclass
+class Assignment:
+    """What a reducer did in its last forward, recorded while its ``record`` is set (``visualize``
+    reads it; nothing is recomputed). Indices are into the non-prefix tokens it was given, except
+    ToMe's ``matching``, which is over the whole sequence (prefix included)."""
+
+    prefix_tokens: int
+    tokens: int  # the sequence length the reducer was given
+    keep_index: Tensor | None = None  # (B, kept)
+    prune_index: Tensor | None = None  # (B, pruned)
+    host_index: Tensor | None = None  # (B, pruned): each pruned token's host, among the kept
+    matching: Matching | None = None
+
+
+class RecordsAssignment:
+    """``record = True`` makes a reducer keep an :class:`Assignment` of its next forwards
+    (``visualize`` sets it); a new method's reducer mixes it in and calls :meth:`_recorded`."""
+
+    record: bool = False
+    assignment: Assignment | None = None
+
+    def _recorded(self, x: Tensor, **fields) -> None:
+        if self.record:
+            self.assignment = Assignment(self.prefix_tokens, x.shape[1], **fields)
 
 
 def _kept_positions(positions: Tensor | None, keep_index: Tensor) -> Tensor:
@@ -38,8 +81,8 @@ def _kept_positions(positions: Tensor | None, keep_index: Tensor) -> Tensor:
     return keep_index if positions is None else torch.gather(positions, 1, keep_index)
 
 
-class PredictorReducer(nn.Module):
-    """dTPS (``squeeze=True``) and DynamicViT (``squeeze=False``), placed BEFORE a block.
+class PredictorReducer(RecordsAssignment, nn.Module):
+    """dTPS (fuse: squeeze) and DynamicViT (fuse: drop), placed BEFORE a block.
 
     Inference keeps ``keep_tokens`` patch tokens (``int(N0 * rho**s)``, fixed, so shapes are
     constant) by the predictor's keep log-probability and, for dTPS, squeezes the rest into their
@@ -52,7 +95,7 @@ class PredictorReducer(nn.Module):
         prefix_tokens: int,
         keep_tokens: int,
         keep_ratio: float,
-        squeeze: bool = True,
+        fuse: TokenFuse,
         policy: str = "score",
     ) -> None:
         super().__init__()
@@ -61,18 +104,18 @@ class PredictorReducer(nn.Module):
         self.prefix_tokens = prefix_tokens
         self.keep_tokens = keep_tokens
         self.keep_ratio = keep_ratio  # target fraction of N0 kept after this location (ratio loss)
-        self.squeeze = squeeze
+        self.fuse = fuse
         self.policy = policy
         self.predictor = ScorePredictor(dim)
-        # Set by vitcompress.kernels.enable_fused_kernels: select -> gather -> squeeze as one op
+        # Set by vitcompress.kernels.enable_fused_kernels: select -> gather -> fuse as one op
         # at inference. Not state: a saved model loads with the method's path.
         self.fused_kernel = False
-        self.supports_fused_kernel = True
+        self.supports_fused_kernel = fuse.fused_kernel
 
     def extra_repr(self) -> str:
         return (
             f"prefix_tokens={self.prefix_tokens}, keep_tokens={self.keep_tokens}, "
-            f"squeeze={self.squeeze}, policy={self.policy!r}"
+            f"fuse={self.fuse.label!r}, policy={self.policy!r}"
         )
 
     def forward(
@@ -87,15 +130,15 @@ class PredictorReducer(nn.Module):
         else:
             scores = self.predictor.keep_score(patches)
         k = min(self.keep_tokens, patches.shape[1])
-        if self.fused_kernel and not x.requires_grad:
-            tokens, keep_index = select_squeeze(x, scores, p, k, self.squeeze)
+        if self.fused_kernel and not x.requires_grad and not self.record:
+            tokens, keep_index = self.fuse.kernel(x, scores, p, k)
             return tokens, None, _kept_positions(positions, keep_index)
         keep_index, prune_index = split_by_score(scores, k)
         kept = gather_tokens(patches, keep_index)
-        positions = _kept_positions(positions, keep_index)
-        if self.squeeze:
-            return squeeze(kept, gather_tokens(patches, prune_index), prefix), None, positions
-        return torch.cat([prefix, kept], dim=1), None, positions
+        pruned = gather_tokens(patches, prune_index)
+        tokens, host_index = self.fuse.fuse(prefix, kept, pruned, scores.gather(1, prune_index))
+        self._recorded(x, keep_index=keep_index, prune_index=prune_index, host_index=host_index)
+        return tokens, None, _kept_positions(positions, keep_index)
 
     def _train(
         self, prefix: Tensor, patches: Tensor, keep_mask: Tensor | None, positions: Tensor | None
@@ -112,39 +155,36 @@ class PredictorReducer(nn.Module):
         else:
             log_probs = self.predictor(patches, previous)
             hard = F.gumbel_softmax(log_probs, hard=True)[..., 0] * previous
-        if self.squeeze:
-            patches = squeeze_masked(patches, host_mask=hard, donor_mask=(1.0 - hard) * previous)
+        patches = self.fuse.fuse_masked(patches, host_mask=hard, donor_mask=(1.0 - hard) * previous)
         mask = torch.cat([hard.new_ones(b, self.prefix_tokens), hard], dim=1)
         return torch.cat([prefix, patches], dim=1), mask, positions
 
 
-class AttentionReducer(nn.Module):
-    """eTPS (``fuse="squeeze"``) and EViT (``fuse="evit"``), placed INSIDE a block after the
+class AttentionReducer(RecordsAssignment, nn.Module):
+    """eTPS (fuse: squeeze) and EViT (fuse: one extra token), placed INSIDE a block after the
     attention residual add, scored by that block's attention. Drops tokens in training too.
 
     Keeps ``ceil(rho * n)`` of the ``n`` non-prefix tokens present (EViT's fused token counts).
     """
 
     def __init__(
-        self, prefix_tokens: int, keep_ratio: float, fuse: str = "squeeze", policy: str = "score"
+        self, prefix_tokens: int, keep_ratio: float, fuse: TokenFuse, policy: str = "score"
     ) -> None:
         super().__init__()
-        if fuse not in ("squeeze", "evit"):
-            raise ValueError(f"fuse must be 'squeeze' or 'evit', got {fuse!r}")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.prefix_tokens = prefix_tokens
         self.keep_ratio = keep_ratio
         self.fuse = fuse
         self.policy = policy
-        # As PredictorReducer's; EViT's fused token keeps the method's path.
+        # As PredictorReducer's; a fuse without a kernel (EViT's) keeps the method's path.
         self.fused_kernel = False
-        self.supports_fused_kernel = fuse == "squeeze"
+        self.supports_fused_kernel = fuse.fused_kernel
 
     def extra_repr(self) -> str:
         return (
             f"prefix_tokens={self.prefix_tokens}, keep_ratio={self.keep_ratio}, "
-            f"fuse={self.fuse!r}, policy={self.policy!r}"
+            f"fuse={self.fuse.label!r}, policy={self.policy!r}"
         )
 
     def forward(
@@ -162,26 +202,21 @@ class AttentionReducer(nn.Module):
             return x, None, positions
         # A random policy only changes who is kept; EViT still weights its fused token by attention.
         order = torch.rand_like(scores) if self.policy == "random" else scores
-        if (
-            self.fused_kernel
-            and self.fuse == "squeeze"
-            and not self.training
-            and not x.requires_grad
-        ):
-            tokens, keep_index = select_squeeze(x, order, p, k)
+        if self.fused_kernel and not self.training and not x.requires_grad and not self.record:
+            tokens, keep_index = self.fuse.kernel(x, order, p, k)
             return tokens, None, _kept_positions(positions, keep_index)
         keep_index, prune_index = split_by_score(order, k)
         kept = gather_tokens(patches, keep_index)
         pruned = gather_tokens(patches, prune_index)
         positions = _kept_positions(positions, keep_index)
-        if self.fuse == "squeeze":
-            return squeeze(kept, pruned, prefix), None, positions
-        extra = evit_fuse(pruned, torch.gather(scores, 1, prune_index))
-        positions = torch.cat([positions, positions.new_full((x.shape[0], 1), -1)], dim=1)
-        return torch.cat([prefix, kept, extra], dim=1), None, positions
+        tokens, host_index = self.fuse.fuse(prefix, kept, pruned, scores.gather(1, prune_index))
+        self._recorded(x, keep_index=keep_index, prune_index=prune_index, host_index=host_index)
+        if self.fuse.adds_token:  # a token on no grid position
+            positions = torch.cat([positions, positions.new_full((x.shape[0], 1), -1)], dim=1)
+        return tokens, None, positions
 
 
-class MergeReducer(nn.Module):
+class MergeReducer(RecordsAssignment, nn.Module):
     """ToMe, placed INSIDE a block after the attention residual add: merges ``r`` tokens by
     bipartite soft matching on the block's keys (``metric``, head-mean, (B, t, D)), weighted by the
     tokens' sizes; prefix tokens are protected. The same in training (gradients flow through the
@@ -209,6 +244,7 @@ class MergeReducer(nn.Module):
         sizes: Tensor | None = None,
     ) -> tuple[Tensor, None, Tensor | None, Tensor | None]:
         matching = bipartite_soft_matching(metric, self.r, self.prefix_tokens)
+        self._recorded(x, matching=matching)
         if matching.src.shape[1] == 0:  # r = 0 merges nothing: the tokens pass as they came
             return x, None, positions, sizes
         if sizes is None:

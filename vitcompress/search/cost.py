@@ -12,11 +12,12 @@ counts a plan leaves each block with. Per block:
   attention branch sees the tokens the block was entered with, the MLP branch those left after an
   in-block reduction (eTPS/EViT).
 
-The reducers a plan inserts add their own work, counted from dimensions: the predictor's MLP over
-the patch tokens present (dTPS/DynamicViT), the donor-host similarity of squeezing
-(``donors x hosts x C``: dTPS/eTPS), the cls-row attention score (eTPS/EViT on SDPA) and ToMe's
-bipartite similarity (``ceil(t/2) x floor(t/2) x head dim`` in every merging block; its
-size-weighted averages and ``log s`` bias are not multiply-accumulates).
+The reducers a plan inserts add their own work, which each method counts from dimensions
+(``Variant.location_macs``: its scorer's and its fuse's): the predictor's MLP over the patch
+tokens present (dTPS/DynamicViT), the donor-host similarity of squeezing (``donors x hosts x C``:
+dTPS/eTPS), the cls-row attention score (eTPS/EViT on SDPA) and ToMe's bipartite similarity
+(``ceil(t/2) x floor(t/2) x head dim`` in every merging block; its size-weighted averages and
+``log s`` bias are not multiply-accumulates). A method that cannot count its work is not searched.
 Everything outside the blocks (patch embedding, a pyramid's next patch embedding on the full grid,
 the head) is taken as constant. :func:`cross_check` compares the result with the counted MACs of
 compressed models.
@@ -33,7 +34,7 @@ from torch import nn
 from vitcompress.graph.model_map import ModelMap
 from vitcompress.graph.plan import Plan
 from vitcompress.measure.macs import run_counter
-from vitcompress.variants.base import BEFORE_BLOCK
+from vitcompress.variants import BEFORE_BLOCK, ScoringCost
 
 # aten ops whose work is the attention products (counted by FlopCounterMode as 2 FLOPs per MAC).
 _ATTENTION_PRODUCT_OPS = ("bmm", "baddbmm", "scaled_dot_product", "_flash_attention", "_efficient")
@@ -102,34 +103,30 @@ class CostModel:
                 total += block.macs(p + n, p + n)
                 continue
             after = method.tokens_after(n, loc)
-            # The squeeze's similarity of each donor to each host (hosts = the kept tokens).
-            squeeze = (n - after) * after * block.dim if method.fuse == "squeeze" else 0
-            if method.fuse == "merge":  # ToMe: every block of its range is a location
-                total += self._matching_macs(index, p + n)
-                total += block.macs(p + n, p + after)
-            elif method.placement == BEFORE_BLOCK:  # a predictor on the tokens entering
-                total += _predictor_macs(n, block.dim) + squeeze + block.macs(p + after, p + after)
-            else:  # scored by the block's attention, reduced before its MLP
-                total += self._score_macs(index, p + n) + squeeze + block.macs(p + n, p + after)
+            # The reducer's own work (scoring, fusing), which the method counts.
+            extra = method.location_macs(self._scoring(index, n), after)
+            if extra is None:
+                raise ValueError(f"{method.name} has no analytic MACs")
+            if method.placement == BEFORE_BLOCK:  # the whole block sees the tokens kept
+                total += extra + block.macs(p + after, p + after)
+            else:  # reduced after the attention: only the MLP sees fewer
+                total += extra + block.macs(p + n, p + after)
             present[stage] = after
         return total
 
-    def _matching_macs(self, index: int, tokens: int) -> float:
-        """ToMe's matching: the cosine similarity of the ``ceil(t/2)`` even tokens to the
-        ``floor(t/2)`` odd ones, on the head-mean keys (one head's width)."""
+    def _scoring(self, index: int, patch_tokens: int) -> ScoringCost:
+        """What a method's scorer needs to count its work at block ``index``."""
         block = self.blocks[index]
-        head_dim = block.attention_width / block.heads if block.heads else block.dim
-        return ((tokens + 1) // 2) * (tokens // 2) * head_dim
-
-    def _score_macs(self, index: int, tokens: int) -> float:
-        """eTPS/EViT on an SDPA core: the hook computes the score rows next to the fused kernel
-        (the cls row with a cls token, all rows without); a softmax core gives them for free."""
-        block = self.blocks[index]
-        if not self.sdpa_scores[index]:
-            return 0.0
-        keys = tokens if block.own_keys else block.key_tokens
-        queries = 1 if self.cls_token and block.prefix_tokens > 0 else tokens
-        return queries * keys * block.attention_width
+        return ScoringCost(
+            prefix_tokens=block.prefix_tokens,
+            patch_tokens=patch_tokens,
+            dim=block.dim,
+            heads=block.heads,
+            attention_width=block.attention_width,
+            key_tokens=None if block.own_keys else block.key_tokens,
+            cls_token=self.cls_token,
+            fused_attention=self.sdpa_scores[index],
+        )
 
     def tokens_per_block(self, plan: Plan) -> list[int]:
         """Tokens each block is entered with under ``plan`` (inference)."""
@@ -147,14 +144,6 @@ class CostModel:
             tokens.append(block.prefix_tokens + entered)
             present[stage] = after
         return tokens
-
-
-def _predictor_macs(patch_tokens: int, dim: int) -> float:
-    """ScorePredictor on ``patch_tokens`` tokens: LayerNorm (5 per element, as counted), C->C,
-    the local half C/2->C/2 per token plus the global half once, C/2->C/4, C/4->2."""
-    half, quarter = dim // 2, dim // 4
-    per_token = 5 * dim + dim * dim + half * half + half * quarter + quarter * 2
-    return patch_tokens * per_token + half * half
 
 
 def profile(model: nn.Module, model_map: ModelMap) -> CostModel:

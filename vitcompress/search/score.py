@@ -24,7 +24,9 @@ from vitcompress.compression import capture_and_map, compress_mapped
 from vitcompress.data import DataError
 from vitcompress.graph.capture import CapturedGraph
 from vitcompress.graph.model_map import ModelMap
+from vitcompress.graph.plan import resolve_variant
 from vitcompress.measure.logits import unwrap_logits
+from vitcompress.variants import Variant
 
 MIN_CALIB_IMAGES = 8  # below this a KL mean says little, and the predictor warm-up has no data
 
@@ -109,11 +111,13 @@ class CandidateBuilder:
         self._captured: CapturedGraph = captured
         self.model_map: ModelMap = model_map
 
-    def build(self, variant: str, keep: list[float], locs: list[int]) -> nn.Module:
+    def build(self, variant: str | Variant, keep: list[float], locs: list[int]) -> nn.Module:
+        """The base compressed by ``variant`` (a candidate's name, or the method itself)."""
         captured = copy.deepcopy(self._captured)  # compress_mapped consumes its capture
         model_map = copy.deepcopy(self.model_map)
+        method = resolve_variant(variant)
         compressed = compress_mapped(
-            self.model, captured, model_map, self.input_size, variant, keep, locs, "score"
+            self.model, captured, model_map, self.input_size, method, keep, locs, "score"
         )
         return compressed.eval()
 

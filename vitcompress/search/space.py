@@ -19,6 +19,7 @@ from typing import Any
 
 from vitcompress.graph.model_map import ModelMap
 from vitcompress.graph.plan import Plan, PlanError, dominant_last_stage, make_plan, token_stages
+from vitcompress.variants import get_variant
 
 DEFAULT_KEEP_GRID = tuple(round(0.3 + 0.05 * i, 2) for i in range(13))  # 0.3 .. 0.9
 MAX_LOCATIONS = 4
@@ -49,7 +50,7 @@ class Candidate:
         )
 
     def plan(self, model_map: ModelMap) -> Plan:
-        return make_plan(model_map, self.variant, list(self.keep), list(self.locs))
+        return make_plan(model_map, get_variant(self.variant), list(self.keep), list(self.locs))
 
 
 @dataclass

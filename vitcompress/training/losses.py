@@ -19,18 +19,9 @@ from torch import Tensor, nn
 
 from vitcompress.graph.rewrite import REDUCER_PREFIX
 from vitcompress.metadata import compression_info
-from vitcompress.variants import UnknownVariantError, get_variant
 from vitcompress.variants.base import RATIO_LOSS
 
 log = logging.getLogger(__name__)
-
-
-def _takes_ratio_loss(variant: str) -> bool:
-    """Whether the variant's reducers learn a keep mask: only they get the ratio loss."""
-    try:
-        return RATIO_LOSS in get_variant(variant).losses
-    except UnknownVariantError:
-        return False
 
 
 @dataclass
@@ -92,8 +83,10 @@ class DistillationTaps:
         self.variant: str = info.plan.variant if info is not None else ""
         tps = getattr(student, REDUCER_PREFIX, None)
         self.reducers = list(tps.children()) if isinstance(tps, nn.Module) else []
+        # Only reducers that learn a keep mask get the ratio loss.
         self.learned = (
-            _takes_ratio_loss(self.variant)
+            info is not None
+            and RATIO_LOSS in info.plan.method.losses
             and all(hasattr(r, "keep_ratio") for r in self.reducers)
             and bool(self.reducers)
         )

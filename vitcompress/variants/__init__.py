@@ -8,7 +8,9 @@ from vitcompress.variants.base import (
     AFTER_ATTENTION,
     BEFORE_BLOCK,
     Variant,
+    VariantRefusal,
 )
+from vitcompress.variants.fuses import Drop, Fuse, FuseOne, Merge, Squeeze
 from vitcompress.variants.registry import (
     VARIANTS,
     UnknownVariantError,
@@ -16,6 +18,14 @@ from vitcompress.variants.registry import (
     register_variant,
     unregister_variant,
     variant_names,
+    variant_settings,
+)
+from vitcompress.variants.scorers import (
+    AttentionScorer,
+    MatchingScorer,
+    PredictorScorer,
+    Scorer,
+    ScoringCost,
 )
 
 # Registration happens on import, in this order (the order of the command line's choices).
@@ -25,10 +35,22 @@ __all__ = [
     "AFTER_ATTENTION",
     "BEFORE_BLOCK",
     "VARIANTS",
+    "AttentionScorer",
+    "Drop",
+    "Fuse",
+    "FuseOne",
+    "MatchingScorer",
+    "Merge",
+    "PredictorScorer",
+    "Scorer",
+    "ScoringCost",
+    "Squeeze",
     "UnknownVariantError",
     "Variant",
+    "VariantRefusal",
     "get_variant",
     "register_variant",
     "unregister_variant",
     "variant_names",
+    "variant_settings",
 ]

@@ -9,29 +9,27 @@ line) asks the variant object instead of comparing names.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torch import nn
 
-from vitcompress.method import SELECTION_POLICIES
-
-# Where a variant's reducer sits in a block.
-BEFORE_BLOCK = "before_block"  # on the stream entering the block: the whole block sees fewer tokens
-AFTER_ATTENTION = "after_attention"  # after the attention residual add: only the MLP sees fewer
-PLACEMENTS = (BEFORE_BLOCK, AFTER_ATTENTION)
-
-# How a variant counts the tokens it keeps at a location.
-COUNT_OF_INITIAL = "initial"  # int(N0 * cumulative keep), fixed in the plan (DynamicViT, dTPS)
-COUNT_OF_PRESENT = "present"  # ceil(rho * n) of the n tokens present, at run time (EViT, eTPS)
-COUNT_MERGED = "merged"  # a fixed number r merged per block, counts fixed in the plan (ToMe)
-KEEP_COUNTS = (COUNT_OF_INITIAL, COUNT_OF_PRESENT, COUNT_MERGED)
-
-# What the hooked attention of a located block hands the reducer ("score" slot).
-ATTENTION_GIVES_NOTHING = "nothing"
-ATTENTION_GIVES_SCORE = "score"  # a per-token score (cls row, or attention received)
-ATTENTION_GIVES_KEYS = "keys"  # the keys averaged over heads, (B, N, D) (ToMe's metric)
+from vitcompress.method import SELECTION_POLICIES, keep_count
+from vitcompress.variants.fuses import Fuse
+from vitcompress.variants.placement import (  # noqa: F401  re-exported: the words of a method
+    AFTER_ATTENTION,
+    ATTENTION_GIVES_KEYS,
+    ATTENTION_GIVES_NOTHING,
+    ATTENTION_GIVES_SCORE,
+    BEFORE_BLOCK,
+    COUNT_MERGED,
+    COUNT_OF_INITIAL,
+    COUNT_OF_PRESENT,
+    KEEP_COUNTS,
+    PLACEMENTS,
+)
+from vitcompress.variants.scorers import Scorer, ScoringCost
 
 
 # What a variant reads of the graph layer's objects (``vitcompress.graph``, which imports this
@@ -70,7 +68,8 @@ class ModelMap(Protocol):
 
 class VariantRefusal(ValueError):
     """A plan a variant cannot take, one line; the plan raises it as its ``PlanError`` with the
-    same ``parameter`` (``"keep"``, ``"locs"``, ``"tome_r"``, or ``None``: the plan as a whole)."""
+    same ``parameter`` (``"keep"``, ``"locs"``, ``"variant_args"``, or ``None``: the plan as a
+    whole)."""
 
     def __init__(self, detail: str, parameter: str | None = None) -> None:
         self.detail = detail
@@ -85,26 +84,28 @@ RATIO_LOSS = "ratio"
 
 @dataclass(frozen=True, kw_only=True)
 class Variant:
-    """One token-reduction method. Subclasses build its reducer (:meth:`build_reducer`) and may
-    adjust the plan's locations (:meth:`plan_locations`) or refuse a model (:meth:`refusal`).
+    """One token-reduction method: a :class:`~vitcompress.variants.scorers.Scorer` (how tokens
+    are scored, where) and a :class:`~vitcompress.variants.fuses.Fuse` (what becomes of the
+    reduced ones), with the answers every other layer asks of a method. Subclasses build its
+    reducer (:meth:`build_reducer`) and may adjust the plan's locations (:meth:`plan_locations`)
+    or refuse a model (:meth:`refusal`).
 
-    ``name`` is what users type (``--variant``) and what saved artifacts record.
+    ``name`` is what users type (``--variant``) and what saved artifacts record; ``args`` are the
+    settings its registered factory was called with (``--variant-arg``, ``variant_args=``),
+    recorded with the plan so that a saved model rebuilds the same method.
     """
 
     name: str
     summary: str  # one line for help texts and docs
-    placement: str  # BEFORE_BLOCK or AFTER_ATTENTION
-    scorer: str  # "predictor" (learned), "attention" (cls row / received), "matching" (similarity)
-    fuse: str  # what becomes of reduced tokens: "squeeze", "drop", "evit" (one token), "merge"
-    learned: bool  # trains a score predictor: training keeps every token under a keep mask
-    keep_count: str  # one of KEEP_COUNTS
+    scorer: Scorer
+    fuse: Fuse
     resorts_tokens: bool  # reorders the tokens it keeps even when it keeps all of them
-    attention_gives: str = ATTENTION_GIVES_NOTHING  # what the located block's attention returns
     policies: tuple[str, ...] = SELECTION_POLICIES
     report_order: int = 100  # colour/order slot in reports; lower comes first
     # The plan is set by its first location and one cumulative ratio (ToMe merges in every later
     # block): a search gives it one location, where more would only repeat the same plan.
     single_location: bool = False
+    args: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -114,16 +115,58 @@ class Variant:
         if self.placement == AFTER_ATTENTION and self.attention_gives == ATTENTION_GIVES_NOTHING:
             raise ValueError("a reducer after the attention must take something from it")
 
+    def __str__(self) -> str:
+        return self.name  # how messages and tables name it
+
+    # What the scorer settles -------------------------------------------------------------------
+
+    @property
+    def placement(self) -> str:
+        """BEFORE_BLOCK or AFTER_ATTENTION: where the reducer sits in its block."""
+        return self.scorer.placement
+
+    @property
+    def learned(self) -> bool:
+        """Trains a score predictor: training keeps every token under a keep mask."""
+        return self.scorer.learned
+
+    @property
+    def keep_count(self) -> str:
+        return self.scorer.keep_count
+
+    @property
+    def attention_gives(self) -> str:
+        return self.scorer.attention_gives
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The settings it was made with (empty: the method's defaults)."""
+        return dict(self.args)
+
     @property
     def losses(self) -> tuple[str, ...]:
         """The fine-tuning loss terms that apply: the ratio loss only for a learned predictor."""
         return (*BASE_LOSSES, RATIO_LOSS) if self.learned else BASE_LOSSES
 
+    # Token counts -----------------------------------------------------------------------------
+
+    @property
+    def keeps_fraction_of_initial(self) -> bool:
+        """Whether it keeps ``int(N0 * c)`` of a stage's initial patch tokens after a location
+        (so the official configs' cumulative keep lists promise their counts)."""
+        return self.keep_count == COUNT_OF_INITIAL
+
+    def keep_counting(self) -> str:
+        """How it counts the tokens it keeps, in words (for refusals)."""
+        return {
+            COUNT_OF_INITIAL: "keeps int(N0 * c) of the stage's initial patch tokens",
+            COUNT_OF_PRESENT: "keeps ceil(rho * n) of the tokens present",
+            COUNT_MERGED: "merges a fixed number of tokens in every block",
+        }[self.keep_count]
+
     def keep_tokens(self, patch_tokens: int, cumulative_keep: float) -> int | None:
         """The static patch-token count kept after a location, where the variant fixes it in the
         plan; ``None`` where it is counted at run time."""
-        from vitcompress.method import keep_count
-
         if self.keep_count == COUNT_OF_INITIAL:
             return keep_count(patch_tokens, cumulative_keep, "floor")
         return None
@@ -131,10 +174,8 @@ class Variant:
     def tokens_after(self, present: int, location: Location) -> int:
         """The patch tokens present after ``location`` at inference, from the ``present`` ones
         before it: the static count the plan fixed (no more than were present), a fixed number
-        merged, or ``ceil(rho * n)`` of those present, plus EViT's one fused token when any was
+        merged, or ``ceil(rho * n)`` of those present, plus a token the fuse adds when any was
         pruned. The plan's checks, the search's cost model and its token counts all read this."""
-        from vitcompress.method import keep_count
-
         if self.keep_count == COUNT_MERGED:
             return present - (location.merge_tokens or 0)
         if self.keep_count == COUNT_OF_INITIAL and location.keep_tokens is not None:
@@ -142,22 +183,96 @@ class Variant:
         kept = keep_count(present, location.keep, "ceil")
         if kept >= present:
             return present
-        return kept + (1 if self.fuse == "evit" else 0)
+        return kept + (1 if self.fuse.adds_token else 0)
 
-    def plan_locations(
-        self, model_map: ModelMap, locations: list[Location], merge_r: int | None
-    ) -> list[Location]:
+    @property
+    def keeps_grid_positions(self) -> bool:
+        """Whether every token after a reduction stands on a grid position (a fused extra token
+        does not: a position table needs a row that leaves it unchanged)."""
+        return not self.fuse.adds_token
+
+    @property
+    def fused_kernel(self) -> bool:
+        """Whether ``--fused-kernels`` has an op for its reduction."""
+        return self.fuse.fused_kernel
+
+    # Cost -------------------------------------------------------------------------------------
+
+    def location_macs(self, cost: ScoringCost, kept: int) -> float | None:
+        """The MACs a location adds to the blocks' own (scoring and fusing), ``kept`` of the
+        ``cost.patch_tokens`` present staying; ``None`` when it has no analytic count."""
+        scoring = self.scorer.macs(cost)
+        if scoring is None:
+            return None
+        removed = max(cost.patch_tokens - kept, 0)
+        return scoring + self.fuse.macs(removed, kept, cost.dim)
+
+    @property
+    def searchable(self) -> bool:
+        """A method that can give its MACs can be searched."""
+        probe = ScoringCost(
+            prefix_tokens=1,
+            patch_tokens=4,
+            dim=8,
+            heads=1,
+            attention_width=8.0,
+            key_tokens=None,
+            cls_token=True,
+            fused_attention=True,
+        )
+        return self.location_macs(probe, 2) is not None
+
+    # Words ------------------------------------------------------------------------------------
+
+    @property
+    def keep_setting(self) -> str | None:
+        """The setting given in place of keep ratios (ToMe's ``r``), when one was given."""
+        return None
+
+    def amount_text(self, locations: Sequence[Mapping[str, Any]], keep: Any) -> str | None:
+        """How a report words the amount of a plan (its JSON locations and keep): the keep
+        ratio, ``0.7`` or ``0.7,0.6``, unless the method counts otherwise."""
+        if keep is None:
+            return None
+        values = keep if isinstance(keep, list | tuple) else [keep]
+        texts = [f"{float(v):g}" for v in values]
+        return texts[0] if len(set(texts)) == 1 else ",".join(texts)
+
+    # Plans ------------------------------------------------------------------------------------
+
+    def plan_locations(self, model_map: ModelMap, locations: list[Location]) -> list[Location]:
         """The plan's locations from the ones the keep ratios and block indices gave (raises
-        :class:`VariantRefusal`). Most variants act exactly there; a variant that acts in every block (ToMe) expands them.
-        ``merge_r`` is ToMe's native setting (tokens merged per block); others refuse it.
-        """
-        if merge_r is not None:
-            raise VariantRefusal(f"is ToMe's setting; {self.name} takes keep ratios", "tome_r")
+        :class:`VariantRefusal`). Most variants act exactly there; a variant that acts in every
+        block (ToMe) expands them."""
         return locations
 
     def refusal(self, model_map: ModelMap, plan: Plan) -> str | None:
-        """One line when this variant cannot carry out ``plan`` exactly on the model, else None."""
-        return None
+        """One line when this variant cannot carry out ``plan`` exactly on the model, else None:
+        its scorer's refusal, then its own."""
+        return self.scorer.refusal(model_map, plan)
+
+    def reduction_refusal(self, plan: Plan) -> str | None:
+        """One line when a plan asks for a reduction (a keep below 1) that removes no token at any
+        location, else ``None``. With few tokens, a fused extra token can make up for the one
+        token pruned (4 tokens at keep 0.7: ceil(2.8) = 3 kept + 1 fused), and a count can round
+        to all of them: the model would run with the reducers' cost and no saving."""
+        if all(loc.keep >= 1.0 for loc in plan.locations):
+            return None
+        present: dict[int, int] = {}  # patch tokens present in each stage (a fused one counts)
+        steps = []
+        for loc in plan.locations:
+            before = present.get(loc.stage, loc.patch_tokens)
+            after = self.tokens_after(before, loc)
+            if after < before:
+                return None
+            present[loc.stage] = after
+            steps.append(f"{before} -> {after} at block {loc.block}")
+        return (
+            f"keep {', '.join(f'{loc.keep:g}' for loc in plan.locations)} removes no token: "
+            f"{self.name}'s patch tokens go {'; '.join(steps)}"
+            + (" (its fused token replaces the pruned ones)" if self.fuse.adds_token else "")
+            + "; choose a lower keep or blocks with more tokens"
+        )
 
     def build_reducer(self, block: Block, location: Location, plan: Plan) -> nn.Module:
         """The module the rewrite puts on the residual stream at ``location`` (in ``block``).

@@ -1,6 +1,7 @@
 """dTPS: DynamicViT's learned predictor before the block, pruned tokens squeezed into the kept."""
 
 from vitcompress.variants.base import Variant
+from vitcompress.variants.fuses import Squeeze
 from vitcompress.variants.kinds import PredictorVariant
 from vitcompress.variants.registry import register_variant
 
@@ -10,6 +11,6 @@ def dtps() -> Variant:
     return PredictorVariant(
         name="dtps",
         summary="learned predictor before the block; pruned tokens squeezed into kept hosts",
-        fuse="squeeze",
+        fuse=Squeeze(),
         report_order=0,
     )

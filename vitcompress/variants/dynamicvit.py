@@ -1,6 +1,7 @@
 """DynamicViT: a learned predictor before the block; pruned tokens are dropped."""
 
 from vitcompress.variants.base import Variant
+from vitcompress.variants.fuses import Drop
 from vitcompress.variants.kinds import PredictorVariant
 from vitcompress.variants.registry import register_variant
 
@@ -10,6 +11,6 @@ def dynamicvit() -> Variant:
     return PredictorVariant(
         name="dynamicvit",
         summary="learned predictor before the block; pruned tokens dropped",
-        fuse="drop",
+        fuse=Drop(),
         report_order=2,
     )

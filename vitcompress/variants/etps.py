@@ -2,6 +2,7 @@
 into the kept."""
 
 from vitcompress.variants.base import Variant
+from vitcompress.variants.fuses import Squeeze
 from vitcompress.variants.kinds import AttentionScoredVariant
 from vitcompress.variants.registry import register_variant
 
@@ -11,6 +12,6 @@ def etps() -> Variant:
     return AttentionScoredVariant(
         name="etps",
         summary="cls attention inside the block; pruned tokens squeezed into kept hosts",
-        fuse="squeeze",
+        fuse=Squeeze(),
         report_order=1,
     )

@@ -2,6 +2,7 @@
 one extra token weighted by that attention."""
 
 from vitcompress.variants.base import Variant
+from vitcompress.variants.fuses import FuseOne
 from vitcompress.variants.kinds import AttentionScoredVariant
 from vitcompress.variants.registry import register_variant
 
@@ -11,6 +12,6 @@ def evit() -> Variant:
     return AttentionScoredVariant(
         name="evit",
         summary="cls attention inside the block; pruned tokens fused into one extra token",
-        fuse="evit",
+        fuse=FuseOne(),
         report_order=3,
     )

@@ -4,6 +4,8 @@
   every token stays under a straight-through keep mask, at inference ``int(N0 * rho**s)`` are kept.
 - :class:`AttentionScoredVariant`: scored by the block's own attention, INSIDE the block after the
   attention residual add (EViT, eTPS); ``ceil(rho * n)`` of the tokens present are kept.
+
+Each takes its fuse (``variants/fuses.py``): squeezed into hosts (TPS), dropped, or one token.
 """
 
 from __future__ import annotations
@@ -13,28 +15,14 @@ from dataclasses import dataclass
 from torch import nn
 
 from vitcompress.modules.reducers import AttentionReducer, PredictorReducer
-from vitcompress.variants.base import (
-    AFTER_ATTENTION,
-    ATTENTION_GIVES_NOTHING,
-    ATTENTION_GIVES_SCORE,
-    BEFORE_BLOCK,
-    COUNT_OF_INITIAL,
-    COUNT_OF_PRESENT,
-    Block,
-    Location,
-    Plan,
-    Variant,
-)
+from vitcompress.variants.base import Block, Location, Plan, Variant
+from vitcompress.variants.scorers import AttentionScorer, PredictorScorer, Scorer
 
 
 @dataclass(frozen=True, kw_only=True)
 class PredictorVariant(Variant):
-    placement: str = BEFORE_BLOCK
-    scorer: str = "predictor"
-    learned: bool = True
-    keep_count: str = COUNT_OF_INITIAL
+    scorer: Scorer = PredictorScorer()
     resorts_tokens: bool = True  # sorted by predicted score even when all are kept
-    attention_gives: str = ATTENTION_GIVES_NOTHING
 
     def build_reducer(self, block: Block, location: Location, plan: Plan) -> nn.Module:
         return PredictorReducer(
@@ -42,19 +30,15 @@ class PredictorVariant(Variant):
             prefix_tokens=block.prefix_tokens,
             keep_tokens=location.keep_tokens,
             keep_ratio=location.cumulative_keep,
-            squeeze=self.fuse == "squeeze",
+            fuse=self.fuse,
             policy=plan.policy,
         )
 
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionScoredVariant(Variant):
-    placement: str = AFTER_ATTENTION
-    scorer: str = "attention"
-    learned: bool = False
-    keep_count: str = COUNT_OF_PRESENT
+    scorer: Scorer = AttentionScorer()
     resorts_tokens: bool = False  # keep 1 returns the tokens as they came
-    attention_gives: str = ATTENTION_GIVES_SCORE
 
     def build_reducer(self, block: Block, location: Location, plan: Plan) -> nn.Module:
         return AttentionReducer(

@@ -1,20 +1,26 @@
 """The variant registry: ``@register_variant`` on a factory, as timm's ``@register_model``.
 
 A method is one module that defines a :class:`~vitcompress.variants.base.Variant` and registers
-it; importing the module registers it. The built-in ones are imported by the package.
+its factory; importing the module registers it. The built-in ones are imported by the package.
+The factory's keyword parameters are the method's settings (ToMe's ``r``): they reach it from
+``--variant-arg KEY=VALUE`` and ``compress(..., variant_args={...})`` through
+:func:`get_variant`, with no other code knowing them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable, Iterator, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from vitcompress.errors import UserError
-from vitcompress.variants.base import Variant
+from vitcompress.variants.base import Variant, VariantRefusal
 
-_REGISTRY: dict[str, Variant] = {}
+_REGISTRY: dict[str, Variant] = {}  # name -> the variant with its default settings
+_FACTORIES: dict[str, Callable[..., Variant]] = {}
 
-Factory = TypeVar("Factory", bound=Callable[[], Variant])
+Factory = TypeVar("Factory", bound=Callable[..., Variant])
 
 
 class UnknownVariantError(KeyError, UserError):
@@ -26,6 +32,7 @@ class UnknownVariantError(KeyError, UserError):
 
 def register_variant(factory: Factory) -> Factory:
     """Register the variant ``factory()`` returns under its name; returns the factory unchanged.
+    Its keyword parameters, each with a default, are the method's settings.
 
     A name registered twice is refused: a second method must not silently replace the first.
     """
@@ -35,22 +42,45 @@ def register_variant(factory: Factory) -> Factory:
     if variant.name in _REGISTRY:
         raise ValueError(f"variant {variant.name!r} is already registered")
     _REGISTRY[variant.name] = variant
+    _FACTORIES[variant.name] = factory
     return factory
 
 
 def unregister_variant(name: str) -> Variant:
     """Remove a registered variant (for tests and plugins that register temporarily)."""
+    _FACTORIES.pop(name, None)
     return _REGISTRY.pop(name)
 
 
-def get_variant(name: str) -> Variant:
-    """The registered variant called ``name``; :class:`UnknownVariantError` names the choices."""
+def get_variant(name: str, args: Mapping[str, Any] | None = None) -> Variant:
+    """The registered variant called ``name``, made with the settings ``args`` (none: its
+    defaults); :class:`UnknownVariantError` names the choices, and a setting the method does not
+    declare or refuses is a :class:`VariantRefusal` on ``variant_args``."""
     try:
-        return _REGISTRY[name]
+        variant = _REGISTRY[name]
     except (KeyError, TypeError):
         raise UnknownVariantError(
             f"{name!r} is unknown; choose from {', '.join(variant_names())}"
         ) from None
+    if not args:
+        return variant
+    declared = variant_settings(name)
+    unknown = [key for key in args if key not in declared]
+    if unknown:
+        offered = f"it takes {', '.join(declared)}" if declared else "it takes none"
+        raise VariantRefusal(
+            f"{', '.join(map(str, unknown))}: {name} has no such setting; {offered}",
+            "variant_args",
+        )
+    made = _FACTORIES[name](**args)
+    return dataclasses.replace(made, args=tuple(sorted(args.items())))
+
+
+def variant_settings(name: str) -> dict[str, Any]:
+    """A registered method's settings and their defaults (its factory's keyword parameters)."""
+    get_variant(name)  # unknown names are refused with the choices
+    parameters = inspect.signature(_FACTORIES[name]).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
 
 
 def variant_names() -> list[str]:

@@ -11,7 +11,8 @@ every later block of the stage adds ``log(size)`` to its key logits (proportiona
   location and one ``r`` is used in every block, the one whose patch-token count after the
   stage's last block comes nearest to ``int(N0 * c)``, ``c`` the cumulative keep of the stage's
   last location, i.e. the count dTPS/DynamicViT keep there (ties to the smaller r);
-- ``tome_r`` (``--tome-r``) gives ``r`` itself.
+- its setting ``r`` (``--variant-arg r=8``, ``variant_args={"r": 8}``) gives ``r`` itself,
+  in place of keep ratios.
 
 As in ToMe, a block merges at most half of its unprotected tokens (``r`` is clamped there).
 """
@@ -19,27 +20,18 @@ As in ToMe, a block merges at most half of its unprotected tokens (``r`` is clam
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
 from vitcompress.method import merge_count
 from vitcompress.modules.reducers import MergeReducer
-from vitcompress.variants.base import (
-    AFTER_ATTENTION,
-    ATTENTION_GIVES_KEYS,
-    COUNT_MERGED,
-    Block,
-    Location,
-    ModelMap,
-    Plan,
-    Variant,
-    VariantRefusal,
-)
+from vitcompress.variants.base import Block, Location, ModelMap, Plan, Variant, VariantRefusal
+from vitcompress.variants.fuses import Fuse, Merge
 from vitcompress.variants.registry import register_variant
-
-# Attention cores whose keys the rewrite can hand the reducer.
-_KEYED_ATTENTION = ("sdpa", "matmul_softmax", "multihead_attention")
+from vitcompress.variants.scorers import MatchingScorer, Scorer
 
 
 def _merging_blocks(model_map: ModelMap, first: Location) -> list[Block]:
@@ -92,23 +84,34 @@ def fit_r(n0: int, blocks: int, target: int) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class TokenMerging(Variant):
-    placement: str = AFTER_ATTENTION
-    scorer: str = "matching"
-    fuse: str = "merge"
-    learned: bool = False
-    keep_count: str = COUNT_MERGED
+    scorer: Scorer = MatchingScorer()
+    fuse: Fuse = Merge()
     resorts_tokens: bool = False  # survivors stay in their original order
-    attention_gives: str = ATTENTION_GIVES_KEYS
     policies: tuple[str, ...] = ("score",)
     single_location: bool = True
+    r: int | None = None  # tokens merged per block, in place of keep ratios
 
     @property
     def tracks_sizes(self) -> bool:
         return True
 
-    def plan_locations(
-        self, model_map: ModelMap, locations: list[Location], merge_r: int | None
-    ) -> list[Location]:
+    @property
+    def keep_setting(self) -> str | None:
+        return "r" if self.r is not None else None
+
+    def amount_text(self, locations: Sequence[Mapping[str, Any]], keep: Any) -> str | None:
+        """``r=8``, or ``r=9,8`` where the clamp or a per-block plan varies it."""
+        merged = [loc.get("merge_tokens") for loc in locations if isinstance(loc, Mapping)]
+        if not merged or not all(isinstance(r, int) for r in merged):
+            return super().amount_text(locations, keep)
+        texts = sorted({str(r) for r in merged}, key=int, reverse=True)
+        return "r=" + ",".join(texts)
+
+    def reduction_refusal(self, plan: Plan) -> str | None:
+        return None  # its plan already fixed a merge count per block
+
+    def plan_locations(self, model_map: ModelMap, locations: list[Location]) -> list[Location]:
+        merge_r = self.r
         planned: list[Location] = []
         for stage in dict.fromkeys(loc.stage for loc in locations):
             given = [loc for loc in locations if loc.stage == stage]
@@ -158,22 +161,9 @@ class TokenMerging(Variant):
         return planned
 
     def refusal(self, model_map: ModelMap, plan: Plan) -> str | None:
-        for loc in plan.locations:
-            block = model_map.blocks[loc.block]
-            core = block.attention
-            cores = 1 + len(block.parallel_cores)
-            if cores > 1:
-                return (
-                    f"block {loc.block} ({block.path}) has {cores} attention cores; tome matches "
-                    "tokens by one attention's keys, so it is refused there"
-                )
-            if core.kind not in _KEYED_ATTENTION or (
-                core.kind == "matmul_softmax" and not core.logits_node
-            ):
-                return (
-                    f"block {loc.block} ({core.path}) computes attention as {core.kind}, whose "
-                    "keys tome cannot read for its matching; tome is refused there"
-                )
+        scored = super().refusal(model_map, plan)
+        if scored is not None:
+            return scored
         first = plan.locations[0] if plan.locations else None
         for block in model_map.blocks[first.block :] if first else []:
             keys = block.attention.key_tokens
@@ -190,9 +180,14 @@ class TokenMerging(Variant):
 
 
 @register_variant
-def tome() -> Variant:
+def tome(r: int | None = None) -> Variant:
+    """``r``: the tokens merged in every block from the first location on (ToMe's own setting),
+    in place of keep ratios."""
+    if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+        raise VariantRefusal(f"r: must be a whole number of tokens >= 0, got {r!r}", "variant_args")
     return TokenMerging(
         name="tome",
         summary="merges r tokens in every block by bipartite matching on the keys (ToMe)",
         report_order=4,
+        r=r,
     )

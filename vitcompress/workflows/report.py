@@ -264,13 +264,14 @@ def _number(value: Any) -> float | None:
 
 
 def _plan_keep_text(plan: dict[str, Any]) -> str | None:
-    """A plan's keep as a row shows it; ToMe's plans (a merge count per block) show their r."""
-    locations = plan.get("locations") or []
-    merged = [loc.get("merge_tokens") for loc in locations if isinstance(loc, dict)]
-    if merged and all(isinstance(r, int) for r in merged):
-        texts = sorted({str(r) for r in merged}, key=int, reverse=True)
-        return "r=" + ",".join(texts) if len(texts) > 1 else f"r={texts[0]}"
-    return _keep_text(plan.get("keep"))
+    """A plan's amount as a row shows it, in its method's words (ToMe: its r); a plan of a
+    method not registered here shows its keep ratios."""
+    from vitcompress.variants import VARIANTS
+
+    method = VARIANTS.get(str(plan.get("variant")))
+    if method is None:
+        return _keep_text(plan.get("keep"))
+    return method.amount_text(plan.get("locations") or [], plan.get("keep"))
 
 
 def _keep_text(keep: Any) -> str | None:

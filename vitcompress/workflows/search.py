@@ -56,9 +56,7 @@ from vitcompress.variants import get_variant, variant_names
 from vitcompress.workflows.measure_models import TimingOptions, measure_models, speedup
 from vitcompress.workflows.status import detail, step, warn
 
-# Variants whose MACs the analytic model counts (scorer, fuse); others are left out with a warning.
-ANALYTIC = {("predictor", "squeeze"), ("predictor", "drop"), ("attention", "squeeze"),
-            ("attention", "evit"), ("matching", "merge")}  # fmt: skip
+# A variant whose MACs have no analytic count (``Variant.searchable``) is left out with a warning.
 LEFT_OUT_WHY = "its MACs have no analytic count here"
 CROSS_CHECK_SAMPLE = 4  # candidates whose analytic MACs are compared with counted MACs
 MAX_SPEEDUP_TIMINGS = 5  # candidates timed, best first, for --min-speedup
@@ -135,6 +133,9 @@ class SearchConfig:
 class SearchResult:
     data: dict[str, Any]
     out: Path
+
+    def to_json(self) -> dict[str, Any]:
+        return self.data
 
 
 def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) -> SearchResult:
@@ -322,8 +323,7 @@ def _searchable(variants: Sequence[str], named: bool) -> tuple[list[str], list[s
             raise SearchError(
                 f"--variants: {name!r} is unknown; choose from {', '.join(variant_names())}"
             )
-        scorer, fuse = _kind(name)
-        if (scorer, fuse) in ANALYTIC:
+        if get_variant(name).searchable:
             out.append(name)
         else:
             left_out.append(name)
@@ -334,11 +334,6 @@ def _searchable(variants: Sequence[str], named: bool) -> tuple[list[str], list[s
             f"none of --variants {','.join(variants)} can be searched: {LEFT_OUT_WHY}"
         )
     return out, left_out
-
-
-def _kind(variant: str) -> tuple[str, str]:
-    method = get_variant(variant)
-    return method.scorer, method.fuse
 
 
 def _cost_function(cost_model: CostModel, model_map) -> Callable[[Candidate], float | None]:

@@ -21,7 +21,6 @@ from vitcompress.data.config import DataConfig
 from vitcompress.graph.plan import Location
 from vitcompress.graph.rewrite import REDUCER_PREFIX
 from vitcompress.metadata import CompressionInfo, compression_info
-from vitcompress.method import bipartite_soft_matching, match_hosts_cosine, merge_sources
 from vitcompress.variants import BEFORE_BLOCK, VARIANTS, Variant
 from vitcompress.workflows.report import ReportError, import_pyplot
 
@@ -139,44 +138,6 @@ def _input_positions(method: Variant, args: tuple, kwargs: dict) -> Tensor | Non
     return kwargs.get("positions", args[slot] if len(args) > slot else None)
 
 
-def _hosts(
-    reducer: nn.Module, x: Tensor, present: list[int], kept: list[int]
-) -> dict[int, list[int]]:
-    """Recompute the matching the reducer made: donors (present, not kept) to kept hosts."""
-    local = {pos: i for i, pos in enumerate(present)}
-    kept_set = set(kept)
-    pruned = [pos for pos in present if pos not in kept_set]
-    hosts: dict[int, list[int]] = {pos: [] for pos in kept}
-    if not pruned:
-        return hosts
-    patches = x[:1, reducer.prefix_tokens :]
-    kept_tokens = patches[:, [local[pos] for pos in kept]]
-    pruned_tokens = patches[:, [local[pos] for pos in pruned]]
-    host_index, _ = match_hosts_cosine(pruned_tokens, kept_tokens)  # as the reducer matches
-    for donor, host in zip(pruned, host_index[0].tolist(), strict=True):
-        hosts[kept[host]].append(donor)
-    return hosts
-
-
-def _merged_groups(
-    reducer: nn.Module,
-    metric: Tensor,
-    present: list[int],
-    groups: dict[int, list[int]],
-) -> dict[int, list[int]]:
-    """Recompute the merges ToMe made at this block (the reducer's matching on the first image's
-    keys) and fold them into ``groups`` (position -> positions merged into it so far), in place.
-    Returns the groups of the tokens merged into at this block or before, that are still here."""
-    prefix = reducer.prefix_tokens
-    matching = bipartite_soft_matching(metric[:1], reducer.r, prefix)
-    for dst, sources in merge_sources(matching, metric.shape[1]).items():
-        host = present[dst - prefix]
-        for src in sources:
-            donor = present[src - prefix]
-            groups.setdefault(host, []).extend([donor, *groups.pop(donor, [])])
-    return {pos: sorted(members) for pos, members in groups.items()}
-
-
 @torch.no_grad()
 def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationRecord], Tensor]:
     """Run ``image`` (1, C, H, W) through the model in eval mode; one record per location, and
@@ -211,16 +172,16 @@ def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationReco
                     present=[p for p in present if p >= 0],
                     kept=kept,
                     pruned=[p for p in present if p >= 0 and p not in kept_set],
-                    # EViT appends a fused token whenever it prunes (it returns x unchanged
-                    # when there is nothing to prune)
-                    fused_token=method.fuse == "evit" and output[0] is not x,
+                    # A fuse that adds a token does so whenever it prunes (the reducer returns
+                    # x unchanged when there is nothing to prune)
+                    fused_token=method.fuse.adds_token and output[0] is not x,
                 )
-                if method.fuse == "squeeze":
-                    record.hosts = _hosts(module, x, present, kept)
-                elif method.fuse == "merge":
-                    metric = args[1] if len(args) > 1 else kwargs["metric"]
-                    merged = _merged_groups(module, metric, present, groups)
-                    record.hosts = {pos: merged[pos] for pos in kept if pos in merged}
+                # What the reducer recorded of its own assignment, as its method explains it.
+                assignment = module.assignment
+                if assignment is not None:
+                    hosts = method.fuse.explain(assignment, present, groups)
+                    if hosts is not None:
+                        record.hosts = {pos: hosts[pos] for pos in kept if pos in hosts}
                 records.append(record)
             except Exception as e:  # noqa: BLE001 - re-raised after the forward pass
                 failures.append(e)
@@ -231,6 +192,8 @@ def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationReco
         r.register_forward_hook(make_hook(i), with_kwargs=True) for i, r in enumerate(reducers)
     ]
     was_training = model.training
+    for reducer in reducers:
+        reducer.record, reducer.assignment = True, None
     try:
         model.eval()
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -238,6 +201,8 @@ def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationReco
     finally:
         for handle in handles:
             handle.remove()
+        for reducer in reducers:
+            reducer.record, reducer.assignment = False, None
         model.train(was_training)
     if failures:
         raise failures[0]
@@ -270,8 +235,9 @@ _PRUNED_HERE = {"facecolor": "white", "edgecolor": "0.6", "alpha": 0.92}
 
 
 def _merges(record: LocationRecord) -> bool:
+    """Whether the record's method merges in every block (its groups grow across locations)."""
     method = VARIANTS.get(record.variant)
-    return method is not None and method.fuse == "merge"
+    return method is not None and method.tracks_sizes
 
 
 def legend_entries(

@@ -1,0 +1,150 @@
+"""What becomes of the tokens a method reduces, as an object: the tensor operation the reducers
+call, its cost, whether it adds a token without a grid position, whether a fused kernel runs it,
+and how its assignment (which kept token took which reduced one) is explained to ``visualize``.
+
+Reducers (``modules/reducers.py``) call a fuse's :meth:`Fuse.fuse` at inference and
+:meth:`Fuse.fuse_masked` while a predictor trains, and record what they did in an
+:class:`~vitcompress.modules.reducers.Assignment` when asked; :meth:`Fuse.explain` reads that
+record. Nothing outside ``vitcompress/variants/`` compares a fuse's label.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vitcompress.kernels.ops import select_squeeze
+from vitcompress.method import evit_fuse, merge_sources, squeeze, squeeze_masked
+from vitcompress.modules.reducers import Assignment
+
+# position -> the positions taken into it (squeezed or merged), as ``visualize`` draws them.
+Hosts = dict[int, list[int]]
+
+
+@dataclass(frozen=True)
+class Fuse:
+    """The base: reduced tokens are dropped. ``label`` is for help texts and docs only."""
+
+    label: str = "dropped"
+    # Appends one token that stands on no grid position whenever it prunes (EViT's fused token).
+    adds_token: bool = False
+
+    @property
+    def fused_kernel(self) -> bool:
+        """Whether select -> gather -> fuse runs as one fused op (``--fused-kernels``)."""
+        return type(self).kernel is not Fuse.kernel
+
+    def fuse(
+        self, prefix: Tensor, kept: Tensor, pruned: Tensor, pruned_scores: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        """``(tokens, host_index)``: the tokens after the location (prefix first) and, where each
+        pruned token went into one kept token, its index among ``kept`` (B, pruned)."""
+        return torch.cat([prefix, kept], dim=1), None
+
+    def fuse_masked(self, patches: Tensor, host_mask: Tensor, donor_mask: Tensor) -> Tensor:
+        """Training with a keep mask (nothing dropped): the patch tokens after the location."""
+        return patches
+
+    def kernel(
+        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int
+    ) -> tuple[Tensor, Tensor]:
+        """The fused op: ``(tokens, keep_index)``. Only where :attr:`fused_kernel` is true."""
+        raise NotImplementedError(f"{self.label}: no fused kernel")
+
+    def macs(self, removed: int, kept: int, dim: int) -> float:
+        """The MACs of fusing ``removed`` tokens into ``kept`` ones of width ``dim``."""
+        return 0.0
+
+    def explain(self, assignment: Assignment, present: list[int], groups: Hosts) -> Hosts | None:
+        """From a reducer's record of the first image: each kept position -> the positions taken
+        into it so far (``groups`` carries earlier locations' merges); ``None`` when this fuse
+        takes no token into another."""
+        return None
+
+
+@dataclass(frozen=True)
+class Drop(Fuse):
+    """DynamicViT: pruned tokens are dropped."""
+
+    def kernel(
+        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int
+    ) -> tuple[Tensor, Tensor]:
+        return select_squeeze(x, scores, prefix_tokens, keep, False)
+
+
+@dataclass(frozen=True)
+class Squeeze(Fuse):
+    """TPS: each pruned token is squeezed into its most similar kept token (its host), weighted
+    by their similarity (dTPS, eTPS)."""
+
+    label: str = "squeezed into kept hosts"
+
+    def fuse(
+        self, prefix: Tensor, kept: Tensor, pruned: Tensor, pruned_scores: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        return squeeze(kept, pruned, prefix, return_hosts=True)
+
+    def fuse_masked(self, patches: Tensor, host_mask: Tensor, donor_mask: Tensor) -> Tensor:
+        return squeeze_masked(patches, host_mask=host_mask, donor_mask=donor_mask)
+
+    def kernel(
+        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int
+    ) -> tuple[Tensor, Tensor]:
+        return select_squeeze(x, scores, prefix_tokens, keep, True)
+
+    def macs(self, removed: int, kept: int, dim: int) -> float:
+        """The similarity of each pruned token to each kept one."""
+        return removed * kept * dim
+
+    def explain(self, assignment: Assignment, present: list[int], groups: Hosts) -> Hosts:
+        return _hosts_of(assignment, present)
+
+
+@dataclass(frozen=True)
+class FuseOne(Fuse):
+    """EViT: the pruned tokens become one extra token, their attention-weighted sum."""
+
+    label: str = "fused into one extra token"
+    adds_token: bool = True
+
+    def fuse(
+        self, prefix: Tensor, kept: Tensor, pruned: Tensor, pruned_scores: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        extra = evit_fuse(pruned, pruned_scores)
+        return torch.cat([prefix, kept, extra], dim=1), None
+
+    def fuse_masked(self, patches: Tensor, host_mask: Tensor, donor_mask: Tensor) -> Tensor:
+        raise NotImplementedError("a fused extra token cannot be trained under a keep mask")
+
+
+@dataclass(frozen=True)
+class Merge(Fuse):
+    """ToMe: the matched tokens are averaged, weighted by their sizes, into their destinations
+    (the reducer does it with the matching; this object explains and counts it)."""
+
+    label: str = "merged, size-weighted"
+
+    def explain(self, assignment: Assignment, present: list[int], groups: Hosts) -> Hosts:
+        """Folds this block's merges into ``groups`` (position -> positions merged into it so
+        far), in place; returns the groups of the tokens still here."""
+        prefix = assignment.prefix_tokens
+        for dst, sources in merge_sources(assignment.matching, assignment.tokens).items():
+            host = present[dst - prefix]
+            for src in sources:
+                donor = present[src - prefix]
+                groups.setdefault(host, []).extend([donor, *groups.pop(donor, [])])
+        return {pos: sorted(members) for pos, members in groups.items()}
+
+
+def _hosts_of(assignment: Assignment, present: list[int]) -> Hosts:
+    """Each kept position -> the pruned positions squeezed into it, for the first image."""
+    kept = [present[i] for i in assignment.keep_index[0].tolist()]
+    hosts: Hosts = {pos: [] for pos in kept}
+    if assignment.host_index is None or assignment.prune_index is None:
+        return hosts
+    pruned = [present[i] for i in assignment.prune_index[0].tolist()]
+    for donor, host in zip(pruned, assignment.host_index[0].tolist(), strict=True):
+        hosts[kept[host]].append(donor)
+    return hosts

@@ -1,0 +1,170 @@
+"""How a method scores tokens, as an object: where it sits in a block, what the block's attention
+must hand it, what its scoring costs and which models it cannot score.
+
+A :class:`~vitcompress.variants.base.Variant` holds one scorer and one fuse
+(``variants/fuses.py``); callers ask the variant, which asks these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vitcompress.variants.placement import (
+    AFTER_ATTENTION,
+    ATTENTION_GIVES_KEYS,
+    ATTENTION_GIVES_NOTHING,
+    ATTENTION_GIVES_SCORE,
+    BEFORE_BLOCK,
+    COUNT_MERGED,
+    COUNT_OF_INITIAL,
+    COUNT_OF_PRESENT,
+)
+
+if TYPE_CHECKING:
+    from vitcompress.variants.base import ModelMap, Plan
+
+
+@dataclass(frozen=True)
+class ScoringCost:
+    """What the search's cost model knows of one location, for a scorer's analytic MACs."""
+
+    prefix_tokens: int
+    patch_tokens: int  # present before the location
+    dim: int
+    heads: int
+    attention_width: float  # queries x keys products per token pair (heads x head width)
+    key_tokens: int | None  # keys the block attends over when they are not its own tokens
+    cls_token: bool  # the model has a class token (eTPS/EViT score with its row)
+    fused_attention: bool  # the attention is one fused kernel: its weights are recomputed
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """How tokens are scored. ``label`` is for help texts and docs only: nothing compares it."""
+
+    label: str
+    placement: str  # BEFORE_BLOCK or AFTER_ATTENTION
+    attention_gives: str = ATTENTION_GIVES_NOTHING  # what the located block's attention returns
+    learned: bool = False  # trains a predictor: training keeps every token under a keep mask
+    keep_count: str = COUNT_OF_PRESENT  # how the kept tokens are counted (see placement.py)
+
+    def macs(self, cost: ScoringCost) -> float | None:
+        """The MACs of scoring at one location, in ``count_macs``'s convention; ``None`` when
+        this scorer has no analytic count (its method is then left out of the search)."""
+        return None
+
+    def refusal(self, model_map: ModelMap, plan: Plan) -> str | None:
+        """One line when this scorer cannot score the model as planned, else ``None``."""
+        return None
+
+
+@dataclass(frozen=True)
+class PredictorScorer(Scorer):
+    """DynamicViT's learned predictor, before the block (dTPS, DynamicViT)."""
+
+    label: str = "learned predictor"
+    placement: str = BEFORE_BLOCK
+    learned: bool = True
+    keep_count: str = COUNT_OF_INITIAL
+
+    def macs(self, cost: ScoringCost) -> float:
+        """ScorePredictor on the patch tokens: LayerNorm (5 per element, as counted), C->C, the
+        local half C/2->C/2 per token plus the global half once, C/2->C/4, C/4->2."""
+        dim = cost.dim
+        half, quarter = dim // 2, dim // 4
+        per_token = 5 * dim + dim * dim + half * half + half * quarter + quarter * 2
+        return cost.patch_tokens * per_token + half * half
+
+    def refusal(self, model_map: ModelMap, plan: Plan) -> str | None:
+        """In training every token stays and the pruned ones are masked out of the attention of
+        the later blocks of their stage. A later block whose keys come from elsewhere (CaiT's class
+        attention over the patch tokens of the stage before) lies outside that mask: it would
+        attend to pruned tokens in training and not at inference, so the fine-tune would learn
+        another model than the one served."""
+        if not plan.locations:
+            return None
+        first = plan.locations[0]
+        for block in model_map.blocks[first.block :]:
+            keys = block.attention.key_tokens
+            if block.stage != first.stage and keys is not None and keys > block.tokens:
+                return (
+                    f"block {block.index} ({block.path}) attends over {keys} keys from an earlier "
+                    f"stage, which {plan.variant}'s training path cannot mask after the reduction "
+                    f"at block {first.block}: fine-tuning would attend to pruned tokens, so "
+                    f"{plan.variant} is refused; use a method scored by attention"
+                )
+        return None
+
+
+@dataclass(frozen=True)
+class AttentionScorer(Scorer):
+    """The block's own attention: the class token's row, or the attention each token receives
+    without one (eTPS, EViT), after the attention residual add."""
+
+    label: str = "class-token attention"
+    placement: str = AFTER_ATTENTION
+    attention_gives: str = ATTENTION_GIVES_SCORE
+
+    def macs(self, cost: ScoringCost) -> float:
+        """On a fused attention kernel the hook recomputes the score rows beside it (the cls row
+        with a cls token, all rows without); a softmax in the graph gives them for free."""
+        if not cost.fused_attention:
+            return 0.0
+        tokens = cost.prefix_tokens + cost.patch_tokens
+        keys = tokens if cost.key_tokens is None else cost.key_tokens
+        queries = 1 if cost.cls_token and cost.prefix_tokens > 0 else tokens
+        return queries * keys * cost.attention_width
+
+    def refusal(self, model_map: ModelMap, plan: Plan) -> str | None:
+        """A block whose attention cores do not make one map (``Block.score_blocker``, see
+        ``parallel.py``) cannot score."""
+        for loc in plan.locations:
+            blocker = model_map.blocks[loc.block].score_blocker
+            if blocker is not None:
+                return (
+                    f"block {loc.block}: {blocker}; {plan.variant} scores tokens with that "
+                    "attention, so it is refused there (a learned predictor scores without it)"
+                )
+        return None
+
+
+# Attention cores whose keys the rewrite can hand a reducer.
+KEYED_ATTENTION = ("sdpa", "matmul_softmax", "multihead_attention")
+
+
+@dataclass(frozen=True)
+class MatchingScorer(Scorer):
+    """ToMe's bipartite matching on the block's head-mean keys, after the attention residual."""
+
+    label: str = "key similarity (bipartite matching)"
+    placement: str = AFTER_ATTENTION
+    attention_gives: str = ATTENTION_GIVES_KEYS
+    keep_count: str = COUNT_MERGED
+
+    def macs(self, cost: ScoringCost) -> float:
+        """The cosine similarity of the ``ceil(t/2)`` even tokens to the ``floor(t/2)`` odd ones,
+        on the head-mean keys (one head's width)."""
+        tokens = cost.prefix_tokens + cost.patch_tokens
+        head_dim = cost.attention_width / cost.heads if cost.heads else cost.dim
+        return ((tokens + 1) // 2) * (tokens // 2) * head_dim
+
+    def refusal(self, model_map: ModelMap, plan: Plan) -> str | None:
+        for loc in plan.locations:
+            block = model_map.blocks[loc.block]
+            core: Any = block.attention
+            cores = 1 + len(block.parallel_cores)
+            if cores > 1:
+                return (
+                    f"block {loc.block} ({block.path}) has {cores} attention cores; "
+                    f"{plan.variant} matches tokens by one attention's keys, so it is refused there"
+                )
+            if core.kind not in KEYED_ATTENTION or (
+                core.kind == "matmul_softmax" and not core.logits_node
+            ):
+                return (
+                    f"block {loc.block} ({core.path}) computes attention as {core.kind}, whose "
+                    f"keys {plan.variant} cannot read for its matching; {plan.variant} is "
+                    "refused there"
+                )
+        return None
