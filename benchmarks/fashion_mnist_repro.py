@@ -57,7 +57,6 @@ from vitcompress.data.transforms import AugmentConfig
 from vitcompress.graph.plan import default_locs
 from vitcompress.loading import LoadedModel, load_base_model
 from vitcompress.measure import count_macs, count_params, measure_throughput
-from vitcompress.method import MergesPerBlock
 from vitcompress.training.optim import build_optimizer, build_scheduler
 from vitcompress.workflows.evaluate import evaluate
 from vitcompress.workflows.finetune import FinetuneConfig, finetune
@@ -217,15 +216,15 @@ def base_settings(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run_settings(args: argparse.Namespace, method: str) -> dict[str, Any]:
+def run_settings(args: argparse.Namespace, method: str, seed: int) -> dict[str, Any]:
     """What a cached fine-tuning result must have been made with to be reused."""
     settings = {
         "locs": list(args.locs),
+        "seed": seed,
         **{
             name: getattr(args, name)
             for name in (
                 "batch",
-                "seed",
                 "limit_train",
                 "ft_epochs",
                 "ft_lr",
@@ -241,7 +240,7 @@ def run_settings(args: argparse.Namespace, method: str) -> dict[str, Any]:
     else:
         # The predictor is initialised from --seed, not from whatever earlier runs in this
         # process left in the generator; results made the old way are not reused.
-        settings["predictor_init_seed"] = args.seed
+        settings["predictor_init_seed"] = seed
     return settings
 
 
@@ -260,7 +259,7 @@ def matched_r(base_path: Path, keep: float, methods: list[str], locs: list[int])
 
     def macs_at(r: int) -> int:
         model = compress_loaded(
-            load_base(base_path), variant=MATCHED, keep=MergesPerBlock(r), locs=locs
+            load_base(base_path), variant=MATCHED, variant_args={"r": r}, locs=locs
         ).model
         return count_macs(model, INPUT_SIZE)
 
@@ -316,6 +315,11 @@ def random_policy_top1(model: nn.Module, test_set: Dataset, repeats: int) -> lis
         set_policy(model, "score")
 
 
+def run_name(method: str, keep: float, seed: int, args: argparse.Namespace) -> str:
+    """A run's cache name: ``dtps_keep0.7``, with ``_seed1`` when several seeds are run."""
+    return f"{method}_keep{keep}" + (f"_seed{seed}" if len(args.seeds) > 1 else "")
+
+
 def run_one(
     method: str,
     keep: float,
@@ -326,25 +330,29 @@ def run_one(
     args: argparse.Namespace,
     runs_dir: Path,
     matched: dict[str, Any] | None = None,
+    seed: int = 0,
 ) -> tuple[dict[str, Any], nn.Module]:
-    """Compress the base, fine-tune, evaluate; a cached result counts only for the same base.
-    ``matched``: ToMe's r for this keep's MMACs (:func:`matched_r`)."""
-    name = f"{method}_keep{keep}"
+    """Compress the base, fine-tune with ``seed``, evaluate; a cached result counts only for the
+    same base and settings. ``matched``: ToMe's r for this keep's MMACs (:func:`matched_r`)."""
+    name = run_name(method, keep, seed, args)
     result_path = runs_dir / f"{name}.json"
     out = runs_dir / name
-    settings = run_settings(args, method)
+    settings = run_settings(args, method, seed)
     how: Any = keep
+    variant_args = None
     if matched is not None:
-        settings["tome_r"] = matched["tome_r"]
-        how = MergesPerBlock(matched["tome_r"])
+        settings["tome_r"] = matched["tome_r"]  # the cache's key, as earlier runs wrote it
+        how, variant_args = None, {"r": matched["tome_r"]}
     if result_path.is_file():
         cached = json.loads(result_path.read_text())
         if cached.get("base_sha256") == base_sha256 and cached.get("settings") == settings:
             print(f"{name}: cached", flush=True)
             return cached, load(out)
     teacher = load_base(base_path)
-    torch.manual_seed(args.seed)  # the predictor's initial weights: the same in any run order
-    student = compress_loaded(load_base(base_path), variant=method, keep=how, locs=args.locs)
+    torch.manual_seed(seed)  # the predictor's initial weights: the same in any run order
+    student = compress_loaded(
+        load_base(base_path), variant=method, keep=how, locs=args.locs, variant_args=variant_args
+    )
     before = evaluate(student.model, test_set, batch_size=256)["top1"]
     shutil.rmtree(out, ignore_errors=True)
     config = FinetuneConfig(
@@ -352,7 +360,7 @@ def run_one(
         batch_size=args.batch,
         lr=args.ft_lr,
         warmup_epochs=args.ft_warmup,
-        seed=args.seed,
+        seed=seed,
         smoothing=0.1,
         log_every=50,
         keep_checkpoints=1,
@@ -367,6 +375,7 @@ def run_one(
     result = {
         "method": method,
         "keep": keep,
+        "seed": seed,
         "top1_before": before,
         "top1": after,
         "top1_random": statistics.mean(randoms) if randoms else None,
@@ -571,7 +580,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--random-repeats", type=int, default=5)
     p.add_argument("--throughput-runs", type=int, default=15)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the base's training seed")
+    p.add_argument(
+        "--seeds",
+        default=None,
+        help="fine-tuning seeds, comma-separated (default: --seed); with several, each run is "
+        "cached as METHOD_keepK_seedS and the runs' results go to --json-out without the table",
+    )
     p.add_argument(
         "--limit-train",
         type=int,
@@ -586,6 +601,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.ft_epochs != int(args.ft_epochs):
         p.error("--ft-epochs must be a whole number")
     args.ft_epochs = int(args.ft_epochs)
+    args.seeds = [int(v) for v in args.seeds.split(",")] if args.seeds else [args.seed]
     return args
 
 
@@ -652,22 +668,48 @@ def main(argv: list[str] | None = None) -> int:
 
     results, models = [], {"base": base.model}
     methods = args.methods.split(",")
-    for keep in (float(k) for k in args.keeps.split(",")):
-        for method in methods:
-            matched = matched_r(base_path, keep, methods, locs) if method == MATCHED else None
-            result, model = run_one(
-                method,
-                keep,
-                base_path,
-                base_info["sha256"],
-                train_set,
-                test_set,
-                args,
-                runs_dir,
-                matched,
+    # Seed-major: every (method, keep) gets a first seed before any gets a second, so an
+    # interrupted multi-seed run has the whole table at fewer seeds rather than half of it.
+    matches: dict[float, dict[str, Any]] = {}
+    for seed in args.seeds:
+        for keep in (float(k) for k in args.keeps.split(",")):
+            for method in methods:
+                matched = None
+                if method == MATCHED:
+                    if keep not in matches:
+                        matches[keep] = matched_r(base_path, keep, methods, locs)
+                    matched = matches[keep]
+                result, model = run_one(
+                    method,
+                    keep,
+                    base_path,
+                    base_info["sha256"],
+                    train_set,
+                    test_set,
+                    args,
+                    runs_dir,
+                    matched,
+                    seed,
+                )
+                results.append(result)
+                models[run_name(method, keep, seed, args)] = model
+    if len(args.seeds) > 1:
+        # The table with intervals is built from these runs by the caller; one interleaved
+        # timing of 30 models would be noise, so none is taken here.
+        if args.json_out:
+            args.json_out.parent.mkdir(parents=True, exist_ok=True)
+            args.json_out.write_text(
+                json.dumps(
+                    {
+                        "base": base_row,
+                        "locs": locs,
+                        "results": results,
+                        "command": " ".join(sys.argv),
+                    },
+                    indent=2,
+                )
             )
-            results.append(result)
-            models[f"{method}_keep{keep}"] = model
+        return 0
 
     print("timing all models, interleaved ...", flush=True)
     report = measure_throughput(
