@@ -3,15 +3,15 @@ table, or 224 tried, with one line on stderr saying which, instead of a refusal.
 
 from __future__ import annotations
 
-from tests.fixtures import issue10
+from tests.fixtures import edge_case_vits
 from vitcompress.loading import default_input_size, load_base_model
 
-FIXTURE = "tests/fixtures/issue10.py"
+FIXTURE = "tests/fixtures/edge_case_vits.py"
 
 
 def test_size_read_from_patch_stride_and_position_table(capsys) -> None:
     # 8 x 8 patch rows (+1 cls row) in the table, stride 4: a 32-px image.
-    assert default_input_size(issue10.unsized_vit()) == (3, 32, 32)
+    assert default_input_size(edge_case_vits.unsized_vit()) == (3, 32, 32)
     note = capsys.readouterr().err
     assert note.count("\n") == 1 and "declares no input size" in note
     assert "3,32,32" in note and "stride 4" in note and "pos (1, 65, 32)" in note
@@ -31,5 +31,5 @@ def test_without_a_position_table_224_is_tried_and_said(capsys) -> None:
 
 
 def test_a_declared_size_wins_and_says_nothing(capsys) -> None:
-    assert default_input_size(issue10.flatten_head_vit()) == (3, 32, 32)
+    assert default_input_size(edge_case_vits.flatten_head_vit()) == (3, 32, 32)
     assert capsys.readouterr().err == ""

@@ -10,7 +10,7 @@ import torch
 
 import vitcompress
 import vitcompress.graph.plan
-from tests.fixtures import issue10
+from tests.fixtures import edge_case_vits
 from vitcompress import map_model
 from vitcompress.graph.plan import PlanError
 
@@ -27,9 +27,9 @@ def _model(factory):
 @pytest.mark.parametrize(
     "factory, names",
     [
-        (issue10.flatten_head_vit, "flatten (flatten_1) merges the token axis of (65, 32)"),
+        (edge_case_vits.flatten_head_vit, "flatten (flatten_1) merges the token axis of (65, 32)"),
         (
-            issue10.patch_token_head_vit,
+            edge_case_vits.patch_token_head_vit,
             "getitem (getitem_25) reads token(s) 5 of the 65 by position",
         ),
     ],
@@ -45,14 +45,14 @@ def test_a_head_reading_tokens_by_position_is_refused_naming_the_op(factory, nam
 
 
 def test_the_map_shows_the_head_s_use_on_the_last_block():
-    blocks = map_model(_model(issue10.flatten_head_vit), SIZE).to_json()["blocks"]
+    blocks = map_model(_model(edge_case_vits.flatten_head_vit), SIZE).to_json()["blocks"]
     assert [u["kind"] for u in blocks[-1]["position_uses"]] == ["head"]
     assert all(not b["position_uses"] for b in blocks[:-1])
 
 
 def test_without_the_refusal_the_flatten_head_gives_other_logits_at_keep_1(monkeypatch):
     """What the refusal prevents: a mere re-sort (dTPS at keep 1) changes the logits."""
-    model = _model(issue10.flatten_head_vit)
+    model = _model(edge_case_vits.flatten_head_vit)
     monkeypatch.setattr(vitcompress.graph.plan, "position_refusal", lambda *args: None)
     resorted = vitcompress.compress(model, "dtps", keep=1.0, locs=[1], input_size=SIZE).eval()
     x = torch.randn(2, *SIZE, generator=torch.Generator().manual_seed(1))
@@ -62,7 +62,7 @@ def test_without_the_refusal_the_flatten_head_gives_other_logits_at_keep_1(monke
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("factory", [issue10.mean_head_vit, issue10.TinyViT])
+@pytest.mark.parametrize("factory", [edge_case_vits.mean_head_vit, edge_case_vits.TinyViT])
 def test_order_free_heads_stay_exact_at_keep_1_and_reduce(factory, variant):
     model = _model(factory)
     x = torch.randn(2, *SIZE, generator=torch.Generator().manual_seed(1))

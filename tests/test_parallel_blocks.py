@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.fixtures import issue10
+from tests.fixtures import edge_case_vits as issue10
 from tests.models import timm_small
 from vitcompress import compress, map_model
 from vitcompress.graph.analyse import MappingError

@@ -1,4 +1,4 @@
-"""Issue 10's leftovers on two families, at their smallest configurations with random weights.
+"""Token grids of a few tokens: two families at their smallest configurations, random weights.
 
 - ``vit_tiny_r_s16_p8_224`` (ResNet-stem hybrid, 2x2 patch tokens at 32 px): dTPS training gave a
   NaN loss. With 4 tokens a Gumbel draw can keep none of them at a location, and the next
