@@ -282,7 +282,7 @@ def test_a_rotation_whose_cos_cannot_be_told_refuses_evit_only():
         same = vitcompress.compress(model, variant, keep=1.0, locs=[1], input_size=SIZE).eval()
         with torch.no_grad():
             torch.testing.assert_close(same(x), model(x), atol=1e-5, rtol=0)
-    with pytest.raises(PlanError, match=r"^block 2 \(blocks\.2\.attn\.rotate\) .*EViT's fused "):
+    with pytest.raises(PlanError, match=r"^block 2 \(blocks\.2\.attn\.rotate\) .*evit's fused "):
         vitcompress.compress(model, "evit", keep=0.7, locs=[1], input_size=SIZE)
 
 

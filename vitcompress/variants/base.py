@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from torch import nn
 
@@ -29,41 +29,8 @@ from vitcompress.variants.placement import (  # noqa: F401  re-exported: the wor
     KEEP_COUNTS,
     PLACEMENTS,
 )
+from vitcompress.variants.protocols import Block, Location, ModelMap, Plan  # noqa: F401
 from vitcompress.variants.scorers import Scorer, ScoringCost
-
-
-# What a variant reads of the graph layer's objects (``vitcompress.graph``, which imports this
-# package: the variants stay below it and name the fields they use, not the classes).
-class Block(Protocol):
-    index: int
-    path: str
-    dim: int
-    tokens: int  # prefix included
-    prefix_tokens: int
-    stage: int
-    attention: Any  # AttentionCore: kind, key_tokens, path
-    parallel_cores: Sequence[Any]  # further attention cores of a parallel block (AttentionCore)
-
-
-class Location(Protocol):
-    block: int
-    stage: int
-    keep: float
-    cumulative_keep: float
-    patch_tokens: int
-    keep_tokens: int | None
-    merge_tokens: int | None
-
-
-class Plan(Protocol):
-    variant: str
-    policy: str
-    locations: Sequence[Location]
-
-
-class ModelMap(Protocol):
-    blocks: Sequence[Block]
-    stages: Sequence[Any]  # Stage: index, blocks, grid
 
 
 class VariantRefusal(ValueError):

@@ -22,7 +22,7 @@ from vitcompress.variants.placement import (
 )
 
 if TYPE_CHECKING:
-    from vitcompress.variants.base import ModelMap, Plan
+    from vitcompress.variants.protocols import ModelMap, Plan
 
 
 @dataclass(frozen=True)
