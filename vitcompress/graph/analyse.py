@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
 
 import torch.fx as fx
 import torch.nn.functional as F
@@ -27,6 +26,7 @@ from torch import nn
 from vitcompress.errors import UserError
 from vitcompress.graph import ops
 from vitcompress.graph.capture import CapturedGraph
+from vitcompress.graph.cores import Ancestry, Residual, find_attention_cores, find_residuals
 from vitcompress.graph.final_norm import find_final_norm
 from vitcompress.graph.model_map import AttentionCore, Block, GridOp, ModelMap, Stage
 from vitcompress.graph.parallel import Combination, block_end, combine_cores
@@ -35,127 +35,6 @@ from vitcompress.graph.positions import find_head_position_use, find_position_us
 
 class MappingError(UserError):
     """The graph does not look like a ViT this tool can rewrite; says what was found and missing."""
-
-
-@dataclass
-class _Residual:
-    add: fx.Node
-    skip: fx.Node
-    branch: fx.Node
-    nodes: list[fx.Node]  # nodes strictly inside the residual branch, in graph order
-
-
-class _Ancestry:
-    """Data ancestors of every node as integer bitsets (graphs have a few thousand nodes).
-
-    Only edges that carry tensors count: ``cls_token.expand(x.shape[0], -1, -1)`` reads the image
-    batch's size but none of its data, so the cls token does not derive from the image.
-    """
-
-    def __init__(self, graph: fx.Graph) -> None:
-        self.nodes = list(graph.nodes)
-        self.index = {n: i for i, n in enumerate(self.nodes)}
-        self.bits: dict[fx.Node, int] = {}
-        for n in self.nodes:
-            acc = 0
-            for parent in n.all_input_nodes:
-                if parent.meta.get("carries_tensor", True):
-                    acc |= self.bits[parent] | (1 << self.index[parent])
-            self.bits[n] = acc
-
-    def is_ancestor(self, a: fx.Node, b: fx.Node) -> bool:
-        return bool(self.bits[b] >> self.index[a] & 1)
-
-    def between(self, start: fx.Node, end: fx.Node) -> list[fx.Node]:
-        """Nodes that depend on ``start`` and that ``end`` depends on (both excluded)."""
-        lo, hi = self.index[start], self.index[end]
-        return [
-            n
-            for n in self.nodes[lo + 1 : hi]
-            if self.is_ancestor(start, n) and self.is_ancestor(n, end)
-        ]
-
-
-def _find_attention_cores(gm: fx.GraphModule) -> list[AttentionCore]:
-    cores: list[AttentionCore] = []
-    for node in gm.graph.nodes:
-        if ops.is_sdpa(node):
-            q, k = node.args[0], node.args[1]
-            q_shape, k_shape = ops.shape(q), ops.shape(k)
-            if q_shape is None or len(q_shape) != 4:
-                continue
-            cores.append(
-                AttentionCore(
-                    "sdpa",
-                    node.name,
-                    q_shape[1],
-                    ops.module_path(node),
-                    query_tokens=q_shape[2],
-                    key_tokens=k_shape[2],
-                    batch=q_shape[0],
-                )
-            )
-        elif ops.is_softmax(node, gm):
-            logits = node.args[0]
-            logits_shape = ops.shape(logits)
-            if logits_shape is None or len(logits_shape) != 4:
-                continue
-            product = ops.walk_back(logits, lambda n: ops.is_matmul(n) or ops.is_einsum(n), 8)
-            if product is None:
-                continue
-            kind = "einsum_softmax" if ops.is_einsum(product) else "matmul_softmax"
-            cores.append(
-                AttentionCore(
-                    kind,
-                    node.name,
-                    logits_shape[1],
-                    ops.module_path(node),
-                    logits_node=product.name,
-                    query_tokens=logits_shape[2],
-                    key_tokens=logits_shape[3],
-                    batch=logits_shape[0],
-                )
-            )
-        elif ops.is_multihead_attention(gm, node):
-            mha = gm.get_submodule(node.target)
-            tokens_shape = ops.shape(node.args[0])
-            n_tokens = None
-            if tokens_shape is not None:
-                n_tokens = tokens_shape[1] if mha.batch_first else tokens_shape[0]
-            cores.append(
-                AttentionCore(
-                    "multihead_attention",
-                    node.name,
-                    mha.num_heads,
-                    str(node.target),
-                    query_tokens=n_tokens,
-                    key_tokens=n_tokens,
-                )
-            )
-    return cores
-
-
-def _find_residuals(gm: fx.GraphModule, anc: _Ancestry) -> list[_Residual]:
-    residuals = []
-    for node in gm.graph.nodes:
-        if not ops.is_add(node):
-            continue
-        out = ops.shape(node)
-        args = [a for a in node.args[:2] if isinstance(a, fx.Node)]
-        if out is None or len(out) != 3 or len(args) != 2:
-            continue
-        a, b = args
-        if ops.shape(a) != out or ops.shape(b) != out:
-            continue
-        if anc.is_ancestor(a, b):
-            skip, branch = a, b
-        elif anc.is_ancestor(b, a):
-            skip, branch = b, a
-        else:
-            continue
-        inner = anc.between(skip, node)
-        residuals.append(_Residual(node, skip, branch, inner))
-    return residuals
 
 
 def _placeholder(gm: fx.GraphModule) -> fx.Node:
@@ -177,7 +56,7 @@ def _grid_from(node: fx.Node, patch_tokens: int) -> tuple[int, int] | None:
 
 
 def _analyse_entry(
-    entry: fx.Node, image: fx.Node, anc: _Ancestry
+    entry: fx.Node, image: fx.Node, anc: Ancestry
 ) -> tuple[int, tuple[int, int], fx.Node, fx.Node | None]:
     """Prefix-token count, patch grid, patch-token node and grid node of a stage's entry."""
     tokens = ops.shape(entry)[1]
@@ -229,7 +108,7 @@ def _analyse_entry(
 
 
 def _grid_ops(
-    gm: fx.GraphModule, attn: _Residual, mlp: _Residual | None, anc: _Ancestry
+    gm: fx.GraphModule, attn: Residual, mlp: Residual | None, anc: Ancestry
 ) -> list[GridOp]:
     found = []
     for branch_name, residual in (("attention", attn), ("mlp", mlp)):
@@ -314,9 +193,9 @@ def _flatten_back(op: fx.Node, cells: int) -> fx.Node | None:
 def analyse(captured: CapturedGraph) -> ModelMap:
     """Build the model map of a captured graph, or raise :class:`MappingError`."""
     gm = captured.module
-    anc = _Ancestry(gm.graph)
-    cores = _find_attention_cores(gm)
-    residuals = _find_residuals(gm, anc)
+    anc = Ancestry(gm.graph)
+    cores = find_attention_cores(gm)
+    residuals = find_residuals(gm, anc)
     core_nodes = {c.node: c for c in cores}
     image_batch = ops.shape(_placeholder(gm))[0]
     windowed = [
@@ -335,7 +214,7 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         raise MappingError(windowed_3d)
     by_name = {n.name: n for n in gm.graph.nodes}
 
-    def cores_in(residual: _Residual) -> list[AttentionCore]:
+    def cores_in(residual: Residual) -> list[AttentionCore]:
         """Attention over the residual's tokens: a softmax over channels (XCiT's C x C
         cross-covariance attention) mixes no tokens and is not a token-attention core."""
         tokens = ops.shape(residual.skip)[1]
@@ -349,7 +228,7 @@ def analyse(captured: CapturedGraph) -> ModelMap:
     other_residuals = {r.skip: r for r in residuals if not cores_in(r)}
     blocks: list[Block] = []
     image = _placeholder(gm)
-    pairs: list[tuple[_Residual, _Residual | None, Combination]] = []
+    pairs: list[tuple[Residual, Residual | None, Combination]] = []
     for attn in attn_residuals:
         mlp = other_residuals.get(attn.add)
         inner = cores_in(attn)
@@ -473,7 +352,7 @@ def analyse(captured: CapturedGraph) -> ModelMap:
     )
 
 
-def _parallel_block(attn: _Residual, cores: list[AttentionCore], anc: _Ancestry, cores_in):
+def _parallel_block(attn: Residual, cores: list[AttentionCore], anc: Ancestry, cores_in):
     """The whole of a block whose attention residual no MLP residual follows (attention and MLP
     side by side, ``x + attn(h) + mlp(h)``), as one residual from its input to where its branches
     rejoin; tokens are reduced there. Refused where they never rejoin, or where more attention
@@ -481,7 +360,7 @@ def _parallel_block(attn: _Residual, cores: list[AttentionCore], anc: _Ancestry,
     end = block_end(attn.skip, attn.add, anc.nodes, anc.index, anc.is_ancestor)
     whole = None
     if end is not None:
-        whole = _Residual(end, attn.skip, attn.branch, anc.between(attn.skip, end))
+        whole = Residual(end, attn.skip, attn.branch, anc.between(attn.skip, end))
     if whole is None or [c.node for c in cores_in(whole)] != [c.node for c in cores]:
         path = ops.common_path([c.path for c in cores if c.path])
         raise MappingError(
@@ -551,7 +430,7 @@ def _windowed_batched_attention(gm: fx.GraphModule, image_batch: int) -> str | N
 
 
 def _exit_bypass(
-    out: fx.Node, end: fx.Node, exit_grid: fx.Node | None, anc: _Ancestry
+    out: fx.Node, end: fx.Node, exit_grid: fx.Node | None, anc: Ancestry
 ) -> str | None:
     """Where a stage's output tokens reach the next stage other than through its exit grid
     (which gets the full grid back when tokens were reduced): the module path of the first op
@@ -578,7 +457,7 @@ def _exit_bypass(
     return ops.module_path(first) or first.name
 
 
-def _find_stage_exit(stage: Stage, out: fx.Node, end: fx.Node | None, anc: _Ancestry) -> None:
+def _find_stage_exit(stage: Stage, out: fx.Node, end: fx.Node | None, anc: Ancestry) -> None:
     """The first place after a stage where its output tokens become a (B, C, H, W) grid."""
     cells = stage.grid[0] * stage.grid[1]
     stop = anc.index[end] if end is not None else len(anc.nodes)
@@ -593,7 +472,7 @@ def _find_stage_exit(stage: Stage, out: fx.Node, end: fx.Node | None, anc: _Ance
         return
 
 
-def _reads_first_token(stream: fx.Node, anc: _Ancestry) -> bool:
+def _reads_first_token(stream: fx.Node, anc: Ancestry) -> bool:
     """Whether something after the last block takes token 0 alone (``x[:, 0]``): a cls head."""
     for node in anc.nodes[anc.index[stream] :]:
         if node is not stream and not anc.is_ancestor(stream, node):

@@ -1,0 +1,135 @@
+"""The two patterns a ViT's blocks are found from: attention cores (a fused SDPA call, a softmax
+whose logits come from a matmul/einsum, a kept-whole ``nn.MultiheadAttention``) and residual adds
+``add(skip, branch)`` of two (B, N, C) tensors where ``skip`` is an ancestor of ``branch``; with
+the data ancestry (``Ancestry``) both are read from. ``analyse.py`` builds blocks and stages from
+them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from vitcompress.graph import ops
+from vitcompress.graph.model_map import AttentionCore
+
+
+@dataclass
+class Residual:
+    add: fx.Node
+    skip: fx.Node
+    branch: fx.Node
+    nodes: list[fx.Node]  # nodes strictly inside the residual branch, in graph order
+
+
+class Ancestry:
+    """Data ancestors of every node as integer bitsets (graphs have a few thousand nodes).
+
+    Only edges that carry tensors count: ``cls_token.expand(x.shape[0], -1, -1)`` reads the image
+    batch's size but none of its data, so the cls token does not derive from the image.
+    """
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.nodes = list(graph.nodes)
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+        self.bits: dict[fx.Node, int] = {}
+        for n in self.nodes:
+            acc = 0
+            for parent in n.all_input_nodes:
+                if parent.meta.get("carries_tensor", True):
+                    acc |= self.bits[parent] | (1 << self.index[parent])
+            self.bits[n] = acc
+
+    def is_ancestor(self, a: fx.Node, b: fx.Node) -> bool:
+        return bool(self.bits[b] >> self.index[a] & 1)
+
+    def between(self, start: fx.Node, end: fx.Node) -> list[fx.Node]:
+        """Nodes that depend on ``start`` and that ``end`` depends on (both excluded)."""
+        lo, hi = self.index[start], self.index[end]
+        return [
+            n
+            for n in self.nodes[lo + 1 : hi]
+            if self.is_ancestor(start, n) and self.is_ancestor(n, end)
+        ]
+
+
+def find_attention_cores(gm: fx.GraphModule) -> list[AttentionCore]:
+    cores: list[AttentionCore] = []
+    for node in gm.graph.nodes:
+        if ops.is_sdpa(node):
+            q, k = node.args[0], node.args[1]
+            q_shape, k_shape = ops.shape(q), ops.shape(k)
+            if q_shape is None or len(q_shape) != 4:
+                continue
+            cores.append(
+                AttentionCore(
+                    "sdpa",
+                    node.name,
+                    q_shape[1],
+                    ops.module_path(node),
+                    query_tokens=q_shape[2],
+                    key_tokens=k_shape[2],
+                    batch=q_shape[0],
+                )
+            )
+        elif ops.is_softmax(node, gm):
+            logits = node.args[0]
+            logits_shape = ops.shape(logits)
+            if logits_shape is None or len(logits_shape) != 4:
+                continue
+            product = ops.walk_back(logits, lambda n: ops.is_matmul(n) or ops.is_einsum(n), 8)
+            if product is None:
+                continue
+            kind = "einsum_softmax" if ops.is_einsum(product) else "matmul_softmax"
+            cores.append(
+                AttentionCore(
+                    kind,
+                    node.name,
+                    logits_shape[1],
+                    ops.module_path(node),
+                    logits_node=product.name,
+                    query_tokens=logits_shape[2],
+                    key_tokens=logits_shape[3],
+                    batch=logits_shape[0],
+                )
+            )
+        elif ops.is_multihead_attention(gm, node):
+            mha = gm.get_submodule(node.target)
+            tokens_shape = ops.shape(node.args[0])
+            n_tokens = None
+            if tokens_shape is not None:
+                n_tokens = tokens_shape[1] if mha.batch_first else tokens_shape[0]
+            cores.append(
+                AttentionCore(
+                    "multihead_attention",
+                    node.name,
+                    mha.num_heads,
+                    str(node.target),
+                    query_tokens=n_tokens,
+                    key_tokens=n_tokens,
+                )
+            )
+    return cores
+
+
+def find_residuals(gm: fx.GraphModule, anc: Ancestry) -> list[Residual]:
+    residuals = []
+    for node in gm.graph.nodes:
+        if not ops.is_add(node):
+            continue
+        out = ops.shape(node)
+        args = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        if out is None or len(out) != 3 or len(args) != 2:
+            continue
+        a, b = args
+        if ops.shape(a) != out or ops.shape(b) != out:
+            continue
+        if anc.is_ancestor(a, b):
+            skip, branch = a, b
+        elif anc.is_ancestor(b, a):
+            skip, branch = b, a
+        else:
+            continue
+        inner = anc.between(skip, node)
+        residuals.append(Residual(node, skip, branch, inner))
+    return residuals
