@@ -37,7 +37,7 @@ from vitcompress.variants import (
     variant_names,
     variant_settings,
 )
-from vitcompress.variants.base import AFTER_ATTENTION, BEFORE_BLOCK
+from vitcompress.variants.placement import AFTER_ATTENTION, BEFORE_BLOCK
 from vitcompress.workflows.report import _variant_colour
 
 SIZE = (3, 32, 32)

@@ -32,7 +32,7 @@ from vitcompress.modules import MHAHook, SDPAHook, SoftmaxHook
 from vitcompress.modules.grid import GridGather, GridPad
 from vitcompress.modules.position_tables import PositionGather
 from vitcompress.variants import AFTER_ATTENTION, BEFORE_BLOCK
-from vitcompress.variants.base import ATTENTION_GIVES_KEYS
+from vitcompress.variants.placement import ATTENTION_GIVES_KEYS
 
 REDUCER_PREFIX = "tps"
 HOOK_PREFIX = "tps_hooks"

@@ -81,12 +81,58 @@ def _kept_positions(positions: Tensor | None, keep_index: Tensor) -> Tensor:
     return keep_index if positions is None else torch.gather(positions, 1, keep_index)
 
 
-class PredictorReducer(RecordsAssignment, nn.Module):
+class FusingReducer(RecordsAssignment, nn.Module):
+    """What the reducers that select by a score and hand the rest to a fuse share: the policy,
+    the fuse, the fused-kernel switch, and the select -> gather -> fuse step itself."""
+
+    def __init__(self, prefix_tokens: int, keep_ratio: float, fuse: TokenFuse, policy: str) -> None:
+        super().__init__()
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.prefix_tokens = prefix_tokens
+        self.keep_ratio = keep_ratio
+        self.fuse = fuse
+        self.policy = policy
+        # Set by vitcompress.kernels.enable_fused_kernels: select -> gather -> fuse as one op
+        # at inference. Not state: a saved model loads with the method's path. A fuse without a
+        # kernel (EViT's) keeps the method's path.
+        self.fused_kernel = False
+        self.supports_fused_kernel = fuse.fused_kernel
+
+    def extra_repr(self) -> str:
+        return (
+            f"prefix_tokens={self.prefix_tokens}, keep_ratio={self.keep_ratio}, "
+            f"fuse={self.fuse.label!r}, policy={self.policy!r}"
+        )
+
+    def _select_and_fuse(
+        self, x: Tensor, order: Tensor, scores: Tensor, k: int, positions: Tensor | None
+    ) -> tuple[Tensor, None, Tensor | None]:
+        """Keep the ``k`` patch tokens first in ``order``; the fuse takes the rest (weighted by
+        ``scores`` where it weighs them). Returns ``(tokens, None, positions)``."""
+        p = self.prefix_tokens
+        if self.fused_kernel and not self.training and not x.requires_grad and not self.record:
+            tokens, keep_index = self.fuse.kernel(x, order, p, k)
+            return tokens, None, _kept_positions(positions, keep_index)
+        prefix, patches = x[:, :p], x[:, p:]
+        keep_index, prune_index = split_by_score(order, k)
+        kept = gather_tokens(patches, keep_index)
+        pruned = gather_tokens(patches, prune_index)
+        positions = _kept_positions(positions, keep_index)
+        tokens, host_index = self.fuse.fuse(prefix, kept, pruned, scores.gather(1, prune_index))
+        self._recorded(x, keep_index=keep_index, prune_index=prune_index, host_index=host_index)
+        if self.fuse.adds_token:  # a token on no grid position
+            positions = torch.cat([positions, positions.new_full((x.shape[0], 1), -1)], dim=1)
+        return tokens, None, positions
+
+
+class PredictorReducer(FusingReducer):
     """dTPS (fuse: squeeze) and DynamicViT (fuse: drop), placed BEFORE a block.
 
     Inference keeps ``keep_tokens`` patch tokens (``int(N0 * rho**s)``, fixed, so shapes are
     constant) by the predictor's keep log-probability and, for dTPS, squeezes the rest into their
     hosts. Training samples a hard straight-through Gumbel mask over all N0 tokens instead.
+    ``keep_ratio`` is the target fraction of N0 kept after this location (the ratio loss's).
     """
 
     def __init__(
@@ -98,25 +144,12 @@ class PredictorReducer(RecordsAssignment, nn.Module):
         fuse: TokenFuse,
         policy: str = "score",
     ) -> None:
-        super().__init__()
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        self.prefix_tokens = prefix_tokens
+        super().__init__(prefix_tokens, keep_ratio, fuse, policy)
         self.keep_tokens = keep_tokens
-        self.keep_ratio = keep_ratio  # target fraction of N0 kept after this location (ratio loss)
-        self.fuse = fuse
-        self.policy = policy
         self.predictor = ScorePredictor(dim)
-        # Set by vitcompress.kernels.enable_fused_kernels: select -> gather -> fuse as one op
-        # at inference. Not state: a saved model loads with the method's path.
-        self.fused_kernel = False
-        self.supports_fused_kernel = fuse.fused_kernel
 
     def extra_repr(self) -> str:
-        return (
-            f"prefix_tokens={self.prefix_tokens}, keep_tokens={self.keep_tokens}, "
-            f"fuse={self.fuse.label!r}, policy={self.policy!r}"
-        )
+        return f"keep_tokens={self.keep_tokens}, {super().extra_repr()}"
 
     def forward(
         self, x: Tensor, keep_mask: Tensor | None = None, positions: Tensor | None = None
@@ -129,16 +162,9 @@ class PredictorReducer(RecordsAssignment, nn.Module):
             scores = torch.rand(patches.shape[:2], device=x.device)
         else:
             scores = self.predictor.keep_score(patches)
-        k = min(self.keep_tokens, patches.shape[1])
-        if self.fused_kernel and not x.requires_grad and not self.record:
-            tokens, keep_index = self.fuse.kernel(x, scores, p, k)
-            return tokens, None, _kept_positions(positions, keep_index)
-        keep_index, prune_index = split_by_score(scores, k)
-        kept = gather_tokens(patches, keep_index)
-        pruned = gather_tokens(patches, prune_index)
-        tokens, host_index = self.fuse.fuse(prefix, kept, pruned, scores.gather(1, prune_index))
-        self._recorded(x, keep_index=keep_index, prune_index=prune_index, host_index=host_index)
-        return tokens, None, _kept_positions(positions, keep_index)
+        return self._select_and_fuse(
+            x, scores, scores, min(self.keep_tokens, patches.shape[1]), positions
+        )
 
     def _train(
         self, prefix: Tensor, patches: Tensor, keep_mask: Tensor | None, positions: Tensor | None
@@ -160,7 +186,7 @@ class PredictorReducer(RecordsAssignment, nn.Module):
         return torch.cat([prefix, patches], dim=1), mask, positions
 
 
-class AttentionReducer(RecordsAssignment, nn.Module):
+class AttentionReducer(FusingReducer):
     """eTPS (fuse: squeeze) and EViT (fuse: one extra token), placed INSIDE a block after the
     attention residual add, scored by that block's attention. Drops tokens in training too.
 
@@ -170,22 +196,7 @@ class AttentionReducer(RecordsAssignment, nn.Module):
     def __init__(
         self, prefix_tokens: int, keep_ratio: float, fuse: TokenFuse, policy: str = "score"
     ) -> None:
-        super().__init__()
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        self.prefix_tokens = prefix_tokens
-        self.keep_ratio = keep_ratio
-        self.fuse = fuse
-        self.policy = policy
-        # As PredictorReducer's; a fuse without a kernel (EViT's) keeps the method's path.
-        self.fused_kernel = False
-        self.supports_fused_kernel = fuse.fused_kernel
-
-    def extra_repr(self) -> str:
-        return (
-            f"prefix_tokens={self.prefix_tokens}, keep_ratio={self.keep_ratio}, "
-            f"fuse={self.fuse.label!r}, policy={self.policy!r}"
-        )
+        super().__init__(prefix_tokens, keep_ratio, fuse, policy)
 
     def forward(
         self,
@@ -194,26 +205,13 @@ class AttentionReducer(RecordsAssignment, nn.Module):
         keep_mask: Tensor | None = None,
         positions: Tensor | None = None,
     ) -> tuple[Tensor, None, Tensor | None]:
-        p = self.prefix_tokens
-        prefix, patches = x[:, :p], x[:, p:]
-        n = patches.shape[1]
+        n = x.shape[1] - self.prefix_tokens
         k = keep_count(n, self.keep_ratio, "ceil")
         if k >= n:  # nothing to prune: EViT adds no fused token either
             return x, None, positions
         # A random policy only changes who is kept; EViT still weights its fused token by attention.
         order = torch.rand_like(scores) if self.policy == "random" else scores
-        if self.fused_kernel and not self.training and not x.requires_grad and not self.record:
-            tokens, keep_index = self.fuse.kernel(x, order, p, k)
-            return tokens, None, _kept_positions(positions, keep_index)
-        keep_index, prune_index = split_by_score(order, k)
-        kept = gather_tokens(patches, keep_index)
-        pruned = gather_tokens(patches, prune_index)
-        positions = _kept_positions(positions, keep_index)
-        tokens, host_index = self.fuse.fuse(prefix, kept, pruned, scores.gather(1, prune_index))
-        self._recorded(x, keep_index=keep_index, prune_index=prune_index, host_index=host_index)
-        if self.fuse.adds_token:  # a token on no grid position
-            positions = torch.cat([positions, positions.new_full((x.shape[0], 1), -1)], dim=1)
-        return tokens, None, positions
+        return self._select_and_fuse(x, order, scores, k, positions)
 
 
 class MergeReducer(RecordsAssignment, nn.Module):

@@ -4,13 +4,9 @@ Importing this package registers the built-in variants, one module each; a new m
 module that registers itself with ``@register_variant`` (docs/method.md, "Adding a method").
 """
 
-from vitcompress.variants.base import (
-    AFTER_ATTENTION,
-    BEFORE_BLOCK,
-    Variant,
-    VariantRefusal,
-)
+from vitcompress.variants.base import Variant, VariantRefusal
 from vitcompress.variants.fuses import Drop, Fuse, FuseOne, Merge, Squeeze
+from vitcompress.variants.placement import AFTER_ATTENTION, BEFORE_BLOCK
 from vitcompress.variants.registry import (
     VARIANTS,
     UnknownVariantError,

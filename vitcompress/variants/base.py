@@ -17,12 +17,9 @@ from torch import nn
 
 from vitcompress.method import SELECTION_POLICIES, keep_count
 from vitcompress.variants.fuses import Fuse
-from vitcompress.variants.placement import (  # noqa: F401  re-exported: the words of a method
+from vitcompress.variants.placement import (
     AFTER_ATTENTION,
-    ATTENTION_GIVES_KEYS,
     ATTENTION_GIVES_NOTHING,
-    ATTENTION_GIVES_SCORE,
-    BEFORE_BLOCK,
     COUNT_MERGED,
     COUNT_OF_INITIAL,
     COUNT_OF_PRESENT,

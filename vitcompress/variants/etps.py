@@ -6,12 +6,9 @@ from vitcompress.variants.fuses import Squeeze
 from vitcompress.variants.kinds import AttentionScoredVariant
 from vitcompress.variants.registry import register_variant
 
+SUMMARY = "cls attention inside the block; pruned tokens squeezed into kept hosts"
+
 
 @register_variant
 def etps() -> Variant:
-    return AttentionScoredVariant(
-        name="etps",
-        summary="cls attention inside the block; pruned tokens squeezed into kept hosts",
-        fuse=Squeeze(),
-        report_order=1,
-    )
+    return AttentionScoredVariant(name="etps", summary=SUMMARY, fuse=Squeeze(), report_order=1)

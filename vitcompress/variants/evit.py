@@ -6,12 +6,9 @@ from vitcompress.variants.fuses import FuseOne
 from vitcompress.variants.kinds import AttentionScoredVariant
 from vitcompress.variants.registry import register_variant
 
+SUMMARY = "cls attention inside the block; pruned tokens fused into one extra token"
+
 
 @register_variant
 def evit() -> Variant:
-    return AttentionScoredVariant(
-        name="evit",
-        summary="cls attention inside the block; pruned tokens fused into one extra token",
-        fuse=FuseOne(),
-        report_order=3,
-    )
+    return AttentionScoredVariant(name="evit", summary=SUMMARY, fuse=FuseOne(), report_order=3)

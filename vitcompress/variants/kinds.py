@@ -25,14 +25,9 @@ class PredictorVariant(Variant):
     resorts_tokens: bool = True  # sorted by predicted score even when all are kept
 
     def build_reducer(self, block: Block, location: Location, plan: Plan) -> nn.Module:
-        return PredictorReducer(
-            dim=block.dim,
-            prefix_tokens=block.prefix_tokens,
-            keep_tokens=location.keep_tokens,
-            keep_ratio=location.cumulative_keep,
-            fuse=self.fuse,
-            policy=plan.policy,
-        )
+        # The static count kept, and the cumulative fraction of N0 the ratio loss aims at.
+        counts = (location.keep_tokens, location.cumulative_keep)
+        return PredictorReducer(block.dim, block.prefix_tokens, *counts, self.fuse, plan.policy)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,9 +36,5 @@ class AttentionScoredVariant(Variant):
     resorts_tokens: bool = False  # keep 1 returns the tokens as they came
 
     def build_reducer(self, block: Block, location: Location, plan: Plan) -> nn.Module:
-        return AttentionReducer(
-            prefix_tokens=block.prefix_tokens,
-            keep_ratio=location.keep,
-            fuse=self.fuse,
-            policy=plan.policy,
-        )
+        # ceil(keep * n) of the tokens present at run time.
+        return AttentionReducer(block.prefix_tokens, location.keep, self.fuse, plan.policy)
