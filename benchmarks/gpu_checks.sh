@@ -96,7 +96,7 @@ if [[ " $PARTS " == *" sweep "* ]]; then
 step "batch sweep: deit_tiny + dtps (keep 0.7, blocks 3,6,9) against deit_tiny, bf16 autocast"
 check cli apply --model deit_tiny_patch16_224 --variant dtps --keep 0.7 --locs 3,6,9 \
     --no-throughput --out "$OUT/deit_t_dtps" --json
-check cli bench --model "$OUT/deit_t_dtps" --device cuda --dtype bfloat16 --amp \
+check cli bench --model "$OUT/deit_t_dtps" --device cuda --amp bf16 \
     --batch-sizes 1,8,32,128,256 --warmup 5 --runs 20 --bench-seconds 30 \
     --plot "$OUT/batch_sweep_deit_t_dtps_bf16.png" --json > "$OUT/batch_sweep_deit_t_dtps_bf16.json"
 fi

@@ -252,7 +252,7 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch) -> Non
     def interrupt(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("vitcompress.cli.options.load_model", interrupt)
+    monkeypatch.setattr("vitcompress.workflows.inputs.load_model", interrupt)
     assert_one_error(run("bench", "--model", MHA, "--no-throughput"), 130, "interrupted")
 
 
@@ -260,7 +260,7 @@ def test_an_unexpected_exception_is_one_line_and_exit_1(monkeypatch: pytest.Monk
     def bug(*args: object, **kwargs: object) -> None:
         raise RuntimeError("something inside broke\nsecond line")
 
-    monkeypatch.setattr("vitcompress.cli.options.load_model", bug)
+    monkeypatch.setattr("vitcompress.workflows.inputs.load_model", bug)
     assert_one_error(
         run("bench", "--model", MHA, "--no-throughput"),
         1,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,10 +100,42 @@ def test_windowed_attention_is_refused_for_the_whole_row():
     assert {cell["status"] for cell in row["variants"].values()} == {"refused"}
 
 
-def test_a_cell_past_its_time_is_a_timeout_not_a_hang():
-    row = matrix.matrix_row("deit", "deit_tiny_patch16_224", cell_seconds=0.001)
+def _hang(*args, **kwargs):
+    """A step that never ends on its own: only the cell's timer can stop it. (Bounded, so that a
+    broken timer fails the test instead of hanging the suite.)"""
+    time.sleep(600)
+    return "finished"
+
+
+@pytest.fixture
+def no_build_limit(monkeypatch):
+    """The build is timed too: on a loaded machine it may take long, which is not the cell's
+    timeout under test."""
+    monkeypatch.setattr(matrix, "BUILD_SECONDS", 3600.0)
+
+
+def test_a_map_past_its_time_is_a_timeout_not_a_hang(monkeypatch, no_build_limit):
+    monkeypatch.setattr(matrix.vitcompress, "map_model", _hang)
+    row = matrix.matrix_row("deit", "deit_tiny_patch16_224", cell_seconds=0.2)
+    assert row["build"]["status"] == "ok"
     assert row["maps"]["status"] == "timeout"
     assert {cell["status"] for cell in row["variants"].values()} == {"timeout"}
+
+
+def test_a_variant_past_its_time_is_a_timeout_not_a_hang(monkeypatch, no_build_limit):
+    """The map and the MAC count return at once (stand-ins), so only the variant cell can run
+    past its time, however slow the machine."""
+
+    class Map:
+        def to_json(self):
+            return {"capture": "fx", "blocks": [0] * 4, "stages": [0], "prefix_tokens": 1}
+
+    monkeypatch.setattr(matrix.vitcompress, "map_model", lambda *args: Map())
+    monkeypatch.setattr(matrix, "count_macs", lambda *args: 1)
+    monkeypatch.setattr(matrix, "variant_cell", _hang)
+    row = matrix.matrix_row("deit", "deit_tiny_patch16_224", cell_seconds=0.2, variants=("etps",))
+    assert row["maps"]["status"] == "ok"
+    assert row["variants"] == {"etps": {"status": "timeout", "line": "timeout after 0.2 s"}}
 
 
 def test_every_family_the_matrix_promises_has_its_smallest_model():

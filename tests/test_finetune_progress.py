@@ -52,24 +52,26 @@ MODEL_ARGS = [
 ]
 
 
-def test_log_lines_every_n_steps_with_the_mean_rate_and_one_per_epoch():
+def test_log_lines_every_n_steps_with_the_windowed_rate_and_one_per_epoch():
     stream = io.StringIO()
     lines = LogLines(every=2, stream=stream)
     lines.start(2, 3, total_steps=5)
     lines.start_epoch(0, 0)
-    for step, speed in ((1, 100.0), (2, 100.0), (3, 50.0), (4, 100.0), (5, 25.0)):
+    # The run puts the rate since its last logged step on every record (RateWindow).
+    for step, speed in ((1, 100.0), (2, 90.0), (3, 50.0), (4, 67.0), (5, 25.0)):
         lines.step(
             {"step": step, "epoch": (step - 1) // 3, "loss": 0.5, "lr": 1e-3, "img_per_s": speed}
         )
+    lines.note("resumed from step 3 (epoch 2) of runs/ft")
     lines.epoch_done(
         {"epoch": 1, "step": 5, "train_loss": 0.25, "lr": 0.0, "img_per_s": 40.0, "val_top1": 0.5}
     )
     assert stream.getvalue().splitlines() == [
         "step 1/5 (epoch 1/2): loss 0.5000, lr 1.00e-03, 100 img/s",
-        "step 2/5 (epoch 1/2): loss 0.5000, lr 1.00e-03, 100 img/s",
-        # steps 3 and 4 at 50 and 100 img/s with equal batches: 2 / (1/50 + 1/100)
+        "step 2/5 (epoch 1/2): loss 0.5000, lr 1.00e-03, 90 img/s",
         "step 4/5 (epoch 2/2): loss 0.5000, lr 1.00e-03, 67 img/s",
         "step 5/5 (epoch 2/2): loss 0.5000, lr 1.00e-03, 25 img/s",  # the last step always
+        "resumed from step 3 (epoch 2) of runs/ft",
         "epoch 2/2 done at step 5: train loss 0.2500, lr 0.00e+00, 40 img/s, val top-1 50.00%",
     ]
 
@@ -109,7 +111,7 @@ def _cli_args(data: Path, out: Path, *extra: str, model: Path | None = None) -> 
     spec = (
         ["--model", str(model)]
         if model
-        else ["--model", TINY, *MODEL_ARGS, "--keep", "0.5", "--locs", "1,2"]
+        else ["--model", TINY, *MODEL_ARGS, "--variant", "dtps", "--keep", "0.5", "--locs", "1,2"]
     )
     return [
         "finetune",
@@ -206,6 +208,9 @@ def test_cli_sigterm_on_a_log_line_then_resume_gives_the_same_weights(tmp_path):
         cli, _cli_args(data, out, "--epochs", "2", "--resume", model=model)
     )
     assert resumed.exit_code == 0, resumed.output
+    # The resumed run says where it picked up (the step the interrupted run saved).
+    assert f"resumed from step {saved.group(1)} (epoch " in resumed.stderr
+    assert f" of {out}" in resumed.stderr
     whole = CliRunner().invoke(
         cli, _cli_args(data, tmp_path / "whole", "--epochs", "2", model=model)
     )

@@ -12,7 +12,7 @@ from vitcompress.training.checkpoint import find_latest, load_checkpoint
 from vitcompress.training.interrupt import StopSignals
 from vitcompress.training.sampler import TrainPosition
 from vitcompress.workflows.finetune import FinetuneRun, finetune
-from vitcompress.workflows.finetune_run import EpochTotals
+from vitcompress.workflows.finetune_metrics import EpochTotals
 
 
 def _run(out, **config) -> FinetuneRun:

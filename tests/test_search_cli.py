@@ -61,6 +61,8 @@ def searched(tmp_path_factory) -> tuple[Path, Path, dict, str]:
     data = image_folder(root / "data")
     out = root / "out"
     result = run(
+        "--progress",  # the group's option: search has no progress option of its own
+        "plain",
         "search",
         *MODEL,
         "--data",
@@ -79,7 +81,6 @@ def searched(tmp_path_factory) -> tuple[Path, Path, dict, str]:
         "4",
         "--out",
         str(out),
-        "--progress",
         "--json",
     )
     assert result.exit_code == 0, result.output

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import click
 from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
 
 from vitcompress import __version__
 from vitcompress.cli.plan_options import plan_error_line
@@ -92,6 +95,36 @@ def cli(ctx: click.Context, debug: bool, progress: str) -> None:
 
 def emit_json(data: dict[str, Any]) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
+
+
+def json_option(help_text: str) -> Callable[[Callable], Callable]:
+    """``--json``: the command's result as JSON on stdout (passed as ``as_json``)."""
+    return click.option("--json", "as_json", is_flag=True, help=help_text)
+
+
+class SaveError(UserError):
+    """An output that could not be written after the work was done (its results were shown)."""
+
+
+def raise_save_error(message: str | None) -> None:
+    """After the results were shown: a save that failed ends the command with its one line."""
+    if message:
+        raise SaveError(message)
+
+
+def print_table(table: Table) -> None:
+    """On a terminal long cells fold; off one (a file, a pipe, CI) the table is as wide as it
+    needs, so that nothing is cut to "..." or folded."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    unbounded = console.options.update_width(1_000_000)  # measure, do not clamp to COLUMNS
+    width = Measurement.get(console, unbounded, table).maximum
+    # console.print never draws wider than the console: a console as wide as the table.
+    wide = Console(
+        file=console.file, width=max(width, console.width), color_system=console.color_system
+    )
+    wide.print(table)
 
 
 def fmt_throughput(value: float | None) -> str:

@@ -3,20 +3,26 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import click
 
+from vitcompress.cli.options import folded_options
 from vitcompress.data.config import INTERPOLATIONS, NAMED_STATS, DataConfig, data_overrides
+from vitcompress.workflows.inputs import DataRequest
 
 
-def data_source_options(split_default: str, split_help: str) -> Callable[[Callable], Callable]:
-    """``--data``, ``--data-dir`` and ``--split``, with the split a command reads by default."""
-    options = (
+def data_options(
+    split_default: str | None, split_help: str = "", required: bool = True
+) -> Callable[[Callable], Callable]:
+    """``--data``, ``--data-dir``, ``--split`` (without a ``split_default``: none, the command
+    reads both splits) and the data config options, folded into ``data: DataRequest``.
+    ``required=False``: ``--data`` may come from a recipe; the command checks it."""
+    options = [
         click.option(
             "--data",
-            required=True,
+            required=required,
+            default=None,
             metavar="DATA",
             help="ImageNet-style folder with train/ and val/, or 'fashion-mnist'.",
         ),
@@ -26,27 +32,39 @@ def data_source_options(split_default: str, split_help: str) -> Callable[[Callab
             type=click.Path(file_okay=False),
             help="Folder with the Fashion-MNIST IDX files (plain or .gz).",
         ),
-        click.option(
-            "--split",
-            type=click.Choice(["val", "train"]),
-            default=split_default,
-            show_default=True,
-            help=split_help,
-        ),
-    )
+    ]
+    if split_default is not None:
+        options.append(
+            click.option(
+                "--split",
+                type=click.Choice(["val", "train"]),
+                default=split_default,
+                show_default=True,
+                help=split_help,
+            )
+        )
+    options += _config_options()
 
-    def decorate(command: Callable) -> Callable:
-        for option in reversed(options):  # click lists options in decorator order, top first
-            command = option(command)
-        return command
+    def request(
+        data: str | None,
+        data_dir: str | None,
+        mean: str | None,
+        std: str | None,
+        interpolation: str | None,
+        crop_pct: float | None,
+        split: str = "train",
+    ) -> DataRequest:
+        overrides = data_overrides(mean, std, interpolation, crop_pct)
+        return DataRequest(data, data_dir, split, overrides)
 
-    return decorate
+    return folded_options("data", options, request)
 
 
-def data_config_options(command: Callable) -> Callable:
-    """The four options, folded into ``data_overrides`` (parsed and checked, docs/data.md)."""
+def _config_options() -> list[Callable]:
+    """``--mean``, ``--std``, ``--interpolation``, ``--crop-pct``: the model's data config,
+    overridden (docs/data.md)."""
     names = "/".join(NAMED_STATS)
-    decorators = [
+    return [
         click.option(
             "--mean",
             default=None,
@@ -76,15 +94,6 @@ def data_config_options(command: Callable) -> Callable:
             "Default: the model's data config, else by image size.",
         ),
     ]
-    for decorator in reversed(decorators):
-        command = decorator(command)
-
-    @functools.wraps(command)
-    def wrapper(*args, mean, std, interpolation, crop_pct, **kwargs):
-        overrides = data_overrides(mean, std, interpolation, crop_pct)
-        return command(*args, data_overrides=overrides, **kwargs)
-
-    return wrapper
 
 
 def describe(config: DataConfig) -> str:

@@ -1,33 +1,76 @@
-"""Options shared by every command: the text a user typed, parsed, and turned into a model."""
+"""Options shared by every command: the text a user typed, parsed into the objects the workflows
+take (a :class:`ModelRequest`, :class:`TimingOptions`, :class:`Bounds`), one decorator each."""
 
 from __future__ import annotations
 
 import ast
 import functools
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import click
 
-from vitcompress.api import load_model
-from vitcompress.artifact import load_artifact_base
-from vitcompress.loading import LoadedModel, ModelLoadError, is_artifact_directory
-from vitcompress.metadata import compression_info
+from vitcompress.errors import UserError
+from vitcompress.loading import ModelLoadError
 from vitcompress.workflows.gates import GATES, Bounds
+from vitcompress.workflows.inputs import BaseRequest, ModelRequest
 from vitcompress.workflows.measure_models import DEFAULT_BENCH_SECONDS, TimingOptions
 
+# What ``--model`` can name, in the words of its help; each command lists those it accepts.
+MODEL_FORMS = {
+    "timm": "a timm name (also timm's hf-hub:owner/name)",
+    "file": "path/to/file.py:factory",
+    "module": "package.module:factory",
+    "hf": "a HuggingFace save_pretrained directory",
+    "artifact": "a compressed model directory",
+}
 
-def model_options(command: Callable) -> Callable:
-    """``--model``, ``--model-arg``, ``--checkpoint``, ``--pretrained``, ``--input-size``."""
-    decorators = [
-        click.option(
-            "--model",
-            "model_spec",
-            required=True,
-            metavar="SPEC",
-            help="timm name, path/to/file.py:factory, package.module:factory, or a "
-            "compressed model directory.",
-        ),
+
+def folded_options(
+    name: str, options: Sequence[Callable], fold: Callable[..., Any]
+) -> Callable[[Callable], Callable]:
+    """Decorate a command with ``options`` (listed in ``--help`` in this order), whose values
+    reach it as one argument ``name``: ``fold(**values)``, keyed by the options' names."""
+
+    def decorate(command: Callable) -> Callable:
+        @functools.wraps(command)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            values = {key: kwargs.pop(key) for key in names}
+            return command(*args, **{name: fold(**values)}, **kwargs)
+
+        for option in reversed(options):
+            wrapper = option(wrapper)
+        names = [param.name for param in wrapper.__click_params__[-len(options) :]]
+        return wrapper
+
+    return decorate
+
+
+def with_options(options: Sequence[Callable]) -> Callable[[Callable], Callable]:
+    """Decorate a command with ``options``, listed in ``--help`` in this order."""
+
+    def decorate(command: Callable) -> Callable:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def model_options(
+    command: Callable | None = None, *, accepts: Sequence[str] = tuple(MODEL_FORMS)
+) -> Callable:
+    """``--model``, ``--model-arg``, ``--checkpoint``, ``--pretrained``, ``--input-size``, folded
+    into ``model: ModelRequest``. ``accepts``: the forms of :data:`MODEL_FORMS` the command takes,
+    which its ``--help`` lists (and no other)."""
+    if command is None:
+        return functools.partial(model_options, accepts=accepts)
+    forms = [MODEL_FORMS[form] for form in accepts]
+    listed = ", ".join(forms[:-1]) + (" or " if len(forms) > 1 else "") + forms[-1]
+    options = [
+        click.option("--model", "model_spec", required=True, metavar="SPEC", help=f"{listed}."),
         click.option(
             "--model-arg",
             "model_args",
@@ -49,26 +92,44 @@ def model_options(command: Callable) -> Callable:
             help="Input size; default: what the model's config says.",
         ),
     ]
-    for decorator in reversed(decorators):
-        command = decorator(command)
-    return command
+
+    def request(
+        model_spec: str,
+        model_args: Sequence[str],
+        checkpoint: str | None,
+        pretrained: bool,
+        input_size: str | None,
+    ) -> ModelRequest:
+        return ModelRequest(
+            spec=model_spec,
+            args=parse_model_args(model_args),
+            checkpoint=checkpoint,
+            pretrained=pretrained,
+            input_size=parse_input_size(input_size) if input_size else None,
+            typed_args=tuple(model_args),
+        )
+
+    return folded_options("model", options, request)(command)
 
 
-def parse_model_args(pairs: Sequence[str]) -> dict[str, Any]:
+def parse_model_args(
+    pairs: Sequence[str], what: str = "model argument", error: type[Exception] = ModelLoadError
+) -> dict[str, Any]:
     """Parse ``key=value`` pairs; values are Python literals where they parse, else plain strings.
 
     ``depth=2`` gives an int, ``img_size=(32,32)`` a tuple, ``act=gelu`` the string ``"gelu"``.
+    ``what`` names the pairs in ``error``'s one-line messages.
     """
     args: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         key = key.strip()
         if not sep:
-            raise ModelLoadError(f"model argument '{pair}' has no '=': write it as key=value")
+            raise error(f"{what} '{pair}' has no '=': write it as key=value")
         if not key.isidentifier():
-            raise ModelLoadError(f"model argument '{pair}': '{key}' is not a valid argument name")
+            raise error(f"{what} '{pair}': '{key}' is not a valid argument name")
         if key in args:
-            raise ModelLoadError(f"model argument '{key}' is given twice")
+            raise error(f"{what} '{key}' is given twice")
         args[key] = _parse_value(text.strip())
     return args
 
@@ -95,81 +156,123 @@ def parse_input_size(text: str) -> tuple[int, int, int]:
     return size  # type: ignore[return-value]  # length checked above
 
 
-def load_from_options(
-    model_spec: str,
-    model_args: tuple[str, ...],
-    checkpoint: str | None,
-    pretrained: bool,
-    input_size: str | None,
-) -> LoadedModel:
-    return load_model(
-        model_spec,
-        parse_model_args(model_args),
-        checkpoint=checkpoint,
-        pretrained=pretrained,
-        input_size=parse_input_size(input_size) if input_size else None,
-    )
-
-
-BASE_FROM_ARTIFACT = "source"
-
-
-def base_options_given(
-    base_args: tuple[str, ...], base_checkpoint: str | None, base_pretrained: bool
-) -> list[str]:
-    """The ``--base-*`` options the user passed, by flag name (for refusals)."""
-    return [
-        name
-        for name, used in (
-            ("--base-model-arg", base_args),
-            ("--base-checkpoint", base_checkpoint),
-            ("--base-pretrained", base_pretrained),
-        )
-        if used
+def base_options(command: Callable) -> Callable:
+    """``--base``, ``--base-model-arg``, ``--base-checkpoint``, ``--base-pretrained``, folded into
+    ``base: BaseRequest | None`` (None without ``--base``)."""
+    options = [
+        click.option(
+            "--base",
+            "base_spec",
+            default=None,
+            metavar="SPEC",
+            help="A second model (e.g. the uncompressed one): report both, the accuracy delta, "
+            "and GMACs and throughput timed in this process. 'source': the base a "
+            "compressed --model records, with its model args and base weights.",
+        ),
+        click.option(
+            "--base-model-arg",
+            "base_args",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="Keyword argument for the --base factory; repeatable.",
+        ),
+        click.option(
+            "--base-checkpoint",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Weights for --base.",
+        ),
+        click.option("--base-pretrained", is_flag=True, help="timm's hub weights for --base."),
     ]
 
+    def request(
+        base_spec: str | None,
+        base_args: Sequence[str],
+        base_checkpoint: str | None,
+        base_pretrained: bool,
+    ) -> BaseRequest | None:
+        given = tuple(
+            flag
+            for flag, used in (
+                ("--base-model-arg", base_args),
+                ("--base-checkpoint", base_checkpoint),
+                ("--base-pretrained", base_pretrained),
+            )
+            if used
+        )
+        if base_spec is None:
+            if given:
+                raise ModelLoadError(f"{', '.join(given)} need --base")
+            return None
+        args = parse_model_args(base_args)
+        return BaseRequest(base_spec, args, base_checkpoint, base_pretrained, given)
 
-def load_base_from_options(
-    base_spec: str,
-    base_args: tuple[str, ...],
-    base_checkpoint: str | None,
-    base_pretrained: bool,
-    model: LoadedModel,
-) -> LoadedModel:
-    """The ``--base`` model, at ``model``'s input size. ``--base source`` rebuilds the base a
-    compressed ``model`` records (spec, model arguments and base weights)."""
-    given = base_options_given(base_args, base_checkpoint, base_pretrained)
-    if given and is_artifact_directory(base_spec):
-        raise ModelLoadError(
-            f"--base {base_spec} is a compressed model that fixes its "
-            f"architecture and weights; drop {', '.join(given)}"
-        )
-    if base_spec != BASE_FROM_ARTIFACT:
-        return load_model(
-            base_spec,
-            parse_model_args(base_args),
-            checkpoint=base_checkpoint,
-            pretrained=base_pretrained,
-            input_size=model.input_size,
-        )
-    if given:
-        raise ModelLoadError(
-            f"--base {BASE_FROM_ARTIFACT} takes the base's arguments and "
-            f"weights from the artifact; drop {', '.join(given)}"
-        )
-    info = compression_info(model.model)
-    if info is None or info.artifact is None:
-        raise ModelLoadError(
-            f"--base {BASE_FROM_ARTIFACT} needs --model to be a compressed model directory"
-        )
-    return load_artifact_base(info.artifact, model.input_size)
+    return folded_options("base", options, request)(command)
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+# ``--amp`` alone, as timing commands took it before it took a value: autocast in --dtype.
+AMP_IN_DTYPE = "in-dtype"
+AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+class _AmpChoice(click.Choice):
+    """bf16 or fp16; a bare ``--amp`` (the older spelling) passes as :data:`AMP_IN_DTYPE`."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return value if value == AMP_IN_DTYPE else super().convert(value, param, ctx)
+
+
+def amp_option(help_text: str, bare_means_dtype: bool = False) -> Callable:
+    """``--amp bf16|fp16``, one form in every command. ``bare_means_dtype``: a bare ``--amp`` is
+    still read as autocast in ``--dtype`` (how the timing commands spelled it before)."""
+    extra: dict[str, Any] = {"is_flag": False, "flag_value": AMP_IN_DTYPE}
+    return click.option(
+        "--amp",
+        type=_AmpChoice(list(AMP_DTYPES)),
+        default=None,
+        help=help_text,
+        **(extra if bare_means_dtype else {}),
+    )
+
+
+def workers_option(command: Callable) -> Callable:
+    return click.option(
+        "--workers",
+        default=0,
+        show_default=True,
+        type=click.IntRange(min=0),
+        help="DataLoader worker processes.",
+    )(command)
+
+
+def warmup_option() -> Callable:
+    return click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0))
+
+
+def runs_option(help_text: str) -> Callable:
+    return click.option(
+        "--runs", default=10, show_default=True, type=click.IntRange(min=1), help=help_text
+    )
+
+
+def bench_seconds_option(help_text: str) -> Callable:
+    return click.option(
+        "--bench-seconds",
+        default=DEFAULT_BENCH_SECONDS,
+        show_default=True,
+        type=click.FloatRange(min=0, min_open=True),
+        metavar="S",
+        help=help_text,
+    )
+
+
 def timing_options(command: Callable) -> Callable:
-    decorators = [
+    """The throughput step's options, folded into ``timing: TimingOptions | None`` (None with
+    ``--no-throughput``); ``--batch-size`` and ``--device`` stay in the context's params."""
+    options = [
         click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1)),
         click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1 ..."),
         click.option(
@@ -178,22 +281,11 @@ def timing_options(command: Callable) -> Callable:
             default="float32",
             show_default=True,
         ),
-        click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0)),
-        click.option(
-            "--runs",
-            default=10,
-            show_default=True,
-            type=click.IntRange(min=1),
-            help="Timed rounds (one batch of each model per round) at most.",
-        ),
-        click.option(
-            "--bench-seconds",
-            default=DEFAULT_BENCH_SECONDS,
-            show_default=True,
-            type=click.FloatRange(min=0, min_open=True),
-            metavar="S",
-            help="Time budget of the throughput step (warm-up and timed rounds): no "
-            "round starts after S seconds; at least one is timed.",
+        warmup_option(),
+        runs_option("Timed rounds (one batch of each model per round) at most."),
+        bench_seconds_option(
+            "Time budget of the throughput step (warm-up and timed rounds): no "
+            "round starts after S seconds; at least one is timed."
         ),
         click.option(
             "--compile",
@@ -213,54 +305,70 @@ def timing_options(command: Callable) -> Callable:
             help="Time compressed models with select, gather and squeeze as one C++ op "
             "(dtps, dynamicvit, etps; CPU; built on first use, about a minute).",
         ),
-        click.option("--amp", is_flag=True, help="Autocast (GPU only) in --dtype."),
+        amp_option(
+            "Time float32 models under autocast to bf16 or fp16 (GPU only).", bare_means_dtype=True
+        ),
         click.option("--no-throughput", is_flag=True, help="Skip timing; count params and MACs."),
     ]
-    for decorator in reversed(decorators):
-        command = decorator(command)
+    return folded_options("timing", options, timing_from_options)(command)
 
-    @functools.wraps(command)
-    def wrapper(
-        *args,
-        batch_size,
-        device,
-        dtype,
-        warmup,
-        runs,
-        bench_seconds,
-        use_compile,
-        compile_mode,
-        fused_kernels,
-        amp,
-        no_throughput,
-        **kwargs,
-    ):
-        if compile_mode and not use_compile:
-            raise ModelLoadError("--compile-mode sets how models are compiled: add --compile")
-        if fused_kernels and (no_throughput or not device.startswith("cpu")):
-            raise ModelLoadError(
-                "--fused-kernels changes only how compressed models are timed on the CPU: it has "
-                "no effect with --no-throughput or another --device; drop it"
-            )
-        timing = (
-            None
-            if no_throughput
-            else TimingOptions(
-                batch_size=batch_size,
-                device=device,
-                dtype=dtype,
-                warmup=warmup,
-                runs=runs,
-                compile=use_compile,
-                amp=amp,
-                seconds=bench_seconds,
-                compile_mode=compile_mode,
-                fused_kernels=fused_kernels,
-            )
+
+def timing_from_options(
+    batch_size: int,
+    device: str,
+    dtype: str,
+    warmup: int,
+    runs: int,
+    bench_seconds: float,
+    use_compile: bool,
+    compile_mode: str | None,
+    fused_kernels: bool,
+    amp: str | None,
+    no_throughput: bool,
+) -> TimingOptions | None:
+    if compile_mode and not use_compile:
+        raise ModelLoadError("--compile-mode sets how models are compiled: add --compile")
+    if fused_kernels and (no_throughput or not device.startswith("cpu")):
+        raise ModelLoadError(
+            "--fused-kernels changes only how compressed models are timed on the CPU: it has "
+            "no effect with --no-throughput or another --device; drop it"
         )
-        return command(*args, timing=timing, **kwargs)
+    if no_throughput:
+        return None
+    if amp is not None and amp != AMP_IN_DTYPE:
+        if dtype not in ("float32", AMP_DTYPES[amp]):
+            raise ModelLoadError(
+                f"--amp {amp} times float32 models under autocast to {AMP_DTYPES[amp]}; "
+                f"--dtype {dtype} contradicts it: drop --dtype"
+            )
+        dtype = AMP_DTYPES[amp]
+    elif amp == AMP_IN_DTYPE and dtype == "float32":
+        raise ModelLoadError("--amp autocasts to bf16 or fp16: write --amp bf16 or --amp fp16")
+    return TimingOptions(
+        batch_size=batch_size,
+        device=device,
+        dtype=dtype,
+        warmup=warmup,
+        runs=runs,
+        compile=use_compile,
+        amp=amp is not None,
+        seconds=bench_seconds,
+        compile_mode=compile_mode,
+        fused_kernels=fused_kernels,
+    )
 
-    return wrapper
+
+_POSITIVE = click.FloatRange(min=0, min_open=True)
+# Each gate's option: its type, metavar and what fails it.
+GATE_OPTIONS = {
+    "max_acc_drop": (float, "POINTS", "top-1 drops by more than this many points against the base"),
+    "min_speedup": (
+        _POSITIVE,
+        "X",
+        "the speed-up over the base (median of the paired timed rounds) is below X",
+    ),
+    "max_gmacs": (_POSITIVE, "G", "the (compressed) model needs more than G GMACs per image"),
+}
 
 
 def gate_options(
@@ -275,42 +383,58 @@ def gate_options(
     """
     if command is None:
         return functools.partial(gate_options, accepted=accepted)
-    positive = click.FloatRange(min=0, min_open=True)
-    decorators = [
+    options = [
         click.option(
-            "--max-acc-drop",
-            type=float,
+            GATES[name].flag,
+            type=kind,
             default=None,
-            metavar="POINTS",
-            hidden="max_acc_drop" not in accepted,
-            help="CI gate: fail (exit 3) if top-1 drops by more than this many points "
-            "against the base.",
-        ),
-        click.option(
-            "--min-speedup",
-            type=positive,
-            default=None,
-            metavar="X",
-            hidden="min_speedup" not in accepted,
-            help="CI gate: fail (exit 3) if the speed-up over the base (median of the "
-            "paired timed rounds) is below X.",
-        ),
-        click.option(
-            "--max-gmacs",
-            type=positive,
-            default=None,
-            metavar="G",
-            hidden="max_gmacs" not in accepted,
-            help="CI gate: fail (exit 3) if the (compressed) model needs more than G "
-            "GMACs per image.",
-        ),
+            metavar=metavar,
+            hidden=name not in accepted,
+            help=f"CI gate: fail (exit 3) if {text}.",
+        )
+        for name, (kind, metavar, text) in GATE_OPTIONS.items()
     ]
-    for decorator in reversed(decorators):
-        command = decorator(command)
+    return folded_options("bounds", options, Bounds)(command)
 
-    @functools.wraps(command)
-    def wrapper(*args, max_acc_drop, min_speedup, max_gmacs, **kwargs):
-        bounds = Bounds(max_acc_drop=max_acc_drop, min_speedup=min_speedup, max_gmacs=max_gmacs)
-        return command(*args, bounds=bounds, **kwargs)
 
-    return wrapper
+def output_option(
+    *names: str, folder: bool, help: str, required: bool = False, metavar: str | None = None
+) -> Callable:
+    """An option naming where a command writes (a folder, or a file with ``folder=False``),
+    checked to be writable when the command line is read: before any work, not after it."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        if value is not None:
+            check_writable(value, folder=folder, option=param.opts[0])
+        return value
+
+    return click.option(
+        *names,
+        type=click.Path(),  # the kind is checked by check_writable, in one line
+        default=None,
+        required=required,
+        metavar=metavar,
+        callback=check,
+        help=help,
+    )
+
+
+class OutputError(UserError):
+    """An output path that cannot be written."""
+
+
+def check_writable(path: str | os.PathLike[str], folder: bool, option: str = "--out") -> None:
+    """Raise :class:`OutputError` unless ``path`` (a folder or a file) can be created or replaced:
+    it is of the right kind if it exists, and the nearest existing folder above it is writable."""
+    target = Path(path).expanduser()
+    kind = "folder" if folder else "file"
+    if target.exists() and target.is_dir() != folder:
+        found = "a directory" if target.is_dir() else "a file"
+        raise OutputError(f"{option} {path} is {found}, not a {kind}")
+    existing = target if folder and target.is_dir() else target.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputError(f"{option} {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputError(f"{option} {path}: cannot write into {existing} (permission denied)")

@@ -1,5 +1,5 @@
-"""``--variant``, ``--keep``, ``--locs``, ``--policy`` and ``--tome-r``: the plan's options as text,
-and its errors in the words of the command line.
+"""``--variant``, ``--variant-arg``, ``--keep``, ``--locs`` and ``--policy``: the plan's options as
+text, and its errors in the words of the command line.
 
 ``vitcompress.graph.plan.make_plan`` takes typed lists and its errors name its parameters
 (``keep``, ``locs``); here the text a user typed becomes those lists, and an error that names a
@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 
 import click
 
-from vitcompress.graph.plan import PlanError
+from vitcompress.graph.plan import PlanError, resolve_variant
 from vitcompress.loading import is_artifact_directory
-from vitcompress.method import CumulativeKeep, KeepListError, MergesPerBlock
+from vitcompress.method import CumulativeKeep
 from vitcompress.variants import variant_names
+from vitcompress.workflows.inputs import PlanRequest
 
 # make_plan's parameters -> the options that set them.
 PLAN_OPTIONS = {
@@ -25,7 +26,7 @@ PLAN_OPTIONS = {
     "variant": "--variant",
     "policy": "--policy",
     "keep_cumulative": "--keep-cumulative",
-    "tome_r": "--tome-r",
+    "variant_args": "--variant-arg",
 }
 
 
@@ -46,12 +47,11 @@ class VariantChoice(click.Choice):
 
 
 def parse_keep(
-    text: str | CumulativeKeep | MergesPerBlock | None,
-) -> list[float] | CumulativeKeep | MergesPerBlock | None:
+    text: str | CumulativeKeep | None,
+) -> list[float] | CumulativeKeep | None:
     """``"0.7"`` or ``"0.7,0.6,0.5"`` -> keep ratios; ``None`` (option not given) -> ``None``.
-    A ``--keep-cumulative`` list (see :func:`keep_cumulative_option`) or a ``--tome-r`` count
-    (:func:`tome_r_option`) passes through."""
-    if text is None or isinstance(text, CumulativeKeep | MergesPerBlock):
+    A ``--keep-cumulative`` list (see :func:`keep_cumulative_option`) passes through."""
+    if text is None or isinstance(text, CumulativeKeep):
         return text
     try:
         return [float(part) for part in str(text).split(",") if part.strip()]
@@ -120,52 +120,60 @@ def _one_keep(keep: str, keep_cumulative: str) -> tuple[str | None, str | None]:
     raise PlanError("--keep and --keep-cumulative exclude each other; give one")
 
 
-def tome_r_option(command: Callable) -> Callable:
-    """``--tome-r R`` next to a command's ``--keep``: ToMe's native setting, R tokens merged in
-    every block from the first location on. Given, it reaches the command as its ``keep`` (a
-    :class:`MergesPerBlock`); it excludes ``--keep`` and ``--keep-cumulative`` (one from a recipe
-    yields to one on the command line, as for ``--keep-cumulative``). Apply it above
-    :func:`keep_cumulative_option`."""
+def variant_args_option(command: Callable) -> Callable:
+    """``--variant-arg KEY=VALUE`` (repeatable) next to a command's ``--variant``: the method's own
+    settings (``vitcompress.variants.variant_settings``), values read as Python literals. The
+    command receives ``variant`` as the method object, made once here with those settings.
+
+    A setting that replaces the keep ratios (ToMe's ``r``) excludes ``--keep`` and
+    ``--keep-cumulative``; one from a recipe or plan file yields to the other on the command
+    line, and both from the same place is a conflict. Apply it above
+    :func:`keep_cumulative_option`.
+    """
     command = click.option(
-        "--tome-r",
-        default=None,
-        type=int,
-        metavar="R",
-        help="Instead of --keep (tome only): tokens merged in every block from the first "
-        "location on, ToMe's r.",
+        "--variant-arg",
+        "variant_args",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="A setting of the chosen variant, repeatable (tome: r=8, the tokens merged in every "
+        "block, in place of --keep). `vitcompress variants` lists each method's settings.",
     )(command)
 
     @functools.wraps(command)
-    def wrapper(*args, keep, tome_r, **kwargs):
-        if tome_r is not None:
+    def wrapper(*args, variant, variant_args, keep, **kwargs):
+        from vitcompress.cli.options import parse_model_args
+
+        settings = parse_model_args(
+            variant_args or (), "--variant-arg", PlanError
+        )  # None: a plan file cleared it
+        method = resolve_variant(variant, settings) if variant is not None else None
+        if method is not None and method.keep_setting is not None:
             other = keep if keep is not None else kwargs.get("keep_cumulative")
-            if other is not None and not _tome_r_wins():
-                tome_r = None
-        if tome_r is not None:
-            try:
-                keep = MergesPerBlock(tome_r)
-            except KeepListError as e:
-                raise PlanError(str(e), "tome_r") from None
-            if "keep_cumulative" in kwargs:
-                kwargs["keep_cumulative"] = None
-        return command(*args, keep=keep, **kwargs)
+            if other is not None:
+                if _setting_wins(method.keep_setting):
+                    keep = None
+                    if "keep_cumulative" in kwargs:
+                        kwargs["keep_cumulative"] = None
+                else:  # the command line's keep wins over the recipe's setting
+                    method = resolve_variant(variant)
+        return command(*args, variant=method, keep=keep, **kwargs)
 
     return wrapper
 
 
-def _tome_r_wins() -> bool:
-    """``--tome-r`` and ``--keep``/``--keep-cumulative`` both set: the command line wins over a
-    recipe; both from the same place is a conflict."""
+def _setting_wins(setting: str) -> bool:
+    """A keep-replacing setting and ``--keep``/``--keep-cumulative`` both set: the command line
+    wins over a recipe or plan file; both from the same place is a conflict."""
     context = click.get_current_context()
     from_recipe = click.core.ParameterSource.DEFAULT_MAP
     unset = {None, click.core.ParameterSource.DEFAULT}
     keep_sources = {context.get_parameter_source(n) for n in ("keep", "keep_cumulative")} - unset
-    r_source = context.get_parameter_source("tome_r")
-    if keep_sources == {from_recipe} and r_source != from_recipe:
+    setting_source = context.get_parameter_source("variant_args")
+    if keep_sources == {from_recipe} and setting_source != from_recipe:
         return True
-    if r_source == from_recipe and from_recipe not in keep_sources:
+    if setting_source == from_recipe and from_recipe not in keep_sources:
         return False
-    raise PlanError("--keep and --tome-r exclude each other; give one")
+    raise PlanError(f"--keep and --variant-arg {setting} exclude each other; give one")
 
 
 def parse_locs(text: str | None) -> list[int] | None:
@@ -185,10 +193,10 @@ def plan_error_line(error: PlanError) -> str:
 
 
 # What a plan file (``search``'s plan.yaml) may set: the plan's options, nothing else.
-PLAN_FILE_KEYS = ("variant", "locs", "keep", "keep_cumulative", "policy", "tome_r")
+PLAN_FILE_KEYS = ("variant", "locs", "keep", "keep_cumulative", "policy", "variant_args")
 
 
-def read_plan_file(path: str, accepted: Sequence[str]) -> dict[str, str]:
+def read_plan_file(path: str, accepted: Sequence[str]) -> dict[str, str | tuple[str, ...]]:
     """The plan file's values as the command line would have typed them (``locs: [3, 6, 9]`` ->
     ``"3,6,9"``), keyed by option name. A file that cannot be read, is no mapping, names another
     key or an unknown variant is a one-line :class:`PlanError`."""
@@ -203,7 +211,7 @@ def read_plan_file(path: str, accepted: Sequence[str]) -> dict[str, str]:
         raise PlanError(f"--plan: cannot read {path}: {one_line_error(e)}") from None
     if not isinstance(data, dict) or not data:
         raise PlanError(f"--plan: {path} is not a mapping of plan options (variant, locs, keep)")
-    values: dict[str, str] = {}
+    values: dict[str, str | tuple[str, ...]] = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in accepted:
@@ -211,6 +219,11 @@ def read_plan_file(path: str, accepted: Sequence[str]) -> dict[str, str]:
                 f"--plan: {path} sets {key!r}; a plan file sets only "
                 f"{', '.join(k.replace('_', '-') for k in accepted)}"
             )
+        if name == "variant_args":
+            if not isinstance(value, dict):
+                raise PlanError(f"--plan: {path} sets variant-args to {value!r}, not a mapping")
+            values[name] = tuple(f"{k}={v!r}" for k, v in value.items())
+            continue
         if isinstance(value, list | tuple):
             value = ",".join(str(v) for v in value)
         values[name] = str(value)
@@ -222,17 +235,8 @@ def read_plan_file(path: str, accepted: Sequence[str]) -> dict[str, str]:
     return values
 
 
-# The forms of the keep ratios, one of which a plan gives.
-_KEEP_FORMS = ("keep", "keep_cumulative", "tome_r")
-
-
-def _typed_value(name: str, value: str, path: str) -> str | int:
-    if name != "tome_r":
-        return value  # parsed by the command, as typed text is
-    try:
-        return int(value)
-    except ValueError:
-        raise PlanError(f"--plan: {path} sets tome-r to {value!r}, not an integer") from None
+# The forms of the keep ratios, one of which a plan gives (a method's settings may replace them).
+_KEEP_FORMS = ("keep", "keep_cumulative", "variant_args")
 
 
 def one_line_error(error: BaseException) -> str:
@@ -248,9 +252,9 @@ def plan_file_option(
     (finetune), so a plan file with one is refused rather than ignored.
 
     Options typed on the command line override the file, as they override a ``--recipe``; the
-    file overrides a recipe. ``--keep``, ``--keep-cumulative`` and ``--tome-r`` count as one:
+    file overrides a recipe. ``--keep``, ``--keep-cumulative`` and ``--variant-arg`` count as one:
     typing any of them replaces the file's keep ratios. Place it above the options that fold
-    them (``tome_r_option``, ``keep_cumulative_option``).
+    them (``variant_args_option``, ``keep_cumulative_option``).
     """
     if command is None:
         return functools.partial(
@@ -271,7 +275,7 @@ def plan_file_option(
         if plan_file is None:
             return command(*args, **kwargs)
         context = click.get_current_context()
-        spec = kwargs.get("model_spec")
+        spec = context.params.get("model_spec")
         if compressed_model_keeps_plan and spec and is_artifact_directory(spec):
             raise PlanError(
                 f"--plan: {spec} is a compressed model and keeps its own plan; pass its base "
@@ -293,7 +297,63 @@ def plan_file_option(
                 for other in _KEEP_FORMS:
                     if other in kwargs:
                         kwargs[other] = None
-            kwargs[name] = _typed_value(name, value, plan_file)
+            kwargs[name] = value  # parsed by the command, as typed text is
         return command(*args, **kwargs)
 
     return wrapper
+
+
+# One default in every command: eTPS needs no training to work (its scores are the cls token's
+# attention), so a plan made without a variant named is usable as it is.
+DEFAULT_VARIANT = "etps"
+
+
+def plan_options(
+    command: Callable | None = None, *, compressed_model_keeps_plan: bool = False
+) -> Callable:
+    """``--variant``, ``--keep``, ``--plan``, ``--variant-arg``, ``--keep-cumulative``, ``--locs``,
+    ``--policy``: the plan's options in every command that makes a plan, folded into ``plan:
+    PlanRequest``: ``variant`` (the method object, with its settings), ``keep`` (parsed:
+    :func:`parse_keep`), ``locs`` (parsed), ``policy``, and whether any of them was given.
+    ``compressed_model_keeps_plan``: see :func:`plan_file_option`."""
+    if command is None:
+        return functools.partial(
+            plan_options, compressed_model_keeps_plan=compressed_model_keeps_plan
+        )
+
+    @functools.wraps(command)
+    def parsed(*args, variant, keep, locs, policy, **kwargs):
+        context = click.get_current_context()
+        unset = (None, click.core.ParameterSource.DEFAULT)  # None: not an option here
+        given = any(context.get_parameter_source(name) not in unset for name in PLAN_OPTIONS)
+        plan = PlanRequest(variant, parse_keep(keep), parse_locs(locs), policy, given)
+        return command(*args, plan=plan, **kwargs)
+
+    options = [
+        click.option("--variant", type=VariantChoice(), default=DEFAULT_VARIANT, show_default=True),
+        click.option(
+            "--keep",
+            default=None,
+            help="Keep ratio per location, or a comma list with one per location (default: "
+            "0.7; 0.5 for CvT-like models, as in the paper).",
+        ),
+        plan_file_option(compressed_model_keeps_plan=compressed_model_keeps_plan),
+        variant_args_option,
+        keep_cumulative_option,
+        click.option(
+            "--locs",
+            default=None,
+            help="0-based block indices, e.g. 3,6,9 (default: 1/4, 1/2, 3/4 of the depth; "
+            "stage starts for pyramids; stage 3 for CvT).",
+        ),
+        click.option(
+            "--policy",
+            type=click.Choice(["score", "random"]),
+            default="score",
+            show_default=True,
+            help="random: select tokens at random (robustness analysis).",
+        ),
+    ]
+    for option in reversed(options):
+        parsed = option(parsed)
+    return parsed

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
+import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from vitcompress.cli.app import console
@@ -60,6 +61,12 @@ class RichProgress(FinetuneProgress):
         )
         self.bar.update(self.task, advance=1, info=info)
 
+    def note(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(text, highlight=False)
+        else:
+            click.echo(text, err=True)
+
     def epoch_done(self, summary: dict[str, Any]) -> None:
         if self.bar is not None and summary.get("val_top1") is not None:
             self.bar.console.print(
@@ -75,15 +82,14 @@ class LogLines(FinetuneProgress):
         step 20/80 (epoch 1/4): loss 0.6931, lr 2.50e-04, 118 img/s
         epoch 1/4 done at step 20: train loss 0.7012, lr 2.50e-04, 120 img/s, val top-1 51.20%
 
-    The images/s of a step line covers the steps since the previous line.
+    The images/s of a step line is the record's: the images over the wall time since the last
+    logged step (the run logs every ``every`` steps, as these lines are).
     """
 
     def __init__(self, every: int = 10, stream: TextIO | None = None) -> None:
         self.every = max(1, every)
         self.stream = stream
         self.epochs = self.total_steps = 0
-        self._seconds_per_image = 0.0  # summed over the steps since the last line
-        self._timed_steps = 0
 
     def _print(self, text: str) -> None:
         stream = self.stream or sys.stderr  # looked up late: tests and click swap stderr
@@ -96,24 +102,19 @@ class LogLines(FinetuneProgress):
     def start_epoch(self, epoch: int, steps_done: int) -> None:
         self.epoch = epoch
 
+    def note(self, text: str) -> None:
+        self._print(text)
+
     def step(self, record: dict[str, Any]) -> None:
-        speed = record.get("img_per_s")
-        if speed:  # each step's images are equal (drop_last), so the mean rate is harmonic
-            self._seconds_per_image += 1 / speed
-            self._timed_steps += 1
         step = record["step"]
         if step % self.every and step != 1 and step != self.total_steps:
             return
-        rate = (
-            f", {self._timed_steps / self._seconds_per_image:.0f} img/s"
-            if self._timed_steps
-            else ""
-        )
+        speed = record.get("img_per_s")
+        rate = f", {speed:.0f} img/s" if speed else ""
         self._print(
             f"step {step}/{self.total_steps} (epoch {record['epoch'] + 1}/{self.epochs})"
             f": loss {record['loss']:.4f}, lr {record['lr']:.2e}{rate}"
         )
-        self._seconds_per_image, self._timed_steps = 0.0, 0
 
     def epoch_done(self, summary: dict[str, Any]) -> None:
         parts = [f"train loss {summary['train_loss']:.4f}"]

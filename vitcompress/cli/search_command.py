@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import click
-from rich.console import Console
-from rich.measure import Measurement
 from rich.table import Table
 
-from vitcompress.cli.app import cli, console, emit_json, err_console
-from vitcompress.cli.data_options import data_config_options, data_source_options
-from vitcompress.cli.options import load_from_options, model_options, timing_options
+from vitcompress.cli.app import cli, console, emit_json, json_option, print_table
+from vitcompress.cli.data_options import data_options
+from vitcompress.cli.options import model_options, output_option, timing_options
+from vitcompress.workflows.inputs import DataRequest, ModelRequest
+from vitcompress.workflows.measure_models import TimingOptions
+from vitcompress.workflows.search_run import Calibration, SearchSpace, search_model
 
 
 def _variant_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str]:
@@ -43,10 +42,8 @@ def _keep_grid(ctx: click.Context, param: click.Parameter, value: str | None):
 
 
 @cli.command(name="search")
-@model_options
-@data_source_options(
-    "train", "Split the calibration images are drawn from (read without augmentation)."
-)
+@model_options(accepts=("timm", "file", "module", "hf"))
+@data_options("train", "Split the calibration images are drawn from (read without augmentation).")
 @click.option("--max-gmacs", type=float, default=None, metavar="G", help="Budget: at most G GMACs.")
 @click.option(
     "--max-gmacs-ratio",
@@ -100,122 +97,50 @@ def _keep_grid(ctx: click.Context, param: click.Parameter, value: str | None):
     help="Predictor warm-up steps per learned candidate (dtps, dynamicvit).",
 )
 @click.option("--seed", default=0, show_default=True, type=int)
-@data_config_options
 @timing_options
-@click.option(
+@output_option(
     "--out",
-    type=click.Path(file_okay=False),
+    folder=True,
     required=True,
     help="Output folder: search.json, pareto.png, plan.yaml and the cache that resumes a "
     "stopped search.",
 )
-@click.option(
-    "--progress",
-    "show_progress",
-    is_flag=True,
-    help="Progress bar and running best on stderr, also off a terminal (as vitcompress "
-    "--progress plain search ...).",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@json_option("Print the results as JSON.")
 @click.pass_context
 def search_command(
     ctx: click.Context,
-    model_spec,
-    model_args,
-    checkpoint,
-    pretrained,
-    input_size,
-    data,
-    data_dir,
-    split,
-    max_gmacs,
-    max_gmacs_ratio,
-    min_speedup,
-    variants,
-    calib_images,
-    keep_grid,
-    max_candidates,
-    warmup_steps,
-    seed,
-    data_overrides,
-    timing,
-    out,
-    show_progress,
-    as_json,
+    model: ModelRequest,
+    data: DataRequest,
+    max_gmacs: float | None,
+    max_gmacs_ratio: float | None,
+    min_speedup: float | None,
+    variants: list[str],
+    calib_images: int,
+    keep_grid: tuple[float, ...],
+    max_candidates: int,
+    warmup_steps: int,
+    seed: int,
+    timing: TimingOptions | None,
+    out: str,
+    as_json: bool,
 ) -> None:
     """Search where to reduce tokens and how much, under a GMAC or speed budget, scoring each
     candidate by how closely it follows the base on calibration images (no fine-tuning).
 
-    Writes OUT/plan.yaml for apply --plan and finetune --plan. See docs/search.md.
+    Writes OUT/plan.yaml for apply --plan and finetune --plan. Its progress and running best
+    show on stderr (vitcompress --progress plain search ... off a terminal). See docs/search.md.
     """
-    from vitcompress.cli.status import ConsoleStatus
-    from vitcompress.data import model_dataset
-    from vitcompress.metadata import compression_info
-    from vitcompress.workflows.search import Budget, SearchConfig, SearchError, search
-    from vitcompress.workflows.status import reporting
+    from vitcompress.workflows.search import Budget
 
+    named = ctx.get_parameter_source("variants") == click.core.ParameterSource.COMMANDLINE
+    space = SearchSpace(variants, keep_grid, max_candidates, named)
+    calibration = Calibration(calib_images, ctx.params["batch_size"], warmup_steps, seed)
     budget = Budget(max_gmacs, max_gmacs_ratio, min_speedup)
-    batch_size = ctx.params["batch_size"]
-    budget.check()  # before minutes of loading
-    if timing is not None and min_speedup is None:
-        timed_only = [
-            flag
-            for flag, given in (
-                ("--compile", timing.compile),
-                ("--fused-kernels", timing.fused_kernels),
-            )
-            if given
-        ]
-        if timed_only:
-            raise SearchError(
-                f"{' and '.join(timed_only)} set how --min-speedup is timed; without "
-                "--min-speedup nothing is timed: add it or drop them"
-            )
-    if timing is not None and timing.fused_kernels:
-        from vitcompress.kernels import build_fused_kernels
-
-        build_fused_kernels()  # before minutes of scoring, not after them
-    loaded = load_from_options(model_spec, model_args, checkpoint, pretrained, input_size)
-    if compression_info(loaded.model) is not None:
-        raise SearchError(f"{model_spec} is already compressed; search its base model instead")
-    dataset, config = model_dataset(
-        loaded.model, data, split, loaded.input_size, data_dir, data_overrides
-    )
-    search_config = SearchConfig(
-        budget=budget,
-        variants=variants,
-        out=out,
-        calib_images=calib_images,
-        batch_size=batch_size,
-        keep_grid=keep_grid,
-        max_candidates=max_candidates,
-        warmup_steps=warmup_steps,
-        seed=seed,
-        timing=timing,
-        variants_named=ctx.get_parameter_source("variants")
-        == click.core.ParameterSource.COMMANDLINE,
-        identity={
-            "model": model_spec,
-            "model_args": list(model_args),
-            "checkpoint": checkpoint,
-            "pretrained": pretrained,
-            "data": data,
-            "split": split,
-            "data_config": config.to_json(),
-        },
-    )
-    shown = (
-        reporting(ConsoleStatus(err_console, "plain"))
-        if show_progress
-        else contextlib.nullcontext()
-    )
-    with shown:
-        result = search(loaded, dataset, search_config)
-    data_out = result.data
+    result = search_model(model, data, budget, space, calibration, timing, out)
     if as_json:
-        emit_json(data_out)
+        emit_json(result.to_json())
         return
-    _print_table(data_out)
+    _print_table(result.to_json())
 
 
 def _print_table(data: dict) -> None:
@@ -227,8 +152,13 @@ def _print_table(data: dict) -> None:
         f"{data['space']['budget_matched']} budget-matched candidates",
         highlight=False,
     )
-    table = Table(title="Pareto front (score = -KL to the base; higher is better)", show_edge=False)
-    for column in ("variant", "locs", "keep", "GMACs", "ratio", "KL", "agree", "acc", ""):
+    table = Table(
+        title="Pareto front (score = -KL to the base; higher is better)",
+        caption="agree: top-1 the same as the base's; top-1: accuracy on the labels; both in % of "
+        "the calibration images, before any fine-tuning",
+        show_edge=False,
+    )
+    for column in SEARCH_COLUMNS:
         table.add_column(column)
     best = data["best"]
     default = data.get("paper_default")
@@ -245,15 +175,11 @@ def _print_table(data: dict) -> None:
             f"{row['gmacs']:.4g}",
             f"{row['macs_ratio']:.3f}",
             f"{row['kl']:.4g}",
-            f"{row['agreement']:.4f}",
-            "-" if row["accuracy"] is None else f"{row['accuracy']:.4f}",
+            _percent(row["agreement"]),
+            _percent(row["accuracy"]),
             " ".join(marks),
         )
-    if console.is_terminal:
-        console.print(table)
-    else:  # a file or a pipe: the table as wide as it needs, nothing cut to "..."
-        width = Measurement.get(console, console.options.update_width(1_000_000), table).maximum
-        Console(file=console.file, width=max(width, console.width), color_system=None).print(table)
+    print_table(table)
     if default is not None and not any(_same(r, default) for r in data["pareto"]):
         console.print(
             f"paper default {default['variant']} at {default['locs']} keep {default['keep']}: "
@@ -272,7 +198,26 @@ def _print_table(data: dict) -> None:
         console.print(f"speed-up measured for the chosen plan: {best['speedup']:.2f}x")
     console.print(f"chosen: {best['variant']} at {best['locs']} keep {best['keep']}")
     for name, path in data["files"].items():
-        console.print(f"{name}: {path}", highlight=False)
+        console.print(f"{FILE_LABELS.get(name, name)}: {path}", highlight=False)
+
+
+SEARCH_COLUMNS = (
+    "variant",
+    "locs",
+    "keep",
+    "GMACs",
+    "ratio",
+    "KL",
+    "agree (%)",
+    "top-1 (%)",
+    "note",
+)
+# search.json's "files" keys, in the words the other commands use (apply --plan FILE).
+FILE_LABELS = {"recipe": "plan"}
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.2f}"
 
 
 def _same(a: dict, b: dict | None) -> bool:

@@ -1,4 +1,5 @@
-"""``apply``: compress a loaded model, measure base and compressed side by side, save."""
+"""``apply``: compress a loaded model, measure base and compressed side by side, save; and
+:func:`apply_model`, the whole ``vitcompress apply`` command as one typed report."""
 
 from __future__ import annotations
 
@@ -7,16 +8,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from vitcompress.api import compress_loaded
 from vitcompress.artifact import ArtifactError, describe_source, load_artifact_base, save_artifact
 from vitcompress.loading import LoadedModel, ModelLoadError
+from vitcompress.measure import PairedRatio
 from vitcompress.metadata import compression_info
+from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, GateResult, check_gates, require
+from vitcompress.workflows.identity import artifact_identity, model_identity, unsaved_identity
+from vitcompress.workflows.inputs import ModelRequest, PlanRequest
 from vitcompress.workflows.measure_models import (
     Measurement,
     TimingOptions,
     measure_models,
+    speedup,
     tokens_per_block,
 )
+from vitcompress.workflows.status import step
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +70,20 @@ def apply(
     timing: TimingOptions | None = None,
 ) -> ApplyResult:
     loaded = base_to_compress(loaded)
+    result, model = _compress_and_measure(loaded, variant, keep, locs, policy, timing)
+    if out is not None:
+        result.out = save_artifact(model, out, source=loaded.source, input_size=loaded.input_size)
+    return result
+
+
+def _compress_and_measure(
+    loaded: LoadedModel,
+    variant: str,
+    keep: Any,
+    locs: list[int] | None,
+    policy: str,
+    timing: TimingOptions | None,
+) -> tuple[ApplyResult, nn.Module]:
     compressed = compress_loaded(loaded, variant=variant, keep=keep, locs=locs, policy=policy)
     model = compressed.model.eval()
     measured, environment = measure_models(
@@ -68,20 +91,102 @@ def apply(
     )
     info = compression_info(model)
     assert info is not None  # compress_loaded attached it
-    saved = (
-        save_artifact(model, out, source=loaded.source, input_size=loaded.input_size)
-        if out is not None
-        else None
-    )
-    return ApplyResult(
+    result = ApplyResult(
         base=measured["base"],
         compressed=measured["compressed"],
         tokens_per_block=tokens_per_block(model, loaded.input_size),
         base_tokens_per_block=[b.tokens for b in info.model_map.blocks],
         plan=info.plan.to_json(),
         environment=environment,
-        out=saved,
+        out=None,
     )
+    return result, model
+
+
+@dataclass
+class ApplyReport:
+    """What ``vitcompress apply`` reports: the measurements, the paired speed-up, which models
+    they describe, the gates, and why saving failed if it did (the report is shown anyway)."""
+
+    spec: str
+    input_size: tuple[int, int, int]
+    result: ApplyResult
+    paired: PairedRatio | None
+    base_identity: dict[str, Any]
+    compressed_identity: dict[str, Any] | None
+    gates: list[GateResult]
+    save_error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = self.result.to_json()
+        data["input_size"] = list(self.input_size)
+        # The speed-up is the median of the round-by-round ratios (both models timed
+        # interleaved), with its 95% interval; the ratio of the two medians is kept for reference.
+        paired = self.paired
+        data["speedup_ratio_of_medians"] = data["speedup"]
+        data["speedup"] = None if paired is None else paired.median
+        data["speedup_ci95"] = (
+            None if paired is None or paired.interval is None else list(paired.interval)
+        )
+        data["speedup_pairs"] = 0 if paired is None else paired.pairs
+        data["base"]["identity"] = self.base_identity
+        data["compressed"]["identity"] = self.compressed_identity
+        data["gates"] = [g.to_json() for g in self.gates]
+        return data
+
+
+def apply_model(
+    request: ModelRequest,
+    plan: PlanRequest,
+    out: str | None,
+    timing: TimingOptions | None,
+    bounds: Bounds,
+) -> ApplyReport:
+    """``vitcompress apply``: load, compress (an artifact's recorded base, again), measure both,
+    save, and check the gates. A failed save is reported in ``save_error``, not raised, so that
+    the measurements are not lost with it."""
+    unavailable = {
+        "max_acc_drop": "apply measures no accuracy; gate the saved model with eval --base"
+    }
+    if timing is None:
+        unavailable["min_speedup"] = NO_THROUGHPUT
+    require(bounds, unavailable)
+    with step(f"loading {request.spec}"):
+        loaded = request.load()
+        # An artifact's recorded base is what gets compressed and measured as the base.
+        base = base_to_compress(loaded)
+    with step(f"compressing {request.spec} with {plan.variant_name}"):
+        result, model = _compress_and_measure(
+            base, plan.variant, plan.keep, plan.locs, plan.policy, timing
+        )
+    save_error = None
+    if out is not None:
+        try:
+            result.out = save_artifact(model, out, source=base.source, input_size=base.input_size)
+        except (ArtifactError, OSError) as e:
+            save_error = str(e) if isinstance(e, ArtifactError) else f"{out}: {e.strerror or e}"
+    paired = speedup(result.compressed, result.base)
+    base_identity = model_identity(base, request.spec if base is loaded else base.source.spec)
+    report = ApplyReport(
+        spec=request.spec,
+        input_size=base.input_size,
+        result=result,
+        paired=paired,
+        base_identity=base_identity,
+        compressed_identity=(
+            artifact_identity(result.out, base.input_size)
+            if result.out is not None
+            else unsaved_identity(base_identity, result.plan)
+        ),
+        gates=[],
+        save_error=save_error,
+    )
+    report.gates = check_gates(
+        bounds,
+        {"speedup": report.to_json()["speedup"], "gmacs": result.compressed.macs / 1e9},
+        intervals={"speedup": paired.interval if paired else None},
+    )
+    return report
 
 
 def base_to_compress(loaded: LoadedModel) -> LoadedModel:

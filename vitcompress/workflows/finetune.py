@@ -9,28 +9,30 @@ the same weights as an uninterrupted one.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 from torch.utils.data import Dataset
 
+from vitcompress.data import AugmentConfig, DataError
 from vitcompress.loading import LoadedModel
 from vitcompress.training.interrupt import StopSignals
-from vitcompress.workflows.finetune_config import (
+from vitcompress.workflows.finetune_config import (  # noqa: F401 - tests import the checks here
     FinetuneConfig,
     FinetuneInterrupted,
     FinetuneProgress,
     StepCallback,
     TrainingDiverged,
-)
-from vitcompress.workflows.finetune_run import (  # noqa: F401 - the checks are imported by tests
-    FinetuneRun,
     _check_distributed,
     _check_finite,
     _check_outputs,
 )
+from vitcompress.workflows.finetune_run import FinetuneRun
+from vitcompress.workflows.inputs import DataRequest, ModelRequest, PlanRequest
 from vitcompress.workflows.run_directory import CHECKPOINTS, EMA_DIR, METRICS, FinetuneError
+from vitcompress.workflows.status import warn
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +47,17 @@ __all__ = [
     "FinetuneRun",
     "StepCallback",
     "TrainingDiverged",
+    "FinetuneReport",
     "finetune",
+    "finetune_model",
     "student_and_teacher",
 ]
+
+AUGMENT_PRESETS = {
+    "deit": AugmentConfig.deit,
+    "light": AugmentConfig.light,
+    "none": AugmentConfig.none,
+}
 
 
 def finetune(
@@ -118,3 +128,94 @@ def student_and_teacher(
         input_size=loaded.input_size,
     ).model
     return loaded, teacher, True
+
+
+@dataclass
+class FinetuneReport:
+    """The run's summary (as the artifact records it) and the plan the model was trained with;
+    ``main_process``: this process reports it (one summary per run, not one per process)."""
+
+    summary: dict[str, Any]
+    out: str
+    main_process: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return self.summary
+
+
+def finetune_model(
+    request: ModelRequest,
+    plan: PlanRequest,
+    data: DataRequest,
+    augment: str | None,
+    out: str,
+    config: FinetuneConfig,
+    progress: FinetuneProgress | None = None,
+) -> FinetuneReport:
+    """``vitcompress finetune``: load and compress the model (or take a compressed one as it is),
+    build the training and validation sets as the model expects its images, with the
+    augmentation named (default: the data's own preset, whose mixup and smoothing the loss
+    takes), and fine-tune (:func:`finetune`)."""
+    import torch
+    from accelerate import PartialState
+
+    from vitcompress.data import build_dataset, num_classes, resolve_data_config
+    from vitcompress.data.config import defaults_note
+    from vitcompress.metadata import attach, compression_info
+
+    if not data.source:
+        raise DataError("--data is required (on the command line or in the recipe)")
+    # --seed also decides what is drawn before training: a base without weights and the
+    # predictors' initial weights.
+    torch.manual_seed(config.seed)
+    loaded = request.load()
+    student, teacher, from_artifact = student_and_teacher(
+        loaded, plan.variant, plan.keep, plan.locs, plan.policy
+    )
+    if from_artifact and plan.given:
+        warn(
+            "--model is a compressed model: its own plan is used, "
+            "--variant/--keep/--locs/--policy are ignored"
+        )
+    preset = AUGMENT_PRESETS[augment]() if augment else None  # None: the data's own
+    data_config = resolve_data_config(student.model, student.input_size[0], data.overrides)
+    sets = {
+        split: build_dataset(
+            data.source,
+            split,
+            student.input_size,
+            augment=preset if split == "train" else None,
+            data_dir=data.data_dir,
+            data_config=data_config,
+        )
+        for split in ("train", "val")
+    }
+    # What the model is fine-tuned with becomes its own: the artifact records it (docs/data.md).
+    used = sets["val"].data_config
+    attach(
+        student.model,
+        vitcompress_data_config=used.to_json(),
+        vitcompress_data_config_from=f"{out} (fine-tuned with it)",
+    )
+    if progress is not None and (note := defaults_note(used, request.spec)):
+        progress.note(note)
+    preset = sets["train"].augment
+    info = compression_info(student.model)  # compressed: student_and_teacher made it so
+    assert info is not None
+    config = replace(
+        config,
+        mixup=preset.mixup_args(num_classes(sets["train"])),
+        smoothing=preset.smoothing,
+        extra={
+            "data": data.source,
+            "data_config": used.to_json(),
+            "data_config_sources": dict(used.sources),
+            "augment": augment,
+            **config.extra,
+            "variant": info.plan.variant,
+            "keep": info.plan.keep,
+            "locs": info.plan.locs,
+        },
+    )
+    summary = finetune(student, teacher, sets["train"], sets["val"], out, config, progress=progress)
+    return FinetuneReport(summary, out, PartialState().is_main_process)

@@ -1,5 +1,6 @@
 """What a fine-tuning run is given and what it reports: its configuration, the progress
-interface, and the two ways a run ends early (divergence, interrupt)."""
+interface, the two ways a run ends early (divergence, interrupt), and the refusals of what it is
+given before anything runs (a head that cannot fit the data, sharding it does not support)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils.data import Dataset
 
+from vitcompress.data import DataError, num_classes
+from vitcompress.workflows.evaluate import unwrap_logits
 from vitcompress.workflows.run_directory import FinetuneError
 
 StepCallback = Callable[[int, nn.Module], None]
@@ -58,13 +63,18 @@ class FinetuneProgress:
         """``steps_done`` > 0 when a resumed run starts inside the epoch."""
 
     def step(self, record: dict[str, Any]) -> None:
-        """After each optimizer step: the metrics-log record (step, loss, lr, img_per_s...)."""
+        """After each optimizer step: the metrics-log record (step, loss, lr, img_per_s: the
+        images/s since the last logged step)."""
 
     def epoch_done(self, summary: dict[str, Any]) -> None:
         """After each epoch: train loss and, with validation data, val_top1."""
 
     def stop(self) -> None:
         """After the last step, also when the run fails or is interrupted."""
+
+    def note(self, text: str) -> None:
+        """A line the user should read (where a resumed run picked up, a data config value
+        nobody stated)."""
 
 
 @dataclass
@@ -91,3 +101,81 @@ class FinetuneConfig:
     smoothing: float = 0.0
     fsdp: bool = False  # shard the model with FSDP2 over the processes (several processes only)
     extra: dict[str, Any] = field(default_factory=dict)  # recorded in the artifact's summary
+
+
+def _check_outputs(model: nn.Module, train_set: Dataset, mixup: bool) -> None:
+    """Refuse a head that cannot fit the data before anything runs: fewer outputs than classes
+    fails at the first label past them, and mixup's soft targets are sized to the data's classes,
+    so with mixup the counts must be equal. A larger head is allowed otherwise."""
+    try:
+        classes = num_classes(train_set)
+    except DataError:  # a plain dataset without .classes: nothing to compare with
+        return
+    if len(train_set) == 0:  # type: ignore[arg-type]
+        return  # reported with the batch size below
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            image = train_set[0][0].unsqueeze(0).to(next(model.parameters()).device)
+            outputs = unwrap_logits(model(image)).shape[-1]
+    finally:
+        model.train(was_training)
+    if outputs < classes or (mixup and outputs != classes):
+        why = " (mixup's targets have one column per class)" if outputs > classes else ""
+        raise FinetuneError(
+            f"the model predicts {outputs} classes but the data has {classes}"
+            f"{why}: pass e.g. --model-arg num_classes={classes} (a new head)"
+        )
+
+
+def _check_distributed(accelerator: Any) -> None:
+    """Refuse sharded training: checkpoints and the artifact are written from the first
+    process's ``state_dict()``, which under FSDP or DeepSpeed ZeRO holds only its shard (a
+    silently incomplete model). DDP keeps a whole copy in every process."""
+    kind = str(getattr(accelerator, "distributed_type", ""))
+    for name in ("FSDP", "DEEPSPEED"):
+        if kind.endswith(name):
+            fsdp = ", with --fsdp to shard the model with FSDP2" if name == "FSDP" else ""
+            raise FinetuneError(
+                f"{name} is not supported by finetune (its checkpoints would hold "
+                "one shard of the model); launch with DDP instead, e.g. "
+                f"accelerate launch --multi_gpu{fsdp} (docs/finetune.md)"
+            )
+
+
+def _check_fsdp(accelerator: Any, config: FinetuneConfig) -> None:
+    """What --fsdp does not cover is refused before anything is written."""
+    kind = str(getattr(accelerator, "distributed_type", ""))
+    if accelerator.num_processes < 2:
+        raise FinetuneError(
+            "--fsdp needs several processes (start them with torchrun or "
+            "accelerate launch); one process trains without it"
+        )
+    if not kind.endswith(("MULTI_CPU", "MULTI_GPU")):
+        raise FinetuneError(
+            "--fsdp runs on CPU or CUDA processes launched for DDP, not under "
+            f"{kind.rsplit('.', 1)[-1]}"
+        )
+    if config.ema_decay:
+        raise FinetuneError(
+            "--fsdp with --ema-decay is not supported (the EMA copy is not "
+            "sharded); drop one of them"
+        )
+    if config.amp:
+        raise FinetuneError(
+            "--fsdp with --amp is not supported (FSDP2 takes its precision "
+            "from its own policy, not from autocast); drop one of them"
+        )
+
+
+def _check_finite(loss: torch.Tensor, accelerator: Any, step: int) -> None:
+    finite = torch.isfinite(loss.detach()).float()
+    if accelerator.num_processes > 1:
+        # Every process must stop together, or the others wait forever in the next all-reduce.
+        finite = accelerator.reduce(finite.reshape(1).to(accelerator.device), reduction="mean")
+    if float(finite.min()) < 1:
+        raise TrainingDiverged(
+            f"loss is not finite at step {step} (value {float(loss.detach())}); stopped, the last "
+            "good checkpoint is kept"
+        )

@@ -13,7 +13,7 @@ import copy
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from vitcompress.data import DataError, num_classes
 from vitcompress.loading import LoadedModel
 from vitcompress.training.checkpoint import (
     checkpoint_name,
@@ -42,43 +41,39 @@ from vitcompress.training.sharding import (
     full_optimizer_state,
     load_full_state,
 )
-from vitcompress.workflows.evaluate import evaluate, evaluate_top1, unwrap_logits
+from vitcompress.workflows.evaluate import unwrap_logits
 from vitcompress.workflows.finetune_config import (
     FinetuneConfig,
     FinetuneInterrupted,
     FinetuneProgress,
     StepCallback,
-    TrainingDiverged,
+    _check_distributed,
+    _check_finite,
+    _check_fsdp,
+    _check_outputs,
+)
+from vitcompress.workflows.finetune_metrics import (
+    EpochTotals,
+    RateWindow,
+    run_summary,
+    start_record,
+    validation_top1,
 )
 from vitcompress.workflows.run_directory import (
     CHECKPOINTS,
-    EMA_DIR,
     METRICS,
     FinetuneError,
     MetricsLog,
     prepare_run_directory,
-    write_artifact_into,
+    write_run_artifacts,
 )
 
-# The warm-up warning and the resume note are the public function's messages.
+# The warm-up warning is the public function's message.
 log = logging.getLogger("vitcompress.workflows.finetune")
-# What the caller's ``extra`` says about the inputs, repeated on each run's ``start`` metrics line.
-RUN_RECORD_KEYS = ("data", "data_config")
 
 
 class _StopAgreed(Exception):
     """Every process saw a stop request at the same safe point."""
-
-
-@dataclass
-class EpochTotals:
-    """Sums over the current epoch's batches, kept in checkpoints so that the summary of an
-    epoch cut by an interrupt covers the whole epoch once resumed."""
-
-    loss_sum: float = 0.0
-    batches: int = 0
-    images: int = 0  # counted at optimizer steps (all processes together)
-    seconds: float = 0.0  # training time of those images, without evaluation
 
 
 class FinetuneRun:
@@ -159,16 +154,11 @@ class FinetuneRun:
                 f"the training set ({len(self.train_set)} images) is smaller "
                 f"than one batch ({config.batch_size})"
             )
-        val_loader = (
-            DataLoader(
-                self.val_set,
-                batch_size=config.batch_size,
-                shuffle=False,
-                num_workers=config.num_workers,
+        val_loader = None
+        if self.val_set is not None:
+            val_loader = DataLoader(
+                self.val_set, batch_size=config.batch_size, num_workers=config.num_workers
             )
-            if self.val_set is not None
-            else None
-        )
 
         self.lr = (
             config.lr
@@ -300,13 +290,10 @@ class FinetuneRun:
         self.start_totals = EpochTotals(**state.get("epoch_totals", {}))
         self.history = [dict(entry) for entry in state.get("history", [])]
         self._mark_boundary(self.position, self.start_totals)
-        if self.main:
-            log.info(
-                "resuming from %s (epoch %d, step %d)",
-                path,
-                self.position.epoch,
-                self.position.global_step,
-            )
+        self.progress.note(
+            f"resumed from step {self.position.global_step} (epoch {self.position.epoch + 1}) "
+            f"of {self.out}"
+        )
 
     # ----------------------------------------------------------------------------------------
     # the boundary and checkpoints
@@ -418,7 +405,8 @@ class FinetuneRun:
         )
         batch_index = skip
         self.progress.start_epoch(epoch, skip // config.accum)
-        window_images, window_start = 0, time.perf_counter()
+        window_images, window_start = 0, time.perf_counter()  # this step's, for the totals
+        logged = RateWindow()  # since the last log line, for its images/s
         model.train()
         for images, labels in self.checked(loader):
             targets = labels
@@ -444,6 +432,7 @@ class FinetuneRun:
             totals.loss_sum += float(loss.detach())
             totals.batches += 1
             window_images += images.shape[0] * accelerator.num_processes
+            logged.add(images.shape[0] * accelerator.num_processes)
             if not accelerator.sync_gradients:
                 continue
             if not accelerator.optimizer_step_was_skipped:
@@ -462,10 +451,11 @@ class FinetuneRun:
                 "loss": float(loss.detach()),
                 **parts,
                 "lr": self.optimizer.param_groups[0]["lr"],
-                "img_per_s": window_images / elapsed if elapsed > 0 else None,
+                "img_per_s": logged.rate(),
             }
             if step % max(1, config.log_every) == 0 or step == 1:
                 self.metrics.write(record)
+                logged.restart()
             window_images, window_start = 0, time.perf_counter()
             self.progress.step(record)
             if config.save_every and step % config.save_every == 0:
@@ -487,21 +477,11 @@ class FinetuneRun:
         }
 
     def top1(self, net: nn.Module) -> float:
-        """Top-1 as a fraction. One process: the project's ``evaluate`` (the numbers of the
-        ``eval`` command), stopped at once by a signal (nothing there can be torn); several: a
-        loop that gathers predictions from every process, with a safe point per batch."""
-        accelerator = self.accelerator
-        if accelerator.num_processes == 1:
-            with self.signals.immediate():
-                result = evaluate(
-                    accelerator.unwrap_model(net),
-                    self.val_set,
-                    batch_size=self.config.batch_size,
-                    device=str(accelerator.device),
-                    num_workers=self.config.num_workers,
-                )
-            return result["top1"] / 100
-        return evaluate_top1(net, self.checked(self.val_loader), accelerator)
+        """Top-1 of ``net`` on the validation data, as a fraction (:func:`validation_top1`)."""
+        return validation_top1(
+            net, self.accelerator, self.val_set, self.checked(self.val_loader), self.config,
+            self.signals,
+        )  # fmt: skip
 
     def evaluate(self) -> dict[str, float]:
         """Validation top-1 of the model (and of its EMA); empty without validation data."""
@@ -557,47 +537,31 @@ class FinetuneRun:
             or self.updating
             or (not isinstance(stop, _StopAgreed) and self.accelerator.num_processes > 1)
         ):
-            return FinetuneInterrupted(
-                f"{reason}, stopped at once" if signals.forced else reason,
-                step,
-                None,
-                find_latest(self.out / CHECKPOINTS),
-            )
+            text = f"{reason}, stopped at once" if signals.forced else reason
+            return FinetuneInterrupted(text, step, None, find_latest(self.out / CHECKPOINTS))
         try:
             path = self.saved.get(step) or self.checkpoint()
         except ForcedStop:
-            return FinetuneInterrupted(
-                f"{reason}, stopped at once while saving",
-                step,
-                None,
-                find_latest(self.out / CHECKPOINTS),
-            )
+            text = f"{reason}, stopped at once while saving"
+            return FinetuneInterrupted(text, step, None, find_latest(self.out / CHECKPOINTS))
         return FinetuneInterrupted(reason, step, path)
 
     # ----------------------------------------------------------------------------------------
     # the end
 
     def summary(self) -> dict[str, Any]:
-        """The run's summary as the artifact records it; ``history`` covers every epoch of the
-        run, those before a resume included."""
-        config = self.config
-        return {
-            "epochs": self.epochs,
-            "max_steps": config.max_steps,
-            "steps": self.boundary.global_step,
-            "lr": self.lr,
-            "effective_batch": config.batch_size * config.accum * self.accelerator.num_processes,
-            "processes": self.accelerator.num_processes,
-            "fsdp": self.sharded,
-            "seed": config.seed,
-            "loss_weights": asdict(self.weights),
-            "ema_decay": config.ema_decay,
-            "amp": config.amp,
-            "history": [dict(entry) for entry in self.history],
-            "val_top1": self.history[-1].get("val_top1") if self.history else None,
-            "seconds": time.perf_counter() - self.started,  # of this invocation
-            **config.extra,
-        }
+        """The run's summary as the artifact records it (:func:`run_summary`)."""
+        return run_summary(
+            self.config,
+            epochs=self.epochs,
+            steps=self.boundary.global_step,
+            lr=self.lr,
+            processes=self.accelerator.num_processes,
+            sharded=self.sharded,
+            loss_weights=asdict(self.weights),
+            history=self.history,
+            started=self.started,
+        )
 
     def write_artifacts(self, result: dict[str, Any]) -> None:
         """The fine-tuned artifact (and the EMA's) in ``out``, from the main process."""
@@ -608,34 +572,16 @@ class FinetuneRun:
             trained.load_state_dict(full_model_state(self.model, everywhere=True))
         accelerator.wait_for_everyone()
         if self.main:
-            trained.eval()
-            write_artifact_into(
-                trained, self.out, student.source, student.input_size, {"finetune": result}
-            )
-            if self.ema is not None:
-                write_artifact_into(
-                    self.ema.module,
-                    self.out / EMA_DIR,
-                    student.source,
-                    student.input_size,
-                    {"finetune": {**result, "weights": "ema"}},
-                )
+            ema = self.ema.module if self.ema is not None else None
+            write_run_artifacts(self.out, trained, ema, student.source, student.input_size, result)
         accelerator.wait_for_everyone()
 
     def _write_start_record(self, resume_from: Path | None) -> None:
         """One ``start`` line per invocation, so the metrics log names what the numbers after it
         were measured on (the data config among them) and where a resumed run picked up."""
-        record: dict[str, Any] = {
-            "type": "start",
-            "step": self.position.global_step,
-            "resumed_from": str(resume_from) if resume_from else None,
-        }
-        if resume_from is not None:
-            record["records_dropped"] = self.metrics.forget_after(self.position.global_step)
-        record.update(
-            {key: self.config.extra[key] for key in RUN_RECORD_KEYS if key in self.config.extra}
-        )
-        self.metrics.write(record)
+        step = self.position.global_step
+        dropped = self.metrics.forget_after(step) if resume_from is not None else None
+        self.metrics.write(start_record(step, resume_from, dropped, self.config.extra))
 
     def run(self) -> dict[str, Any]:
         """Set up, resume if asked, train, write the artifact; return the summary."""
@@ -652,81 +598,3 @@ class FinetuneRun:
         result["out"] = str(self.out)
         result["checkpoints"] = [str(p) for p in list_checkpoints(self.out / CHECKPOINTS)]
         return result
-
-
-def _check_outputs(model: nn.Module, train_set: Dataset, mixup: bool) -> None:
-    """Refuse a head that cannot fit the data before anything runs: fewer outputs than classes
-    fails at the first label past them, and mixup's soft targets are sized to the data's classes,
-    so with mixup the counts must be equal. A larger head is allowed otherwise."""
-    try:
-        classes = num_classes(train_set)
-    except DataError:  # a plain dataset without .classes: nothing to compare with
-        return
-    if len(train_set) == 0:  # type: ignore[arg-type]
-        return  # reported with the batch size below
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            image = train_set[0][0].unsqueeze(0).to(next(model.parameters()).device)
-            outputs = unwrap_logits(model(image)).shape[-1]
-    finally:
-        model.train(was_training)
-    if outputs < classes or (mixup and outputs != classes):
-        why = " (mixup's targets have one column per class)" if outputs > classes else ""
-        raise FinetuneError(
-            f"the model predicts {outputs} classes but the data has {classes}"
-            f"{why}: pass e.g. --model-arg num_classes={classes} (a new head)"
-        )
-
-
-def _check_distributed(accelerator: Any) -> None:
-    """Refuse sharded training: checkpoints and the artifact are written from the first
-    process's ``state_dict()``, which under FSDP or DeepSpeed ZeRO holds only its shard (a
-    silently incomplete model). DDP keeps a whole copy in every process."""
-    kind = str(getattr(accelerator, "distributed_type", ""))
-    for name in ("FSDP", "DEEPSPEED"):
-        if kind.endswith(name):
-            fsdp = ", with --fsdp to shard the model with FSDP2" if name == "FSDP" else ""
-            raise FinetuneError(
-                f"{name} is not supported by finetune (its checkpoints would hold "
-                "one shard of the model); launch with DDP instead, e.g. "
-                f"accelerate launch --multi_gpu{fsdp} (docs/finetune.md)"
-            )
-
-
-def _check_fsdp(accelerator: Any, config: FinetuneConfig) -> None:
-    """What --fsdp does not cover is refused before anything is written."""
-    kind = str(getattr(accelerator, "distributed_type", ""))
-    if accelerator.num_processes < 2:
-        raise FinetuneError(
-            "--fsdp needs several processes (start them with torchrun or "
-            "accelerate launch); one process trains without it"
-        )
-    if not kind.endswith(("MULTI_CPU", "MULTI_GPU")):
-        raise FinetuneError(
-            "--fsdp runs on CPU or CUDA processes launched for DDP, not under "
-            f"{kind.rsplit('.', 1)[-1]}"
-        )
-    if config.ema_decay:
-        raise FinetuneError(
-            "--fsdp with --ema-decay is not supported (the EMA copy is not "
-            "sharded); drop one of them"
-        )
-    if config.amp:
-        raise FinetuneError(
-            "--fsdp with --amp is not supported (FSDP2 takes its precision "
-            "from its own policy, not from autocast); drop one of them"
-        )
-
-
-def _check_finite(loss: torch.Tensor, accelerator: Any, step: int) -> None:
-    finite = torch.isfinite(loss.detach()).float()
-    if accelerator.num_processes > 1:
-        # Every process must stop together, or the others wait forever in the next all-reduce.
-        finite = accelerator.reduce(finite.reshape(1).to(accelerator.device), reduction="mean")
-    if float(finite.min()) < 1:
-        raise TrainingDiverged(
-            f"loss is not finite at step {step} (value {float(loss.detach())}); stopped, the last "
-            "good checkpoint is kept"
-        )

@@ -73,6 +73,22 @@ def write_artifact_into(
     shutil.rmtree(staging, ignore_errors=True)
 
 
+def write_run_artifacts(
+    out: Path,
+    model: nn.Module,
+    ema: nn.Module | None,
+    source: Any,
+    input_size: tuple[int, int, int],
+    summary: dict[str, Any],
+) -> None:
+    """The fine-tuned artifact in ``out`` and, with an EMA, the EMA's in ``out/ema``."""
+    model.eval()
+    write_artifact_into(model, out, source, input_size, {"finetune": summary})
+    if ema is not None:
+        extra = {"finetune": {**summary, "weights": "ema"}}
+        write_artifact_into(ema, out / EMA_DIR, source, input_size, extra)
+
+
 class MetricsLog:
     """``metrics.jsonl``: one JSON object per line, appended (a resumed run continues it)."""
 

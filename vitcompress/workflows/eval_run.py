@@ -1,0 +1,191 @@
+"""``vitcompress eval`` as one workflow: the model's accuracy on a dataset, and with a base, both
+models' accuracy, cost and paired speed-up, each fed its own data config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from vitcompress.data import DataConfig
+from vitcompress.data.config import defaults_note
+from vitcompress.loading import LoadedModel
+from vitcompress.measure import PairedRatio
+from vitcompress.workflows.evaluate import evaluate
+from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, GateResult, check_gates, require
+from vitcompress.workflows.identity import model_identity
+from vitcompress.workflows.inputs import BaseRequest, DataRequest, ModelRequest
+from vitcompress.workflows.measure_models import (
+    Measurement,
+    TimingOptions,
+    measure_models,
+    speedup,
+)
+
+
+def _config_json(config: DataConfig) -> dict[str, Any]:
+    return {"data_config": config.to_json(), "data_config_sources": dict(config.sources)}
+
+
+@dataclass
+class BaseComparison:
+    """The ``--base`` model: what it is, its accuracy and data config, and both models' params,
+    MACs and throughput timed together (``model`` and ``base``)."""
+
+    spec: str
+    identity: dict[str, Any]
+    weights: str | None
+    accuracy: dict[str, Any]
+    data_config: DataConfig
+    measured: dict[str, Measurement]
+    speedup: PairedRatio | None
+    environment: dict[str, Any]
+
+
+@dataclass
+class EvalResult:
+    spec: str
+    data: str
+    split: str
+    input_size: tuple[int, int, int]
+    accuracy: dict[str, Any]  # top1, top5 (percent), images
+    data_config: DataConfig
+    identity: dict[str, Any]
+    base: BaseComparison | None = None
+    gmacs: float | None = None  # of a lone model, measured for --max-gmacs only
+    gates: list[GateResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # values nobody stated, for stderr
+
+    def to_json(self) -> dict[str, Any]:
+        result: dict[str, Any] = {
+            "model": self.spec,
+            "data": self.data,
+            "split": self.split,
+            "input_size": list(self.input_size),
+            "images": self.accuracy["images"],
+            "top1": self.accuracy["top1"],
+            "top5": self.accuracy["top5"],
+            **_config_json(self.data_config),
+            "identity": self.identity,  # what report joins on
+        }
+        base = self.base
+        if base is not None:
+            result["speedup"] = None if base.speedup is None else base.speedup.to_json()
+            result["base"] = {
+                "top1": base.accuracy["top1"],
+                "top5": base.accuracy["top5"],
+                **base.measured["base"].to_json(),
+                **_config_json(base.data_config),
+                "spec": base.spec,
+                "identity": base.identity,
+                "weights": base.weights,
+            }
+            result["compressed"] = {
+                "top1": self.accuracy["top1"],
+                "top5": self.accuracy["top5"],
+                **base.measured["model"].to_json(),
+                **_config_json(self.data_config),
+            }
+            result["delta_top1"] = result["top1"] - result["base"]["top1"]
+            result["delta_top5"] = result["top5"] - result["base"]["top5"]
+            result["environment"] = base.environment
+        elif self.gmacs is not None:
+            result["gmacs"] = self.gmacs
+        result["gates"] = [g.to_json() for g in self.gates]
+        return result
+
+    def gate_values(self) -> dict[str, float | None]:
+        """What the gates compare: top-1 points lost against the base, the paired speed-up over
+        it, and the model's GMACs."""
+        if self.base is None:
+            return {"gmacs": self.gmacs}
+        paired = self.base.speedup  # median of the paired per-round ratios
+        return {
+            "acc_drop": self.base.accuracy["top1"] - self.accuracy["top1"],
+            "speedup": paired.median if paired else None,
+            "gmacs": self.base.measured["model"].macs / 1e9,
+        }
+
+
+def eval_model(
+    request: ModelRequest,
+    data: DataRequest,
+    base_request: BaseRequest | None,
+    loader: dict[str, Any],
+    timing: TimingOptions | None,
+    bounds: Bounds,
+) -> EvalResult:
+    """Top-1/top-5 of ``request`` on ``data``; with ``base_request``, of both models, with their
+    cost and paired speed-up. ``loader``: ``batch_size``, ``device`` and ``num_workers`` of
+    the evaluation."""
+    unavailable = {}
+    if base_request is None:
+        unavailable = {
+            g: "needs --base to compare against" for g in ("max_acc_drop", "min_speedup")
+        }
+    if timing is None:
+        unavailable.setdefault("min_speedup", NO_THROUGHPUT)
+    require(bounds, unavailable)
+    loaded = request.load()
+    dataset, _ = data.for_model(loaded.model, loaded.input_size)
+    config = dataset.data_config  # as the images are brought (Fashion-MNIST is never cropped)
+    result = EvalResult(
+        spec=request.spec,
+        data=str(data.source),
+        split=data.split,
+        input_size=loaded.input_size,
+        accuracy=evaluate(loaded.model, dataset, **loader),
+        data_config=config,
+        identity=model_identity(loaded, request.spec),
+    )
+    if base_request is not None:
+        result.base = _compare_with_base(
+            base_request, loaded, data, dataset, config, loader, timing
+        )
+    elif bounds.max_gmacs is not None:  # only the gate needs the MACs of a lone model
+        result.gmacs = (
+            measure_models({"model": loaded.model}, loaded.input_size, None)[0]["model"].macs / 1e9
+        )
+    interval = result.base.speedup.interval if result.base and result.base.speedup else None
+    result.gates = check_gates(bounds, result.gate_values(), intervals={"speedup": interval})
+    labels = [(config, request.spec)]
+    if result.base is not None:
+        labels.append((result.base.data_config, f"the base {result.base.spec}"))
+    result.notes = [note for c, label in labels if (note := defaults_note(c, label))]
+    return result
+
+
+def _compare_with_base(
+    request: BaseRequest,
+    loaded: LoadedModel,
+    data: DataRequest,
+    dataset: Dataset,
+    config: DataConfig,
+    loader: dict[str, Any],
+    timing: TimingOptions | None,
+) -> BaseComparison:
+    from vitcompress.workflows.inputs import load_base
+
+    base = load_base(request, loaded)
+    base_set, _ = data.for_model(base.model, loaded.input_size)
+    base_config = base_set.data_config
+    # The same images when both configs agree (equality ignores where each value came from).
+    accuracy = evaluate(base.model, dataset if base_config == config else base_set, **loader)
+    models = {"base": base.model, "model": loaded.model}
+    measured, environment = measure_models(models, loaded.input_size, timing)
+    # What was compared: "source" stands for the artifact's recorded base, so name that.
+    spec, checkpoint, pretrained = request.spec, request.checkpoint, request.pretrained
+    if request.from_artifact:
+        spec, checkpoint = base.source.spec, base.source.checkpoint
+        pretrained = base.source.pretrained
+    return BaseComparison(
+        spec=spec,
+        identity=model_identity(base, spec),
+        weights=checkpoint or ("timm pretrained" if pretrained else None),
+        accuracy=accuracy,
+        data_config=base_config,
+        measured=measured,
+        speedup=speedup(measured["model"], measured["base"]),  # what --min-speedup compares
+        environment=environment,
+    )

@@ -1,0 +1,112 @@
+"""``vitcompress export`` as one workflow: write the model's inference path, check it, and with
+``bench`` time a compressed ONNX file against its base's in onnxruntime and PyTorch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vitcompress.loading import LoadedModel, ModelLoadError
+from vitcompress.workflows.export import ExportError, export_model
+from vitcompress.workflows.export_bench import bench_exported
+from vitcompress.workflows.inputs import ModelRequest
+from vitcompress.workflows.measure_models import base_for_timing, show_round
+from vitcompress.workflows.status import step, warn
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    fmt: str
+    out: str
+    batch_size: int = 1
+    opset: int = 17
+    dynamic_batch: bool = False
+    check: bool = True
+
+    def export(self, loaded: LoadedModel, model: Any, out: str | Path, fmt: str) -> dict:
+        return export_model(
+            model,
+            loaded.input_size,
+            fmt,
+            out,
+            batch_size=self.batch_size,
+            opset=self.opset,
+            check=self.check,
+            dynamic_batch=self.dynamic_batch,
+        )
+
+
+@dataclass(frozen=True)
+class ExportTiming:
+    """``export --bench``: warm-up rounds, timed rounds at most, and the time budget."""
+
+    warmup: int = 3
+    runs: int = 10
+    seconds: float = 60.0
+
+
+@dataclass
+class ExportResult:
+    spec: str
+    export: dict[str, Any]  # export_model's result
+    bench: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = {**self.export, "model": self.spec}
+        if self.bench is not None:
+            data["bench"] = self.bench
+        return data
+
+
+def export_request(
+    request: ModelRequest, settings: ExportSettings, timing: ExportTiming | None = None
+) -> ExportResult:
+    """Export ``request``'s model as ``settings`` say; with ``timing``, also export its base
+    beside the file and time both (``--bench``)."""
+    if timing is not None and settings.fmt != "onnx":
+        raise ExportError("--bench times ONNX files in onnxruntime: use --format onnx")
+    loaded = request.load()
+    base = _base_to_bench(loaded) if timing is not None else None  # before minutes of exporting
+    result = ExportResult(
+        request.spec, settings.export(loaded, loaded.model, settings.out, settings.fmt)
+    )
+    if base is not None and timing is not None:
+        result.bench = _bench(loaded, base, settings, timing)
+    return result
+
+
+def _base_to_bench(loaded: LoadedModel) -> LoadedModel:
+    base = base_for_timing(loaded)
+    if base is None:
+        raise ModelLoadError(
+            "--bench times a compressed model against its base: --model must be a compressed "
+            "model directory (vitcompress apply --out DIR)"
+        )
+    return base
+
+
+def _bench(
+    loaded: LoadedModel, base: LoadedModel, settings: ExportSettings, timing: ExportTiming
+) -> dict[str, Any]:
+    out = Path(settings.out)
+    base_out = out.with_name(f"{out.stem}.base{out.suffix or '.onnx'}")
+    with step(f"exporting the base to {base_out}"):
+        base_export = settings.export(loaded, base.model, base_out, "onnx")
+    with step(
+        f"timing base and compressed in pytorch and onnxruntime (batch {settings.batch_size})"
+    ):
+        timed = bench_exported(
+            {"base": base.model, "compressed": loaded.model},
+            {"base": base_out, "compressed": out},
+            loaded.input_size,
+            reference="base",
+            batch_size=settings.batch_size,
+            warmup=timing.warmup,
+            runs=timing.runs,
+            seconds=timing.seconds,
+            on_round=show_round,
+        )
+    for text in timed["warnings"]:
+        warn(text)
+    return timed | {"base_export": base_export}
