@@ -14,9 +14,9 @@ import click
 
 from vitcompress.errors import UserError
 from vitcompress.loading import ModelLoadError
+from vitcompress.measure.models import DEFAULT_BENCH_SECONDS, TimingOptions
 from vitcompress.workflows.gates import GATES, Bounds
 from vitcompress.workflows.inputs import BaseRequest, ModelRequest
-from vitcompress.workflows.measure_models import DEFAULT_BENCH_SECONDS, TimingOptions
 
 # What ``--model`` can name, in the words of its help; each command lists those it accepts.
 MODEL_FORMS = {
@@ -71,20 +71,12 @@ def model_options(
     listed = ", ".join(forms[:-1]) + (" or " if len(forms) > 1 else "") + forms[-1]
     options = [
         click.option("--model", "model_spec", required=True, metavar="SPEC", help=f"{listed}."),
-        click.option(
-            "--model-arg",
-            "model_args",
-            multiple=True,
-            metavar="KEY=VALUE",
-            help="Keyword argument for the model factory (Python literal); repeatable.",
+        *_factory_and_weights_options(
+            "",
+            "the model factory (Python literal)",
+            "Weights: .safetensors, or a torch file (loaded with weights_only).",
+            "timm's hub weights (needs network).",
         ),
-        click.option(
-            "--checkpoint",
-            type=click.Path(dir_okay=False),
-            default=None,
-            help="Weights: .safetensors, or a torch file (loaded with weights_only).",
-        ),
-        click.option("--pretrained", is_flag=True, help="timm's hub weights (needs network)."),
         click.option(
             "--input-size",
             default=None,
@@ -156,6 +148,28 @@ def parse_input_size(text: str) -> tuple[int, int, int]:
     return size  # type: ignore[return-value]  # length checked above
 
 
+def _factory_and_weights_options(
+    prefix: str, factory: str, checkpoint_help: str, pretrained_help: str
+) -> list[Callable]:
+    """``--{prefix}model-arg``, ``--{prefix}checkpoint``, ``--{prefix}pretrained``."""
+    return [
+        click.option(
+            f"--{prefix}model-arg",
+            f"{prefix.replace('-', '_')}model_args",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help=f"Keyword argument for {factory}; repeatable.",
+        ),
+        click.option(
+            f"--{prefix}checkpoint",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help=checkpoint_help,
+        ),
+        click.option(f"--{prefix}pretrained", is_flag=True, help=pretrained_help),
+    ]
+
+
 def base_options(command: Callable) -> Callable:
     """``--base``, ``--base-model-arg``, ``--base-checkpoint``, ``--base-pretrained``, folded into
     ``base: BaseRequest | None`` (None without ``--base``)."""
@@ -169,32 +183,21 @@ def base_options(command: Callable) -> Callable:
             "and GMACs and throughput timed in this process. 'source': the base a "
             "compressed --model records, with its model args and base weights.",
         ),
-        click.option(
-            "--base-model-arg",
-            "base_args",
-            multiple=True,
-            metavar="KEY=VALUE",
-            help="Keyword argument for the --base factory; repeatable.",
+        *_factory_and_weights_options(
+            "base-", "the --base factory", "Weights for --base.", "timm's hub weights for --base."
         ),
-        click.option(
-            "--base-checkpoint",
-            type=click.Path(dir_okay=False),
-            default=None,
-            help="Weights for --base.",
-        ),
-        click.option("--base-pretrained", is_flag=True, help="timm's hub weights for --base."),
     ]
 
     def request(
         base_spec: str | None,
-        base_args: Sequence[str],
+        base_model_args: Sequence[str],
         base_checkpoint: str | None,
         base_pretrained: bool,
     ) -> BaseRequest | None:
         given = tuple(
             flag
             for flag, used in (
-                ("--base-model-arg", base_args),
+                ("--base-model-arg", base_model_args),
                 ("--base-checkpoint", base_checkpoint),
                 ("--base-pretrained", base_pretrained),
             )
@@ -204,7 +207,7 @@ def base_options(command: Callable) -> Callable:
             if given:
                 raise ModelLoadError(f"{', '.join(given)} need --base")
             return None
-        args = parse_model_args(base_args)
+        args = parse_model_args(base_model_args)
         return BaseRequest(base_spec, args, base_checkpoint, base_pretrained, given)
 
     return folded_options("base", options, request)(command)
