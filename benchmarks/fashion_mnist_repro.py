@@ -52,13 +52,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from vitcompress.api import compress_loaded, load, map_model
+from vitcompress.compilation.plan import default_locs
 from vitcompress.data.datasets import FASHION_MNIST_CLASSES, build_dataset
 from vitcompress.data.transforms import AugmentConfig
-from vitcompress.graph.plan import default_locs
 from vitcompress.loading import LoadedModel, load_base_model
 from vitcompress.measure import count_macs, count_params, measure_throughput
+from vitcompress.training.evaluate import evaluate
 from vitcompress.training.optim import build_optimizer, build_scheduler
-from vitcompress.workflows.evaluate import evaluate
 from vitcompress.workflows.finetune import FinetuneConfig, finetune
 
 SPEC = "vit_small_patch16_224"

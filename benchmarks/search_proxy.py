@@ -47,9 +47,9 @@ import fashion_mnist_repro as repro  # noqa: E402 - the reproduction's base, dat
 from vitcompress.api import compress_loaded  # noqa: E402
 from vitcompress.loading import LoadedModel, load_base_model  # noqa: E402
 from vitcompress.measure import count_macs  # noqa: E402
-from vitcompress.workflows.evaluate import evaluate  # noqa: E402
+from vitcompress.search.driver import Budget, SearchConfig, search  # noqa: E402
+from vitcompress.training.evaluate import evaluate  # noqa: E402
 from vitcompress.workflows.finetune import FinetuneConfig, finetune  # noqa: E402
-from vitcompress.workflows.search import Budget, SearchConfig, search  # noqa: E402
 
 
 def spearman(x: list[float], y: list[float]) -> float:

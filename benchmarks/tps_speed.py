@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 import vitcompress
+from vitcompress.compilation.metadata import compression_info
 from vitcompress.kernels import enable_fused_kernels
 from vitcompress.measure import (
     bootstrap_median_ci,
@@ -50,7 +51,6 @@ from vitcompress.measure import (
     verdict,
 )
 from vitcompress.measure import paired_ratios as pair_samples
-from vitcompress.metadata import compression_info
 
 INPUT_SIZE = (3, 224, 224)
 VARIANTS = ("dtps", "etps", "dynamicvit", "evit")

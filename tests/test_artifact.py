@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 import vitcompress
-from vitcompress.artifact import ArtifactError, read_meta
-from vitcompress.fingerprint import fixed_input
+from vitcompress.artifacts.artifact import ArtifactError, read_meta
+from vitcompress.artifacts.fingerprint import fixed_input
 from vitcompress.loading import ModelLoadError, ModelSource, load_base_model
 
 NAME = "vit_tiny_patch16_224"
@@ -255,7 +255,7 @@ def test_an_artifact_without_fingerprint_loads_with_a_warning(
     meta = json.loads((art / "vitcompress.json").read_text())
     del meta["fingerprint"]
     (art / "vitcompress.json").write_text(json.dumps(meta))
-    with caplog.at_level(logging.WARNING, logger="vitcompress.artifact"):
+    with caplog.at_level(logging.WARNING, logger="vitcompress.artifacts.artifact"):
         again = vitcompress.load(art)
     assert f"{art} was written before artifacts carried a fingerprint" in caplog.text
     assert "cannot be verified" in caplog.text

@@ -17,7 +17,7 @@ from click.testing import CliRunner, Result
 from safetensors.torch import load_file, save_file
 
 import vitcompress
-from vitcompress.artifact import read_meta
+from vitcompress.artifacts.artifact import read_meta
 from vitcompress.cli.main import cli
 
 NAME = "vit_tiny_patch16_224"

@@ -259,7 +259,7 @@ def test_the_spinner_shows_each_step_on_a_terminal():
     from rich.console import Console
 
     from vitcompress.cli.status import ConsoleStatus
-    from vitcompress.workflows.status import detail, reporting, step, warn
+    from vitcompress.status import detail, reporting, step, warn
 
     screen = io.StringIO()
     status = ConsoleStatus(Console(file=screen, force_terminal=True, width=100), "auto")

@@ -17,9 +17,9 @@ from vitcompress.cli.main import cli
 from vitcompress.cli.model_commands import tokens_text
 from vitcompress.cli.options import AMP_DTYPES, timing_from_options
 from vitcompress.errors import UserError
-from vitcompress.workflows import finetune_metrics
+from vitcompress.training import metrics as finetune_metrics
+from vitcompress.training.run_directory import MetricsLog
 from vitcompress.workflows.finetune import finetune
-from vitcompress.workflows.run_directory import MetricsLog
 
 MHA = f"{FIXTURES}:mha_vit"
 MODEL_COMMANDS = ("inspect", "bench", "apply", "eval", "finetune", "export", "search", "visualize")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vitcompress.graph.rewrite import _Rewriter
+from vitcompress.compilation.rewrite import _Rewriter
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "compat_matrix.py"
 

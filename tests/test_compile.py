@@ -1,6 +1,6 @@
 """``torch.compile(fullgraph=True)`` of every registered variant, and compiled timing.
 
-The variants are read from the registry at collection time (``vitcompress.graph.plan.VARIANTS``),
+The variants are read from the registry at collection time (``vitcompress.compilation.plan.VARIANTS``),
 so a variant added there is covered without editing this file. Graph breaks are dynamo's decision,
 the same for every backend: all variants are captured with the ``eager`` backend in every run.
 Inductor (C++ code generation on the CPU, minutes cold on 2 cores) runs one variant by default and
@@ -19,7 +19,7 @@ from torch import nn
 import vitcompress
 from tests.models import timm_small
 from vitcompress.cli.main import cli
-from vitcompress.graph.plan import VARIANTS
+from vitcompress.compilation.plan import VARIANTS
 from vitcompress.measure import measure_throughput
 from vitcompress.workflows.export import compile_check
 

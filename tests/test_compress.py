@@ -8,9 +8,9 @@ import torch
 
 import vitcompress
 from tests.models import VANILLA, timm_small
-from vitcompress.graph.plan import PlanError
+from vitcompress.compilation.plan import PlanError
 from vitcompress.measure import count_macs, count_params
-from vitcompress.workflows.measure_models import tokens_per_block
+from vitcompress.measure.models import tokens_per_block
 
 VARIANTS = ["dtps", "dynamicvit", "etps", "evit"]
 

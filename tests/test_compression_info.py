@@ -13,13 +13,13 @@ import torch
 import vitcompress
 from tests.fixtures import inhouse
 from tests.models import FIXTURES, SMALL
+from vitcompress.analysis.model_map import ModelMap
 from vitcompress.api import capture_and_map, compress_loaded
-from vitcompress.artifact import ArtifactError
-from vitcompress.graph.model_map import ModelMap
-from vitcompress.graph.plan import Plan, default_locs, make_plan, reduces_tokens
-from vitcompress.graph.rewrite import RewriteError, rewrite
+from vitcompress.artifacts.artifact import ArtifactError
+from vitcompress.compilation.metadata import compression_info
+from vitcompress.compilation.plan import Plan, default_locs, make_plan, reduces_tokens
+from vitcompress.compilation.rewrite import RewriteError, rewrite
 from vitcompress.loading import ModelLoadError, load_base_model
-from vitcompress.metadata import compression_info
 from vitcompress.variants import get_variant
 
 MHA = f"{FIXTURES}:mha_vit"

@@ -15,7 +15,7 @@ from PIL import Image
 
 import vitcompress
 from tests.models import FIXTURES
-from vitcompress.artifact import read_meta
+from vitcompress.artifacts.artifact import read_meta
 from vitcompress.cli.main import cli
 from vitcompress.data import DataConfig, DataError, build_dataset, resolve_data_config
 from vitcompress.data.config import stated_data_config

@@ -11,7 +11,7 @@ from tests.test_data import write_image_folder
 from vitcompress.cli.main import cli
 from vitcompress.data import AugmentConfig, DataError, build_dataset
 from vitcompress.loading import load_base_model
-from vitcompress.workflows.evaluate import evaluate
+from vitcompress.training.evaluate import evaluate
 
 EINSUM = f"{FIXTURES}:einsum_vit"
 MHA = f"{FIXTURES}:mha_vit"
@@ -178,7 +178,7 @@ def _artifact(tmp_path, checkpoint):
 
 
 def test_eval_base_source_rebuilds_the_artifacts_base_with_its_weights(folder, tmp_path):
-    from vitcompress.artifact import load_artifact_base
+    from vitcompress.artifacts.artifact import load_artifact_base
 
     checkpoint, state = _always_class_2(tmp_path)
     artifact = _artifact(tmp_path, checkpoint)
@@ -223,7 +223,7 @@ def test_eval_base_source_rebuilds_the_artifacts_base_with_its_weights(folder, t
 
 def test_artifact_saved_again_keeps_its_base_weights(tmp_path):
     import vitcompress
-    from vitcompress.artifact import read_meta
+    from vitcompress.artifacts.artifact import read_meta
 
     checkpoint, _ = _always_class_2(tmp_path)
     artifact = _artifact(tmp_path, checkpoint)

@@ -13,7 +13,7 @@ from torch import nn
 import vitcompress
 from tests.fixtures.inhouse import MHALayer
 from tests.models import VANILLA
-from vitcompress.metadata import compression_info
+from vitcompress.compilation.metadata import compression_info
 from vitcompress.training.losses import DistillationTaps
 
 SIZE = (3, 32, 32)

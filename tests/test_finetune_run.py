@@ -10,9 +10,9 @@ from torch import nn
 from tests.test_finetune import _config, _data, _fresh_accelerate_state, _models  # noqa: F401
 from vitcompress.training.checkpoint import find_latest, load_checkpoint
 from vitcompress.training.interrupt import StopSignals
+from vitcompress.training.metrics import EpochTotals
 from vitcompress.training.sampler import TrainPosition
 from vitcompress.workflows.finetune import FinetuneRun, finetune
-from vitcompress.workflows.finetune_metrics import EpochTotals
 
 
 def _run(out, **config) -> FinetuneRun:

@@ -15,7 +15,7 @@ from tests.models import FIXTURES
 from vitcompress import map_model
 from vitcompress.cli.main import cli
 from vitcompress.cli.plan_options import parse_keep, parse_locs, plan_error_line
-from vitcompress.graph.plan import Plan, PlanError, make_plan, resolve_variant
+from vitcompress.compilation.plan import Plan, PlanError, make_plan, resolve_variant
 from vitcompress.variants import get_variant
 
 PACKAGE = Path(vitcompress.__file__).parent
@@ -27,8 +27,8 @@ ABOVE_GRAPH = (
     "vitcompress.plan",
     "vitcompress.api",
     "vitcompress.training",
-    "vitcompress.artifact",
-    "vitcompress.compression",
+    "vitcompress.artifacts.artifact",
+    "vitcompress.compilation.compression",
 )
 MHA = f"{FIXTURES}:mha_vit"
 SMALL = ["--model-arg", "depth=2", "--model-arg", "dim=32"]

@@ -7,7 +7,7 @@ from torch import nn
 
 from tests.fixtures import inhouse
 from vitcompress import compress, map_model
-from vitcompress.graph.capture import CaptureError, capture
+from vitcompress.analysis.capture import CaptureError, capture
 
 
 class BranchOnWidth(nn.Module):

@@ -8,7 +8,7 @@ import timm
 
 from tests.models import timm_small
 from vitcompress.api import map_model
-from vitcompress.graph.plan import make_plan
+from vitcompress.compilation.plan import make_plan
 from vitcompress.method import KeepListError, per_location_keep
 from vitcompress.variants import get_variant
 

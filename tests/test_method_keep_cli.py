@@ -16,8 +16,8 @@ import vitcompress
 from tests.models import FIXTURES
 from vitcompress.cli.main import cli
 from vitcompress.cli.plan_options import keep_cumulative_option
-from vitcompress.graph.plan import PlanError
-from vitcompress.metadata import compression_info
+from vitcompress.compilation.metadata import compression_info
+from vitcompress.compilation.plan import PlanError
 from vitcompress.modules.reducers import PredictorReducer
 
 MHA = f"{FIXTURES}:mha_vit"  # 8 x 8 patch tokens and a cls token, 4 blocks

@@ -8,7 +8,7 @@ from torch import nn
 from tests.fixtures import inhouse
 from tests.models import VANILLA
 from vitcompress import map_model
-from vitcompress.graph.analyse import MappingError
+from vitcompress.analysis.analyse import MappingError
 
 
 @pytest.mark.parametrize("name", list(VANILLA))

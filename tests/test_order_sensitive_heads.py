@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import vitcompress
-import vitcompress.graph.plan
+import vitcompress.compilation.plan
 from tests.fixtures import edge_case_vits
 from vitcompress import map_model
-from vitcompress.graph.plan import PlanError
+from vitcompress.compilation.plan import PlanError
 
 VARIANTS = ["dtps", "etps", "dynamicvit", "evit"]
 SIZE = (3, 32, 32)
@@ -53,7 +53,7 @@ def test_the_map_shows_the_head_s_use_on_the_last_block():
 def test_without_the_refusal_the_flatten_head_gives_other_logits_at_keep_1(monkeypatch):
     """What the refusal prevents: a mere re-sort (dTPS at keep 1) changes the logits."""
     model = _model(edge_case_vits.flatten_head_vit)
-    monkeypatch.setattr(vitcompress.graph.plan, "position_refusal", lambda *args: None)
+    monkeypatch.setattr(vitcompress.compilation.plan, "position_refusal", lambda *args: None)
     resorted = vitcompress.compress(model, "dtps", keep=1.0, locs=[1], input_size=SIZE).eval()
     x = torch.randn(2, *SIZE, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

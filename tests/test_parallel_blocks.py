@@ -21,9 +21,9 @@ from torch import nn
 from tests.fixtures import edge_case_vits as issue10
 from tests.models import timm_small
 from vitcompress import compress, map_model
-from vitcompress.graph.analyse import MappingError
-from vitcompress.graph.plan import PlanError
-from vitcompress.graph.rewrite import RewriteError
+from vitcompress.analysis.analyse import MappingError
+from vitcompress.compilation.plan import PlanError
+from vitcompress.compilation.rewrite import RewriteError
 from vitcompress.measure import count_macs
 from vitcompress.modules import AttentionReducer
 

@@ -15,10 +15,10 @@ import vitcompress
 from tests.fixtures import position_tables
 from tests.models import FIXTURES, VANILLA, timm_small
 from vitcompress import map_model
+from vitcompress.analysis.positions import gather_layout
 from vitcompress.cli.main import cli
-from vitcompress.graph.plan import PlanError
-from vitcompress.graph.positions import gather_layout
-from vitcompress.graph.rewrite import _Rewriter
+from vitcompress.compilation.plan import PlanError
+from vitcompress.compilation.rewrite import _Rewriter
 from vitcompress.measure import count_macs
 
 VARIANTS = ["dtps", "etps", "dynamicvit", "evit"]

@@ -15,8 +15,8 @@ import vitcompress
 from tests.fixtures import inhouse, position_tables
 from tests.models import SMALL
 from vitcompress import map_model
-from vitcompress.graph.analyse import MappingError
-from vitcompress.graph.plan import PlanError, default_locs
+from vitcompress.analysis.analyse import MappingError
+from vitcompress.compilation.plan import PlanError, default_locs
 from vitcompress.loading import default_input_size
 
 VARIANTS = ["dtps", "etps", "dynamicvit", "evit"]

@@ -15,18 +15,18 @@ import vitcompress
 import vitcompress.zoo  # noqa: F401 - registers pvt_* into timm
 from tests.models import timm_small
 from vitcompress.api import capture_and_map
-from vitcompress.graph.plan import make_plan
+from vitcompress.compilation.plan import make_plan
 from vitcompress.loading import LoadedModel, ModelSource
 from vitcompress.measure import count_macs
 from vitcompress.search.cache import CACHE_NAME
 from vitcompress.search.cost import profile, relative_error
+from vitcompress.search.driver import Budget, SearchConfig, SearchError, search
 from vitcompress.search.pareto import pareto_front
 from vitcompress.search.score import CandidateBuilder, agreement_metrics
 from vitcompress.search.space import Candidate, build_space
 from vitcompress.search.strategy import match_budget
 from vitcompress.search.warmup import block_signals, warm_predictors
 from vitcompress.variants import get_variant
-from vitcompress.workflows.search import Budget, SearchConfig, SearchError, search
 
 SIZE = (3, 32, 32)
 
@@ -370,8 +370,8 @@ def test_an_impossible_budget_names_the_smallest_candidate(tmp_path):
 def test_min_speedup_bounds_the_macs_then_takes_the_best_candidate_that_is_fast_enough(
     tmp_path, monkeypatch
 ):
-    from vitcompress.workflows import search as workflow
-    from vitcompress.workflows.measure_models import Measurement
+    from vitcompress.measure.models import Measurement
+    from vitcompress.search import driver as workflow
 
     timed: list[tuple] = []
     speeds = iter([1.1, 1.6, 1.9])  # the best-scored candidate misses 1.5x, the second makes it

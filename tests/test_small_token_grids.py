@@ -23,9 +23,9 @@ from torch import nn
 
 from tests.models import timm_small
 from vitcompress import compress
-from vitcompress.graph.plan import PlanError
+from vitcompress.compilation.metadata import compression_info
+from vitcompress.compilation.plan import PlanError
 from vitcompress.measure import count_macs
-from vitcompress.metadata import compression_info
 from vitcompress.modules import AttentionReducer, PredictorReducer
 from vitcompress.modules.predictor import ScorePredictor
 

@@ -13,6 +13,22 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "vitcompress"
 
+# The layers, bottom up (docs/architecture.md): a package imports only packages of lower layers.
+# The data flows up: model source -> captured graph -> model map -> plan -> rewritten model ->
+# measurements -> report.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "version", "status", "model_args", "method", "zoo"),
+    ("kernels", "modules", "data", "loading", "analysis"),
+    ("variants",),  # a method: its scorer, fuse and reducers; knows no plan
+    ("compilation",),  # plan, rewrite, compress(): asks the method
+    ("artifacts",),
+    ("api",),
+    ("vitcompress", "measure"),  # the package's public face; measurements of built models
+    ("training", "search"),
+    ("workflows",),
+    ("cli",),
+)
+
 # Cycles tolerated while another change removes them, each a set of units (see ``_unit``);
 # empty since the plan moved into vitcompress/graph/ (it was {graph, plan}).
 KNOWN_CYCLES: list[frozenset[str]] = []
@@ -104,7 +120,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
 
 
 def _unit(module: str) -> str:
-    """The layer a module belongs to: ``vitcompress.graph.rewrite`` -> ``vitcompress.graph``."""
+    """The package a module belongs to: ``vitcompress.compilation.rewrite`` ->
+    ``vitcompress.compilation``."""
     return ".".join(module.split(".")[:2])
 
 
@@ -132,20 +149,15 @@ def test_no_import_cycle_between_modules() -> None:
 
 
 def test_no_import_cycle_between_layers() -> None:
-    units: dict[str, set[str]] = {}
-    for module, imported in _module_graph().items():
-        units.setdefault(_unit(module), set()).update(
-            _unit(other) for other in imported if _unit(other) != _unit(module)
-        )
-    assert _unexpected(_cycles(units)) == []
+    assert _unexpected(_cycles(_units())) == []
 
 
 def test_loading_builds_on_nothing_above_it() -> None:
     graph = _module_graph()
     above = {
         "vitcompress.api",
-        "vitcompress.artifact",
-        "vitcompress.compression",
+        "vitcompress.artifacts.artifact",
+        "vitcompress.compilation.compression",
         "vitcompress.cli",
         "vitcompress.workflows",
     }
@@ -166,11 +178,11 @@ def test_every_module_imports_in_a_fresh_interpreter() -> None:
 
 def test_only_the_rewrite_spells_the_reducer_prefix() -> None:
     # The reducers live under ``model.<REDUCER_PREFIX>``; whoever looks them up imports the name.
-    from vitcompress.graph.rewrite import REDUCER_PREFIX
+    from vitcompress.compilation.rewrite import REDUCER_PREFIX
 
     spelled = []
     for name, path in _modules().items():
-        if name == "vitcompress.graph.rewrite":
+        if name == "vitcompress.compilation.rewrite":
             continue
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if (
@@ -180,3 +192,47 @@ def test_only_the_rewrite_spells_the_reducer_prefix() -> None:
             ):
                 spelled.append(f"{name}:{node.lineno}")
     assert spelled == []
+
+
+def _layer_of() -> dict[str, int]:
+    return {f"vitcompress.{name}" if name != "vitcompress" else name: rank
+            for rank, names in enumerate(LAYERS) for name in names}  # fmt: skip
+
+
+def _units() -> dict[str, set[str]]:
+    units: dict[str, set[str]] = {}
+    for module, imported in _module_graph().items():
+        units.setdefault(_unit(module), set()).update(
+            _unit(other) for other in imported if _unit(other) != _unit(module)
+        )
+    return units
+
+
+def _imports_up(units: dict[str, set[str]], layer_of: dict[str, int]) -> list[str]:
+    return sorted(
+        f"{unit} imports {other}"
+        for unit, imported in units.items()
+        for other in imported
+        if layer_of[other] >= layer_of[unit]
+    )
+
+
+def test_every_package_has_a_declared_layer() -> None:
+    assert sorted(set(_units()) - set(_layer_of())) == []
+
+
+def test_imports_go_down_the_layers() -> None:
+    assert _imports_up(_units(), _layer_of()) == []
+
+
+def test_the_layer_check_finds_an_import_up_and_one_within_a_layer() -> None:
+    layer_of = _layer_of()
+    units = {
+        "vitcompress.analysis": {"vitcompress.variants"},  # analysis must know no method
+        "vitcompress.search": {"vitcompress.training"},  # one layer: neither imports the other
+        "vitcompress.cli": {"vitcompress.workflows"},
+    }
+    assert _imports_up(units, layer_of) == [
+        "vitcompress.analysis imports vitcompress.variants",
+        "vitcompress.search imports vitcompress.training",
+    ]

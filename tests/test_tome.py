@@ -16,9 +16,9 @@ import vitcompress
 from tests.fixtures import inhouse
 from tests.models import SMALL, timm_small
 from tests.test_positions import sharpen
-from vitcompress.graph.plan import PlanError, make_plan
+from vitcompress.compilation.metadata import compression_info
+from vitcompress.compilation.plan import PlanError, make_plan
 from vitcompress.loading import ModelSource
-from vitcompress.metadata import compression_info
 from vitcompress.method import bipartite_soft_matching, merge_count, merge_tokens
 from vitcompress.modules import MergeReducer, MHAHook, SDPAHook, SoftmaxHook
 from vitcompress.training.losses import DistillationTaps
@@ -325,7 +325,7 @@ def test_refusals_are_one_line() -> None:
         vitcompress.compress(model, "tome", keep_cumulative=[0.7, 0.49, 0.343])
     with pytest.raises(PlanError, match="has 2 attention cores; tome matches tokens by one"):
         vitcompress.compress(timm_small("vit_small_patch16_18x2_224"), "tome")
-    model_map = vitcompress.compression.map_model(model)
+    model_map = vitcompress.compilation.compression.map_model(model)
     with pytest.raises(PlanError, match="at most half"):
         make_plan(model_map, get_variant("tome"), [0.4], [1, 2, 3])
     with pytest.raises(PlanError, match="keep and tome's r exclude each other"):

@@ -18,9 +18,9 @@ import vitcompress
 from tests.models import FIXTURES, timm_small
 from tests.test_search_cli import image_folder
 from vitcompress.cli.main import cli
-from vitcompress.graph import plan as plan_module
-from vitcompress.graph.plan import Plan, PlanError
-from vitcompress.metadata import compression_info
+from vitcompress.compilation import plan as plan_module
+from vitcompress.compilation.metadata import compression_info
+from vitcompress.compilation.plan import Plan, PlanError
 from vitcompress.training.losses import DistillationTaps
 from vitcompress.variants import (
     VARIANTS,
@@ -278,6 +278,14 @@ def test_adding_a_method_is_one_file(one_file_method, tmp_path) -> None:
     for host, group in location["hosts"].items():  # each went to its nearest kept token
         for donor in group:
             assert all(abs(donor - int(host)) <= abs(donor - k) for k in location["kept"])
+
+    # the list of methods, read from its object.
+    listed = runner.invoke(cli, ["variants", "--json"])
+    assert listed.exit_code == 0, listed.output
+    rows = {row["name"]: row for row in json.loads(listed.stdout)["variants"]}
+    assert rows["normpool"]["scorer"] == "token norm" and rows["normpool"]["searchable"]
+    assert rows["normpool"]["fuse"] == "averaged into the nearest kept token"
+    assert rows["tome"]["settings"] == {"r": None} and rows["dtps"]["fused_kernel"]
 
     # report and export.
     report = runner.invoke(cli, ["report", str(tmp_path / "apply.json"), "--json"])

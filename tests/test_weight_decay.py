@@ -11,8 +11,8 @@ from torch import nn
 import vitcompress
 from tests.models import timm_small
 from vitcompress.api import compress
+from vitcompress.compilation.weight_decay import NO_WEIGHT_DECAY_ATTRIBUTE
 from vitcompress.training.optim import param_groups
-from vitcompress.weight_decay import NO_WEIGHT_DECAY_ATTRIBUTE
 
 IMAGE, PATCH, DIM = 16, 4, 32
 

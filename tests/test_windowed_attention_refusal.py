@@ -10,7 +10,7 @@ import timm
 import torch
 
 from vitcompress import map_model
-from vitcompress.graph.analyse import MappingError
+from vitcompress.analysis.analyse import MappingError
 
 SIZE = (3, 32, 32)
 

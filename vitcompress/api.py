@@ -1,7 +1,7 @@
 """The Python API: ``compress``, ``save``, ``load``, and ``load_model`` for any ``--model`` spec.
 
-This module sits above ``vitcompress.loading`` (base models), ``vitcompress.compression`` and
-``vitcompress.artifact`` (compressed models on disk), and is the one place that decides which of
+This module sits above ``vitcompress.loading`` (base models), ``vitcompress.compilation.compression`` and
+``vitcompress.artifacts.artifact`` (compressed models on disk), and is the one place that decides which of
 them a spec needs.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 from torch import nn
 
 from vitcompress import loading
-from vitcompress.artifact import load_artifact, save_artifact
-from vitcompress.compression import (
+from vitcompress.artifacts.artifact import load_artifact, save_artifact
+from vitcompress.compilation.compression import (
     EXAMPLE_BATCH,
     capture_and_map,
     compress,
@@ -52,7 +52,7 @@ def load_model(
     input_size: Sequence[int] | None = None,
 ) -> LoadedModel:
     """The model ``spec`` names, in eval mode: a compressed model directory (an artifact) is
-    rebuilt by :func:`vitcompress.artifact.load_artifact`, anything else is built by
+    rebuilt by :func:`vitcompress.artifacts.artifact.load_artifact`, anything else is built by
     :func:`vitcompress.loading.load_base_model`."""
     if not spec or not is_artifact_directory(spec):
         return loading.load_base_model(spec, model_args, checkpoint, pretrained, input_size)

@@ -4,7 +4,7 @@ A model made with ``timm.create_model(name, **kwargs)`` does not keep ``kwargs``
 be read back from what the model holds (its head size, patch embedding, depth). Each is kept only
 where the model's class takes an argument of that name. What cannot be read (``act_layer``,
 ``norm_layer``, epsilons) is not guessed: saving rebuilds the model from these arguments and
-refuses when the rebuilt model differs (see ``artifact.py``).
+refuses when the rebuilt model differs (see ``artifacts/artifact.py``).
 """
 
 from __future__ import annotations

@@ -15,11 +15,11 @@ from rich.table import Table
 from vitcompress import __version__
 from vitcompress.cli.plan_options import plan_error_line
 from vitcompress.cli.status import PROGRESS_MODES, ConsoleStatus
+from vitcompress.compilation.plan import PlanError
 from vitcompress.errors import EXIT_USAGE as EXIT_USAGE  # re-exported for the commands
 from vitcompress.errors import UserError
-from vitcompress.graph.plan import PlanError
+from vitcompress.status import reporting
 from vitcompress.workflows.gates import GateResult, failed
-from vitcompress.workflows.status import reporting
 
 # Errors that are the user's input, not a bug: one line on stderr, exit code 2 (the error's own
 # exit_code). Every layer's own kind subclasses it (vitcompress/errors.py).

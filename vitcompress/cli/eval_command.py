@@ -22,10 +22,10 @@ from vitcompress.cli.options import (
     timing_options,
     workers_option,
 )
+from vitcompress.measure.models import TimingOptions
 from vitcompress.workflows.eval_run import EvalResult, eval_model
 from vitcompress.workflows.gates import Bounds
 from vitcompress.workflows.inputs import BaseRequest, DataRequest, ModelRequest
-from vitcompress.workflows.measure_models import TimingOptions
 
 
 @cli.command(name="eval")

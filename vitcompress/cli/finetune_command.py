@@ -19,7 +19,7 @@ from vitcompress.cli.options import (
     workers_option,
 )
 from vitcompress.cli.plan_options import plan_options
-from vitcompress.workflows.finetune_config import FinetuneConfig
+from vitcompress.training.config import FinetuneConfig
 from vitcompress.workflows.inputs import DataRequest, ModelRequest, PlanRequest
 
 

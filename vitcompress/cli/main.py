@@ -11,6 +11,7 @@ from vitcompress.cli import (  # noqa: F401 - importing a module registers its c
     model_commands,
     report_command,
     search_command,
+    variants_command,
 )
 from vitcompress.cli.app import EXIT_INTERRUPTED, EXIT_USAGE, USER_ERRORS, cli
 

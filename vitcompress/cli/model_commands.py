@@ -21,12 +21,12 @@ from vitcompress.cli.app import (
 )
 from vitcompress.cli.options import gate_options, model_options, output_option, timing_options
 from vitcompress.cli.plan_options import plan_options
+from vitcompress.measure.models import TimingOptions
 from vitcompress.measure.paired import MIN_PAIRS_FOR_INTERVAL
 from vitcompress.workflows.apply import ApplyReport, apply_model
 from vitcompress.workflows.bench import BenchResult, bench_model, inspect_model
 from vitcompress.workflows.gates import Bounds
 from vitcompress.workflows.inputs import ModelRequest, PlanRequest
-from vitcompress.workflows.measure_models import TimingOptions
 
 
 @cli.command()

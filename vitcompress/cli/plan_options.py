@@ -1,7 +1,7 @@
 """``--variant``, ``--variant-arg``, ``--keep``, ``--locs`` and ``--policy``: the plan's options as
 text, and its errors in the words of the command line.
 
-``vitcompress.graph.plan.make_plan`` takes typed lists and its errors name its parameters
+``vitcompress.compilation.plan.make_plan`` takes typed lists and its errors name its parameters
 (``keep``, ``locs``); here the text a user typed becomes those lists, and an error that names a
 parameter is told with the option the user typed instead.
 """
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import click
 
-from vitcompress.graph.plan import PlanError, resolve_variant
+from vitcompress.compilation.plan import PlanError, resolve_variant
 from vitcompress.loading import is_artifact_directory
 from vitcompress.method import CumulativeKeep
 from vitcompress.variants import variant_names
@@ -98,7 +98,11 @@ def keep_cumulative_option(command: Callable) -> Callable:
     def wrapper(*args, keep, keep_cumulative, **kwargs):
         if keep_cumulative is not None:
             if keep is not None:
-                keep, keep_cumulative = _one_keep(keep, keep_cumulative)
+                conflict = "--keep and --keep-cumulative exclude each other; give one"
+                if _first_wins(("keep_cumulative",), ("keep",), conflict):
+                    keep = None
+                else:
+                    keep_cumulative = None
             if keep_cumulative is not None:
                 keep = parse_keep_cumulative(keep_cumulative)
         return command(*args, keep=keep, **kwargs)
@@ -106,18 +110,23 @@ def keep_cumulative_option(command: Callable) -> Callable:
     return wrapper
 
 
-def _one_keep(keep: str, keep_cumulative: str) -> tuple[str | None, str | None]:
-    """Both options set: the one from the command line wins over one from a recipe (click's
-    default map); both from the same place is a conflict."""
+def _first_wins(first: tuple[str, ...], second: tuple[str, ...], conflict: str) -> bool:
+    """Two forms of the keep ratios both set: the one typed on the command line wins over one
+    from a recipe or plan file (click's default map); both from the same place is a conflict,
+    ``conflict`` its one line. True when ``first`` wins."""
     context = click.get_current_context()
     from_recipe = click.core.ParameterSource.DEFAULT_MAP
-    keep_source = context.get_parameter_source("keep")
-    cumulative_source = context.get_parameter_source("keep_cumulative")
-    if keep_source == from_recipe and cumulative_source != from_recipe:
-        return None, keep_cumulative
-    if cumulative_source == from_recipe and keep_source != from_recipe:
-        return keep, None
-    raise PlanError("--keep and --keep-cumulative exclude each other; give one")
+    unset = {None, click.core.ParameterSource.DEFAULT}
+
+    def sources(names: tuple[str, ...]) -> set:
+        return {context.get_parameter_source(name) for name in names} - unset
+
+    first_sources, second_sources = sources(first), sources(second)
+    if second_sources == {from_recipe} and from_recipe not in first_sources:
+        return True
+    if first_sources == {from_recipe} and from_recipe not in second_sources:
+        return False
+    raise PlanError(conflict)
 
 
 def variant_args_option(command: Callable) -> Callable:
@@ -150,7 +159,10 @@ def variant_args_option(command: Callable) -> Callable:
         if method is not None and method.keep_setting is not None:
             other = keep if keep is not None else kwargs.get("keep_cumulative")
             if other is not None:
-                if _setting_wins(method.keep_setting):
+                conflict = (
+                    f"--keep and --variant-arg {method.keep_setting} exclude each other; give one"
+                )
+                if _first_wins(("variant_args",), ("keep", "keep_cumulative"), conflict):
                     keep = None
                     if "keep_cumulative" in kwargs:
                         kwargs["keep_cumulative"] = None
@@ -159,21 +171,6 @@ def variant_args_option(command: Callable) -> Callable:
         return command(*args, variant=method, keep=keep, **kwargs)
 
     return wrapper
-
-
-def _setting_wins(setting: str) -> bool:
-    """A keep-replacing setting and ``--keep``/``--keep-cumulative`` both set: the command line
-    wins over a recipe or plan file; both from the same place is a conflict."""
-    context = click.get_current_context()
-    from_recipe = click.core.ParameterSource.DEFAULT_MAP
-    unset = {None, click.core.ParameterSource.DEFAULT}
-    keep_sources = {context.get_parameter_source(n) for n in ("keep", "keep_cumulative")} - unset
-    setting_source = context.get_parameter_source("variant_args")
-    if keep_sources == {from_recipe} and setting_source != from_recipe:
-        return True
-    if setting_source == from_recipe and from_recipe not in keep_sources:
-        return False
-    raise PlanError(f"--keep and --variant-arg {setting} exclude each other; give one")
 
 
 def parse_locs(text: str | None) -> list[int] | None:
@@ -202,7 +199,7 @@ def read_plan_file(path: str, accepted: Sequence[str]) -> dict[str, str | tuple[
     key or an unknown variant is a one-line :class:`PlanError`."""
     import yaml
 
-    from vitcompress.graph.plan import VARIANTS
+    from vitcompress.compilation.plan import VARIANTS
 
     try:
         with open(path) as f:

@@ -8,13 +8,13 @@ from rich.table import Table
 from vitcompress.cli.app import cli, console, emit_json, json_option, print_table
 from vitcompress.cli.data_options import data_options
 from vitcompress.cli.options import model_options, output_option, timing_options
+from vitcompress.measure.models import TimingOptions
 from vitcompress.workflows.inputs import DataRequest, ModelRequest
-from vitcompress.workflows.measure_models import TimingOptions
 from vitcompress.workflows.search_run import Calibration, SearchSpace, search_model
 
 
 def _variant_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str]:
-    from vitcompress.graph.plan import VARIANTS
+    from vitcompress.compilation.plan import VARIANTS
 
     if value is None:
         return list(VARIANTS)
@@ -130,7 +130,7 @@ def search_command(
     Writes OUT/plan.yaml for apply --plan and finetune --plan. Its progress and running best
     show on stderr (vitcompress --progress plain search ... off a terminal). See docs/search.md.
     """
-    from vitcompress.workflows.search import Budget
+    from vitcompress.search.driver import Budget
 
     named = ctx.get_parameter_source("variants") == click.core.ParameterSource.COMMANDLINE
     space = SearchSpace(variants, keep_grid, max_candidates, named)

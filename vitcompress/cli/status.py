@@ -1,4 +1,4 @@
-"""Showing the workflows' steps (:mod:`vitcompress.workflows.status`) on stderr.
+"""Showing the workflows' steps (:mod:`vitcompress.status`) on stderr.
 
 stdout carries only the command's result (``--json`` stays parseable), so steps, progress and
 warnings go to stderr: on a terminal as a rich spinner line that disappears when the step ends;
@@ -19,7 +19,7 @@ PROGRESS_MODES = ("auto", "plain", "none")
 
 
 class ConsoleStatus:
-    """A :class:`~vitcompress.workflows.status.StatusReporter` drawing on ``console`` (stderr).
+    """A :class:`~vitcompress.status.StatusReporter` drawing on ``console`` (stderr).
 
     ``mode``: ``auto`` (a spinner on a terminal, nothing otherwise), ``plain`` (lines), or
     ``none`` (warnings only).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -40,16 +40,7 @@ class AugmentConfig:
     def light(cls) -> AugmentConfig:
         """For small images (Fashion-MNIST, CIFAR-sized): RandAugment, mixup and cutmix would
         destroy most of a 28-pixel image, so only mild crops and flips remain."""
-        return cls(
-            rand_augment=None,
-            mixup=0.0,
-            cutmix=0.0,
-            smoothing=0.1,
-            random_erasing=0.0,
-            color_jitter=None,
-            hflip=0.5,
-            crop_scale=(0.8, 1.0),
-        )
+        return replace(cls.none(), smoothing=0.1, hflip=0.5, crop_scale=(0.8, 1.0))
 
     @classmethod
     def none(cls) -> AugmentConfig:

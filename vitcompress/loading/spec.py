@@ -20,7 +20,7 @@ from torch import nn
 from vitcompress.loading.errors import ModelLoadError, one_line
 from vitcompress.loading.timm_hub import TIMM_SOURCES
 
-# The file that marks a directory as a compressed model (written by vitcompress.artifact).
+# The file that marks a directory as a compressed model (written by vitcompress.artifacts.artifact).
 ARTIFACT_MARKER = "vitcompress.json"
 _CHECKPOINT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors", ".tar")
 

@@ -37,6 +37,7 @@ class TokenFuse(Protocol):
 
     adds_token: bool
     fused_kernel: bool
+    takes_pruned: bool
 
     def fuse(
         self, prefix: Tensor, kept: Tensor, pruned: Tensor, pruned_scores: Tensor
@@ -85,7 +86,9 @@ class FusingReducer(RecordsAssignment, nn.Module):
     """What the reducers that select by a score and hand the rest to a fuse share: the policy,
     the fuse, the fused-kernel switch, and the select -> gather -> fuse step itself."""
 
-    def __init__(self, prefix_tokens: int, keep_ratio: float, fuse: TokenFuse, policy: str) -> None:
+    def __init__(
+        self, prefix_tokens: int, keep_ratio: float, fuse: TokenFuse, policy: str = "score"
+    ) -> None:
         super().__init__()
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -117,7 +120,8 @@ class FusingReducer(RecordsAssignment, nn.Module):
         prefix, patches = x[:, :p], x[:, p:]
         keep_index, prune_index = split_by_score(order, k)
         kept = gather_tokens(patches, keep_index)
-        pruned = gather_tokens(patches, prune_index)
+        # Gathered only for a fuse that reads them (a drop does not: no copy of what it drops).
+        pruned = gather_tokens(patches, prune_index) if self.fuse.takes_pruned else patches[:, :0]
         positions = _kept_positions(positions, keep_index)
         tokens, host_index = self.fuse.fuse(prefix, kept, pruned, scores.gather(1, prune_index))
         self._recorded(x, keep_index=keep_index, prune_index=prune_index, host_index=host_index)
@@ -192,11 +196,6 @@ class AttentionReducer(FusingReducer):
 
     Keeps ``ceil(rho * n)`` of the ``n`` non-prefix tokens present (EViT's fused token counts).
     """
-
-    def __init__(
-        self, prefix_tokens: int, keep_ratio: float, fuse: TokenFuse, policy: str = "score"
-    ) -> None:
-        super().__init__(prefix_tokens, keep_ratio, fuse, policy)
 
     def forward(
         self,

@@ -2,5 +2,5 @@
 
 ``space`` (candidates), ``cost`` (analytic MACs), ``strategy`` (which to score), ``score``
 (calibration agreement), ``warmup`` (learned predictors), ``pareto``, ``cache`` and ``outputs``;
-the workflow that joins them is ``vitcompress.workflows.search``.
+the workflow that joins them is ``vitcompress.search.driver``.
 """

@@ -59,28 +59,22 @@ def write_plot(
         )
     axes.axvline(budget_gmacs, color="grey", linestyle="--", linewidth=1, label="budget")
     axes.axvline(base_gmacs, color="grey", linestyle=":", linewidth=1, label="base")
-    if default is not None and default.get("score") is not None:
-        axes.scatter(
-            [default["gmacs"]],
-            [default["score"]],
-            marker="*",
-            s=160,
-            color="red",
-            label=f"paper default ({default['variant']} {default['locs']})",
-            zorder=5,
-        )
-    if best is not None:
-        axes.scatter(
-            [best["gmacs"]],
-            [best["score"]],
-            marker="o",
-            s=120,
-            facecolors="none",
-            edgecolors="green",
-            linewidths=2,
-            label="chosen",
-            zorder=6,
-        )
+    shown = default is not None and default.get("score") is not None
+    marks = [  # (row, label, how it is drawn): the paper default, then the chosen plan over it
+        (
+            default if shown else None,
+            f"paper default ({default['variant']} {default['locs']})" if shown else "",
+            dict(marker="*", s=160, color="red", zorder=5),
+        ),
+        (
+            best,
+            "chosen",
+            dict(marker="o", s=120, facecolors="none", edgecolors="green", linewidths=2, zorder=6),
+        ),
+    ]
+    for row, label, style in marks:
+        if row is not None:
+            axes.scatter([row["gmacs"]], [row["score"]], label=label, **style)
     axes.set_xlabel("GMACs (batch 1)")
     axes.set_ylabel("score = -KL(base || candidate)")
     axes.legend(fontsize=7, loc="lower right")

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from vitcompress.compression import capture_and_map, compress_mapped
+from vitcompress.analysis.capture import CapturedGraph
+from vitcompress.analysis.model_map import ModelMap
+from vitcompress.compilation.compression import capture_and_map, compress_mapped
+from vitcompress.compilation.plan import resolve_variant
 from vitcompress.data import DataError
-from vitcompress.graph.capture import CapturedGraph
-from vitcompress.graph.model_map import ModelMap
-from vitcompress.graph.plan import resolve_variant
 from vitcompress.measure.logits import unwrap_logits
 from vitcompress.variants import Variant
 

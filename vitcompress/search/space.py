@@ -17,8 +17,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vitcompress.graph.model_map import ModelMap
-from vitcompress.graph.plan import Plan, PlanError, dominant_last_stage, make_plan, token_stages
+from vitcompress.analysis.model_map import ModelMap
+from vitcompress.compilation.plan import (
+    Plan,
+    PlanError,
+    dominant_last_stage,
+    make_plan,
+    token_stages,
+)
 from vitcompress.variants import get_variant
 
 DEFAULT_KEEP_GRID = tuple(round(0.3 + 0.05 * i, 2) for i in range(13))  # 0.3 .. 0.9

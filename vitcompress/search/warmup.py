@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vitcompress.graph.rewrite import REDUCER_PREFIX
+from vitcompress.compilation.rewrite import REDUCER_PREFIX
 from vitcompress.method import keep_count
 from vitcompress.modules.predictor import ScorePredictor
 from vitcompress.search.score import CandidateBuilder

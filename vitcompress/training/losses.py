@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import Tensor, nn
 
-from vitcompress.graph.rewrite import REDUCER_PREFIX
-from vitcompress.metadata import compression_info
+from vitcompress.compilation.metadata import compression_info
+from vitcompress.compilation.rewrite import REDUCER_PREFIX
 from vitcompress.variants.base import RATIO_LOSS
 
 log = logging.getLogger(__name__)

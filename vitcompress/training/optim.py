@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from vitcompress.weight_decay import NO_WEIGHT_DECAY_ATTRIBUTE, declared_no_weight_decay
+from vitcompress.compilation.weight_decay import NO_WEIGHT_DECAY_ATTRIBUTE, declared_no_weight_decay
 
 BASE_LR = 2.5e-4  # per 1024 images (the paper's lr = batch / 1024 * 2.5e-4)
 # Layers whose weights are ordinary weights even when their first dimension is 1 (a head with one
@@ -25,7 +25,7 @@ def no_weight_decay_rule(model: nn.Module) -> Callable[[str, nn.Parameter], bool
     """Which of ``model``'s parameters are not decayed (DeiT/timm): those of one dimension or
     less (norm weights, biases), and position tables and prefix tokens, taken from, in order:
 
-    * the set recorded at compression time (``vitcompress/weight_decay.py``): the base's
+    * the set recorded at compression time (``vitcompress/compilation/weight_decay.py``): the base's
       ``no_weight_decay()``, else the parameters the graph adds or concatenates to the tokens;
     * the model's own ``no_weight_decay()`` (names or ``fnmatch`` patterns, as in timm);
     * else, with no graph to read, parameters of a leading dimension of 1 held by a module

@@ -84,23 +84,13 @@ class Variant:
 
     # What the scorer settles -------------------------------------------------------------------
 
-    @property
-    def placement(self) -> str:
-        """BEFORE_BLOCK or AFTER_ATTENTION: where the reducer sits in its block."""
-        return self.scorer.placement
-
-    @property
-    def learned(self) -> bool:
-        """Trains a score predictor: training keeps every token under a keep mask."""
-        return self.scorer.learned
-
-    @property
-    def keep_count(self) -> str:
-        return self.scorer.keep_count
-
-    @property
-    def attention_gives(self) -> str:
-        return self.scorer.attention_gives
+    # Where the reducer sits in its block (BEFORE_BLOCK or AFTER_ATTENTION), whether it trains a
+    # score predictor (training keeps every token under a keep mask), how it counts the tokens it
+    # keeps, what the located block's attention hands it: all the scorer's to say.
+    placement = property(lambda self: self.scorer.placement)
+    learned = property(lambda self: self.scorer.learned)
+    keep_count = property(lambda self: self.scorer.keep_count)
+    attention_gives = property(lambda self: self.scorer.attention_gives)
 
     @property
     def settings(self) -> dict[str, Any]:

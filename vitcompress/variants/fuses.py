@@ -30,6 +30,17 @@ class Fuse:
     label: str = "dropped"
     # Appends one token that stands on no grid position whenever it prunes (EViT's fused token).
     adds_token: bool = False
+    # How ``visualize``'s legend names the cells of a panel where tokens went into kept ones:
+    # the kept token taken into (outlined), a token taken into it, a kept token that took none.
+    legend: tuple[str, str, str] = (
+        "host: a kept token that pruned tokens are squeezed into (outlined)",
+        "pruned here, squeezed into the host of its colour",
+        "kept, no tokens squeezed into it (grey image)",
+    )
+    # A token taken in at one location stays in its host's group at the next (ToMe's merges).
+    groups_grow: bool = False
+    takes_pruned: bool = True  # :meth:`fuse` reads the pruned tokens (else it gets them empty)
+    added_token_legend: str = ""  # the legend's line for the token it adds, where it adds one
 
     @property
     def fused_kernel(self) -> bool:
@@ -67,6 +78,8 @@ class Fuse:
 @dataclass(frozen=True)
 class Drop(Fuse):
     """DynamicViT: pruned tokens are dropped."""
+
+    takes_pruned: bool = False  # the reducer need not gather them
 
     def kernel(
         self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int
@@ -108,6 +121,7 @@ class FuseOne(Fuse):
 
     label: str = "fused into one extra token"
     adds_token: bool = True
+    added_token_legend: str = "+1: EViT's fused token of the pruned ones (no cell)"
 
     def fuse(
         self, prefix: Tensor, kept: Tensor, pruned: Tensor, pruned_scores: Tensor
@@ -125,6 +139,12 @@ class Merge(Fuse):
     (the reducer does it with the matching; this object explains and counts it)."""
 
     label: str = "merged, size-weighted"
+    legend: tuple[str, str, str] = (
+        "a merged token, at the position it keeps (outlined)",
+        "merged into the outlined token of its colour (here or earlier)",
+        "a token nothing was merged into (grey image)",
+    )
+    groups_grow: bool = True
 
     def explain(self, assignment: Assignment, present: list[int], groups: Hosts) -> Hosts:
         """Folds this block's merges into ``groups`` (position -> positions merged into it so

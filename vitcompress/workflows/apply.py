@@ -11,21 +11,26 @@ from typing import Any
 from torch import nn
 
 from vitcompress.api import compress_loaded
-from vitcompress.artifact import ArtifactError, describe_source, load_artifact_base, save_artifact
+from vitcompress.artifacts.artifact import (
+    ArtifactError,
+    describe_source,
+    load_artifact_base,
+    save_artifact,
+)
+from vitcompress.compilation.metadata import compression_info
 from vitcompress.loading import LoadedModel, ModelLoadError
 from vitcompress.measure import PairedRatio
-from vitcompress.metadata import compression_info
-from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, GateResult, check_gates, require
-from vitcompress.workflows.identity import artifact_identity, model_identity, unsaved_identity
-from vitcompress.workflows.inputs import ModelRequest, PlanRequest
-from vitcompress.workflows.measure_models import (
+from vitcompress.measure.models import (
     Measurement,
     TimingOptions,
     measure_models,
     speedup,
     tokens_per_block,
 )
-from vitcompress.workflows.status import step
+from vitcompress.status import step
+from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, GateResult, check_gates, require
+from vitcompress.workflows.identity import artifact_identity, model_identity, unsaved_identity
+from vitcompress.workflows.inputs import ModelRequest, PlanRequest
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from torch import nn
 
 from vitcompress.errors import UserError
 from vitcompress.measure import PairedRatio, measure_throughput, paired_ratio, verdict
-from vitcompress.workflows.measure_models import TimingOptions, show_round, use_fused_kernels
-from vitcompress.workflows.status import step, warn
+from vitcompress.measure.models import TimingOptions, show_round, use_fused_kernels
+from vitcompress.status import step, warn
 
 __all__ = ["BatchSweep", "SweepPoint", "parse_batch_sizes", "plot_sweep", "sweep_batch_sizes"]
 
@@ -128,7 +128,6 @@ def sweep_batch_sizes(
     points: list[SweepPoint] = []
     environment: dict[str, Any] = {}
     fused = use_fused_kernels(models, timing)
-    compile_options = timing.compile_options() | ({"dynamic": False} if timing.compile else {})
     for batch_size in batch_sizes:
         options = replace(timing, batch_size=batch_size)
         with step(
@@ -138,15 +137,7 @@ def sweep_batch_sizes(
             report = measure_throughput(
                 models,
                 input_size,
-                batch_size=batch_size,
-                device=options.device,
-                dtype=options.torch_dtype,
-                warmup=options.warmup,
-                runs=options.runs,
-                compile=options.compile,
-                compile_options=compile_options if options.compile else None,
-                amp=options.amp,
-                time_budget=options.seconds,
+                **options.throughput_arguments(dynamic=False),
                 on_round=show_round,
             )
         point = SweepPoint(

@@ -6,7 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vitcompress.graph.model_map import ModelMap
+from vitcompress.analysis.model_map import ModelMap
+from vitcompress.measure.models import (
+    Measurement,
+    TimingOptions,
+    base_for_timing,
+    measure_models,
+)
+from vitcompress.status import step
 from vitcompress.workflows.batch_sweep import (
     BatchSizesError,
     BatchSweep,
@@ -16,13 +23,6 @@ from vitcompress.workflows.batch_sweep import (
 from vitcompress.workflows.gates import Bounds, GateResult, check_gates, require
 from vitcompress.workflows.identity import model_identity
 from vitcompress.workflows.inputs import ModelRequest
-from vitcompress.workflows.measure_models import (
-    Measurement,
-    TimingOptions,
-    base_for_timing,
-    measure_models,
-)
-from vitcompress.workflows.status import step
 
 BASE, COMPRESSED, MODEL = "base", "compressed", "model"
 

@@ -12,16 +12,16 @@ from vitcompress.data import DataConfig
 from vitcompress.data.config import defaults_note
 from vitcompress.loading import LoadedModel
 from vitcompress.measure import PairedRatio
-from vitcompress.workflows.evaluate import evaluate
-from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, GateResult, check_gates, require
-from vitcompress.workflows.identity import model_identity
-from vitcompress.workflows.inputs import BaseRequest, DataRequest, ModelRequest
-from vitcompress.workflows.measure_models import (
+from vitcompress.measure.models import (
     Measurement,
     TimingOptions,
     measure_models,
     speedup,
 )
+from vitcompress.training.evaluate import evaluate
+from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, GateResult, check_gates, require
+from vitcompress.workflows.identity import model_identity
+from vitcompress.workflows.inputs import BaseRequest, DataRequest, ModelRequest
 
 
 def _config_json(config: DataConfig) -> dict[str, Any]:

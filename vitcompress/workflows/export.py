@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vitcompress.artifacts.fingerprint import eval_mode
 from vitcompress.errors import UserError
-from vitcompress.fingerprint import eval_mode
 from vitcompress.kernels import method_path
 from vitcompress.measure.onnx_runtime import onnx_session
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitcompress.fingerprint import eval_mode
+from vitcompress.artifacts.fingerprint import eval_mode
 from vitcompress.measure import RoundProgress, measure_callables, paired_ratio
 from vitcompress.measure.onnx_runtime import onnx_runner, onnxruntime_version
 

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from vitcompress.loading import LoadedModel, ModelLoadError
+from vitcompress.measure.models import base_for_timing, show_round
+from vitcompress.status import step, warn
 from vitcompress.workflows.export import ExportError, export_model
 from vitcompress.workflows.export_bench import bench_exported
 from vitcompress.workflows.inputs import ModelRequest
-from vitcompress.workflows.measure_models import base_for_timing, show_round
-from vitcompress.workflows.status import step, warn
 
 
 @dataclass(frozen=True)

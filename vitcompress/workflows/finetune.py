@@ -1,6 +1,6 @@
 """Fine-tune a compressed model with the paper's losses (docs/finetune.md).
 
-One Accelerate loop, run by ``FinetuneRun`` (vitcompress/workflows/finetune_run.py): the same
+One Accelerate loop, run by ``FinetuneRun`` (vitcompress/training/loop.py): the same
 code runs on one CPU, one GPU, or several processes started by ``accelerate launch`` (DDP).
 On CPU a run is deterministic for a given seed, and a run resumed from a checkpoint ends with
 the same weights as an uninterrupted one.
@@ -18,8 +18,8 @@ from torch.utils.data import Dataset
 
 from vitcompress.data import AugmentConfig, DataError
 from vitcompress.loading import LoadedModel
-from vitcompress.training.interrupt import StopSignals
-from vitcompress.workflows.finetune_config import (  # noqa: F401 - tests import the checks here
+from vitcompress.status import warn
+from vitcompress.training.config import (  # noqa: F401 - tests import the checks here
     FinetuneConfig,
     FinetuneInterrupted,
     FinetuneProgress,
@@ -29,10 +29,10 @@ from vitcompress.workflows.finetune_config import (  # noqa: F401 - tests import
     _check_finite,
     _check_outputs,
 )
-from vitcompress.workflows.finetune_run import FinetuneRun
+from vitcompress.training.interrupt import StopSignals
+from vitcompress.training.loop import FinetuneRun
+from vitcompress.training.run_directory import CHECKPOINTS, EMA_DIR, METRICS, FinetuneError
 from vitcompress.workflows.inputs import DataRequest, ModelRequest, PlanRequest
-from vitcompress.workflows.run_directory import CHECKPOINTS, EMA_DIR, METRICS, FinetuneError
-from vitcompress.workflows.status import warn
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +106,14 @@ def student_and_teacher(
     Returns ``(student, teacher, from_artifact)``.
     """
     from vitcompress.api import compress_loaded
-    from vitcompress.metadata import compression_info
+    from vitcompress.compilation.metadata import compression_info
 
     info = compression_info(loaded.model)
     artifact = info.artifact if info is not None else None
     if artifact is None:
         student = compress_loaded(loaded, variant=variant, keep=keep, locs=locs, policy=policy)
         return student, loaded.model, False
-    from vitcompress.artifact import base_source, base_weights_problem, read_meta
+    from vitcompress.artifacts.artifact import base_source, base_weights_problem, read_meta
     from vitcompress.loading import load_base_model
 
     source = base_source(read_meta(artifact))
@@ -159,9 +159,9 @@ def finetune_model(
     import torch
     from accelerate import PartialState
 
+    from vitcompress.compilation.metadata import attach, compression_info
     from vitcompress.data import build_dataset, num_classes, resolve_data_config
     from vitcompress.data.config import defaults_note
-    from vitcompress.metadata import attach, compression_info
 
     if not data.source:
         raise DataError("--data is required (on the command line or in the recipe)")

@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-from vitcompress.artifact import WEIGHTS_FILE, file_sha256
+from vitcompress.artifacts.artifact import WEIGHTS_FILE, file_sha256
 from vitcompress.loading import ARTIFACT_MARKER, LoadedModel
 
 __all__ = [

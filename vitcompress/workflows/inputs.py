@@ -11,10 +11,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from vitcompress.api import load_model
-from vitcompress.artifact import load_artifact_base
+from vitcompress.artifacts.artifact import load_artifact_base
+from vitcompress.compilation.metadata import compression_info
 from vitcompress.data import DataConfig, model_dataset
 from vitcompress.loading import LoadedModel, ModelLoadError, is_artifact_directory
-from vitcompress.metadata import compression_info
 
 # ``eval --base source``: the base a compressed --model records.
 BASE_FROM_ARTIFACT = "source"

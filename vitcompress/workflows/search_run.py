@@ -1,6 +1,6 @@
 """``vitcompress search`` as one workflow: check the budget and the timing options, build the
 fused kernels if asked, load the base and its calibration images, and search
-(:func:`vitcompress.workflows.search.search`)."""
+(:func:`vitcompress.search.driver.search`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from vitcompress.metadata import compression_info
+from vitcompress.compilation.metadata import compression_info
+from vitcompress.measure.models import TimingOptions
+from vitcompress.search.driver import Budget, SearchConfig, SearchError, SearchResult, search
 from vitcompress.workflows.inputs import DataRequest, ModelRequest
-from vitcompress.workflows.measure_models import TimingOptions
-from vitcompress.workflows.search import Budget, SearchConfig, SearchError, SearchResult, search
 
 
 @dataclass(frozen=True)

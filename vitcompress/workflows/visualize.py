@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vitcompress.compilation.metadata import CompressionInfo, compression_info
+from vitcompress.compilation.plan import Location
+from vitcompress.compilation.rewrite import REDUCER_PREFIX
 from vitcompress.data.config import DataConfig
-from vitcompress.graph.plan import Location
-from vitcompress.graph.rewrite import REDUCER_PREFIX
-from vitcompress.metadata import CompressionInfo, compression_info
-from vitcompress.variants import BEFORE_BLOCK, VARIANTS, Variant
+from vitcompress.variants import BEFORE_BLOCK, VARIANTS, Fuse, Variant
 from vitcompress.workflows.report import ReportError, import_pyplot
 
 __all__ = [
@@ -234,48 +234,25 @@ _GONE = {"facecolor": "white", "edgecolor": "0.6", "alpha": 1.0}
 _PRUNED_HERE = {"facecolor": "white", "edgecolor": "0.6", "alpha": 0.92}
 
 
-def _merges(record: LocationRecord) -> bool:
-    """Whether the record's method merges in every block (its groups grow across locations)."""
+def _fuse(record: LocationRecord) -> Fuse:
+    """The fuse of the record's method (a method no longer registered: a plain drop)."""
     method = VARIANTS.get(record.variant)
-    return method is not None and method.tracks_sizes
+    return method.fuse if method is not None else Fuse()
 
 
 def legend_entries(
     records: Sequence[LocationRecord], colour: Any = "tab:blue"
 ) -> list[tuple[str, dict[str, Any]]]:
-    """(label, patch style) for each kind of cell the panels of ``records`` show."""
-    tps = any(record.hosts for record in records)
-    merges = any(_merges(record) for record in records)
+    """(label, patch style) for each kind of cell the panels of ``records`` show, in the words
+    of the method's fuse."""
+    taken = [record for record in records if record.hosts]
     entries: list[tuple[str, dict[str, Any]]] = []
-    if tps and merges:
+    if taken:
+        host, donor, untouched = _fuse(taken[0]).legend
         entries += [
-            (
-                "a merged token, at the position it keeps (outlined)",
-                {"facecolor": colour, "edgecolor": "black", "alpha": 0.8},
-            ),
-            (
-                "merged into the outlined token of its colour (here or earlier)",
-                {"facecolor": colour, "edgecolor": "none", "alpha": 0.55},
-            ),
-            (
-                "a token nothing was merged into (grey image)",
-                {"facecolor": "0.55", "edgecolor": "none", "alpha": 1.0},
-            ),
-        ]
-    elif tps:
-        entries += [
-            (
-                "host: a kept token that pruned tokens are squeezed into (outlined)",
-                {"facecolor": colour, "edgecolor": "black", "alpha": 0.8},
-            ),
-            (
-                "pruned here, squeezed into the host of its colour",
-                {"facecolor": colour, "edgecolor": "none", "alpha": 0.55},
-            ),
-            (
-                "kept, no tokens squeezed into it (grey image)",
-                {"facecolor": "0.55", "edgecolor": "none", "alpha": 1.0},
-            ),
+            (host, {"facecolor": colour, "edgecolor": "black", "alpha": 0.8}),
+            (donor, {"facecolor": colour, "edgecolor": "none", "alpha": 0.55}),
+            (untouched, {"facecolor": "0.55", "edgecolor": "none", "alpha": 1.0}),
         ]
     else:
         entries += [
@@ -284,10 +261,11 @@ def legend_entries(
         ]
     if any(record.present != list(range(record.grid[0] * record.grid[1])) for record in records):
         entries.append(("pruned at an earlier location (blank)", _GONE))
-    if any(record.fused_token for record in records):
+    added = [record for record in records if record.fused_token]
+    if added:
         entries.append(
             (
-                "+1: EViT's fused token of the pruned ones (no cell)",
+                _fuse(added[0]).added_token_legend,
                 {"facecolor": "none", "edgecolor": "none", "alpha": 1.0},
             )
         )
@@ -357,7 +335,7 @@ def draw_locations(
                 )
             )
         n0 = gh * gw
-        if record.hosts and _merges(record):
+        if record.hosts and _fuse(record).groups_grow:
             what = f"{len(record.pruned)} merged here; {len(groups)} merged tokens"
         elif record.hosts:
             what = f"{len(groups)} hosts take {len(record.pruned)}"

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vitcompress.compilation.metadata import compression_info
 from vitcompress.data import resolve_data_config
-from vitcompress.metadata import compression_info
 from vitcompress.workflows.inputs import ModelRequest
 from vitcompress.workflows.visualize import (
     LocationRecord,

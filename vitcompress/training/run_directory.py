@@ -62,7 +62,7 @@ def write_artifact_into(
     writes into a hidden folder and the files are renamed into ``out`` (weights first, the JSON
     that marks the folder as a model last, each rename atomic).
     """
-    from vitcompress.artifact import WEIGHTS_FILE, save_artifact
+    from vitcompress.artifacts.artifact import WEIGHTS_FILE, save_artifact
     from vitcompress.loading import ARTIFACT_MARKER
 
     staging = out / ".artifact.tmp"

@@ -20,10 +20,11 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from vitcompress.compilation.plan import PlanError, default_keep, default_locs
 from vitcompress.errors import UserError
-from vitcompress.graph.plan import PlanError, default_keep, default_locs
 from vitcompress.loading import LoadedModel
 from vitcompress.measure import count_macs
+from vitcompress.measure.models import TimingOptions, measure_models, speedup
 from vitcompress.search.cache import CacheMismatch, ScoreCache
 from vitcompress.search.cost import CostModel, profile, relative_error
 from vitcompress.search.outputs import (
@@ -52,9 +53,8 @@ from vitcompress.search.warmup import (
     predictor_state,
     warm_predictors,
 )
+from vitcompress.status import detail, step, warn
 from vitcompress.variants import get_variant, variant_names
-from vitcompress.workflows.measure_models import TimingOptions, measure_models, speedup
-from vitcompress.workflows.status import detail, step, warn
 
 # A variant whose MACs have no analytic count (``Variant.searchable``) is left out with a warning.
 LEFT_OUT_WHY = "its MACs have no analytic count here"

@@ -12,9 +12,9 @@ import numbers
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vitcompress.analysis.model_map import Block, ModelMap
+from vitcompress.analysis.positions import HEAD_KIND, PositionUse
 from vitcompress.errors import UserError
-from vitcompress.graph.model_map import Block, ModelMap
-from vitcompress.graph.positions import HEAD_KIND, PositionUse
 from vitcompress.method import SELECTION_POLICIES
 from vitcompress.variants import (
     AFTER_ATTENTION,

@@ -8,9 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitcompress.analysis.capture import annotate_shapes
 from vitcompress.api import load_model
-from vitcompress.artifact import ArtifactError, base_source, load_artifact_base, read_meta
-from vitcompress.graph.capture import annotate_shapes
+from vitcompress.artifacts.artifact import ArtifactError, base_source, load_artifact_base, read_meta
+from vitcompress.compilation.metadata import compression_info
 from vitcompress.kernels import enable_fused_kernels
 from vitcompress.loading import LoadedModel
 from vitcompress.measure import (
@@ -21,8 +22,7 @@ from vitcompress.measure import (
     measure_throughput,
     paired_ratio,
 )
-from vitcompress.metadata import compression_info
-from vitcompress.workflows.status import detail, step, warn
+from vitcompress.status import detail, step, warn
 
 # Default bound on the throughput step (warm-up and timed rounds together), in seconds.
 DEFAULT_BENCH_SECONDS = 60.0
@@ -50,6 +50,21 @@ class TimingOptions:
     def compile_options(self) -> dict[str, Any]:
         """``torch.compile`` keyword arguments, the same for every model timed."""
         return {"mode": self.compile_mode} if self.compile_mode else {}
+
+    def throughput_arguments(self, **compile_extra: Any) -> dict[str, Any]:
+        """``measure_throughput``'s keyword arguments these options set (``compile_extra``: more
+        ``torch.compile`` options, used only when compiling)."""
+        return dict(
+            batch_size=self.batch_size,
+            device=self.device,
+            dtype=self.torch_dtype,
+            warmup=self.warmup,
+            runs=self.runs,
+            compile=self.compile,
+            compile_options=self.compile_options() | compile_extra if self.compile else None,
+            amp=self.amp,
+            time_budget=self.seconds,
+        )
 
 
 @dataclass
@@ -93,15 +108,7 @@ def measure_models(
             report = measure_throughput(
                 models,
                 input_size,
-                batch_size=timing.batch_size,
-                device=timing.device,
-                dtype=timing.torch_dtype,
-                warmup=timing.warmup,
-                runs=timing.runs,
-                compile=timing.compile,
-                compile_options=timing.compile_options() if timing.compile else None,
-                amp=timing.amp,
-                time_budget=timing.seconds,
+                **timing.throughput_arguments(),
                 on_round=show_round,
             )
         for name in models:

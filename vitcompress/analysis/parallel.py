@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from vitcompress.graph import ops
-from vitcompress.graph.model_map import AttentionCore
+from vitcompress.analysis import ops
+from vitcompress.analysis.model_map import AttentionCore
 
 MEAN = "mean"
 DIFFERENCE = "difference"

@@ -26,9 +26,9 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from vitcompress.compression import capture_and_map, compress_mapped
-from vitcompress.data.config import artifact_data_config
-from vitcompress.fingerprint import (
+from vitcompress.analysis.analyse import MappingError
+from vitcompress.analysis.capture import CaptureError
+from vitcompress.artifacts.fingerprint import (
     SAVE_RTOL,
     Fingerprint,
     FingerprintError,
@@ -39,10 +39,11 @@ from vitcompress.fingerprint import (
     shape_differences,
     state_shapes,
 )
-from vitcompress.graph.analyse import MappingError
-from vitcompress.graph.capture import CaptureError
-from vitcompress.graph.plan import Plan, PlanError
-from vitcompress.graph.rewrite import RewriteError
+from vitcompress.compilation.compression import capture_and_map, compress_mapped
+from vitcompress.compilation.metadata import attach, compression_info
+from vitcompress.compilation.plan import Plan, PlanError
+from vitcompress.compilation.rewrite import RewriteError
+from vitcompress.data.config import artifact_data_config
 from vitcompress.loading import (
     ARTIFACT_MARKER,
     LoadedModel,
@@ -51,7 +52,6 @@ from vitcompress.loading import (
     load_base_model,
     one_line,
 )
-from vitcompress.metadata import attach, compression_info
 from vitcompress.version import __version__
 
 FORMAT_VERSION = 1

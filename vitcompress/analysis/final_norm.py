@@ -14,7 +14,7 @@ import operator
 
 import torch.fx as fx
 
-from vitcompress.graph import ops
+from vitcompress.analysis import ops
 
 
 def find_final_norm(gm: fx.GraphModule, stream: fx.Node) -> str | None:

@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from vitcompress.data import DataError, num_classes
-from vitcompress.workflows.evaluate import unwrap_logits
-from vitcompress.workflows.run_directory import FinetuneError
+from vitcompress.training.evaluate import unwrap_logits
+from vitcompress.training.run_directory import FinetuneError
 
 StepCallback = Callable[[int, nn.Module], None]
 

@@ -27,8 +27,8 @@ import operator
 
 import torch.fx as fx
 
-from vitcompress.graph import ops
-from vitcompress.graph.model_map import AttentionCore, PositionUse
+from vitcompress.analysis import ops
+from vitcompress.analysis.model_map import AttentionCore, PositionUse
 
 CONSTANT_PREFIX = "_tensor_constant"  # how torch.fx names tensors it folds into the graph
 

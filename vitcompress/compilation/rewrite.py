@@ -22,12 +22,12 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from vitcompress.analysis import ops
+from vitcompress.analysis.model_map import Block, ModelMap
+from vitcompress.analysis.parallel import DIFFERENCE
+from vitcompress.analysis.positions import gather_layout
+from vitcompress.compilation.plan import Plan
 from vitcompress.errors import UserError
-from vitcompress.graph import ops
-from vitcompress.graph.model_map import Block, ModelMap
-from vitcompress.graph.parallel import DIFFERENCE
-from vitcompress.graph.plan import Plan
-from vitcompress.graph.positions import gather_layout
 from vitcompress.modules import MHAHook, SDPAHook, SoftmaxHook
 from vitcompress.modules.grid import GridGather, GridPad
 from vitcompress.modules.position_tables import PositionGather

@@ -23,14 +23,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from vitcompress.analysis import ops
+from vitcompress.analysis.capture import CapturedGraph
+from vitcompress.analysis.cores import Ancestry, Residual, find_attention_cores, find_residuals
+from vitcompress.analysis.final_norm import find_final_norm
+from vitcompress.analysis.model_map import AttentionCore, Block, GridOp, ModelMap, Stage
+from vitcompress.analysis.parallel import Combination, block_end, combine_cores
+from vitcompress.analysis.positions import find_head_position_use, find_position_uses
 from vitcompress.errors import UserError
-from vitcompress.graph import ops
-from vitcompress.graph.capture import CapturedGraph
-from vitcompress.graph.cores import Ancestry, Residual, find_attention_cores, find_residuals
-from vitcompress.graph.final_norm import find_final_norm
-from vitcompress.graph.model_map import AttentionCore, Block, GridOp, ModelMap, Stage
-from vitcompress.graph.parallel import Combination, block_end, combine_cores
-from vitcompress.graph.positions import find_head_position_use, find_position_uses
 
 
 class MappingError(UserError):

@@ -1,7 +1,7 @@
 """Compression itself: capture and map a model, make its plan, rewrite it, attach metadata.
 
 ``vitcompress.api`` is the public face of this module (with ``save``, ``load`` and
-``load_model``); ``vitcompress.artifact`` rebuilds saved models with it.
+``load_model``); ``vitcompress.artifacts.artifact`` rebuilds saved models with it.
 """
 
 from __future__ import annotations
@@ -14,18 +14,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from vitcompress.data.config import stated_data_config
-from vitcompress.graph.analyse import analyse
-from vitcompress.graph.capture import (
+from vitcompress.analysis.analyse import analyse
+from vitcompress.analysis.capture import (
     CapturedGraph,
     CaptureError,
     capture,
     check_rewritable,
 )
-from vitcompress.graph.model_map import ModelMap
-from vitcompress.graph.plan import PlanError, default_keep, make_plan, resolve_variant
-from vitcompress.graph.rewrite import rewrite
-from vitcompress.keep_lists import plan_from_cumulative
+from vitcompress.analysis.model_map import ModelMap
+from vitcompress.compilation.keep_lists import plan_from_cumulative
+from vitcompress.compilation.metadata import attach, compression_info
+from vitcompress.compilation.plan import PlanError, default_keep, make_plan, resolve_variant
+from vitcompress.compilation.rewrite import rewrite
+from vitcompress.compilation.weight_decay import (
+    NO_WEIGHT_DECAY_ATTRIBUTE,
+    no_weight_decay_parameters,
+    parameter_names,
+)
+from vitcompress.data.config import stated_data_config
 from vitcompress.loading import (
     LoadedModel,
     ModelInputError,
@@ -33,15 +39,9 @@ from vitcompress.loading import (
     default_input_size,
     one_line,
 )
-from vitcompress.metadata import attach, compression_info
 from vitcompress.method import CumulativeKeep
 from vitcompress.model_args import readable_timm_args
 from vitcompress.variants import Variant
-from vitcompress.weight_decay import (
-    NO_WEIGHT_DECAY_ATTRIBUTE,
-    no_weight_decay_parameters,
-    parameter_names,
-)
 
 EXAMPLE_BATCH = 2  # batch 1 would hide which dimension is the batch
 
@@ -127,7 +127,7 @@ def compress(
     ``{"r": 8}``, the tokens merged in every block, which replaces ``keep``.
 
     The result carries its plan and model map (read them with
-    :func:`vitcompress.metadata.compression_info`).
+    :func:`vitcompress.compilation.metadata.compression_info`).
     """
     if compression_info(model) is not None:
         raise ModelLoadError("the model is already compressed; compress its base model instead")

@@ -12,9 +12,9 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
+from vitcompress.training.config import FinetuneConfig
+from vitcompress.training.evaluate import evaluate, evaluate_top1
 from vitcompress.training.interrupt import StopSignals
-from vitcompress.workflows.evaluate import evaluate, evaluate_top1
-from vitcompress.workflows.finetune_config import FinetuneConfig
 
 # What the caller's ``extra`` says about the inputs, repeated on each run's ``start`` metrics line.
 RUN_RECORD_KEYS = ("data", "data_config")

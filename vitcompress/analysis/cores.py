@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from vitcompress.graph import ops
-from vitcompress.graph.model_map import AttentionCore
+from vitcompress.analysis import ops
+from vitcompress.analysis.model_map import AttentionCore
 
 
 @dataclass

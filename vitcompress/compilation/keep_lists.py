@@ -7,8 +7,8 @@ the official code, so a drift between the two is refused rather than trained on.
 
 from __future__ import annotations
 
-from vitcompress.graph.model_map import ModelMap
-from vitcompress.graph.plan import Plan, PlanError, default_locs, make_plan
+from vitcompress.analysis.model_map import ModelMap
+from vitcompress.compilation.plan import Plan, PlanError, default_locs, make_plan
 from vitcompress.method import CumulativeKeep, KeepListError, keep_count, per_location_keep
 from vitcompress.variants import VARIANTS, Variant
 

@@ -31,18 +31,7 @@ from vitcompress.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from vitcompress.training.interrupt import ForcedStop, StopSignals
-from vitcompress.training.losses import DistillationTaps, FinetuneLoss, LossWeights
-from vitcompress.training.optim import build_optimizer, build_scheduler, default_lr
-from vitcompress.training.sampler import EpochSampler, TrainPosition
-from vitcompress.training.sharding import (
-    SHARDED,
-    full_model_state,
-    full_optimizer_state,
-    load_full_state,
-)
-from vitcompress.workflows.evaluate import unwrap_logits
-from vitcompress.workflows.finetune_config import (
+from vitcompress.training.config import (
     FinetuneConfig,
     FinetuneInterrupted,
     FinetuneProgress,
@@ -52,20 +41,31 @@ from vitcompress.workflows.finetune_config import (
     _check_fsdp,
     _check_outputs,
 )
-from vitcompress.workflows.finetune_metrics import (
+from vitcompress.training.evaluate import unwrap_logits
+from vitcompress.training.interrupt import ForcedStop, StopSignals
+from vitcompress.training.losses import DistillationTaps, FinetuneLoss, LossWeights
+from vitcompress.training.metrics import (
     EpochTotals,
     RateWindow,
     run_summary,
     start_record,
     validation_top1,
 )
-from vitcompress.workflows.run_directory import (
+from vitcompress.training.optim import build_optimizer, build_scheduler, default_lr
+from vitcompress.training.run_directory import (
     CHECKPOINTS,
     METRICS,
     FinetuneError,
     MetricsLog,
     prepare_run_directory,
     write_run_artifacts,
+)
+from vitcompress.training.sampler import EpochSampler, TrainPosition
+from vitcompress.training.sharding import (
+    SHARDED,
+    full_model_state,
+    full_optimizer_state,
+    load_full_state,
 )
 
 # The warm-up warning is the public function's message.

@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import nn
 
-from vitcompress.graph.model_map import ModelMap
-from vitcompress.graph.plan import Plan
+from vitcompress.analysis.model_map import ModelMap
+from vitcompress.compilation.plan import Plan
 from vitcompress.loading import ModelLoadError, ModelSource
 
 try:

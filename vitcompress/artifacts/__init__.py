@@ -1,0 +1,1 @@
+"""Artifacts: a compressed model saved with its source and plan, and rebuilt exactly or refused."""
