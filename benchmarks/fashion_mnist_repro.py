@@ -605,6 +605,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """The results with the command that made them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**data, "command": " ".join(sys.argv)}, indent=2))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -697,18 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         # The table with intervals is built from these runs by the caller; one interleaved
         # timing of 30 models would be noise, so none is taken here.
         if args.json_out:
-            args.json_out.parent.mkdir(parents=True, exist_ok=True)
-            args.json_out.write_text(
-                json.dumps(
-                    {
-                        "base": base_row,
-                        "locs": locs,
-                        "results": results,
-                        "command": " ".join(sys.argv),
-                    },
-                    indent=2,
-                )
-            )
+            write_json(args.json_out, {"base": base_row, "locs": locs, "results": results})
         return 0
 
     print("timing all models, interleaved ...", flush=True)
@@ -724,21 +719,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(base_row, results, args.plot)
     if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(
-            json.dumps(
-                {
-                    "base": base_row,
-                    "locs": locs,
-                    "results": results,
-                    "throughput": report.to_json(),
-                    "config": {
-                        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                    },
-                    "command": " ".join(sys.argv),
-                },
-                indent=2,
-            )
+        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        write_json(
+            args.json_out,
+            {
+                "base": base_row,
+                "locs": locs,
+                "results": results,
+                "throughput": report.to_json(),
+                "config": config,
+            },
         )
     return 0
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -50,12 +50,7 @@ class StopSignals:
                 raise
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:  # restores the same whatever ended the block
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
@@ -96,10 +91,5 @@ class _Immediate:
             raise KeyboardInterrupt(self.owner.received)  # before the flag: no __exit__ follows
         self.outer, self.owner._immediate = self.owner._immediate, True
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:  # restores the same whatever ended the block
         self.owner._immediate = self.outer
