@@ -354,7 +354,11 @@ def run_one(
         load_base(base_path), variant=method, keep=how, locs=args.locs, variant_args=variant_args
     )
     before = evaluate(student.model, test_set, batch_size=256)["top1"]
-    shutil.rmtree(out, ignore_errors=True)
+    # An interrupted run (a session ending mid-run) continues from its last checkpoint; the
+    # loop is deterministic across a resume on CPU, so the result is the uninterrupted one's.
+    resume = (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step-*.pt"))
+    if not resume:
+        shutil.rmtree(out, ignore_errors=True)
     config = FinetuneConfig(
         epochs=args.ft_epochs,
         batch_size=args.batch,
@@ -364,6 +368,8 @@ def run_one(
         smoothing=0.1,
         log_every=50,
         keep_checkpoints=1,
+        save_every=100,  # a session may end by SIGKILL: lose at most 100 steps
+        resume=resume,
     )
     started = time.perf_counter()
     summary = finetune(student, teacher.model, train_set, None, out, config)
