@@ -1,7 +1,7 @@
 """A head that reads the last stage's tokens by position (a flatten of all tokens into one
 feature vector, or a fixed patch token) would silently change after a reduction (dTPS re-sorts
-the tokens even at keep 1): refused with one line naming the op. Pooling heads and cls heads
-stay exact."""
+the tokens even at keep 1): the analysis finds the op, and the compressed model restores the full
+token set in the base's order before it. Pooling heads and cls heads need no restore."""
 
 from __future__ import annotations
 
@@ -9,18 +9,22 @@ import pytest
 import torch
 
 import vitcompress
-import vitcompress.compilation.plan
 from tests.fixtures import edge_case_vits
 from vitcompress import map_model
-from vitcompress.compilation.plan import PlanError
+from vitcompress.modules.restore import TokenRestore
 
-VARIANTS = ["dtps", "etps", "dynamicvit", "evit"]
+VARIANTS = ["dtps", "etps", "dynamicvit", "evit", "tome"]
 SIZE = (3, 32, 32)
 
 
 def _model(factory):
     torch.manual_seed(0)
-    return factory().eval()
+    model = factory().eval()
+    with torch.no_grad():  # sharper attention: a misplaced token shows in the logits
+        for name, weight in model.named_parameters():
+            if "qkv.weight" in name:
+                weight.mul_(3.0)
+    return model
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -34,26 +38,30 @@ def _model(factory):
         ),
     ],
 )
-def test_a_head_reading_tokens_by_position_is_refused_naming_the_op(factory, names, variant):
-    for keep in (1.0, 0.7):
-        with pytest.raises(PlanError) as refused:
-            vitcompress.compress(_model(factory), variant, keep=keep, locs=[1], input_size=SIZE)
-        message = str(refused.value)
-        assert "\n" not in message and names in message
-        assert message.startswith("the head reads the last stage's tokens by position")
-        assert f"{variant} drops and reorders them from block 1" in message
+def test_a_head_reading_tokens_by_position_gets_them_restored(factory, names, variant):
+    model = _model(factory)
+    x = torch.randn(2, *SIZE, generator=torch.Generator().manual_seed(1))
+    exact = vitcompress.compress(model, variant, keep=1.0, locs=[1], input_size=SIZE).eval()
+    reduced = vitcompress.compress(model, variant, keep=0.7, locs=[1], input_size=SIZE).eval()
+    with torch.no_grad():
+        base = model(x)
+        torch.testing.assert_close(exact(x), base, rtol=1e-4, atol=1e-5)
+        assert reduced(x).shape == base.shape
+    (restore,) = [m for m in reduced.modules() if isinstance(m, TokenRestore)]
+    assert names in restore.where
 
 
-def test_the_map_shows_the_head_s_use_on_the_last_block():
+def test_the_map_shows_the_head_s_reader_on_the_last_block():
     blocks = map_model(_model(edge_case_vits.flatten_head_vit), SIZE).to_json()["blocks"]
-    assert [u["kind"] for u in blocks[-1]["position_uses"]] == ["head"]
-    assert all(not b["position_uses"] for b in blocks[:-1])
+    (reader,) = blocks[-1]["readers"]
+    assert reader["what"].startswith("flatten (flatten_1) merges the token axis")
+    assert all(not b["readers"] for b in blocks[:-1])
 
 
-def test_without_the_refusal_the_flatten_head_gives_other_logits_at_keep_1(monkeypatch):
-    """What the refusal prevents: a mere re-sort (dTPS at keep 1) changes the logits."""
+def test_without_the_restore_the_flatten_head_gives_other_logits_at_keep_1(monkeypatch):
+    """What the restore prevents: a mere re-sort (dTPS at keep 1) changes the logits."""
     model = _model(edge_case_vits.flatten_head_vit)
-    monkeypatch.setattr(vitcompress.compilation.plan, "position_refusal", lambda *args: None)
+    monkeypatch.setattr(TokenRestore, "forward", lambda self, tokens, trace=(): tokens)
     resorted = vitcompress.compress(model, "dtps", keep=1.0, locs=[1], input_size=SIZE).eval()
     x = torch.randn(2, *SIZE, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

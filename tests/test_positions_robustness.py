@@ -18,6 +18,7 @@ from vitcompress import map_model
 from vitcompress.analysis.analyse import MappingError
 from vitcompress.compilation.plan import PlanError, default_locs
 from vitcompress.loading import default_input_size
+from vitcompress.modules.restore import TokenRestore
 
 VARIANTS = ["dtps", "etps", "dynamicvit", "evit"]
 SIZE = (3, 32, 32)
@@ -196,15 +197,16 @@ def test_an_attention_pooling_head_is_order_free(name):
     _assert_keep_one_exact_and_reduced_runs(model)
 
 
-def test_a_head_reading_an_earlier_stage_by_position_refuses_that_stage_only():
+def test_a_head_reading_an_earlier_stage_by_position_gets_that_stage_restored():
     torch.manual_seed(0)
     model = position_tables.two_stage_aux_head().eval()
-    for variant in VARIANTS:
-        with pytest.raises(PlanError) as refused:
-            vitcompress.compress(model, variant, keep=1.0, locs=[1], input_size=SIZE)
-        assert str(refused.value).startswith(
-            "the head reads stage 0's tokens by position: flatten (flatten_1) merges the token "
-            "axis of (64, 32) into features"
-        )
+    restored = vitcompress.compress(model, "dtps", keep=0.7, locs=[1], input_size=SIZE)
+    # The stage's exit grid and the auxiliary head each get the stage's tokens back.
+    places = sorted(m.where for m in restored.modules() if isinstance(m, TokenRestore))
+    assert len(places) == 2 and places[0].startswith(
+        "flatten (flatten_1) merges the token axis of (64, 32)"
+    )
+    assert places[1] == "stage 0's exit grid"
+    _assert_keep_one_exact_and_reduced_runs(model, locs=[1])
     # Stage 1 reaches the head through a mean: reducing there is fine.
     _assert_keep_one_exact_and_reduced_runs(model, locs=[3])

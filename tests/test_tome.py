@@ -84,8 +84,8 @@ def test_merge_reducer_keeps_the_destinations_positions() -> None:
     x = torch.arange(5.0).reshape(1, 5, 1).repeat(1, 1, 2)
     reducer = MergeReducer(prefix_tokens=1, r=2)
     positions = torch.tensor([[7, 3, 9, 5]])  # grid positions of the 4 patch tokens present
-    tokens, mask, new_positions, sizes = reducer(x, METRIC, None, positions, None)
-    assert mask is None and tokens.shape == (1, 3, 2)
+    tokens, mask, new_positions, sizes, trace = reducer(x, METRIC, None, positions, None)
+    assert mask is None and tokens.shape == (1, 3, 2) and trace == ()  # no restore asked
     assert new_positions.tolist() == [[7, 9]]  # b0 (sequence 1) and b1 (sequence 3)
     assert sizes.tolist() == [[1.0, 2.0, 2.0]]
     same = MergeReducer(prefix_tokens=1, r=0)(x, METRIC, None, positions, None)
@@ -317,7 +317,9 @@ def test_refusals_are_one_line() -> None:
     model = vit(depth=4)
     with pytest.raises(PlanError, match="policy 'random' is not defined for tome"):
         vitcompress.compress(model, "tome", policy="random")
-    with pytest.raises(PlanError, match="variant_args r: etps has no such setting; it takes none"):
+    with pytest.raises(
+        PlanError, match="variant_args r: etps has no such setting; it takes restore"
+    ):
         vitcompress.compress(model, "etps", variant_args={"r": 2})
     with pytest.raises(PlanError, match="r: must be a whole number of tokens >= 0, got -1"):
         vitcompress.compress(model, "tome", variant_args={"r": -1})

@@ -59,7 +59,7 @@ def test_variant_arg_r_sets_r_and_excludes_keep() -> None:
     assert both.exit_code == 2 and "--keep and --variant-arg r exclude each other" in both.output
     other = run("apply", *MODEL, "--variant", "etps", "--variant-arg", "r=3", "--no-throughput")
     assert other.exit_code == 2
-    assert "--variant-arg r: etps has no such setting; it takes none" in other.output
+    assert "--variant-arg r: etps has no such setting; it takes restore" in other.output
     bad = run("apply", *MODEL, "--variant", "tome", "--variant-arg", "r3")
     assert bad.exit_code == 2 and "--variant-arg 'r3' has no '='" in bad.output
 

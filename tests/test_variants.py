@@ -99,19 +99,20 @@ class NormPool(RecordsAssignment, nn.Module):
         super().__init__()
         self.prefix_tokens, self.keep_ratio, self.fuse = prefix_tokens, keep_ratio, fuse
 
-    def forward(self, x, keep_mask=None, positions=None):
+    def forward(self, x, keep_mask=None, positions=None, trace=()):
         p = self.prefix_tokens
         prefix, patches = x[:, :p], x[:, p:]
         k = keep_count(patches.shape[1], self.keep_ratio, "ceil")
         if k >= patches.shape[1]:
-            return x, keep_mask, positions
+            return x, keep_mask, positions, trace
         keep_index, prune_index = split_by_score(patches.norm(dim=-1), k)
         keep_index, prune_index = keep_index.sort(dim=1).values, prune_index.sort(dim=1).values
         kept, pruned = gather_tokens(patches, keep_index), gather_tokens(patches, prune_index)
         tokens, host_index = self.fuse.fuse(prefix, kept, pruned, None, keep_index, prune_index)
         self._recorded(x, keep_index=keep_index, prune_index=prune_index, host_index=host_index)
         kept_positions = keep_index if positions is None else positions.gather(1, keep_index)
-        return tokens, None, kept_positions
+        removal = self._removal(keep_index, prune_index, host_index, pruned, tokens[:, p:], kept)
+        return tokens, None, kept_positions, self._traced(trace, removal)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,7 +176,8 @@ def test_the_built_in_variants_are_registered_objects() -> None:
     assert dtps.keeps_grid_positions and not evit.keeps_grid_positions
     assert all(v.searchable for v in (dtps, evit, tome))
     assert tome.settings == {} and get_variant("tome", {"r": 4}).settings == {"r": 4}
-    assert variant_settings("tome") == {"r": None} and variant_settings("dtps") == {}
+    assert variant_settings("tome") == {"r": None, "restore": None}
+    assert variant_settings("dtps") == {"restore": None}
     assert "ratio" in dtps.losses and "ratio" not in evit.losses
     assert dtps.keep_tokens(196, 0.49) == 96 and evit.keep_tokens(196, 0.49) is None
 
@@ -285,7 +287,8 @@ def test_adding_a_method_is_one_file(one_file_method, tmp_path) -> None:
     rows = {row["name"]: row for row in json.loads(listed.stdout)["variants"]}
     assert rows["normpool"]["scorer"] == "token norm" and rows["normpool"]["searchable"]
     assert rows["normpool"]["fuse"] == "averaged into the nearest kept token"
-    assert rows["tome"]["settings"] == {"r": None} and rows["dtps"]["fused_kernel"]
+    assert rows["tome"]["settings"] == {"r": None, "restore": None}
+    assert rows["dtps"]["fused_kernel"]
 
     # report and export.
     report = runner.invoke(cli, ["report", str(tmp_path / "apply.json"), "--json"])

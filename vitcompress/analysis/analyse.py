@@ -8,8 +8,9 @@ recorded on an example input:
 - residual adds: ``add(skip, branch)`` of two (B, N, C) tensors where ``skip`` is an ancestor of
   ``branch``; a block is an attention residual followed by the MLP residual built on its output;
 - stages: runs of blocks chained output-to-input; a stage's prefix tokens are the operands of the
-  token ``cat`` that do not derive from the image, its grid the last (B, C, H, W) tensor upstream;
-- grid ops: convs and pools inside a block whose input is tokens reshaped to a 2-D grid;
+  token ``cat`` that do not derive from the image, its grid the last (B, C, H, W) tensor upstream
+  (or, where there is none, of higher rank: a video's (B, C, T, H, W), grid (T, H, W));
+- grid ops: convs and pools inside a block whose input is tokens reshaped to a grid;
 - position uses: tensors laid out by token position that meet the tokens inside a block
   (``positions.py``).
 """
@@ -27,9 +28,16 @@ from vitcompress.analysis import ops
 from vitcompress.analysis.capture import CapturedGraph
 from vitcompress.analysis.cores import Ancestry, Residual, find_attention_cores, find_residuals
 from vitcompress.analysis.final_norm import find_final_norm
-from vitcompress.analysis.model_map import AttentionCore, Block, GridOp, ModelMap, Stage
+from vitcompress.analysis.model_map import (
+    AttentionCore,
+    Block,
+    GridOp,
+    ModelMap,
+    Stage,
+    TokenReader,
+)
 from vitcompress.analysis.parallel import Combination, block_end, combine_cores
-from vitcompress.analysis.positions import find_head_position_use, find_position_uses
+from vitcompress.analysis.positions import find_position_uses, find_token_readers
 from vitcompress.errors import UserError
 
 
@@ -44,21 +52,60 @@ def _placeholder(gm: fx.GraphModule) -> fx.Node:
     raise MappingError("the graph has no input")
 
 
-def _grid_from(node: fx.Node, patch_tokens: int) -> tuple[int, int] | None:
+def _grid_from(
+    node: fx.Node, patch_tokens: int, rank: int = 2, views: bool = False
+) -> tuple[int, ...] | None:
+    """The grid of ``rank`` dims that ``node`` lays ``patch_tokens`` out on: channels first
+    (B, C, *grid) or channels last (B, *grid, C). Upstream of the blocks (``views`` false) a
+    grid of more than 2 dims (a video's (T, H, W)) is taken only from a tensor something
+    computed, not from a view of one: a view that splits a grid into blocks (Hiera's unroll)
+    has the same cells."""
     shape = ops.shape(node)
-    if shape is None or len(shape) != 4:
+    if shape is None or len(shape) != rank + 2:
         return None
-    if shape[2] * shape[3] == patch_tokens:  # channels first (B, C, H, W)
-        return (shape[2], shape[3])
-    if shape[1] * shape[2] == patch_tokens:  # channels last (B, H, W, C)
-        return (shape[1], shape[2])
+    if rank > 2 and not views and ops.is_layout(node):
+        return None
+    if math.prod(shape[2:]) == patch_tokens:  # channels first (B, C, H, W)
+        return tuple(shape[2:])
+    if math.prod(shape[1:-1]) == patch_tokens:  # channels last (B, H, W, C)
+        return tuple(shape[1:-1])
     return None
 
 
 def _analyse_entry(
     entry: fx.Node, image: fx.Node, anc: Ancestry
-) -> tuple[int, tuple[int, int], fx.Node, fx.Node | None]:
-    """Prefix-token count, patch grid, patch-token node and grid node of a stage's entry."""
+) -> tuple[int, tuple[int, ...], fx.Node, fx.Node | None]:
+    """Prefix-token count, patch grid, patch-token node and grid node of a stage's entry.
+
+    A 2-D grid upstream wins; only where there is none is one of higher rank looked for (a
+    video's (B, C, T, H, W) patch embedding), from the entry up again."""
+    prefix, patch_node, found = _walk_to_grid(entry, image, anc, rank=2)
+    if found is None:
+        prefix, patch_node, found = _walk_to_grid(entry, image, anc, rank=None)
+    if found is not None:
+        grid, grid_node = found
+        return prefix, grid, patch_node, grid_node
+    tokens = ops.shape(entry)[1]
+    patch_tokens = tokens - prefix
+    side = math.isqrt(patch_tokens)
+    if side * side != patch_tokens:
+        raise MappingError(
+            f"found {tokens} tokens entering the blocks ({prefix} prefix) but no 2-D patch grid "
+            "(nor one of higher rank, such as a video's T x H x W) upstream and the patch count "
+            "is not square"
+        )
+    return prefix, (side, side), patch_node, None
+
+
+_MAX_GRID_RANK = 6  # grid dims looked for above 2 (a video's T, H, W is 3)
+
+
+def _walk_to_grid(
+    entry: fx.Node, image: fx.Node, anc: Ancestry, rank: int | None
+) -> tuple[int, fx.Node, tuple[tuple[int, ...], fx.Node] | None]:
+    """Walk up from a stage's entry to its patch grid: (prefix-token count, patch-token node,
+    (grid, grid node) or ``None``). ``rank``: the grid's dims, or ``None`` for any above 2."""
+    ranks = (rank,) if rank is not None else tuple(range(3, _MAX_GRID_RANK + 1))
     tokens = ops.shape(entry)[1]
     prefix = 0
     node = entry
@@ -86,9 +133,10 @@ def _analyse_entry(
                 node = patch
                 patch_node = patch
                 continue
-        grid = _grid_from(node, tokens - prefix)
-        if grid is not None:
-            return prefix, grid, patch_node, node
+        for dims in ranks:
+            grid = _grid_from(node, tokens - prefix, dims)
+            if grid is not None:
+                return prefix, patch_node, (grid, node)
         candidates = [
             n
             for n in node.all_input_nodes
@@ -97,14 +145,7 @@ def _analyse_entry(
         if not candidates or node is image:
             break
         node = candidates[0]
-    patch_tokens = tokens - prefix
-    side = math.isqrt(patch_tokens)
-    if side * side != patch_tokens:
-        raise MappingError(
-            f"found {tokens} tokens entering the blocks ({prefix} prefix) but no 2-D patch grid "
-            "upstream and the patch count is not square"
-        )
-    return prefix, (side, side), patch_node, None
+    return prefix, patch_node, None
 
 
 def _grid_ops(
@@ -117,14 +158,14 @@ def _grid_ops(
             if kind is None:
                 continue
             in_shape = ops.shape(node.args[0])
-            if in_shape is None or len(in_shape) != 4:
+            if in_shape is None or len(in_shape) < 4:
                 continue
-            grid = (in_shape[2], in_shape[3])
-            found_tokens = _tokens_before_grid(node.args[0], grid[0] * grid[1])
+            grid = tuple(in_shape[2:])  # (H, W), or a video's (T, H, W)
+            found_tokens = _tokens_before_grid(node.args[0], math.prod(grid))
             if found_tokens is None:
                 continue
             tokens_node, to_grid = found_tokens
-            from_grid = _flatten_back(node, grid[0] * grid[1])
+            from_grid = _flatten_back(node, math.prod(grid), len(in_shape))
             found.append(
                 GridOp(
                     path=ops.module_path(node) if node.op == "call_module" else node.name,
@@ -165,11 +206,12 @@ def _tokens_before_grid(grid_node: fx.Node, cells: int) -> tuple[fx.Node, fx.Nod
     return found
 
 
-def _flatten_back(op: fx.Node, cells: int) -> fx.Node | None:
-    """Follow the single-user chain after a grid op through 4-D ops and layout ops to the
-    (B, H*W, C) tokens it flattens back to: the last such tensor before real compute resumes."""
+def _flatten_back(op: fx.Node, cells: int, rank: int = 4) -> fx.Node | None:
+    """Follow the single-user chain after a grid op through grid-shaped ops (of ``rank`` dims:
+    4 for (B, C, H, W)) and layout ops to the (B, H*W, C) tokens it flattens back to: the last
+    such tensor before real compute resumes."""
     out_shape = ops.shape(op)
-    if out_shape is None or len(out_shape) != 4 or out_shape[2] * out_shape[3] != cells:
+    if out_shape is None or len(out_shape) != rank or math.prod(out_shape[2:]) != cells:
         return None  # a strided conv or a pool changes the resolution: nothing to gather
     node, found = op, None
     for _ in range(16):
@@ -185,7 +227,7 @@ def _flatten_back(op: fx.Node, cells: int) -> fx.Node | None:
             break
         if len(shape) == 3 and shape[1] == cells:
             found = node
-        elif len(shape) != 4 and len(shape) != 3:
+        elif len(shape) != rank and len(shape) != 3:
             break
     return found
 
@@ -323,23 +365,40 @@ def analyse(captured: CapturedGraph) -> ModelMap:
             stage.exit_bypass = _exit_bypass(out, end, by_name.get(stage.exit_grid_node or ""), anc)
     input_shape = ops.shape(image)
     last = by_name[blocks[-1].output_node]
-    # Every stage's tokens, not only the last's, may reach a head (or an auxiliary one); the
-    # way into the next stage is that stage's business (exit grid, exit bypass).
+    # Every block's tokens, not only a stage's last's, may reach the output (intermediate
+    # features, hidden states) or a head; the blocks after it and the way into the next stage
+    # are theirs (exit grid, exit bypass).
+    inside = {n for attn, mlp, _ in pairs for n in _block_nodes(attn, mlp)}
     for stage, following in zip(stages, stages[1:] + [None], strict=True):
         end = by_name[following.entry_node] if following is not None else None
-        out = blocks[stage.blocks[-1]]
-        head_use = find_head_position_use(
-            gm,
-            image,
-            by_name[out.output_node],
-            out.tokens,
-            stage.prefix_tokens,
-            by_name.get(stage.exit_grid_node or ""),
-            anc.is_ancestor,
-            stop=None if end is None else lambda n, end=end: n is end or anc.is_ancestor(n, end),
-        )
-        if head_use is not None:  # any reduction in the stage reaches the head
-            out.position_uses.append(head_use)
+
+        def stop(node: fx.Node, end=end) -> bool:
+            return node in inside or (
+                end is not None and (node is end or anc.is_ancestor(node, end))
+            )
+
+        for index in stage.blocks:
+            block = blocks[index]
+            for reader, tokens_node, axis, prefix, what in find_token_readers(
+                gm,
+                image,
+                by_name[block.output_node],
+                block.tokens,
+                stage.prefix_tokens,
+                by_name.get(stage.exit_grid_node or ""),
+                anc.is_ancestor,
+                stop=stop,
+            ):
+                block.readers.append(
+                    TokenReader(
+                        what=what,
+                        path=ops.module_path(reader) or reader.name,
+                        node=reader.name,
+                        tokens_node=tokens_node.name,
+                        axis=axis,
+                        prefix_tokens=prefix,
+                    )
+                )
     cls_token = stages[-1].prefix_tokens > 0 and _reads_first_token(last, anc)
     return ModelMap(
         capture=captured.method,
@@ -350,6 +409,11 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         cls_token=cls_token,
         final_norm=find_final_norm(gm, last),
     )
+
+
+def _block_nodes(attn: Residual, mlp: Residual | None) -> list[fx.Node]:
+    """The nodes of a block: its attention residual and its MLP residual, with their adds."""
+    return attn.nodes + [attn.add] + (mlp.nodes + [mlp.add] if mlp is not None else [])
 
 
 def _parallel_block(attn: Residual, cores: list[AttentionCore], anc: Ancestry, cores_in):
@@ -458,14 +522,16 @@ def _exit_bypass(
 
 
 def _find_stage_exit(stage: Stage, out: fx.Node, end: fx.Node | None, anc: Ancestry) -> None:
-    """The first place after a stage where its output tokens become a (B, C, H, W) grid."""
-    cells = stage.grid[0] * stage.grid[1]
+    """The first place after a stage where its output tokens become a (B, C, H, W) grid (of
+    the stage's grid rank: (B, C, T, H, W) for a video's)."""
+    cells = math.prod(stage.grid)
+    rank = len(stage.grid)
     stop = anc.index[end] if end is not None else len(anc.nodes)
     for node in anc.nodes[anc.index[out] + 1 : stop]:
         shape = ops.shape(node)
-        if shape is None or len(shape) != 4 or not anc.is_ancestor(out, node):
+        if shape is None or len(shape) != rank + 2 or not anc.is_ancestor(out, node):
             continue
-        if _grid_from(node, cells) is not None:
+        if _grid_from(node, cells, rank, views=True) is not None:
             found = _tokens_before_grid(node, cells)
             if found is not None and (found[0] is out or anc.is_ancestor(out, found[0])):
                 stage.exit_tokens_node, stage.exit_grid_node = found[0].name, found[1].name

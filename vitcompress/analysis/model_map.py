@@ -21,12 +21,12 @@ ATTENTION_KINDS = ("sdpa", "matmul_softmax", "einsum_softmax", "multihead_attent
 
 @dataclass
 class GridOp:
-    """An op inside a block that needs the full 2-D token grid (conv or pool on reshaped tokens)."""
+    """An op inside a block that needs the full token grid (conv or pool on reshaped tokens)."""
 
     path: str  # module path of the conv/pool, or the node name for a functional op
     kind: str  # "conv" or "pool"
     branch: str  # "attention" or "mlp"
-    grid: tuple[int, int]  # (H, W) the tokens are reshaped to
+    grid: tuple[int, ...]  # (H, W) the tokens are reshaped to; a video's (T, H, W)
     to_grid_node: str  # node that turns (B, N, C) tokens into (B, C, H, W)
     tokens_node: str  # the 3-D token tensor that feeds ``to_grid_node``
     op_node: str  # the conv/pool node itself
@@ -46,7 +46,7 @@ class GridOp:
             path=data["path"],
             kind=data["kind"],
             branch=data["branch"],
-            grid=_pair(data["grid"]),
+            grid=_grid(data["grid"]),
             to_grid_node="",
             tokens_node="",
             op_node="",
@@ -98,6 +98,39 @@ class PositionUse:
 
 
 @dataclass
+class TokenReader:
+    """Where something after a block reads the block's output tokens by their position (the
+    model's output, a reshape to the patch grid, a head reading one patch token): a reduced model
+    restores the full token set, in the base's order, for it (``modules/restore.py``)."""
+
+    what: str  # what reads them, in words
+    path: str  # module path of the reader, or its node's name
+    node: str  # the reader
+    tokens_node: str  # the tensor it reads
+    axis: int  # the token axis in that tensor
+    prefix_tokens: int  # prefix tokens in that tensor (0 after ``x[:, 1:]``)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "what": self.what,
+            "path": self.path,
+            "axis": self.axis,
+            "prefix_tokens": self.prefix_tokens,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TokenReader:
+        return cls(
+            what=data["what"],
+            path=data["path"],
+            node="",
+            tokens_node="",
+            axis=int(data["axis"]),
+            prefix_tokens=int(data["prefix_tokens"]),
+        )
+
+
+@dataclass
 class AttentionCore:
     kind: str  # one of ATTENTION_KINDS
     node: str  # sdpa / softmax / MultiheadAttention node
@@ -119,7 +152,7 @@ class Block:
     heads: int
     attention: AttentionCore
     stage: int
-    grid: tuple[int, int]  # patch grid of the block's stage
+    grid: tuple[int, ...]  # patch grid of the block's stage: (H, W), a video's (T, H, W)
     prefix_tokens: int
     input_node: str  # residual stream value entering the block
     # Where an attention variant reduces: the residual add closing the attention branch, or the
@@ -139,6 +172,8 @@ class Block:
     score_combination: str | None = None
     score_coefficient: str | float | None = None  # a graph node's name, or a number
     score_blocker: str | None = None  # why eTPS/EViT cannot score with this block's attention
+    # What reads this block's output tokens by position outside the blocks (dense outputs).
+    readers: list[TokenReader] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -163,6 +198,7 @@ class Block:
             "attention_cores": 1 + len(self.parallel_cores),
             "score_combination": self.score_combination,
             "score_blocker": self.score_blocker,
+            "readers": [reader.to_json() for reader in self.readers],
         }
 
     @classmethod
@@ -183,7 +219,7 @@ class Block:
             heads=data["heads"],
             attention=attention,
             stage=data["stage"],
-            grid=_pair(data["grid"]),
+            grid=_grid(data["grid"]),
             prefix_tokens=data["prefix_tokens"],
             input_node="",
             attn_add_node="",
@@ -198,13 +234,14 @@ class Block:
             ],
             score_combination=data.get("score_combination"),
             score_blocker=data.get("score_blocker"),
+            readers=[TokenReader.from_json(r) for r in data.get("readers", [])],
         )
 
 
 @dataclass
 class Stage:
     index: int
-    grid: tuple[int, int]
+    grid: tuple[int, ...]  # (H, W), or of any rank: a video's (T, H, W)
     prefix_tokens: int
     blocks: list[int]  # block indices
     entry_node: str  # token stream value as it enters the stage's first block
@@ -225,7 +262,7 @@ class Stage:
     def from_json(cls, data: dict[str, Any]) -> Stage:
         return cls(
             index=data["index"],
-            grid=_pair(data["grid"]),
+            grid=_grid(data["grid"]),
             prefix_tokens=data["prefix_tokens"],
             blocks=list(data["blocks"]),
             entry_node="",
@@ -237,7 +274,7 @@ class Stage:
 @dataclass
 class ModelMap:
     capture: str  # "symbolic_trace" or "export"
-    input_size: tuple[int, int, int]
+    input_size: tuple[int, ...]  # without the batch: (C, H, W), a video's (C, T, H, W), ...
     stages: list[Stage]
     blocks: list[Block]
     leaves: list[str] = field(default_factory=list)  # modules kept whole by the tracer
@@ -254,12 +291,17 @@ class ModelMap:
         return self.stages[0].prefix_tokens
 
     @property
-    def grid(self) -> tuple[int, int]:
+    def grid(self) -> tuple[int, ...]:
         return self.stages[0].grid
 
     @property
     def is_hybrid(self) -> bool:
         return len(self.stages) > 1 or any(b.grid_ops for b in self.blocks)
+
+    @property
+    def dense(self) -> bool:
+        """Whether anything reads block outputs' tokens by position: a dense output."""
+        return any(block.readers for block in self.blocks)
 
     @property
     def has_nodes(self) -> bool:
@@ -301,5 +343,6 @@ class ModelMap:
         )
 
 
-def _pair(values: list[int]) -> tuple[int, int]:
-    return (int(values[0]), int(values[1]))
+def _grid(values: list[int]) -> tuple[int, ...]:
+    """A grid as JSON wrote it: (H, W), or of any rank (a video's (T, H, W))."""
+    return tuple(int(v) for v in values)

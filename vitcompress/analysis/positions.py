@@ -272,7 +272,6 @@ def _neutral(meeting: fx.Node, operand: fx.Node, image: fx.Node, is_ancestor) ->
 
 # --- The head: what reads the last stage's tokens --------------------------------------------
 
-HEAD_KIND = "head"  # PositionUse.kind of a head that reads tokens by their position
 
 # Ops that pool over the token axis: they do not care about the tokens' order.
 _POOL_NAMES = {
@@ -412,40 +411,39 @@ def _joined(
     ), None
 
 
-def find_head_position_use(
+def find_token_readers(
     gm: fx.GraphModule,
     image: fx.Node,
-    last_output: fx.Node,
+    block_output: fx.Node,
     tokens: int,
     prefix_tokens: int,
     exit_grid: fx.Node | None,
     is_ancestor,
     stop=None,
-) -> PositionUse | None:
-    """Where the head reads a stage's tokens by their position, else ``None``.
+) -> list[tuple[fx.Node, fx.Node, int, int, str]]:
+    """Where something after a block reads its tokens by their position: the model's output, a
+    reshape to the grid, a head reading patch token 5. Each as ``(reader, tokens, axis, prefix,
+    what)``: the op, the tensor it reads (tokens on ``axis``, ``prefix`` of them prefix tokens),
+    and a description. A reduced model restores the full token set there (``modules/restore``).
 
-    ``last_output`` is the stage's last block output; ``stop(node)`` says where the following
-    ends without a verdict (for a stage before the last: the way into the next stage, whose
-    tokens are that stage's business).
-
-    From the last block's output (tokens on axis 1) the token axis is followed through every op
-    that keeps it (norms, linears on channels, transposes, slices over all patch tokens). Where
-    an op consumes it, the op must be order-free: a pool over the tokens (mean, max, an adaptive
-    pool), attention over them (an attention-pooling head), the stage's exit grid (reduced
-    tokens get the full grid back there), or reading a prefix token (``x[:, 0]``). Anything
-    else, such as a flatten that merges the token axis into the features or reading patch token
-    5, depends on the tokens' order, which a reduction changes (dTPS re-sorts them even at
-    keep 1): a :data:`HEAD_KIND` use naming the op.
+    ``stop(node)`` says where the following ends without a verdict (the blocks after this one,
+    the way into the next stage). From the block's output (tokens on axis 1) the token axis is
+    followed through every op that keeps it (norms, linears on channels, transposes, slices over
+    all patch tokens). An op that consumes it either does not care for the order (a pool over the
+    tokens, attention over them, the stage's exit grid, which restores on its own, or reading a
+    prefix token, ``x[:, 0]``) or is a reader: a flatten that merges the token axis into the
+    features, reading patch token 5, the model's output itself.
     """
     if tokens <= 1:
-        return None  # a class-attention stage: one token, no order
-    axes: dict[fx.Node, tuple[int, int]] = {last_output: (1, prefix_tokens)}
-    frontier = [last_output]
+        return []  # a class-attention stage: one token, no order
+    readers: list[tuple[fx.Node, fx.Node, int, int, str]] = []
+    axes: dict[fx.Node, tuple[int, int]] = {block_output: (1, prefix_tokens)}
+    frontier = [block_output]
     while frontier:
         node = frontier.pop(0)
         axis, prefix = axes[node]
         for user in node.users:
-            if user in axes or user.op == "output" or user is exit_grid:
+            if user in axes or user is exit_grid:
                 continue
             if stop is not None and stop(user):
                 continue
@@ -456,21 +454,17 @@ def find_head_position_use(
                     axes[user] = (axis, prefix)
                     frontier.append(user)
                 continue
+            if user.op == "output":
+                shape = tuple(ops.shape(node))[1:]
+                readers.append((user, node, axis, prefix, f"the model's output {shape}"))
+                continue
             problem, where = _consumed(gm, user, node, axis, prefix, image, is_ancestor)
             if problem is not None:
-                return PositionUse(
-                    table=problem,
-                    kind=HEAD_KIND,
-                    branch=HEAD_KIND,
-                    path=ops.module_path(user) or user.name,
-                    node=user.name,
-                    table_node=node.name,
-                    shape=tuple(ops.shape(node))[1:],
-                )
-            if where is not None:
+                readers.append((user, node, axis, prefix, problem))
+            elif where is not None:
                 axes[user] = where
                 frontier.append(user)
-    return None
+    return readers
 
 
 def _consumed(

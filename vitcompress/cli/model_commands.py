@@ -56,7 +56,7 @@ def inspect(model: ModelRequest, as_json: bool) -> None:
     for block in model_map["blocks"]:
         ops = (
             ", ".join(
-                f"{op['kind']} {op['path']} {op['grid'][0]}x{op['grid'][1]}"
+                f"{op['kind']} {op['path']} {'x'.join(map(str, op['grid']))}"
                 for op in block["grid_ops"]
             )
             or "-"
@@ -72,6 +72,18 @@ def inspect(model: ModelRequest, as_json: bool) -> None:
             ops,
         )
     print_table(table)
+    readers = [
+        f"{reader['what']} at {reader['path']} (after block {block['index']})"
+        for block in model_map["blocks"]
+        for reader in block["readers"]
+    ]
+    if readers:
+        console.print(
+            "read by position (a compressed model restores its tokens there): "
+            + "; ".join(readers),
+            soft_wrap=not on_terminal,
+            highlight=False,
+        )
     if model_map["leaves"]:
         console.print(
             f"kept whole by the tracer: {', '.join(model_map['leaves'])}", soft_wrap=not on_terminal
@@ -218,9 +230,18 @@ def _print_apply(report: ApplyReport) -> None:
             style="dim",
             highlight=False,
         )
+    if data["restored"]:
+        console.print(restored_text(data["restored"]), highlight=False)
     print_environment(data["environment"])
     if data["out"]:
         console.print(f"saved to {data['out']}")
+
+
+def restored_text(restored: list[dict[str, str]]) -> str:
+    """``tokens restored (rule delta) for: the model's output (65, 64) at output``."""
+    rules = sorted({point["rule"] for point in restored})
+    places = "; ".join(dict.fromkeys(point["for"] for point in restored))
+    return f"tokens restored (rule {', '.join(rules)}) for: {places}"
 
 
 def tokens_text(base: list[int], compressed: list[int]) -> str:

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vitcompress.analysis.model_map import Block, ModelMap
-from vitcompress.analysis.positions import HEAD_KIND, PositionUse
 from vitcompress.errors import UserError
 from vitcompress.method import SELECTION_POLICIES
 from vitcompress.variants import (
@@ -246,7 +245,7 @@ def make_plan(
             if all(loc.keep == rho for loc in earlier)
             else math.prod([loc.keep for loc in earlier] + [rho])
         )
-        patch_tokens = stage.grid[0] * stage.grid[1]
+        patch_tokens = math.prod(stage.grid)
         keep_tokens = method.keep_tokens(patch_tokens, cumulative)
         locations.append(
             Location(
@@ -272,20 +271,6 @@ def make_plan(
     if refusal is not None:
         raise PlanError(refusal)
     return plan
-
-
-def head_refusal(use: PositionUse, block: int, method: Variant, stage: int | None = None) -> str:
-    """The one-line refusal of a plan reducing tokens that a position-reading head then sees
-    (``stage``: which, when not the last)."""
-    # The predictor variants re-sort the tokens by score even when they keep all of them.
-    resorted = " (it re-sorts them even at keep 1)" if method.resorts_tokens else ""
-    whose = "the last stage's" if stage is None else f"stage {stage}'s"
-    return (
-        f"the head reads {whose} tokens by position: {use.table}; {method.name} "
-        f"drops and reorders them from block {block}{resorted}, so it is refused in that "
-        "stage rather than giving wrong logits (a head that pools the tokens or reads the "
-        "cls token is fine)"
-    )
 
 
 _MEETS = {
@@ -320,9 +305,6 @@ def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
         if loc is None or block.index < loc.block:
             continue
         for use in block.position_uses:
-            if use.kind == HEAD_KIND:  # the head sees whatever the stage's reduction left
-                last = block.stage == len(model_map.stages) - 1
-                return head_refusal(use, loc.block, plan.method, None if last else block.stage)
             after_attention = plan.method.placement == AFTER_ATTENTION
             if block.index == loc.block and after_attention and use.branch != "mlp":
                 continue

@@ -7,9 +7,13 @@ Three kinds of edits, all on the graph the analysis mapped:
 - the attention core of a block replaced by a hook that masks dropped keys while training a
   predictor variant, adds ``log(size)`` to the key logits after merges (proportional attention),
   and returns what the reducer after it takes (a token score, or the head-mean keys);
-- around every grid op that follows a reduction (hybrids): tokens scattered back into a zero grid
-  at their original positions before the op (or zeroed by the keep mask in training), and the
-  kept positions gathered again after a flatten at the same resolution.
+- wherever something reads a reduced stage's tokens by position (a grid op of a hybrid, the
+  stage's exit grid, the model's output or a head: ``Block.readers``), a restore that brings the
+  full token set back in the base's order (``modules/restore.py``), by the variant's
+  ``restore_rule``; after a grid op that flattens back at the same resolution, the kept positions
+  are gathered again. A rule that reads only the tokens where they are read (``host``, ``zero``)
+  restores there; one that reads values recorded on the residual stream (``value``, ``delta``)
+  restores the stream and recomputes the per-token ops between it and the reader on the copy.
 Shapes are read at run time in the captured code, so blocks after a reducer accept fewer tokens.
 """
 
@@ -28,9 +32,11 @@ from vitcompress.analysis.parallel import DIFFERENCE
 from vitcompress.analysis.positions import gather_layout
 from vitcompress.compilation.plan import Plan
 from vitcompress.errors import UserError
+from vitcompress.method.restore import RESTORES_ANYWHERE
 from vitcompress.modules import MHAHook, SDPAHook, SoftmaxHook
-from vitcompress.modules.grid import GridGather, GridPad
+from vitcompress.modules.grid import GridGather
 from vitcompress.modules.position_tables import PositionGather
+from vitcompress.modules.restore import TokenRestore
 from vitcompress.variants import AFTER_ATTENTION, BEFORE_BLOCK
 from vitcompress.variants.placement import ATTENTION_GIVES_KEYS
 
@@ -83,99 +89,167 @@ class _Rewriter:
     def run(self) -> fx.GraphModule:
         placement = self.plan.method.placement
         by_block = {loc.block: (i, loc) for i, loc in enumerate(self.plan.locations)}
-        keep_mask: Any = None
-        positions: Any = None
-        sizes: Any = None  # tokens' sizes after merges (ToMe), for proportional attention
+        state = _Stream()
         stage = -1
         for block in self.map.blocks:
             if block.stage != stage:
                 if stage >= 0:
-                    self._pad_stage_exit(self.map.stages[stage], keep_mask, positions)
+                    self._restore_stage_exit(self.map.stages[stage], state)
                 stage = block.stage
-                keep_mask, positions, sizes = None, None, None
+                state = _Stream(restores=self._stage_restores(stage))
             located = by_block.get(block.index)
+            state.node = self.nodes[block.input_node]
             if located is not None and placement == BEFORE_BLOCK:
-                keep_mask, positions = self._insert_predictor(block, *located, keep_mask, positions)
-            self._gather_position_tables(block, "attention", positions)
+                self._insert_predictor(block, *located, state)
+            self._gather_position_tables(block, "attention", state.positions)
             scoring = located is not None and placement == AFTER_ATTENTION
-            score = self._hook_block_attention(block, keep_mask, scoring, positions, sizes)
-            self._wrap_grid_ops(block, "attention", keep_mask, positions)
+            score = self._hook_block_attention(
+                block, state.keep_mask, scoring, state.positions, state.sizes
+            )
+            self._restore_grid_ops(block, "attention", state)
+            state.node = self.nodes[block.attn_add_node]
             if scoring:  # the block's MLP already sees the reduced tokens
-                positions, sizes = self._insert_attention_reducer(
-                    block, *located, score, positions, sizes
+                self._insert_attention_reducer(block, *located, score, state)
+            self._gather_position_tables(block, "mlp", state.positions)
+            self._restore_grid_ops(block, "mlp", state)
+            state.node = self.nodes[block.output_node]
+            for reader in block.readers:
+                self._restore_for(
+                    self.nodes[reader.node],
+                    self.nodes[reader.tokens_node],
+                    reader.axis,
+                    reader.prefix_tokens,
+                    state,
+                    block.prefix_tokens,
+                    f"restore{block.index}_{reader.node}",
+                    f"{reader.what} at {reader.path}",
                 )
-            self._gather_position_tables(block, "mlp", positions)
-            self._wrap_grid_ops(block, "mlp", keep_mask, positions)
-        self._pad_stage_exit(self.map.stages[stage], keep_mask, positions)
+        self._restore_stage_exit(self.map.stages[stage], state)
         self.graph.lint()
         self.gm.recompile()
         return self.gm
 
-    def _pad_stage_exit(self, stage, keep_mask, positions) -> None:
-        """Tokens leaving a reduced stage as a grid (next patch embedding, pooled head) get the
-        full grid back: padded with zeros in inference, dropped ones zeroed in training."""
-        if (keep_mask is None and positions is None) or stage.exit_grid_node is None:
-            return
-        self._insert_pad(
-            f"exit{stage.index}",
-            stage.grid,
-            stage.exit_tokens_node,
-            stage.exit_grid_node,
-            keep_mask,
-            positions,
+    def _stage_restores(self, stage: int) -> bool:
+        """Whether anything reads the stage's tokens by position (its grid ops, its exit grid,
+        the output or a head): then its reducers record what they remove."""
+        blocks = [b for b in self.map.blocks if b.stage == stage]
+        return self.map.stages[stage].exit_grid_node is not None or any(
+            b.readers or b.grid_ops for b in blocks
         )
 
-    def _insert_pad(
+    def _restore_stage_exit(self, stage, state: _Stream) -> None:
+        """Tokens leaving a reduced stage as a grid (next patch embedding, a dense head, pooled
+        features) get the full grid back, in grid order."""
+        if not state.reduced or stage.exit_grid_node is None:
+            return
+        self._restore_for(
+            self.nodes[stage.exit_grid_node],
+            self.nodes[stage.exit_tokens_node],
+            1,
+            0,
+            state,
+            stage.prefix_tokens,
+            f"exit{stage.index}",
+            f"stage {stage.index}'s exit grid",
+        )
+
+    def _restore_for(
         self,
+        reader: fx.Node,
+        tokens: fx.Node,
+        axis: int,
+        prefix_tokens: int,
+        state: _Stream,
+        stream_prefix: int,
         name: str,
-        grid: tuple[int, int],
-        tokens_node: str,
-        to_grid_node: str,
-        keep_mask,
-        positions,
+        where: str,
     ) -> None:
-        """Feed ``to_grid_node`` the full grid (GridPad) instead of the tokens it reshaped."""
-        tokens = self.nodes[tokens_node]
-        to_grid = self.nodes[to_grid_node]
-        self.hooks.add_module(name, GridPad(grid=grid))
-        with self.graph.inserting_before(to_grid):
-            padded = self.graph.call_module(f"{HOOK_PREFIX}.{name}", (tokens, keep_mask, positions))
-        to_grid.replace_input_with(tokens, padded)
+        """Make ``reader`` read ``tokens`` with the stage's full token set back (a no-op before
+        any reduction in the stage). ``tokens`` derives from the residual stream ``state.node``
+        through per-token ops; a rule that reads recorded stream values restores the stream and
+        recomputes those ops on the copy."""
+        if not state.reduced:
+            return
+        rule = self.plan.method.restore_rule
+        stream = state.node
+        anywhere = rule in RESTORES_ANYWHERE or tokens is stream
+        module = TokenRestore(
+            rule,
+            prefix_tokens if anywhere else stream_prefix,
+            axis if anywhere else 1,
+            where=where,
+        )
+        target = self._add_hook(name, module)
+        with self.graph.inserting_before(reader):
+            if anywhere:
+                restored = self.graph.call_module(target, (tokens, state.trace))
+            else:
+                restored_stream = self.graph.call_module(target, (stream, state.trace))
+                restored = _copy_between(self.graph, stream, tokens, restored_stream)
+        reader.replace_input_with(tokens, restored)
 
     def _insert_reducer(
-        self, stream_name: str, index: int, module: nn.Module, args: tuple, outputs: int = 3
+        self,
+        stream_name: str,
+        index: int,
+        module: nn.Module,
+        args: tuple,
+        state: _Stream,
+        outputs: int = 4,
+        only_into: str | None = None,
     ) -> list[fx.Node]:
-        """Put ``module`` on the residual stream after ``stream_name``; everything that read the
-        stream reads the reducer's tokens instead. Returns its outputs after the tokens
-        (keep_mask, positions[, sizes])."""
+        """Put ``module`` on the residual stream after ``stream_name``; what read the stream reads
+        the reducer's tokens instead (with ``only_into``: only what leads to that node, the
+        reduced block's output, so that a reader of the previous block's tokens keeps them).
+        Returns its outputs after the tokens (keep_mask, positions[, sizes], trace); the stream
+        state follows the reducer."""
         stream = self.nodes[stream_name]
+        if state.restores:
+            module.restore_rule = self.plan.method.restore_rule
         self.reducers.add_module(str(index), module)
         with self.graph.inserting_after(stream):
-            reducer = self.graph.call_module(f"{REDUCER_PREFIX}.{index}", (stream, *args))
+            reducer = self.graph.call_module(
+                f"{REDUCER_PREFIX}.{index}", (stream, *args, state.trace)
+            )
         tokens, *rest = _getitems(self.graph, reducer, outputs)
-        _replace_uses(stream, tokens, {reducer})
+        keep = {reducer}
+        if only_into is not None:
+            toward = _ancestors(self.nodes[only_into])
+            keep |= {user for user in stream.users if user not in toward}
+        _replace_uses(stream, tokens, keep)
+        state.node, state.trace, state.reduced = tokens, rest[-1], True
         return rest
 
-    def _insert_predictor(self, block: Block, index: int, loc, keep_mask, positions):
+    def _insert_predictor(self, block: Block, index: int, loc, state: _Stream) -> None:
         module = self.plan.method.build_reducer(block, loc, self.plan)
-        new_mask, new_positions = self._insert_reducer(
-            block.input_node, index, module, (keep_mask, positions)
+        state.keep_mask, state.positions, _ = self._insert_reducer(
+            block.input_node,
+            index,
+            module,
+            (state.keep_mask, state.positions),
+            state,
+            only_into=block.output_node,
         )
-        return new_mask, new_positions
 
-    def _insert_attention_reducer(self, block: Block, index: int, loc, score, positions, sizes):
-        """The reducer after the attention residual; returns (positions, sizes) after it."""
+    def _insert_attention_reducer(
+        self, block: Block, index: int, loc, score, state: _Stream
+    ) -> None:
+        """The reducer after the attention residual; the stream state follows it."""
         method = self.plan.method
         module = method.build_reducer(block, loc, self.plan)
         if method.tracks_sizes:
-            _, new_positions, new_sizes = self._insert_reducer(
-                block.attn_add_node, index, module, (score, None, positions, sizes), outputs=4
+            _, state.positions, state.sizes, _ = self._insert_reducer(
+                block.attn_add_node,
+                index,
+                module,
+                (score, None, state.positions, state.sizes),
+                state,
+                outputs=5,
             )
-            return new_positions, new_sizes
-        _, new_positions = self._insert_reducer(
-            block.attn_add_node, index, module, (score, None, positions)
+            return
+        _, state.positions, _ = self._insert_reducer(
+            block.attn_add_node, index, module, (score, None, state.positions), state
         )
-        return new_positions, None
 
     def _hook_block_attention(
         self, block: Block, keep_mask, scoring: bool, *rest: Any
@@ -310,28 +384,80 @@ class _Rewriter:
                 gathered = self.graph.call_module(target, (table, positions))
             meeting.replace_input_with(table, gathered)
 
-    def _wrap_grid_ops(self, block: Block, branch: str, keep_mask, positions) -> None:
-        """Give every grid op of a reduced block its full grid back (pad or mask), then gather."""
-        if keep_mask is None and positions is None:
+    def _restore_grid_ops(self, block: Block, branch: str, state: _Stream) -> None:
+        """Give every grid op of a reduced block its full grid back (restored), then gather the
+        present tokens again after a flatten at the same resolution."""
+        if not state.reduced:
             return
         for op in block.grid_ops:
             if op.branch != branch:
                 continue
-            self._insert_pad(
-                f"pad{block.index}_{op.op_node}",
-                op.grid,
-                op.tokens_node,
-                op.to_grid_node,
-                keep_mask,
-                positions,
+            self._restore_for(
+                self.nodes[op.to_grid_node],
+                self.nodes[op.tokens_node],
+                1,
+                0,
+                state,
+                block.prefix_tokens,
+                f"restore{block.index}_{op.op_node}",
+                f"the {op.kind} {op.path} in block {block.index}",
             )
             if op.from_grid_node is not None:
                 flat = self.nodes[op.from_grid_node]
                 name = f"gather{block.index}_{op.op_node}"
                 self.hooks.add_module(name, GridGather(grid=op.grid))
                 with self.graph.inserting_after(flat):
-                    gathered = self.graph.call_module(f"{HOOK_PREFIX}.{name}", (flat, positions))
+                    gathered = self.graph.call_module(
+                        f"{HOOK_PREFIX}.{name}", (flat, state.positions)
+                    )
                 _replace_uses(flat, gathered, {gathered})
+
+
+class _Stream:
+    """The residual stream of the stage being rewritten, at the block being rewritten: its node
+    and what the reductions so far hand on (keep mask, positions, sizes, trace)."""
+
+    def __init__(self, restores: bool = False) -> None:
+        self.restores = restores  # whether the stage's reducers record what they remove
+        self.reduced = False  # whether a reducer precedes this point in the stage
+        self.node: fx.Node | None = None
+        self.keep_mask: Any = None
+        self.positions: Any = None
+        self.sizes: Any = None  # tokens' sizes after merges (ToMe), for proportional attention
+        self.trace: Any = ()
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it depends on."""
+    seen, frontier = {node}, [node]
+    while frontier:
+        for parent in frontier.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                frontier.append(parent)
+    return seen
+
+
+def _copy_between(graph: fx.Graph, stream: fx.Node, tokens: fx.Node, restored: fx.Node) -> fx.Node:
+    """Copy the ops from ``stream`` to ``tokens`` (those of ``tokens``'s ancestors that depend on
+    ``stream``) at the insertion point, reading ``restored`` in place of ``stream``; returns the
+    copy of ``tokens``."""
+    wanted = _ancestors(tokens)
+    depends: set[fx.Node] = {stream}
+    env: dict[fx.Node, fx.Node] = {stream: restored}
+    started = False
+    for node in list(graph.nodes):
+        if node is stream:
+            started = True
+            continue
+        if not started or node not in wanted:
+            continue
+        if any(parent in depends for parent in node.all_input_nodes):
+            depends.add(node)
+            env[node] = graph.node_copy(node, lambda arg: env.get(arg, arg))
+        if node is tokens:
+            break
+    return env[tokens]
 
 
 def rewrite(gm: fx.GraphModule, model_map: ModelMap, plan: Plan) -> fx.GraphModule:

@@ -116,6 +116,18 @@ def _tome_order(kept_a: int, b_count: int, protected: int, device: torch.device)
     return torch.tensor(prefix + rest, dtype=torch.long, device=device)
 
 
+def merged_hosts(matching: Matching) -> tuple[Tensor, Tensor]:
+    """Where each merged token went, for restoring (unmerge): ``(prune_index, host_index)``, both
+    (B, r), over the non-prefix tokens: each merged ``a`` token's index in the input, and its
+    destination's among the merged output's (ToMe's order, see the module: the unprotected
+    unmerged ``a`` tokens, then the unprotected ``b`` tokens)."""
+    p = matching.protected
+    protected_a, protected_b = (p + 1) // 2, p // 2
+    prune_index = matching.src * 2 - p
+    host_index = (matching.unmerged.shape[1] - protected_a) + (matching.dst - protected_b)
+    return prune_index, host_index
+
+
 def merge_sources(matching: Matching, tokens: int) -> dict[int, list[int]]:
     """For the first image: each destination's sequence index -> the sequence indices merged into
     it at this step (for drawing merged groups)."""

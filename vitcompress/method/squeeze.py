@@ -140,10 +140,7 @@ def squeeze_masked(x: Tensor, host_mask: Tensor, donor_mask: Tensor) -> Tensor:
     weight there is exp(-100) * 1, i.e. 0 in float32). Computed in float32, returned in x's dtype.
     """
     n = x.shape[1]
-    similarity = cosine_similarity(x, x)  # (B, N donors, N hosts)
-    can_host = host_mask.detach().unsqueeze(1) > 0.5  # (B, 1, N): boolean, no gradient
-    itself = torch.eye(n, dtype=torch.bool, device=x.device)
-    similarity = similarity.masked_fill(itself, _NO_MATCH).masked_fill(~can_host, _NO_MATCH)
+    similarity, can_host = _masked_similarity(x, host_mask)
     host_index = similarity.argmax(dim=-1)  # (B, N)
     has_host = can_host.squeeze(1).gather(1, host_index)  # False only where nobody is kept
     match = torch.nn.functional.one_hot(host_index, n).float() * has_host.unsqueeze(-1)
@@ -153,6 +150,23 @@ def squeeze_masked(x: Tensor, host_mask: Tensor, donor_mask: Tensor) -> Tensor:
     tokens = x.float()
     fused = tokens * (SELF_WEIGHT / denominator) + (weight.transpose(1, 2) / denominator) @ tokens
     return fused.to(x.dtype)
+
+
+def _masked_similarity(x: Tensor, host_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Cosine similarity of every token to every other that may host (-100 elsewhere: itself,
+    tokens not kept), and the (B, 1, N) boolean of who may host."""
+    similarity = cosine_similarity(x, x)  # (B, N donors, N hosts)
+    can_host = host_mask.detach().unsqueeze(1) > 0.5  # (B, 1, N): boolean, no gradient
+    itself = torch.eye(x.shape[1], dtype=torch.bool, device=x.device)
+    similarity = similarity.masked_fill(itself, _NO_MATCH).masked_fill(~can_host, _NO_MATCH)
+    return similarity, can_host
+
+
+def masked_host_index(x: Tensor, host_mask: Tensor) -> Tensor:
+    """Each token's host under :func:`squeeze_masked`'s matching (B, N): the most similar other
+    token kept; what a restore after training-time squeezing reads. No gradient."""
+    with torch.no_grad():
+        return _masked_similarity(x, host_mask)[0].argmax(dim=-1)
 
 
 def evit_fuse(donors: Tensor, donor_scores: Tensor) -> Tensor:

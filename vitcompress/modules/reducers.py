@@ -1,12 +1,16 @@
 """Token reducers inserted on the residual stream.
 
-Both return ``(tokens, keep_mask, positions)``:
+They return ``(tokens, keep_mask, positions, trace)`` (ToMe's ``sizes`` before the trace):
 
 - ``keep_mask`` (B, P + N0), float, prefix tokens 1: which tokens are still kept while TRAINING a
   predictor-based variant (nothing is dropped then); ``None`` whenever tokens are dropped.
 - ``positions`` (B, n) long: the original grid index of every non-prefix token present, -1 for a
   token that is not on the grid (EViT's fused token); ``None`` means "all of them, in grid order".
-  Grid ops pad by it; visualisation reads it.
+  Position tables and visualisation read it.
+- ``trace``: the stage's reductions so far, a tuple of :class:`~vitcompress.method.Removal` (or
+  :class:`~vitcompress.method.MaskedRemoval` while a predictor trains), each reducer appending its
+  own while its ``restore_rule`` is set (the rewrite sets it where something after it reads the
+  tokens by position); a restore (``modules/restore.py``) undoes them.
 """
 
 from __future__ import annotations
@@ -20,13 +24,17 @@ from torch import Tensor, nn
 
 from vitcompress.method import (
     SELECTION_POLICIES,
+    MaskedRemoval,
     Matching,
+    Removal,
     bipartite_soft_matching,
     gather_tokens,
     keep_count,
     merge_tokens,
+    merged_hosts,
     split_by_score,
 )
+from vitcompress.method.restore import DELTA, NEEDS_HOST, VALUE
 from vitcompress.modules.predictor import ScorePredictor
 
 POLICIES = SELECTION_POLICIES  # the name other modules import
@@ -49,6 +57,8 @@ class TokenFuse(Protocol):
         self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int
     ) -> tuple[Tensor, Tensor]: ...
 
+    def masked_hosts(self, patches: Tensor, host_mask: Tensor) -> Tensor | None: ...
+
 
 @dataclass
 class Assignment:
@@ -66,14 +76,46 @@ class Assignment:
 
 class RecordsAssignment:
     """``record = True`` makes a reducer keep an :class:`Assignment` of its next forwards
-    (``visualize`` sets it); a new method's reducer mixes it in and calls :meth:`_recorded`."""
+    (``visualize`` sets it); a new method's reducer mixes it in and calls :meth:`_recorded`.
+
+    ``restore_rule`` (set by the rewrite, not state: a saved model is rewritten again on load)
+    makes it append what it removed to the trace, as much as that rule needs (``method/restore``).
+    """
 
     record: bool = False
     assignment: Assignment | None = None
+    restore_rule: str | None = None
 
     def _recorded(self, x: Tensor, **fields) -> None:
         if self.record:
             self.assignment = Assignment(self.prefix_tokens, x.shape[1], **fields)
+
+    def _traced(self, trace: tuple, removal: Removal | MaskedRemoval | None) -> tuple:
+        if self.restore_rule is None or removal is None:
+            return trace
+        return (*trace, removal)
+
+    def _removal(
+        self,
+        keep_index: Tensor,
+        prune_index: Tensor,
+        host_index: Tensor | None,
+        removed: Tensor | None,
+        output: Tensor,
+        kept: Tensor | None = None,
+    ) -> Removal | None:
+        """The record of an inference reduction, holding only what the rule reads."""
+        rule = self.restore_rule
+        if rule is None:
+            return None
+        return Removal(
+            keep_index,
+            prune_index,
+            host_index if rule in NEEDS_HOST else None,
+            removed if rule in (VALUE, DELTA) else None,
+            output if rule == DELTA else None,
+            kept if rule == DELTA else None,
+        )
 
 
 def _kept_positions(positions: Tensor | None, keep_index: Tensor) -> Tensor:
@@ -109,25 +151,43 @@ class FusingReducer(RecordsAssignment, nn.Module):
         )
 
     def _select_and_fuse(
-        self, x: Tensor, order: Tensor, scores: Tensor, k: int, positions: Tensor | None
-    ) -> tuple[Tensor, None, Tensor | None]:
+        self,
+        x: Tensor,
+        order: Tensor,
+        scores: Tensor,
+        k: int,
+        positions: Tensor | None,
+        trace: tuple,
+    ) -> tuple[Tensor, None, Tensor | None, tuple]:
         """Keep the ``k`` patch tokens first in ``order``; the fuse takes the rest (weighted by
-        ``scores`` where it weighs them). Returns ``(tokens, None, positions)``."""
+        ``scores`` where it weighs them). Returns ``(tokens, None, positions, trace)``."""
         p = self.prefix_tokens
-        if self.fused_kernel and not self.training and not x.requires_grad and not self.record:
+        if (
+            self.fused_kernel
+            and not self.training
+            and not x.requires_grad
+            and not self.record
+            and self.restore_rule is None  # the kernel keeps no record of the pruned
+        ):
             tokens, keep_index = self.fuse.kernel(x, order, p, k)
-            return tokens, None, _kept_positions(positions, keep_index)
+            return tokens, None, _kept_positions(positions, keep_index), trace
         prefix, patches = x[:, :p], x[:, p:]
         keep_index, prune_index = split_by_score(order, k)
         kept = gather_tokens(patches, keep_index)
-        # Gathered only for a fuse that reads them (a drop does not: no copy of what it drops).
-        pruned = gather_tokens(patches, prune_index) if self.fuse.takes_pruned else patches[:, :0]
+        # Gathered only for a fuse that reads them (a drop does not: no copy of what it drops,
+        # unless a restore brings them back by their value).
+        gather_pruned = self.fuse.takes_pruned or self.restore_rule in (VALUE, DELTA)
+        pruned = gather_tokens(patches, prune_index) if gather_pruned else patches[:, :0]
         positions = _kept_positions(positions, keep_index)
-        tokens, host_index = self.fuse.fuse(prefix, kept, pruned, scores.gather(1, prune_index))
+        fuse_pruned = pruned if self.fuse.takes_pruned else patches[:, :0]
+        tokens, host_index = self.fuse.fuse(
+            prefix, kept, fuse_pruned, scores.gather(1, prune_index)
+        )
         self._recorded(x, keep_index=keep_index, prune_index=prune_index, host_index=host_index)
         if self.fuse.adds_token:  # a token on no grid position
             positions = torch.cat([positions, positions.new_full((x.shape[0], 1), -1)], dim=1)
-        return tokens, None, positions
+        removal = self._removal(keep_index, prune_index, host_index, pruned, tokens[:, p:], kept)
+        return tokens, None, positions, self._traced(trace, removal)
 
 
 class PredictorReducer(FusingReducer):
@@ -156,23 +216,32 @@ class PredictorReducer(FusingReducer):
         return f"keep_tokens={self.keep_tokens}, {super().extra_repr()}"
 
     def forward(
-        self, x: Tensor, keep_mask: Tensor | None = None, positions: Tensor | None = None
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        self,
+        x: Tensor,
+        keep_mask: Tensor | None = None,
+        positions: Tensor | None = None,
+        trace: tuple = (),
+    ) -> tuple[Tensor, Tensor | None, Tensor | None, tuple]:
         p = self.prefix_tokens
         prefix, patches = x[:, :p], x[:, p:]
         if self.training:
-            return self._train(prefix, patches, keep_mask, positions)
+            return self._train(prefix, patches, keep_mask, positions, trace)
         if self.policy == "random":
             scores = torch.rand(patches.shape[:2], device=x.device)
         else:
             scores = self.predictor.keep_score(patches)
         return self._select_and_fuse(
-            x, scores, scores, min(self.keep_tokens, patches.shape[1]), positions
+            x, scores, scores, min(self.keep_tokens, patches.shape[1]), positions, trace
         )
 
     def _train(
-        self, prefix: Tensor, patches: Tensor, keep_mask: Tensor | None, positions: Tensor | None
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        self,
+        prefix: Tensor,
+        patches: Tensor,
+        keep_mask: Tensor | None,
+        positions: Tensor | None,
+        trace: tuple,
+    ) -> tuple[Tensor, Tensor, Tensor | None, tuple]:
         b, n = patches.shape[:2]
         previous = (
             keep_mask[:, self.prefix_tokens :] if keep_mask is not None else patches.new_ones(b, n)
@@ -185,9 +254,17 @@ class PredictorReducer(FusingReducer):
         else:
             log_probs = self.predictor(patches, previous)
             hard = F.gumbel_softmax(log_probs, hard=True)[..., 0] * previous
-        patches = self.fuse.fuse_masked(patches, host_mask=hard, donor_mask=(1.0 - hard) * previous)
+        removed = (1.0 - hard) * previous
+        fused = self.fuse.fuse_masked(patches, host_mask=hard, donor_mask=removed)
         mask = torch.cat([hard.new_ones(b, self.prefix_tokens), hard], dim=1)
-        return torch.cat([prefix, patches], dim=1), mask, positions
+        removal = None
+        if self.restore_rule is not None:
+            hosts = (
+                self.fuse.masked_hosts(patches, hard) if self.restore_rule in NEEDS_HOST else None
+            )
+            before = patches if self.restore_rule == DELTA else None
+            removal = MaskedRemoval(removed, hosts, fused, before)
+        return torch.cat([prefix, fused], dim=1), mask, positions, self._traced(trace, removal)
 
 
 class AttentionReducer(FusingReducer):
@@ -203,14 +280,15 @@ class AttentionReducer(FusingReducer):
         scores: Tensor,
         keep_mask: Tensor | None = None,
         positions: Tensor | None = None,
-    ) -> tuple[Tensor, None, Tensor | None]:
+        trace: tuple = (),
+    ) -> tuple[Tensor, None, Tensor | None, tuple]:
         n = x.shape[1] - self.prefix_tokens
         k = keep_count(n, self.keep_ratio, "ceil")
         if k >= n:  # nothing to prune: EViT adds no fused token either
-            return x, None, positions
+            return x, None, positions, trace
         # A random policy only changes who is kept; EViT still weights its fused token by attention.
         order = torch.rand_like(scores) if self.policy == "random" else scores
-        return self._select_and_fuse(x, order, scores, k, positions)
+        return self._select_and_fuse(x, order, scores, k, positions, trace)
 
 
 class MergeReducer(RecordsAssignment, nn.Module):
@@ -219,7 +297,7 @@ class MergeReducer(RecordsAssignment, nn.Module):
     tokens' sizes; prefix tokens are protected. The same in training (gradients flow through the
     weighted average) and inference.
 
-    Returns ``(tokens, None, positions, sizes)``: a merged token keeps its destination's grid
+    Returns ``(tokens, None, positions, sizes, trace)``: a merged token keeps its destination's grid
     position; ``sizes`` (B, t - r) says how many patches each token stands for, for the
     proportional attention of the blocks after it. ``None`` sizes mean all 1 (nothing merged yet).
     """
@@ -239,14 +317,24 @@ class MergeReducer(RecordsAssignment, nn.Module):
         keep_mask: Tensor | None = None,
         positions: Tensor | None = None,
         sizes: Tensor | None = None,
-    ) -> tuple[Tensor, None, Tensor | None, Tensor | None]:
+        trace: tuple = (),
+    ) -> tuple[Tensor, None, Tensor | None, Tensor | None, tuple]:
         matching = bipartite_soft_matching(metric, self.r, self.prefix_tokens)
         self._recorded(x, matching=matching)
         if matching.src.shape[1] == 0:  # r = 0 merges nothing: the tokens pass as they came
-            return x, None, positions, sizes
+            return x, None, positions, sizes, trace
         if sizes is None:
             sizes = x.new_ones(x.shape[:2], dtype=torch.float32)
         tokens, sizes, index = merge_tokens(x, sizes, matching)
-        patch_index = index[:, self.prefix_tokens :] - self.prefix_tokens
+        p = self.prefix_tokens
+        patch_index = index[:, p:] - p
         positions = _kept_positions(positions, patch_index)
-        return tokens, None, positions, sizes
+        removal = None
+        if self.restore_rule is not None:
+            prune_index, host_index = merged_hosts(matching)
+            removed = gather_tokens(x[:, p:], prune_index) if self.restore_rule != "host" else None
+            kept = gather_tokens(x[:, p:], patch_index) if self.restore_rule == DELTA else None
+            removal = self._removal(
+                patch_index, prune_index, host_index, removed, tokens[:, p:], kept
+            )
+        return tokens, None, positions, sizes, self._traced(trace, removal)

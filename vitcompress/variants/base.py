@@ -70,8 +70,17 @@ class Variant:
     # block): a search gives it one location, where more would only repeat the same plan.
     single_location: bool = False
     args: tuple[tuple[str, Any], ...] = ()
+    # How removed tokens come back where the model reads tokens by position (its ``restore``
+    # setting); ``None``: the fuse's default. See :attr:`restore_rule`.
+    restore: str | None = None
 
     def __post_init__(self) -> None:
+        if self.restore is not None and self.restore not in self.fuse.restore_rules:
+            raise VariantRefusal(
+                f"restore: {self.name} restores by {', '.join(self.fuse.restore_rules)}, "
+                f"got {self.restore!r}",
+                "variant_args",
+            )
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.keep_count not in KEEP_COUNTS:
@@ -236,6 +245,12 @@ class Variant:
         ``(tokens, keep_mask, positions)`` (plus ``sizes`` when :attr:`tracks_sizes`).
         """
         raise NotImplementedError(f"variant {self.name!r} builds no reducer")
+
+    @property
+    def restore_rule(self) -> str:
+        """How a token it removed comes back where the model reads tokens by position:
+        ``method/restore.py``'s rules (``host``, ``value``, ``delta``, ``zero``)."""
+        return self.restore or self.fuse.restore_default
 
     @property
     def tracks_sizes(self) -> bool:

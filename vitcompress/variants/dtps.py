@@ -9,5 +9,9 @@ SUMMARY = "learned predictor before the block; pruned tokens squeezed into kept 
 
 
 @register_variant
-def dtps() -> Variant:
-    return PredictorVariant(name="dtps", summary=SUMMARY, fuse=Squeeze(), report_order=0)
+def dtps(restore: str | None = None) -> Variant:
+    """``restore``: how a removed token comes back where the model reads tokens by position
+    (dense outputs, grid ops): delta, host, value or zero; default delta."""
+    return PredictorVariant(
+        name="dtps", summary=SUMMARY, fuse=Squeeze(), report_order=0, restore=restore
+    )

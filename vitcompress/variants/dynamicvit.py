@@ -9,5 +9,9 @@ SUMMARY = "learned predictor before the block; pruned tokens dropped"
 
 
 @register_variant
-def dynamicvit() -> Variant:
-    return PredictorVariant(name="dynamicvit", summary=SUMMARY, fuse=Drop(), report_order=2)
+def dynamicvit(restore: str | None = None) -> Variant:
+    """``restore``: how a removed token comes back where the model reads tokens by position
+    (dense outputs, grid ops): value or zero; default value."""
+    return PredictorVariant(
+        name="dynamicvit", summary=SUMMARY, fuse=Drop(), report_order=2, restore=restore
+    )

@@ -10,5 +10,9 @@ SUMMARY = "cls attention inside the block; pruned tokens squeezed into kept host
 
 
 @register_variant
-def etps() -> Variant:
-    return AttentionScoredVariant(name="etps", summary=SUMMARY, fuse=Squeeze(), report_order=1)
+def etps(restore: str | None = None) -> Variant:
+    """``restore``: how a removed token comes back where the model reads tokens by position
+    (dense outputs, grid ops): delta, host, value or zero; default delta."""
+    return AttentionScoredVariant(
+        name="etps", summary=SUMMARY, fuse=Squeeze(), report_order=1, restore=restore
+    )

@@ -10,5 +10,9 @@ SUMMARY = "cls attention inside the block; pruned tokens fused into one extra to
 
 
 @register_variant
-def evit() -> Variant:
-    return AttentionScoredVariant(name="evit", summary=SUMMARY, fuse=FuseOne(), report_order=3)
+def evit(restore: str | None = None) -> Variant:
+    """``restore``: how a removed token comes back where the model reads tokens by position
+    (dense outputs, grid ops): value or zero; default value."""
+    return AttentionScoredVariant(
+        name="evit", summary=SUMMARY, fuse=FuseOne(), report_order=3, restore=restore
+    )

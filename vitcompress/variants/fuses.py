@@ -16,7 +16,14 @@ import torch
 from torch import Tensor
 
 from vitcompress.kernels.ops import select_squeeze
-from vitcompress.method import evit_fuse, merge_sources, squeeze, squeeze_masked
+from vitcompress.method import (
+    evit_fuse,
+    masked_host_index,
+    merge_sources,
+    squeeze,
+    squeeze_masked,
+)
+from vitcompress.method.restore import DELTA, HOST, VALUE, ZERO
 from vitcompress.modules.reducers import Assignment
 
 # position -> the positions taken into it (squeezed or merged), as ``visualize`` draws them.
@@ -41,6 +48,11 @@ class Fuse:
     groups_grow: bool = False
     takes_pruned: bool = True  # :meth:`fuse` reads the pruned tokens (else it gets them empty)
     added_token_legend: str = ""  # the legend's line for the token it adds, where it adds one
+    # How a token it removed comes back where the model reads tokens by position (dense outputs,
+    # grid ops; method/restore.py): the rules that apply, and the default (docs/dense.md has the
+    # measurements that chose it). A drop has no host, so only its own value or zeros.
+    restore_rules: tuple[str, ...] = (VALUE, ZERO)
+    restore_default: str = VALUE
 
     @property
     def fused_kernel(self) -> bool:
@@ -63,6 +75,11 @@ class Fuse:
     ) -> tuple[Tensor, Tensor]:
         """The fused op: ``(tokens, keep_index)``. Only where :attr:`fused_kernel` is true."""
         raise NotImplementedError(f"{self.label}: no fused kernel")
+
+    def masked_hosts(self, patches: Tensor, host_mask: Tensor) -> Tensor | None:
+        """While a predictor trains: each token's host among the N (B, N), for a restore by the
+        host; ``None`` when this fuse gives tokens no host."""
+        return None
 
     def macs(self, removed: int, kept: int, dim: int) -> float:
         """The MACs of fusing ``removed`` tokens into ``kept`` ones of width ``dim``."""
@@ -93,6 +110,8 @@ class Squeeze(Fuse):
     by their similarity (dTPS, eTPS)."""
 
     label: str = "squeezed into kept hosts"
+    restore_rules: tuple[str, ...] = (DELTA, HOST, VALUE, ZERO)
+    restore_default: str = DELTA
 
     def fuse(
         self, prefix: Tensor, kept: Tensor, pruned: Tensor, pruned_scores: Tensor
@@ -101,6 +120,9 @@ class Squeeze(Fuse):
 
     def fuse_masked(self, patches: Tensor, host_mask: Tensor, donor_mask: Tensor) -> Tensor:
         return squeeze_masked(patches, host_mask=host_mask, donor_mask=donor_mask)
+
+    def masked_hosts(self, patches: Tensor, host_mask: Tensor) -> Tensor | None:
+        return masked_host_index(patches, host_mask)
 
     def kernel(
         self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int
@@ -145,6 +167,8 @@ class Merge(Fuse):
         "a token nothing was merged into (grey image)",
     )
     groups_grow: bool = True
+    restore_rules: tuple[str, ...] = (DELTA, HOST, VALUE, ZERO)
+    restore_default: str = DELTA  # ToMe's unmerge (host), with each token's own offset
 
     def explain(self, assignment: Assignment, present: list[int], groups: Hosts) -> Hosts:
         """Folds this block's merges into ``groups`` (position -> positions merged into it so

@@ -180,9 +180,11 @@ class TokenMerging(Variant):
 
 
 @register_variant
-def tome(r: int | None = None) -> Variant:
+def tome(r: int | None = None, restore: str | None = None) -> Variant:
     """``r``: the tokens merged in every block from the first location on (ToMe's own setting),
-    in place of keep ratios."""
+    in place of keep ratios. ``restore``: how a merged token comes back where the model reads
+    tokens by position (dense outputs, grid ops): delta (each token its group's value now plus its
+    own offset then), host (ToMe's unmerge), value or zero; default delta."""
     if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
         raise VariantRefusal(f"r: must be a whole number of tokens >= 0, got {r!r}", "variant_args")
     return TokenMerging(
@@ -190,4 +192,5 @@ def tome(r: int | None = None) -> Variant:
         summary="merges r tokens in every block by bipartite matching on the keys (ToMe)",
         report_order=4,
         r=r,
+        restore=restore,
     )

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from vitcompress.measure.models import (
     speedup,
     tokens_per_block,
 )
+from vitcompress.modules.restore import TokenRestore
 from vitcompress.status import step
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, GateResult, check_gates, require
 from vitcompress.workflows.identity import artifact_identity, model_identity, unsaved_identity
@@ -44,6 +45,8 @@ class ApplyResult:
     plan: dict[str, Any]
     environment: dict[str, Any]
     out: Path | None
+    # Where the compressed model brings the full token set back, and by which rule.
+    restored: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def speedup(self) -> float | None:
@@ -62,6 +65,7 @@ class ApplyResult:
             "plan": self.plan,
             "environment": self.environment,
             "out": str(self.out) if self.out is not None else None,
+            "restored": self.restored,
         }
 
 
@@ -104,8 +108,19 @@ def _compress_and_measure(
         plan=info.plan.to_json(),
         environment=environment,
         out=None,
+        restored=restore_points(model),
     )
     return result, model
+
+
+def restore_points(model: nn.Module) -> list[dict[str, str]]:
+    """Where a compressed model restores the full token set (its restore modules), in graph
+    order: what reads the tokens there, and the rule."""
+    return [
+        {"for": module.where, "rule": module.rule}
+        for module in model.modules()
+        if isinstance(module, TokenRestore)
+    ]
 
 
 @dataclass
@@ -114,7 +129,7 @@ class ApplyReport:
     they describe, the gates, and why saving failed if it did (the report is shown anyway)."""
 
     spec: str
-    input_size: tuple[int, int, int]
+    input_size: tuple[int, ...]
     result: ApplyResult
     paired: PairedRatio | None
     base_identity: dict[str, Any]
