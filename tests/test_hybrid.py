@@ -7,7 +7,9 @@ import torch
 import vitcompress
 import vitcompress.zoo  # noqa: F401 - registers pvt_* and cvt_* into timm
 from tests.fixtures import inhouse
-from vitcompress.modules.grid import GridGather, GridPad
+from vitcompress.method import MaskedRemoval, Removal
+from vitcompress.modules.grid import GridGather
+from vitcompress.modules.restore import TokenRestore
 
 VARIANTS = ["dtps", "dynamicvit", "etps", "evit"]
 
@@ -47,36 +49,49 @@ def test_hybrid_keep_one_gives_base_logits_and_training_runs(name, variant):
         assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
 
 
-def test_pad_then_gather_returns_the_kept_tokens_exactly():
+def _dropped(positions: torch.Tensor, cells: int) -> torch.Tensor:
+    """The grid positions not in ``positions`` (B, k), ascending: what a reduction removed."""
+    dropped = [sorted(set(range(cells)) - set(row.tolist())) for row in positions]
+    return torch.tensor(dropped)
+
+
+def _zero_filled(tokens: torch.Tensor, positions: torch.Tensor, cells: int) -> torch.Tensor:
+    """What a grid op of a reduced stage reads under ``restore=zero``."""
+    kept = positions[:, : (positions >= 0).sum(dim=1).min()]
+    removal = Removal(keep_index=kept, prune_index=_dropped(positions, cells))
+    return TokenRestore("zero", prefix_tokens=0)(tokens, (removal,))
+
+
+def test_restore_then_gather_returns_the_kept_tokens_exactly():
     torch.manual_seed(1)
     tokens = torch.randn(3, 10, 8)
     positions = torch.stack([torch.randperm(16)[:10] for _ in range(3)])
-    grid = GridPad((4, 4))(tokens, None, positions)
+    grid = _zero_filled(tokens, positions, 16)
     assert grid.shape == (3, 16, 8)
     assert torch.equal(GridGather((4, 4))(grid, positions), tokens)
 
 
-def test_padded_grid_is_zero_exactly_where_tokens_were_dropped():
+def test_a_zero_restored_grid_is_zero_exactly_where_tokens_were_dropped():
     torch.manual_seed(2)
     tokens = torch.randn(2, 5, 4) + 10.0  # no accidental zeros
     positions = torch.tensor([[0, 3, 5, 6, 15], [1, 2, 3, 4, 8]])
-    grid = GridPad((4, 4))(tokens, None, positions)
+    grid = _zero_filled(tokens, positions, 16)
     present = torch.zeros(2, 16, dtype=torch.bool).scatter(1, positions, True)
     assert torch.all(grid[~present] == 0)
     assert torch.all(grid[present] != 0)
 
 
-def test_training_mask_zeroes_dropped_tokens_before_grid_ops():
+def test_training_zero_restore_zeroes_the_masked_tokens_before_grid_ops():
     tokens = torch.ones(1, 4, 3)
-    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0]])  # one prefix token, then 4 patch tokens
-    out = GridPad((2, 2))(tokens, mask, None)
+    removed = torch.tensor([[0.0, 1.0, 0.0, 1.0]])  # 4 patch tokens, 2 removed
+    out = TokenRestore("zero", prefix_tokens=0)(tokens, (MaskedRemoval(removed),))
     assert out[0, :, 0].tolist() == [1.0, 0.0, 1.0, 0.0]
 
 
 def test_evit_fused_token_stays_off_the_grid():
     tokens = torch.ones(1, 3, 2)
     positions = torch.tensor([[2, 0, -1]])  # the last one is EViT's fused token
-    grid = GridPad((2, 2))(tokens, None, positions)
+    grid = _zero_filled(tokens, positions, 4)
     assert grid[0, :, 0].tolist() == [1.0, 0.0, 1.0, 0.0]
     back = GridGather((2, 2))(grid * 3, positions)
     assert back[0, :, 0].tolist() == [3.0, 3.0, 0.0]
