@@ -9,7 +9,7 @@ SUMMARY = "learned predictor before the block; pruned tokens squeezed into kept 
 
 
 @register_variant
-def dtps(restore: str | None = None) -> Variant:
+def dtps(restore: str = Squeeze.restore_default) -> Variant:
     """``restore``: how a removed token comes back where the model reads tokens by position
     (dense outputs, grid ops): delta, host, value or zero; default delta."""
     return PredictorVariant(

@@ -9,7 +9,7 @@ SUMMARY = "learned predictor before the block; pruned tokens dropped"
 
 
 @register_variant
-def dynamicvit(restore: str | None = None) -> Variant:
+def dynamicvit(restore: str = Drop.restore_default) -> Variant:
     """``restore``: how a removed token comes back where the model reads tokens by position
     (dense outputs, grid ops): value or zero; default value."""
     return PredictorVariant(

@@ -10,7 +10,7 @@ SUMMARY = "cls attention inside the block; pruned tokens squeezed into kept host
 
 
 @register_variant
-def etps(restore: str | None = None) -> Variant:
+def etps(restore: str = Squeeze.restore_default) -> Variant:
     """``restore``: how a removed token comes back where the model reads tokens by position
     (dense outputs, grid ops): delta, host, value or zero; default delta."""
     return AttentionScoredVariant(

@@ -10,7 +10,7 @@ SUMMARY = "cls attention inside the block; pruned tokens fused into one extra to
 
 
 @register_variant
-def evit(restore: str | None = None) -> Variant:
+def evit(restore: str = FuseOne.restore_default) -> Variant:
     """``restore``: how a removed token comes back where the model reads tokens by position
     (dense outputs, grid ops): value or zero; default value."""
     return AttentionScoredVariant(

@@ -180,7 +180,7 @@ class TokenMerging(Variant):
 
 
 @register_variant
-def tome(r: int | None = None, restore: str | None = None) -> Variant:
+def tome(r: int | None = None, restore: str = Merge.restore_default) -> Variant:
     """``r``: the tokens merged in every block from the first location on (ToMe's own setting),
     in place of keep ratios. ``restore``: how a merged token comes back where the model reads
     tokens by position (dense outputs, grid ops): delta (each token its group's value now plus its
