@@ -9,6 +9,7 @@ import click
 
 from vitcompress.cli.options import folded_options
 from vitcompress.data.config import INTERPOLATIONS, NAMED_STATS, DataConfig, data_overrides
+from vitcompress.data.segmentation import FASHION_MNIST_SEG, TASKS
 from vitcompress.workflows.inputs import DataRequest
 
 
@@ -24,7 +25,8 @@ def data_options(
             required=required,
             default=None,
             metavar="DATA",
-            help="ImageNet-style folder with train/ and val/, or 'fashion-mnist'.",
+            help="ImageNet-style folder with train/ and val/, 'fashion-mnist', or "
+            f"'{FASHION_MNIST_SEG}' (segmentation, generated from Fashion-MNIST).",
         ),
         click.option(
             "--data-dir",
@@ -58,6 +60,16 @@ def data_options(
         return DataRequest(data, data_dir, split, overrides)
 
     return folded_options("data", options, request)
+
+
+task_option = click.option(
+    "--task",
+    type=click.Choice(TASKS),
+    default=TASKS[0],
+    show_default=True,
+    help="classification: top-1 on image labels; segmentation: mean IoU and pixel accuracy of "
+    f"per-pixel logits (B, classes, H, W) on per-pixel labels (--data {FASHION_MNIST_SEG}).",
+)
 
 
 def _config_options() -> list[Callable]:

@@ -14,7 +14,7 @@ from vitcompress.cli.app import (
     json_option,
     print_environment,
 )
-from vitcompress.cli.data_options import data_options, describe
+from vitcompress.cli.data_options import data_options, describe, task_option
 from vitcompress.cli.options import (
     base_options,
     gate_options,
@@ -31,6 +31,7 @@ from vitcompress.workflows.inputs import BaseRequest, DataRequest, ModelRequest
 @cli.command(name="eval")
 @model_options
 @data_options("val", "Split to evaluate (train is read without augmentation).")
+@task_option
 @base_options
 @workers_option
 @timing_options
@@ -41,6 +42,7 @@ def eval_command(
     ctx: click.Context,
     model: ModelRequest,
     data: DataRequest,
+    task: str,
     base: BaseRequest | None,
     workers: int,
     timing: TimingOptions | None,
@@ -51,6 +53,8 @@ def eval_command(
 
     Each model is fed its own data config (an artifact's record, the model's data_config or
     timm pretrained_cfg); --mean/--std/--interpolation/--crop-pct override it for both.
+    With --task segmentation: mean IoU and pixel accuracy (--max-acc-drop then bounds the mIoU
+    points lost).
     """
     # --batch-size and --device belong to timing_options, which folds them into `timing` (None
     # with --no-throughput); read them from the parsed parameters so evaluation always has them.
@@ -59,7 +63,7 @@ def eval_command(
         "device": ctx.params["device"],
         "num_workers": workers,
     }
-    result = eval_model(model, data, base, loader, timing, bounds)
+    result = eval_model(model, data, base, loader, timing, bounds, task)
     if as_json:
         emit_json(result.to_json())
     else:
@@ -68,6 +72,14 @@ def eval_command(
     for note in result.notes:
         click.echo(note, err=True)
     finish_gates(result.gates, as_json)
+
+
+_HEADERS = {
+    "top1": "top-1 (%)",
+    "top5": "top-5 (%)",
+    "miou": "mIoU (%)",
+    "pixel_acc": "pixel acc (%)",
+}
 
 
 def _print_result(result: EvalResult) -> None:
@@ -80,25 +92,29 @@ def _print_result(result: EvalResult) -> None:
     if base is not None and base.data_config != result.data_config:
         console.print(f"[dim]base data config: {describe(base.data_config)}[/]", highlight=False)
     table = Table(show_edge=False)
+    first, second = result.metrics
+    headers = [_HEADERS[first], _HEADERS[second]]
     if base is None:
-        for column in ("top-1 (%)", "top-5 (%)"):
+        for column in headers:
             table.add_column(column, justify="right")
-        table.add_row(f"{result.accuracy['top1']:.2f}", f"{result.accuracy['top5']:.2f}")
+        table.add_row(f"{result.accuracy[first]:.2f}", f"{result.accuracy[second]:.2f}")
         console.print(table)
         return
     data = result.to_json()
-    for column in ("", "top-1 (%)", "top-5 (%)", "params (M)", "GMACs", "throughput (img/s)"):
+    for column in ("", *headers, "params (M)", "GMACs", "throughput (img/s)"):
         table.add_column(column, justify="left" if not column else "right")
     for key, label in (("base", f"base {base.spec}"), ("compressed", result.spec)):
         row = data[key]
         table.add_row(
             label,
-            f"{row['top1']:.2f}",
-            f"{row['top5']:.2f}",
+            f"{row[first]:.2f}",
+            f"{row[second]:.2f}",
             f"{row['params'] / 1e6:.2f}",
             f"{row['gmacs']:.3f}",
             fmt_throughput(row["throughput"]),
         )
-    table.add_row("delta", f"{data['delta_top1']:+.2f}", f"{data['delta_top5']:+.2f}", "", "", "")
+    table.add_row(
+        "delta", f"{data[f'delta_{first}']:+.2f}", f"{data[f'delta_{second}']:+.2f}", "", "", ""
+    )
     console.print(table)
     print_environment(base.environment)

@@ -10,7 +10,7 @@ import click
 from rich.table import Table
 
 from vitcompress.cli.app import cli, console, emit_json, json_option
-from vitcompress.cli.data_options import data_options
+from vitcompress.cli.data_options import data_options, task_option
 from vitcompress.cli.options import (
     amp_option,
     folded_options,
@@ -128,6 +128,7 @@ def training_options(command: Callable) -> Callable:
         ),
         click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in OUT."),
         click.option("--seed", default=0, show_default=True, type=int),
+        task_option,
         workers_option,
         click.option(
             "--log-every",
@@ -205,15 +206,19 @@ def finetune(
         return
     summary = report.summary
     table = Table(show_edge=False)
-    for column in ("epoch", "step", "train loss", "val top-1 (%)"):
+    # Segmentation is validated by mean IoU, classification by top-1.
+    key, header = ("val_top1", "val top-1 (%)")
+    if config.task == "segmentation":
+        key, header = ("val_miou", "val mIoU (%)")
+    for column in ("epoch", "step", "train loss", header):
         table.add_column(column)
     for row in summary["history"]:
-        top1 = row.get("val_top1")
+        value = row.get(key)
         table.add_row(
             str(row["epoch"] + 1),
             str(row["step"]),
             f"{row['train_loss']:.4f}",
-            f"{100 * top1:.2f}" if top1 is not None else "-",
+            f"{100 * value:.2f}" if value is not None else "-",
         )
     console.print(table)
     console.print(

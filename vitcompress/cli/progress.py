@@ -74,6 +74,12 @@ class RichProgress(FinetuneProgress):
                 f"{summary['train_loss']:.4f}, val top-1 "
                 f"{100 * summary['val_top1']:.2f}%"
             )
+        elif self.bar is not None and summary.get("val_miou") is not None:
+            self.bar.console.print(
+                f"epoch {summary['epoch'] + 1}: train loss "
+                f"{summary['train_loss']:.4f}, val mIoU "
+                f"{100 * summary['val_miou']:.2f}%"
+            )
 
 
 class LogLines(FinetuneProgress):
@@ -126,6 +132,10 @@ class LogLines(FinetuneProgress):
             parts.append(f"val top-1 {100 * summary['val_top1']:.2f}%")
         if summary.get("val_top1_ema") is not None:
             parts.append(f"EMA val top-1 {100 * summary['val_top1_ema']:.2f}%")
+        if summary.get("val_miou") is not None:
+            parts.append(f"val mIoU {100 * summary['val_miou']:.2f}%")
+        if summary.get("val_miou_ema") is not None:
+            parts.append(f"EMA val mIoU {100 * summary['val_miou_ema']:.2f}%")
         self._print(
             f"epoch {summary['epoch'] + 1}/{self.epochs} done at step {summary['step']}: "
             + ", ".join(parts)

@@ -6,6 +6,7 @@ import gzip
 import os
 import struct
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,11 @@ from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
 
 from vitcompress.data.config import DEFAULTS_SOURCE, DataConfig, resolve_data_config
+from vitcompress.data.segmentation import (
+    FASHION_MNIST_SEG,
+    FashionMnistSegmentation,
+    is_segmentation_data,
+)
 from vitcompress.data.transforms import (
     AugmentConfig,
     DataError,
@@ -58,7 +64,9 @@ def build_dataset(
     ``.data_config``, the config its images are brought to the model with, and ``.augment``, the
     preset its train split is augmented with (batch-level mixup and smoothing are the trainer's).
 
-    ``data`` is an ImageFolder tree with ``train/`` and ``val/`` or the word ``fashion-mnist``.
+    ``data`` is an ImageFolder tree with ``train/`` and ``val/`` or the word ``fashion-mnist``;
+    ``fashion-mnist-seg`` is the generated segmentation set (``vitcompress.data.segmentation``:
+    per-pixel labels (H, W) instead of an int, canvases at the input size, ``.task``).
     ``augment`` only applies to the train split; None means the data's default preset
     (``light()`` for Fashion-MNIST, ``deit()`` for folders). A preset with nothing random
     (``none()``) gives the train split the deterministic evaluation transform.
@@ -71,6 +79,8 @@ def build_dataset(
     size = check_input_size(input_size)
     config = _config_for(size[0], mean, std, data_config)
     train = split == "train"
+    if is_segmentation_data(data):
+        return _segmentation_set(split, size, augment, data_dir, config)
     if data.strip().lower() in (FASHION_MNIST, "fashion_mnist", "fashionmnist"):
         augment = augment or AugmentConfig.light()
         images, labels = load_fashion_mnist(split, data_dir)
@@ -150,6 +160,36 @@ def _transform(
         interpolation=config.interpolation,
         crop_mode=config.crop_mode,
     )
+
+
+def _segmentation_set(
+    split: str,
+    size: tuple[int, int, int],
+    augment: AugmentConfig | None,
+    data_dir: str | None,
+    config: DataConfig,
+) -> Dataset:
+    """The generated segmentation set at the input size, normalised by ``config``'s mean/std
+    (there is nothing to resize or crop); of an augmentation preset only the flip applies."""
+    augment = augment or replace(AugmentConfig.none(), hflip=0.5)
+    images, labels = load_fashion_mnist(split, data_dir)
+    config = config.with_field(
+        "crop_pct", 1.0, f"{DEFAULTS_SOURCE}: {FASHION_MNIST_SEG} canvases are not cropped"
+    )
+    dataset = FashionMnistSegmentation(
+        images,
+        labels,
+        FASHION_MNIST_CLASSES,
+        split,
+        size=size[1:],
+        channels=size[0],
+        mean=config.mean,
+        std=config.std,
+        hflip=augment.hflip if split == "train" else 0.0,
+    )
+    dataset.data_config = config
+    dataset.augment = augment
+    return dataset
 
 
 def num_classes(dataset: Dataset) -> int:

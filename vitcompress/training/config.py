@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from vitcompress.data import DataError, num_classes
+from vitcompress.data import DataError, check_task, num_classes
+from vitcompress.data.segmentation import SEGMENTATION, TASKS
 from vitcompress.training.evaluate import unwrap_logits
 from vitcompress.training.run_directory import FinetuneError
 
@@ -100,13 +101,32 @@ class FinetuneConfig:
     mixup: dict[str, Any] | None = None  # keyword arguments of timm.data.Mixup
     smoothing: float = 0.0
     fsdp: bool = False  # shard the model with FSDP2 over the processes (several processes only)
+    # "classification" (one label per image) or "segmentation": per-pixel labels (H, W) and
+    # per-pixel logits (B, classes, H, W); cross-entropy and distillation per pixel, mIoU.
+    task: str = "classification"
     extra: dict[str, Any] = field(default_factory=dict)  # recorded in the artifact's summary
 
 
-def _check_outputs(model: nn.Module, train_set: Dataset, mixup: bool) -> None:
+def _check_task(train_set: Dataset, config: FinetuneConfig) -> None:
+    """Refuse a task the data cannot be trained on, and mixup on per-pixel labels, in one
+    line, before anything runs."""
+    if config.task not in TASKS:
+        raise FinetuneError(f"unknown task {config.task!r}: expected one of {', '.join(TASKS)}")
+    check_task(train_set, config.task)
+    if config.task == SEGMENTATION and config.mixup:
+        raise FinetuneError(
+            "mixup/cutmix mix one label per image and do not apply to per-pixel labels; "
+            "drop them (augment preset 'none' or 'light') for --task segmentation"
+        )
+
+
+def _check_outputs(
+    model: nn.Module, train_set: Dataset, mixup: bool, task: str = "classification"
+) -> None:
     """Refuse a head that cannot fit the data before anything runs: fewer outputs than classes
     fails at the first label past them, and mixup's soft targets are sized to the data's classes,
-    so with mixup the counts must be equal. A larger head is allowed otherwise."""
+    so with mixup the counts must be equal. A larger head is allowed otherwise. For
+    segmentation the outputs are per pixel: (B, classes, H, W) at the labels' H, W."""
     try:
         classes = num_classes(train_set)
     except DataError:  # a plain dataset without .classes: nothing to compare with
@@ -118,9 +138,19 @@ def _check_outputs(model: nn.Module, train_set: Dataset, mixup: bool) -> None:
     try:
         with torch.no_grad():
             image = train_set[0][0].unsqueeze(0).to(next(model.parameters()).device)
-            outputs = unwrap_logits(model(image)).shape[-1]
+            logits = unwrap_logits(model(image))
     finally:
         model.train(was_training)
+    outputs = logits.shape[-1]
+    if task == SEGMENTATION:
+        labels = torch.as_tensor(train_set[0][1])
+        if logits.dim() != 4 or logits.shape[-2:] != labels.shape[-2:]:
+            raise FinetuneError(
+                f"the model returns {tuple(logits.shape)}, not per-pixel logits (B, classes, "
+                f"{labels.shape[-2]}, {labels.shape[-1]}) matching the labels: --task "
+                "segmentation needs a segmentation model"
+            )
+        outputs = logits.shape[1]
     if outputs < classes or (mixup and outputs != classes):
         why = " (mixup's targets have one column per class)" if outputs > classes else ""
         raise FinetuneError(

@@ -1,4 +1,5 @@
-"""Top-1 / top-5 accuracy of a model on a dataset from ``vitcompress.data``."""
+"""Top-1 / top-5 accuracy of a model on a dataset from ``vitcompress.data``; for a segmentation
+set, mean IoU and pixel accuracy from a confusion matrix over all pixels."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ from torch.utils.data import DataLoader, Dataset
 from vitcompress.data import DataError, num_classes
 from vitcompress.measure.logits import unwrap_logits
 
-__all__ = ["evaluate", "evaluate_top1", "unwrap_logits"]
+__all__ = [
+    "confusion_matrix",
+    "evaluate",
+    "evaluate_miou",
+    "evaluate_segmentation",
+    "evaluate_top1",
+    "segmentation_scores",
+    "unwrap_logits",
+]
 
 
 def evaluate(
@@ -80,3 +89,124 @@ def evaluate_top1(model: nn.Module, loader: DataLoader, accelerator: Any) -> flo
         total += int(labels.numel())
     model.train(was_training)
     return correct / max(total, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Segmentation
+
+
+def confusion_matrix(predictions: torch.Tensor, labels: torch.Tensor, classes: int) -> torch.Tensor:
+    """(classes, classes) int64 counts of pixels: row = label, column = prediction. Labels
+    outside ``[0, classes)`` (an ignore index such as 255) are not counted."""
+    labels, predictions = labels.reshape(-1).long(), predictions.reshape(-1).long()
+    valid = (labels >= 0) & (labels < classes)
+    index = labels[valid] * classes + predictions[valid].clamp(0, classes - 1)
+    return torch.bincount(index, minlength=classes * classes).reshape(classes, classes).cpu()
+
+
+def segmentation_scores(confusion: torch.Tensor) -> dict[str, Any]:
+    """``{"miou", "pixel_acc", "iou", "pixels"}`` from a confusion matrix (row = label).
+
+    IoU of class c = TP / (TP + FP + FN); the mean is over the classes present, those with a
+    nonzero union (in the labels or in the predictions: a class predicted but absent from the
+    labels scores 0; one neither labelled nor predicted is left out, None in ``iou``), background
+    included. ``miou`` and ``pixel_acc`` (correct pixels over all) in percent.
+    """
+    confusion = confusion.double()
+    true_positive = confusion.diag()
+    union = confusion.sum(0) + confusion.sum(1) - true_positive
+    present = union > 0
+    iou = torch.where(present, true_positive / union.clamp(min=1), torch.nan)
+    total = float(confusion.sum())
+    return {
+        "miou": 100.0 * float(iou[present].mean()) if bool(present.any()) else 0.0,
+        "pixel_acc": 100.0 * float(true_positive.sum()) / total if total else 0.0,
+        "iou": [
+            None if not bool(p) else 100.0 * float(v) for v, p in zip(iou, present, strict=True)
+        ],
+        "pixels": int(total),
+    }
+
+
+def _pixel_logits(output: Any, labels: torch.Tensor, classes: int | None) -> torch.Tensor:
+    """The (B, K, H, W) logits of a segmentation model's output, checked against the labels
+    (B, H, W): one line naming the shapes otherwise."""
+    logits = unwrap_logits(output)
+    if logits.dim() != 4 or logits.shape[-2:] != labels.shape[-2:]:
+        raise DataError(
+            f"the model returns {tuple(logits.shape)}, not per-pixel logits (B, classes, "
+            f"{labels.shape[-2]}, {labels.shape[-1]}) matching the labels: --task segmentation "
+            "needs a segmentation model"
+        )
+    if classes is not None and logits.shape[1] < classes:
+        raise DataError(
+            f"the model predicts {logits.shape[1]} classes per pixel but the data has "
+            f"{classes}: pass e.g. --model-arg num_classes={classes}"
+        )
+    return logits
+
+
+def evaluate_segmentation(
+    model: nn.Module,
+    dataset: Dataset,
+    batch_size: int = 64,
+    device: str = "cpu",
+    num_workers: int = 0,
+) -> dict[str, Any]:
+    """``{"miou", "pixel_acc", "iou", "pixels", "images"}`` of a model returning (B, K, H, W)
+    logits on a set of (image, labels (H, W)) pairs (:func:`segmentation_scores`; percent).
+
+    The confusion matrix covers K = the larger of the model's outputs and the data's classes.
+    The model runs in eval mode under ``inference_mode`` and is put back in its previous mode.
+    """
+    if len(dataset) == 0:  # type: ignore[arg-type]
+        raise DataError("the dataset is empty: nothing to evaluate")
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        pin_memory=str(device).startswith("cuda"),
+    )
+    was_training = model.training
+    model.eval().to(device)
+    try:
+        classes: int | None = num_classes(dataset)
+    except DataError:
+        classes = None
+    confusion: torch.Tensor | None = None
+    images_seen = 0
+    try:
+        with torch.inference_mode():
+            for images, labels in loader:
+                images, labels = images.to(device), labels.to(device)
+                logits = _pixel_logits(model(images), labels, classes)
+                size = max(logits.shape[1], classes or 0)
+                counts = confusion_matrix(logits.argmax(1), labels, size)
+                confusion = counts if confusion is None else confusion + counts
+                images_seen += labels.shape[0]
+    finally:
+        model.train(was_training)
+    assert confusion is not None
+    return {**segmentation_scores(confusion), "images": images_seen}
+
+
+@torch.no_grad()
+def evaluate_miou(model: nn.Module, loader: DataLoader, accelerator: Any, classes: int) -> float:
+    """Mean IoU as a fraction over a loader prepared by ``accelerator`` (several processes:
+    each sees its shard, and the per-pixel predictions are gathered, as ``evaluate_top1``
+    gathers its predictions, so the samples that pad the last shard count once)."""
+    was_training = model.training
+    model.eval()
+    confusion: torch.Tensor | None = None
+    for images, labels in loader:
+        with accelerator.autocast():
+            logits = _pixel_logits(model(images), labels, classes)
+        size = max(logits.shape[1], classes)
+        predictions, labels = accelerator.gather_for_metrics((logits.argmax(1), labels))
+        counts = confusion_matrix(predictions, labels, size)
+        confusion = counts if confusion is None else confusion + counts
+    model.train(was_training)
+    if confusion is None:
+        return 0.0
+    return segmentation_scores(confusion)["miou"] / 100

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from vitcompress.data.segmentation import SEGMENTATION
 from vitcompress.loading import LoadedModel
 from vitcompress.training.checkpoint import (
     checkpoint_name,
@@ -40,6 +41,7 @@ from vitcompress.training.config import (
     _check_finite,
     _check_fsdp,
     _check_outputs,
+    _check_task,
 )
 from vitcompress.training.evaluate import unwrap_logits
 from vitcompress.training.interrupt import ForcedStop, StopSignals
@@ -49,6 +51,7 @@ from vitcompress.training.metrics import (
     RateWindow,
     run_summary,
     start_record,
+    validation_miou,
     validation_top1,
 )
 from vitcompress.training.optim import build_optimizer, build_scheduler, default_lr
@@ -118,7 +121,8 @@ class FinetuneRun:
 
         config, out = self.config, self.out
         resume_from = prepare_run_directory(out, config.resume)
-        _check_outputs(self.student.model, self.train_set, bool(config.mixup))  # nothing written
+        _check_task(self.train_set, config)  # nothing written
+        _check_outputs(self.student.model, self.train_set, bool(config.mixup), config.task)
         self.accelerator = accelerator = Accelerator(
             gradient_accumulation_steps=config.accum, mixed_precision=config.amp or "no"
         )
@@ -200,7 +204,11 @@ class FinetuneRun:
 
             self.mixup_fn = Mixup(**config.mixup)
         self.criterion = FinetuneLoss(
-            self.taps, self.weights, mixup=self.mixup_fn is not None, smoothing=config.smoothing
+            self.taps,
+            self.weights,
+            mixup=self.mixup_fn is not None,
+            smoothing=config.smoothing,
+            task=config.task,
         )
         self.metrics = MetricsLog(out / METRICS, self.main)
         self.buffer_names = {name for name, _ in self.raw_model.named_buffers()}
@@ -483,10 +491,24 @@ class FinetuneRun:
             self.signals,
         )  # fmt: skip
 
+    def miou(self, net: nn.Module) -> float:
+        """Mean IoU of ``net`` on the validation data, as a fraction (:func:`validation_miou`)."""
+        assert self.val_set is not None
+        return validation_miou(
+            net, self.accelerator, self.val_set, self.checked(self.val_loader), self.config,
+            self.signals,
+        )  # fmt: skip
+
     def evaluate(self) -> dict[str, float]:
-        """Validation top-1 of the model (and of its EMA); empty without validation data."""
+        """Validation top-1 of the model (and of its EMA); empty without validation data. For
+        segmentation, the mean IoU (``val_miou``, ``val_miou_ema``)."""
         if self.val_loader is None:
             return {}
+        if self.config.task == SEGMENTATION:
+            metrics = {"val_miou": self.miou(self.model)}
+            if self.ema is not None:
+                metrics["val_miou_ema"] = self.miou(self.ema.module)
+            return metrics
         metrics = {"val_top1": self.top1(self.model)}
         if self.ema is not None:
             metrics["val_top1_ema"] = self.top1(self.ema.module)

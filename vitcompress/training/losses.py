@@ -5,6 +5,9 @@
 
 ``ratio`` and the token mask come from the keep masks that the learned reducers (dTPS, DynamicViT)
 return in training; forward hooks read them so the compressed graph needs no extra outputs.
+
+For segmentation (per-pixel logits (B, K, H, W), labels (B, H, W)) CE and KL are taken per pixel
+and averaged over pixels and images; the ratio and token terms are the same.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch import Tensor, nn
 
 from vitcompress.compilation.metadata import compression_info
 from vitcompress.compilation.rewrite import REDUCER_PREFIX
+from vitcompress.data.segmentation import SEGMENTATION
 from vitcompress.variants.base import RATIO_LOSS
 
 log = logging.getLogger(__name__)
@@ -48,6 +52,18 @@ def kl_distillation(student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
         reduction="batchmean",
         log_target=True,
     )
+
+
+def pixel_kl_distillation(student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
+    """KL(teacher || student) of each pixel's class distribution ((B, K, H, W) logits,
+    temperature 1), summed over classes, averaged over pixels and images."""
+    kl = F.kl_div(
+        F.log_softmax(student_logits.float(), dim=1),
+        F.log_softmax(teacher_logits.float(), dim=1),
+        reduction="none",
+        log_target=True,
+    )
+    return kl.sum(dim=1).mean()
 
 
 def token_distillation(
@@ -219,12 +235,21 @@ class FinetuneLoss:
     """Computes the total loss and its parts from the outputs and what the taps recorded."""
 
     def __init__(
-        self, taps: DistillationTaps, weights: LossWeights, mixup: bool, smoothing: float
+        self,
+        taps: DistillationTaps,
+        weights: LossWeights,
+        mixup: bool,
+        smoothing: float,
+        task: str = "classification",
     ) -> None:
         self.taps = taps
         self.weights = weights
-        if mixup:
-            self.base: nn.Module = SoftTargetCrossEntropy()
+        self.segmentation = task == SEGMENTATION
+        self.distillation = pixel_kl_distillation if self.segmentation else kl_distillation
+        if self.segmentation:  # per pixel: (B, K, H, W) against (B, H, W); no mixup
+            self.base: nn.Module = nn.CrossEntropyLoss(label_smoothing=smoothing)
+        elif mixup:
+            self.base = SoftTargetCrossEntropy()
         elif smoothing > 0:
             self.base = LabelSmoothingCrossEntropy(smoothing=smoothing)
         else:
@@ -244,7 +269,7 @@ class FinetuneLoss:
                 [r.prefix_tokens for r in taps.reducers],
             )
         if self.weights.distill and teacher_logits is not None:
-            parts["distill"] = self.weights.distill * kl_distillation(logits, teacher_logits)
+            parts["distill"] = self.weights.distill * self.distillation(logits, teacher_logits)
         if self.weights.token_distill and taps.token_distill:
             term = self._token_term(masks)
             if term is not None:

@@ -12,8 +12,15 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
+from vitcompress.data import num_classes
+from vitcompress.data.segmentation import SEGMENTATION
 from vitcompress.training.config import FinetuneConfig
-from vitcompress.training.evaluate import evaluate, evaluate_top1
+from vitcompress.training.evaluate import (
+    evaluate,
+    evaluate_miou,
+    evaluate_segmentation,
+    evaluate_top1,
+)
 from vitcompress.training.interrupt import StopSignals
 
 # What the caller's ``extra`` says about the inputs, repeated on each run's ``start`` metrics line.
@@ -97,6 +104,11 @@ def run_summary(
         "amp": config.amp,
         "history": [dict(entry) for entry in history],
         "val_top1": history[-1].get("val_top1") if history else None,
+        **(
+            {"task": config.task, "val_miou": history[-1].get("val_miou") if history else None}
+            if config.task == SEGMENTATION
+            else {}
+        ),
         "seconds": time.perf_counter() - started,
         **config.extra,
     }
@@ -125,3 +137,26 @@ def validation_top1(
             )
         return result["top1"] / 100
     return evaluate_top1(net, batches, accelerator)
+
+
+def validation_miou(
+    net: nn.Module,
+    accelerator: Any,
+    val_set: Dataset,
+    batches: Any,
+    config: FinetuneConfig,
+    signals: StopSignals,
+) -> float:
+    """Mean IoU as a fraction, as :func:`validation_top1` measures top-1: one process, the
+    ``eval --task segmentation`` numbers; several, the per-pixel predictions gathered."""
+    if accelerator.num_processes == 1:
+        with signals.immediate():
+            result = evaluate_segmentation(
+                accelerator.unwrap_model(net),
+                val_set,
+                batch_size=config.batch_size,
+                device=str(accelerator.device),
+                num_workers=config.num_workers,
+            )
+        return result["miou"] / 100
+    return evaluate_miou(net, batches, accelerator, num_classes(val_set))

@@ -1,15 +1,18 @@
 """``vitcompress eval`` as one workflow: the model's accuracy on a dataset, and with a base, both
-models' accuracy, cost and paired speed-up, each fed its own data config."""
+models' accuracy, cost and paired speed-up, each fed its own data config. The task decides what
+accuracy is: top-1/top-5 (classification) or mean IoU and pixel accuracy (segmentation)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch import nn
 from torch.utils.data import Dataset
 
-from vitcompress.data import DataConfig
+from vitcompress.data import DataConfig, check_task
 from vitcompress.data.config import defaults_note
+from vitcompress.data.segmentation import SEGMENTATION
 from vitcompress.loading import LoadedModel
 from vitcompress.measure import PairedRatio
 from vitcompress.measure.models import (
@@ -18,14 +21,25 @@ from vitcompress.measure.models import (
     measure_models,
     speedup,
 )
-from vitcompress.training.evaluate import evaluate
+from vitcompress.training.evaluate import evaluate, evaluate_segmentation
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, GateResult, check_gates, require
 from vitcompress.workflows.identity import model_identity
 from vitcompress.workflows.inputs import BaseRequest, DataRequest, ModelRequest
 
+# What each task reports, headline first: the metric --max-acc-drop compares comes first.
+METRICS = {"classification": ("top1", "top5"), SEGMENTATION: ("miou", "pixel_acc")}
+
 
 def _config_json(config: DataConfig) -> dict[str, Any]:
     return {"data_config": config.to_json(), "data_config_sources": dict(config.sources)}
+
+
+def score(task: str, model: nn.Module, dataset: Dataset, loader: dict[str, Any]) -> dict[str, Any]:
+    """The task's accuracy of ``model`` on ``dataset`` (percent): top-1/top-5, or mean IoU and
+    pixel accuracy with the per-class IoU."""
+    if task == SEGMENTATION:
+        return evaluate_segmentation(model, dataset, **loader)
+    return evaluate(model, dataset, **loader)
 
 
 @dataclass
@@ -49,13 +63,22 @@ class EvalResult:
     data: str
     split: str
     input_size: tuple[int, int, int]
-    accuracy: dict[str, Any]  # top1, top5 (percent), images
+    accuracy: dict[str, Any]  # top1, top5 or miou, pixel_acc, iou (percent), images
     data_config: DataConfig
     identity: dict[str, Any]
     base: BaseComparison | None = None
+    task: str = "classification"
     gmacs: float | None = None  # of a lone model, measured for --max-gmacs only
     gates: list[GateResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # values nobody stated, for stderr
+
+    @property
+    def metrics(self) -> tuple[str, str]:
+        """The two numbers the task reports (``top1``, ``top5`` or ``miou``, ``pixel_acc``)."""
+        return METRICS[self.task]  # type: ignore[return-value]
+
+    def _scores(self, accuracy: dict[str, Any]) -> dict[str, Any]:
+        return {name: accuracy[name] for name in self.metrics}
 
     def to_json(self) -> dict[str, Any]:
         result: dict[str, Any] = {
@@ -64,8 +87,9 @@ class EvalResult:
             "split": self.split,
             "input_size": list(self.input_size),
             "images": self.accuracy["images"],
-            "top1": self.accuracy["top1"],
-            "top5": self.accuracy["top5"],
+            **({"task": self.task} if self.task != "classification" else {}),
+            **self._scores(self.accuracy),
+            **({"iou": self.accuracy["iou"]} if "iou" in self.accuracy else {}),
             **_config_json(self.data_config),
             "identity": self.identity,  # what report joins on
         }
@@ -73,8 +97,7 @@ class EvalResult:
         if base is not None:
             result["speedup"] = None if base.speedup is None else base.speedup.to_json()
             result["base"] = {
-                "top1": base.accuracy["top1"],
-                "top5": base.accuracy["top5"],
+                **self._scores(base.accuracy),
                 **base.measured["base"].to_json(),
                 **_config_json(base.data_config),
                 "spec": base.spec,
@@ -82,13 +105,12 @@ class EvalResult:
                 "weights": base.weights,
             }
             result["compressed"] = {
-                "top1": self.accuracy["top1"],
-                "top5": self.accuracy["top5"],
+                **self._scores(self.accuracy),
                 **base.measured["model"].to_json(),
                 **_config_json(self.data_config),
             }
-            result["delta_top1"] = result["top1"] - result["base"]["top1"]
-            result["delta_top5"] = result["top5"] - result["base"]["top5"]
+            for name in self.metrics:
+                result[f"delta_{name}"] = result[name] - result["base"][name]
             result["environment"] = base.environment
         elif self.gmacs is not None:
             result["gmacs"] = self.gmacs
@@ -96,13 +118,14 @@ class EvalResult:
         return result
 
     def gate_values(self) -> dict[str, float | None]:
-        """What the gates compare: top-1 points lost against the base, the paired speed-up over
-        it, and the model's GMACs."""
+        """What the gates compare: top-1 (segmentation: mIoU) points lost against the base, the
+        paired speed-up over it, and the model's GMACs."""
         if self.base is None:
             return {"gmacs": self.gmacs}
         paired = self.base.speedup  # median of the paired per-round ratios
+        headline = self.metrics[0]
         return {
-            "acc_drop": self.base.accuracy["top1"] - self.accuracy["top1"],
+            "acc_drop": self.base.accuracy[headline] - self.accuracy[headline],
             "speedup": paired.median if paired else None,
             "gmacs": self.base.measured["model"].macs / 1e9,
         }
@@ -115,10 +138,12 @@ def eval_model(
     loader: dict[str, Any],
     timing: TimingOptions | None,
     bounds: Bounds,
+    task: str = "classification",
 ) -> EvalResult:
     """Top-1/top-5 of ``request`` on ``data``; with ``base_request``, of both models, with their
     cost and paired speed-up. ``loader``: ``batch_size``, ``device`` and ``num_workers`` of
-    the evaluation."""
+    the evaluation. ``task="segmentation"``: mean IoU and pixel accuracy on a set of per-pixel
+    labels instead (a task the data does not have is refused in one line)."""
     unavailable = {}
     if base_request is None:
         unavailable = {
@@ -129,19 +154,21 @@ def eval_model(
     require(bounds, unavailable)
     loaded = request.load()
     dataset, _ = data.for_model(loaded.model, loaded.input_size)
+    check_task(dataset, task, data.source)
     config = dataset.data_config  # as the images are brought (Fashion-MNIST is never cropped)
     result = EvalResult(
         spec=request.spec,
         data=str(data.source),
         split=data.split,
         input_size=loaded.input_size,
-        accuracy=evaluate(loaded.model, dataset, **loader),
+        accuracy=score(task, loaded.model, dataset, loader),
         data_config=config,
         identity=model_identity(loaded, request.spec),
+        task=task,
     )
     if base_request is not None:
         result.base = _compare_with_base(
-            base_request, loaded, data, dataset, config, loader, timing
+            base_request, loaded, data, dataset, config, loader, timing, task
         )
     elif bounds.max_gmacs is not None:  # only the gate needs the MACs of a lone model
         result.gmacs = (
@@ -164,6 +191,7 @@ def _compare_with_base(
     config: DataConfig,
     loader: dict[str, Any],
     timing: TimingOptions | None,
+    task: str = "classification",
 ) -> BaseComparison:
     from vitcompress.workflows.inputs import load_base
 
@@ -171,7 +199,7 @@ def _compare_with_base(
     base_set, _ = data.for_model(base.model, loaded.input_size)
     base_config = base_set.data_config
     # The same images when both configs agree (equality ignores where each value came from).
-    accuracy = evaluate(base.model, dataset if base_config == config else base_set, **loader)
+    accuracy = score(task, base.model, dataset if base_config == config else base_set, loader)
     models = {"base": base.model, "model": loaded.model}
     measured, environment = measure_models(models, loaded.input_size, timing)
     # What was compared: "source" stands for the artifact's recorded base, so name that.

@@ -155,13 +155,15 @@ def finetune_model(
     """``vitcompress finetune``: load and compress the model (or take a compressed one as it is),
     build the training and validation sets as the model expects its images, with the
     augmentation named (default: the data's own preset, whose mixup and smoothing the loss
-    takes), and fine-tune (:func:`finetune`)."""
+    takes), and fine-tune (:func:`finetune`). ``config.task="segmentation"`` trains per-pixel
+    (a segmentation set, no mixup: only a preset's flip applies to its images and labels)."""
     import torch
     from accelerate import PartialState
 
     from vitcompress.compilation.metadata import attach, compression_info
-    from vitcompress.data import build_dataset, num_classes, resolve_data_config
+    from vitcompress.data import build_dataset, check_task, num_classes, resolve_data_config
     from vitcompress.data.config import defaults_note
+    from vitcompress.data.segmentation import SEGMENTATION
 
     if not data.source:
         raise DataError("--data is required (on the command line or in the recipe)")
@@ -190,6 +192,7 @@ def finetune_model(
         )
         for split in ("train", "val")
     }
+    check_task(sets["train"], config.task, data.source)  # before any training
     # What the model is fine-tuned with becomes its own: the artifact records it (docs/data.md).
     used = sets["val"].data_config
     attach(
@@ -202,9 +205,15 @@ def finetune_model(
     preset = sets["train"].augment
     info = compression_info(student.model)  # compressed: student_and_teacher made it so
     assert info is not None
+    segmentation = config.task == SEGMENTATION
+    if segmentation and augment and _more_than_a_flip(preset):
+        warn(
+            f"--augment {augment}: only its horizontal flip applies to per-pixel labels "
+            "(no crops, RandAugment, erasing or mixup)"
+        )
     config = replace(
         config,
-        mixup=preset.mixup_args(num_classes(sets["train"])),
+        mixup=None if segmentation else preset.mixup_args(num_classes(sets["train"])),
         smoothing=preset.smoothing,
         extra={
             "data": data.source,
@@ -219,3 +228,15 @@ def finetune_model(
     )
     summary = finetune(student, teacher, sets["train"], sets["val"], out, config, progress=progress)
     return FinetuneReport(summary, out, PartialState().is_main_process)
+
+
+def _more_than_a_flip(preset: AugmentConfig) -> bool:
+    """The preset asks for augmentation other than a horizontal flip."""
+    return (
+        preset.mixup > 0
+        or preset.cutmix > 0
+        or preset.rand_augment is not None
+        or preset.random_erasing > 0
+        or bool(preset.color_jitter)
+        or tuple(preset.crop_scale) != (1.0, 1.0)
+    )
