@@ -186,6 +186,12 @@ class _Rewriter:
             else:
                 restored_stream = self.graph.call_module(target, (stream, state.trace))
                 restored = _copy_between(self.graph, stream, tokens, restored_stream)
+                if restored is None:
+                    raise RewriteError(
+                        f"{where} reads {tokens.name}, which does not come from the residual "
+                        f"stream {stream.name} through per-token ops: the tokens cannot be "
+                        f"restored there by {rule}; try --variant-arg restore=host"
+                    )
         reader.replace_input_with(tokens, restored)
 
     def _insert_reducer(
@@ -441,7 +447,7 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
 def _copy_between(graph: fx.Graph, stream: fx.Node, tokens: fx.Node, restored: fx.Node) -> fx.Node:
     """Copy the ops from ``stream`` to ``tokens`` (those of ``tokens``'s ancestors that depend on
     ``stream``) at the insertion point, reading ``restored`` in place of ``stream``; returns the
-    copy of ``tokens``."""
+    copy of ``tokens`` (``None`` when ``tokens`` does not depend on ``stream``)."""
     wanted = _ancestors(tokens)
     depends: set[fx.Node] = {stream}
     env: dict[fx.Node, fx.Node] = {stream: restored}
@@ -457,7 +463,7 @@ def _copy_between(graph: fx.Graph, stream: fx.Node, tokens: fx.Node, restored: f
             env[node] = graph.node_copy(node, lambda arg: env.get(arg, arg))
         if node is tokens:
             break
-    return env[tokens]
+    return env.get(tokens)
 
 
 def rewrite(gm: fx.GraphModule, model_map: ModelMap, plan: Plan) -> fx.GraphModule:
