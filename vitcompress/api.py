@@ -85,7 +85,7 @@ def save(
     model: nn.Module,
     directory: str | Path,
     source: str | ModelSource | None = None,
-    input_size: tuple[int, int, int] | None = None,
+    input_size: tuple[int, ...] | None = None,
 ) -> Path:
     """Write a compressed model as an artifact directory (safetensors weights + JSON plan)."""
     return save_artifact(model, directory, source=source, input_size=input_size)

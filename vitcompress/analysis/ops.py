@@ -42,18 +42,29 @@ _SOFTMAX_FUNCS = {F.softmax, torch.softmax} | _aten("softmax") | _aten("_softmax
 _MATMUL_FUNCS = {operator.matmul, torch.matmul, torch.bmm} | _aten("matmul") | _aten("bmm")
 _EINSUM_FUNCS = {torch.einsum} | _aten("einsum")
 _CAT_FUNCS = {torch.cat, torch.concat, torch.concatenate} | _aten("cat")
-_CONV_FUNCS = {F.conv1d, F.conv2d} | _aten("conv2d") | _aten("convolution")
+_CONV_FUNCS = (
+    {F.conv1d, F.conv2d, F.conv3d} | _aten("conv2d") | _aten("conv3d") | _aten("convolution")
+)
+# 3-D pools and convs: a video's (B, C, T, H, W) token grid.
 _POOL_FUNCS = (
     {F.avg_pool2d, F.max_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d}
+    | {F.avg_pool3d, F.max_pool3d, F.adaptive_avg_pool3d, F.adaptive_max_pool3d}
     | _aten("avg_pool2d")
     | _aten("max_pool2d")
     | _aten("adaptive_avg_pool2d")
+    | _aten("avg_pool3d")
+    | _aten("max_pool3d")
+    | _aten("adaptive_avg_pool3d")
 )
 _POOL_MODULES = (
     nn.AvgPool2d,
     nn.MaxPool2d,
     nn.AdaptiveAvgPool2d,
     nn.AdaptiveMaxPool2d,
+    nn.AvgPool3d,
+    nn.MaxPool3d,
+    nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool3d,
 )
 
 
@@ -99,7 +110,7 @@ def is_multihead_attention(gm: fx.GraphModule, node: fx.Node) -> bool:
 def grid_op_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
     """``"conv"`` or ``"pool"`` for an op that works on a spatial grid, else ``None``."""
     module = _module(gm, node)
-    if isinstance(module, nn.Conv2d) or _is_call(node, _CONV_FUNCS, set()):
+    if isinstance(module, (nn.Conv2d, nn.Conv3d)) or _is_call(node, _CONV_FUNCS, set()):
         return "conv"
     if isinstance(module, _POOL_MODULES) or _is_call(node, _POOL_FUNCS, set()):
         return "pool"

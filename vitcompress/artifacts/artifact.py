@@ -98,7 +98,7 @@ def _plan_words(error: PlanError) -> str:
 
 def _rebuild(
     source: ModelSource,
-    size: tuple[int, int, int],
+    size: tuple[int, ...],
     plan_json: dict[str, Any],
     recorded_map: dict[str, Any] | None,
     fail: Callable[[str], ArtifactError],
@@ -148,7 +148,7 @@ def _dtype_differences(saved: nn.Module, rebuilt: nn.Module) -> list[str]:
 def _check_rebuilds(
     model: nn.Module,
     rebuilt: nn.Module,
-    size: tuple[int, int, int],
+    size: tuple[int, ...],
     directory: Path,
     fail: Callable[[str], ArtifactError],
 ) -> torch.Tensor:
@@ -183,7 +183,7 @@ def save_artifact(
     model: nn.Module,
     directory: str | Path,
     source: ModelSource | str | None = None,
-    input_size: tuple[int, int, int] | None = None,
+    input_size: tuple[int, ...] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``model`` (a result of ``compress``) to ``directory``, replacing it atomically: the
@@ -346,10 +346,13 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
         raise ArtifactError(f"{path} is malformed: its source is not an object with a spec")
     if not (
         isinstance(size, list)
-        and len(size) == 3
+        and 3 <= len(size) <= 8  # [C, H, W], or a video model's [C, T, H, W]
         and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size)
     ):
-        raise ArtifactError(f"{path} is malformed: input_size is not [C, H, W], got {size!r}")
+        raise ArtifactError(
+            f"{path} is malformed: input_size is not [C, H, W] (or a video's [C, T, H, W]), "
+            f"got {size!r}"
+        )
     return meta
 
 
@@ -412,7 +415,7 @@ def base_weights_problem(source: ModelSource, meta: dict[str, Any] | None = None
 
 
 def load_artifact_base(
-    directory: str | Path, input_size: tuple[int, int, int] | None = None
+    directory: str | Path, input_size: tuple[int, ...] | None = None
 ) -> LoadedModel:
     """The uncompressed model the artifact in ``directory`` was made from, with its weights.
 

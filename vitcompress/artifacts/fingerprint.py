@@ -37,7 +37,7 @@ class FingerprintError(ValueError):
     """A model whose output cannot be fingerprinted, or a malformed recorded fingerprint."""
 
 
-def fixed_input(input_size: tuple[int, int, int]) -> Tensor:
+def fixed_input(input_size: tuple[int, ...]) -> Tensor:
     """``(INPUT_BATCH, *input_size)`` values uniform in [-2, 2), the same on every machine."""
     rng = random.Random(INPUT_SEED)
     count = INPUT_BATCH * math.prod(input_size)
@@ -67,7 +67,7 @@ def _tensors(value: Any) -> list[Tensor]:
     return []
 
 
-def eval_output(model: nn.Module, input_size: tuple[int, int, int]) -> Tensor:
+def eval_output(model: nn.Module, input_size: tuple[int, ...]) -> Tensor:
     """The model's eval-mode output on :func:`fixed_input`, flattened to one float32 vector.
 
     The model runs on the CPU (a copy if it lives elsewhere) with torch's generator seeded, so
@@ -175,7 +175,7 @@ class Fingerprint:
         cls,
         model: nn.Module,
         model_map: Mapping[str, Any],
-        input_size: tuple[int, int, int],
+        input_size: tuple[int, ...],
         output: Tensor | None = None,
     ) -> Fingerprint:
         """Fingerprint ``model`` (its eval output may be given if already computed)."""
@@ -221,7 +221,7 @@ class Fingerprint:
             )
         return fingerprint
 
-    def output_difference(self, model: nn.Module, input_size: tuple[int, int, int]) -> str | None:
+    def output_difference(self, model: nn.Module, input_size: tuple[int, ...]) -> str | None:
         """Why ``model``'s output does not match the recorded one, or None if it does: the same
         bytes, or a sketch within ``RTOL``."""
         flat = eval_output(model, input_size)

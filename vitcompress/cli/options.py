@@ -14,6 +14,7 @@ import click
 
 from vitcompress.errors import UserError
 from vitcompress.loading import ModelLoadError
+from vitcompress.loading.input_size import MAX_RANK, MIN_RANK
 from vitcompress.measure.models import DEFAULT_BENCH_SECONDS, TimingOptions
 from vitcompress.workflows.gates import GATES, Bounds
 from vitcompress.workflows.inputs import BaseRequest, ModelRequest
@@ -81,7 +82,10 @@ def model_options(
             "--input-size",
             default=None,
             metavar="C,H,W",
-            help="Input size; default: what the model's config says.",
+            help=(
+                "Input size without the batch dim (a video model's: C,T,H,W, or 16,3,224,224 "
+                "for HF VideoMAE's frames first); default: what the model's config says."
+            ),
         ),
     ]
 
@@ -134,18 +138,20 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def parse_input_size(text: str) -> tuple[int, int, int]:
-    """Parse ``"C,H,W"`` such as ``"3,224,224"``."""
+def parse_input_size(text: str) -> tuple[int, ...]:
+    """Parse ``"C,H,W"`` such as ``"3,224,224"``, or the input of higher rank a video model takes
+    (``"3,16,224,224"``), without the batch dim."""
     parts = [part.strip() for part in text.split(",")]
     try:
         size = tuple(int(part) for part in parts)
     except ValueError:
         size = ()
-    if len(size) != 3 or min(size) <= 0:
+    if not MIN_RANK <= len(size) <= MAX_RANK or min(size) <= 0:
         raise ModelLoadError(
-            f"input size '{text}' is not C,H,W with three positive integers (e.g. 3,224,224)"
+            f"input size '{text}' is not C,H,W with three positive integers (e.g. 3,224,224) "
+            f"or up to {MAX_RANK} for a video model (e.g. 3,16,224,224)"
         )
-    return size  # type: ignore[return-value]  # length checked above
+    return size
 
 
 def _factory_and_weights_options(

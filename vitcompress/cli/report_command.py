@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import click
 from rich.table import Table
 
@@ -81,10 +83,10 @@ def visualize(model: ModelRequest, image: str, out: str, as_json: bool) -> None:
         emit_json(result.to_json())
         return
     for r in result.records:
-        grid = r.grid[0] * r.grid[1]
+        grid = math.prod(r.grid)
         squeezed = sum(1 for donors in r.hosts.values() if donors)
         console.print(
-            f"block {r.block} (stage {r.stage}, grid {r.grid[0]}x{r.grid[1]}): "
+            f"block {r.block} (stage {r.stage}, grid {'x'.join(map(str, r.grid))}): "
             f"{len(r.kept)}/{grid} kept"
             + (f", {squeezed} hosts" if r.hosts else "")
             + (", +1 fused token" if r.fused_token else "")

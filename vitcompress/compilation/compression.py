@@ -46,14 +46,12 @@ from vitcompress.variants import Variant
 EXAMPLE_BATCH = 2  # batch 1 would hide which dimension is the batch
 
 
-def example_input(input_size: tuple[int, int, int]) -> torch.Tensor:
+def example_input(input_size: tuple[int, ...]) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
     return torch.randn(EXAMPLE_BATCH, *input_size, generator=generator)
 
 
-def resolve_input_size(
-    model: nn.Module, input_size: tuple[int, int, int] | None
-) -> tuple[int, int, int]:
+def resolve_input_size(model: nn.Module, input_size: tuple[int, ...] | None) -> tuple[int, ...]:
     if input_size is not None:
         return tuple(input_size)
     size = default_input_size(model)
@@ -63,7 +61,7 @@ def resolve_input_size(
 
 
 def capture_and_map(
-    model: nn.Module, input_size: tuple[int, int, int]
+    model: nn.Module, input_size: tuple[int, ...]
 ) -> tuple[CapturedGraph, ModelMap]:
     """Capture ``model`` on an example of ``input_size`` and analyse it.
 
@@ -97,7 +95,7 @@ def _run_problem(model: nn.Module, example: torch.Tensor) -> str | None:
     return None
 
 
-def map_model(model: nn.Module, input_size: tuple[int, int, int] | None = None) -> ModelMap:
+def map_model(model: nn.Module, input_size: tuple[int, ...] | None = None) -> ModelMap:
     """Capture ``model`` and return its model map (blocks, attention, prefix tokens, grid ops)."""
     return capture_and_map(model, resolve_input_size(model, input_size))[1]
 
@@ -110,7 +108,7 @@ def compress(
     variant: str | Variant = "etps",
     keep: Keep = None,
     locs: list[int] | None = None,
-    input_size: tuple[int, int, int] | None = None,
+    input_size: tuple[int, ...] | None = None,
     policy: str = "score",
     keep_cumulative: Sequence[float] | None = None,
     variant_args: dict[str, Any] | None = None,
@@ -145,7 +143,7 @@ def compress_mapped(
     model: nn.Module,
     captured: CapturedGraph,
     model_map: ModelMap,
-    size: tuple[int, int, int],
+    size: tuple[int, ...],
     method: Variant,
     keep: Keep,
     locs: list[int] | None,

@@ -7,6 +7,8 @@ the official code, so a drift between the two is refused rather than trained on.
 
 from __future__ import annotations
 
+import math
+
 from vitcompress.analysis.model_map import ModelMap
 from vitcompress.compilation.plan import Plan, PlanError, default_locs, make_plan
 from vitcompress.method import CumulativeKeep, KeepListError, keep_count, per_location_keep
@@ -33,9 +35,7 @@ def plan_from_cumulative(
         model_map.blocks[b].stage if isinstance(b, int) and 0 <= b < depth else -1
         for b in locations
     ]
-    patch_tokens = [
-        model_map.stages[s].grid[0] * model_map.stages[s].grid[1] if s >= 0 else 1 for s in stages
-    ]
+    patch_tokens = [math.prod(model_map.stages[s].grid) if s >= 0 else 1 for s in stages]
     try:
         ratios = per_location_keep(list(keep.fractions), stages, patch_tokens)
     except KeepListError as e:

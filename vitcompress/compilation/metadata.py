@@ -41,7 +41,7 @@ class CompressionInfo:
     plan: Plan
     # The base model's map, read back from JSON: it describes the model, names no graph nodes.
     model_map: ModelMap
-    input_size: tuple[int, int, int] | None  # what the plan's token counts were made for
+    input_size: tuple[int, ...] | None  # what the plan's token counts were made for
     source: ModelSource | None  # how to rebuild the base, when known
     artifact: Path | None  # the artifact directory the model was loaded from, if any
 

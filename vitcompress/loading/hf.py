@@ -2,12 +2,12 @@
 
 The directory holds a ``config.json`` (and the weights): the model is built with its Auto class,
 ``AutoModelForImageClassification`` where the config names an image-classification architecture,
-else ``AutoModel``, offline (``local_files_only=True``) with the directory's weights. It is
+``AutoModelForVideoClassification`` for a video one (VideoMAE), else ``AutoModel``, offline (``local_files_only=True``) with the directory's weights. It is
 wrapped in :class:`HFImageClassifier` so that images go in and logits (or a backbone's pooled
 features) come out, as the rest of the tool expects.
 
-What the wrapper states: its input size from the config's ``image_size`` and ``num_channels``,
-and its preprocessing (mean, std, interpolation) from a ``preprocessor_config.json`` in the
+What the wrapper states: its input size from the config's ``image_size`` and ``num_channels``
+(and ``num_frames`` for a video model, whose ``pixel_values`` are (B, T, C, H, W)), and its preprocessing (mean, std, interpolation) from a ``preprocessor_config.json`` in the
 directory when there is one (HF keeps the image processor in a separate file); the data config's
 precedence (``vitcompress.data.config``) does the rest.
 
@@ -49,7 +49,7 @@ class HFImageClassifier(nn.Module):
     def __init__(
         self,
         model: nn.Module,
-        input_size: tuple[int, int, int] | None = None,
+        input_size: tuple[int, ...] | None = None,
         data_config: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -93,10 +93,12 @@ def weights_file(directory: Path) -> Path | None:
     return next((directory / n for n in HF_WEIGHTS if (directory / n).is_file()), None)
 
 
-def input_size_of(config: Any) -> tuple[int, int, int] | None:
-    """(C, H, W) from the config's ``image_size`` (an int or a pair) and ``num_channels``."""
+def input_size_of(config: Any) -> tuple[int, ...] | None:
+    """(C, H, W) from the config's ``image_size`` (an int or a pair) and ``num_channels``; a
+    video model's (T, C, H, W) with its ``num_frames``, as its ``pixel_values`` lay them out."""
     side = getattr(config, "image_size", None)
     channels = getattr(config, "num_channels", 3)
+    frames = getattr(config, "num_frames", None)
     if isinstance(side, int) and not isinstance(side, bool):
         side = (side, side)
     if (
@@ -106,6 +108,8 @@ def input_size_of(config: Any) -> tuple[int, int, int] | None:
         and isinstance(channels, int)
         and channels > 0
     ):
+        if isinstance(frames, int) and not isinstance(frames, bool) and frames > 0:
+            return (frames, channels, int(side[0]), int(side[1]))
         return (channels, int(side[0]), int(side[1]))
     return None
 
@@ -146,7 +150,14 @@ def load_hf_directory(spec: str, args: Mapping[str, Any]) -> tuple[HFImageClassi
         for a in architectures
         if isinstance(a, str)
     )
-    auto = transformers.AutoModelForImageClassification if classifier else transformers.AutoModel
+    video = any(a.endswith("ForVideoClassification") for a in architectures if isinstance(a, str))
+    auto = (
+        transformers.AutoModelForImageClassification
+        if classifier
+        else transformers.AutoModelForVideoClassification
+        if video
+        else transformers.AutoModel
+    )
     # Its progress bar would interleave with the CLI's own output on stderr.
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()

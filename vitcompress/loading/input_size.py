@@ -1,4 +1,6 @@
-"""The (C, H, W) input size a model says it takes."""
+"""The input size a model says it takes, without the batch dim: an image model's (C, H, W), or
+of higher rank (a video model's (C, T, H, W), or HF VideoMAE's (T, C, H, W): whatever follows
+the batch dim of the tensor the model takes)."""
 
 from __future__ import annotations
 
@@ -12,23 +14,27 @@ from torch import nn
 from vitcompress.loading.errors import ModelInputError, ModelLoadError, one_line
 from vitcompress.loading.inferred_size import inferred_input_size
 
+MIN_RANK = 3  # (C, H, W): an image; more for a video's (C, T, H, W)
+MAX_RANK = 8
 
-def as_size(value: Any) -> tuple[int, int, int] | None:
-    """``value`` as a (C, H, W) size if it is three positive ints, else None."""
+
+def as_size(value: Any) -> tuple[int, ...] | None:
+    """``value`` as an input size if it is three (C, H, W) or more positive ints, else None."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         return None
-    if len(value) != 3:
+    if not MIN_RANK <= len(value) <= MAX_RANK:
         return None
     # Integral rather than int: numpy integers from a config are fine, True is not a size.
     if not all(
         isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0 for v in value
     ):
         return None
-    return (int(value[0]), int(value[1]), int(value[2]))
+    return tuple(int(v) for v in value)
 
 
-def default_input_size(model: nn.Module) -> tuple[int, int, int] | None:
-    """The (C, H, W) input the model expects; None if it cannot be told.
+def default_input_size(model: nn.Module) -> tuple[int, ...] | None:
+    """The input the model expects ((C, H, W), or a video's of higher rank); None if it cannot
+    be told.
 
     What the model declares (:func:`declared_input_size`), else what its patch embedding and
     position table show, else 224 tried (``inferred_size.py``; a note on stderr says which).
@@ -36,8 +42,8 @@ def default_input_size(model: nn.Module) -> tuple[int, int, int] | None:
     return declared_input_size(model) or inferred_input_size(model)
 
 
-def declared_input_size(model: nn.Module) -> tuple[int, int, int] | None:
-    """The (C, H, W) input the model says it takes; None if it says nothing.
+def declared_input_size(model: nn.Module) -> tuple[int, ...] | None:
+    """The input the model says it takes; None if it says nothing.
 
     In order: timm's ``pretrained_cfg`` (or ``default_cfg``); a ``default_input_size`` or
     ``input_size`` attribute; the image size a timm-style ``patch_embed`` was built for.
@@ -73,17 +79,21 @@ def _patch_embed_size(model: nn.Module, channels: int | None) -> tuple[int, int,
     return as_size((channels, *img_size))
 
 
-def checked_input_size(input_size: Sequence[int] | None) -> tuple[int, int, int] | None:
-    """``input_size`` as a (C, H, W) tuple, None if not given; refused if not three positive ints."""
+def checked_input_size(input_size: Sequence[int] | None) -> tuple[int, ...] | None:
+    """``input_size`` as a tuple, None if not given; refused unless three positive ints (C, H, W)
+    or more (a video model's (C, T, H, W))."""
     if input_size is None:
         return None
     size = as_size(tuple(input_size)) if isinstance(input_size, Sequence) else None
     if size is None:
-        raise ModelLoadError(f"input size {input_size!r} is not three positive integers (C, H, W)")
+        raise ModelLoadError(
+            f"input size {input_size!r} is not three positive integers (C, H, W) or up to "
+            f"{MAX_RANK} (a video model's C, T, H, W)"
+        )
     return size
 
 
-def check_runs(model: nn.Module, size: tuple[int, int, int], spec: str, given: bool) -> None:
+def check_runs(model: nn.Module, size: tuple[int, ...], spec: str, given: bool) -> None:
     """Run ``model`` once on a batch of ``size``: a wrong ``--input-size``, or a factory that
     returns something other than an image model, is the user's error and must read as one line,
     not as the traceback of a later step. Costs one batch-1 forward."""

@@ -105,7 +105,7 @@ def _load_hf(
     args: dict[str, Any],
     checkpoint: str | Path | None,
     pretrained: bool,
-    size: tuple[int, int, int] | None,
+    size: tuple[int, ...] | None,
     size_given: bool,
 ) -> LoadedModel:
     """A HuggingFace ``save_pretrained`` directory. The source records the directory and, as

@@ -99,4 +99,4 @@ def _decode_arg(key: str, value: Any) -> Any:
 class LoadedModel:
     model: nn.Module
     source: ModelSource
-    input_size: tuple[int, int, int]
+    input_size: tuple[int, ...]

@@ -221,12 +221,15 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def run_counter(
-    model: nn.Module, input_size: tuple[int, int, int], device: str | torch.device
+    model: nn.Module, input_size: tuple[int, ...], device: str | torch.device
 ) -> FlopCounterMode:
     """Run ``model`` once on a batch of one under torch's flop counter and return the counter
     (its totals and per-module counts)."""
-    if len(input_size) != 3:
-        raise ValueError(f"input_size must be (channels, height, width), got {tuple(input_size)}")
+    if len(input_size) < 3:
+        raise ValueError(
+            "input_size must be (channels, height, width) or of higher rank (a video's "
+            f"(channels, frames, height, width)), got {tuple(input_size)}"
+        )
     device = torch.device(device)
     first = next(iter(model.parameters()), None)
     if first is not None and not _same_device(first.device, device):
@@ -263,18 +266,19 @@ def run_counter(
 
 
 def count_macs(
-    model: nn.Module, input_size: tuple[int, int, int], device: str | torch.device = "cpu"
+    model: nn.Module, input_size: tuple[int, ...], device: str | torch.device = "cpu"
 ) -> int:
     """Multiply-accumulates of one forward pass at batch size 1, in eval mode.
 
-    ``input_size`` is ``(channels, height, width)``. The model must already be on ``device``. Its
+    ``input_size`` is the input without the batch dim: ``(channels, height, width)``, or of
+    higher rank (a video model's ``(channels, frames, height, width)``). The model must already be on ``device``. Its
     training flags are restored afterwards. Divide by 1e9 for the "GFLOPs" of the papers.
     """
     return run_counter(model, input_size, device).get_total_flops() // 2
 
 
 def macs_by_module(
-    model: nn.Module, input_size: tuple[int, int, int], device: str | torch.device = "cpu"
+    model: nn.Module, input_size: tuple[int, ...], device: str | torch.device = "cpu"
 ) -> dict[str, int]:
     """MACs per module, as in ``count_macs``, keyed by ``named_modules()`` path.
 

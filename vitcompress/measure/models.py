@@ -84,7 +84,7 @@ class Measurement:
 
 
 def measure_models(
-    models: dict[str, nn.Module], input_size: tuple[int, int, int], timing: TimingOptions | None
+    models: dict[str, nn.Module], input_size: tuple[int, ...], timing: TimingOptions | None
 ) -> tuple[dict[str, Measurement], dict[str, Any]]:
     """Params and MACs of each model; throughput of all of them interleaved in this process.
 
@@ -160,7 +160,7 @@ def _device_of(model: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def tokens_per_block(model: nn.Module, input_size: tuple[int, int, int]) -> list[int]:
+def tokens_per_block(model: nn.Module, input_size: tuple[int, ...]) -> list[int]:
     """Tokens entering each block of a compressed model, read off a run in eval mode."""
     block_nodes = getattr(model, "vitcompress_block_nodes", None)
     if block_nodes is None:

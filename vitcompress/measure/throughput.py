@@ -180,7 +180,7 @@ def _prepare(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.M
 
 def measure_throughput(
     models: Mapping[str, nn.Module],
-    input_size: tuple[int, int, int],
+    input_size: tuple[int, ...],
     batch_size: int = 32,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -194,7 +194,8 @@ def measure_throughput(
 ) -> ThroughputReport:
     """Images/s of each model in inference mode, timed interleaved in this process.
 
-    ``input_size`` is ``(channels, height, width)``. Without ``amp`` the models run in ``dtype``
+    ``input_size`` is the input without the batch dim: ``(channels, height, width)``, or of
+    higher rank (a video model's). Without ``amp`` the models run in ``dtype``
     (a copy is made if a model is not already on ``device`` in ``dtype``); with ``amp`` they stay
     in float32 under ``torch.autocast(dtype=dtype)``, which is only offered on CUDA. Training
     flags are restored afterwards.
@@ -212,8 +213,11 @@ def measure_throughput(
     """
     if not models:
         raise ValueError("no models to time")
-    if len(input_size) != 3:
-        raise ValueError(f"input_size must be (channels, height, width), got {tuple(input_size)}")
+    if len(input_size) < 3:
+        raise ValueError(
+            "input_size must be (channels, height, width) or of higher rank (a video's "
+            f"(channels, frames, height, width)), got {tuple(input_size)}"
+        )
     if batch_size < 1 or runs < 1 or warmup < 0:
         raise ValueError("batch_size and runs must be >= 1 and warmup >= 0")
     compiled_names = _compiled_names(compile, models)

@@ -34,7 +34,7 @@ class _ScoringHook(nn.Module):
         prefix_tokens: int,
         has_cls: bool,
         score: bool,
-        grid: tuple[int, int] | None = None,
+        grid: tuple[int, ...] | None = None,
         keys: bool = False,
     ) -> None:
         super().__init__()
@@ -69,6 +69,11 @@ class _ScoringHook(nn.Module):
         """Pooled keys (spatial-reduction attention) score the cells they cover."""
         if scores.shape[1] == query_tokens - self.prefix_tokens or self.grid is None:
             return scores
+        if len(self.grid) != 2:
+            raise NotImplementedError(
+                f"scores of pooled keys on a {len(self.grid)}-D token grid {self.grid} "
+                "(only a 2-D grid's pooled keys are spread to the tokens they cover)"
+            )
         return key_scores_to_tokens(scores, self.grid, positions)
 
 

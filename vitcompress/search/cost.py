@@ -188,7 +188,7 @@ def profile(model: nn.Module, model_map: ModelMap) -> CostModel:
                 attention_width=products / (2 * block.tokens * keys) if products else 0.0,
                 heads=block.heads,
                 prefix_tokens=block.prefix_tokens,
-                patch_tokens=stage.grid[0] * stage.grid[1],
+                patch_tokens=math.prod(stage.grid),
             )
         )
         scores.append(block.attention.kind in ("sdpa", "multihead_attention"))

@@ -104,7 +104,7 @@ class Calibration:
 class CandidateBuilder:
     """Compressed models of one base, from one capture of it."""
 
-    def __init__(self, model: nn.Module, input_size: tuple[int, int, int]) -> None:
+    def __init__(self, model: nn.Module, input_size: tuple[int, ...]) -> None:
         self.model = model.eval()
         self.input_size = input_size
         captured, model_map = capture_and_map(self.model, input_size)

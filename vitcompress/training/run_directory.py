@@ -53,7 +53,7 @@ def write_artifact_into(
     model: nn.Module,
     out: Path,
     source: Any,
-    input_size: tuple[int, int, int],
+    input_size: tuple[int, ...],
     extra: dict[str, Any],
 ) -> None:
     """Write the artifact's two files into ``out`` beside checkpoints/ and metrics.jsonl.
@@ -78,7 +78,7 @@ def write_run_artifacts(
     model: nn.Module,
     ema: nn.Module | None,
     source: Any,
-    input_size: tuple[int, int, int],
+    input_size: tuple[int, ...],
     summary: dict[str, Any],
 ) -> None:
     """The fine-tuned artifact in ``out`` and, with an EMA, the EMA's in ``out/ema``."""

@@ -113,7 +113,7 @@ class BatchSweep:
 
 def sweep_batch_sizes(
     models: dict[str, nn.Module],
-    input_size: tuple[int, int, int],
+    input_size: tuple[int, ...],
     batch_sizes: Sequence[int],
     timing: TimingOptions,
     reference: str | None = None,

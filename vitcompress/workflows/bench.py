@@ -42,7 +42,7 @@ class BenchResult:
     spec: str
     identity: dict[str, Any]
     measurement: Measurement
-    input_size: tuple[int, int, int]
+    input_size: tuple[int, ...]
     environment: dict[str, Any]
     gates: list[GateResult]
 
@@ -66,7 +66,7 @@ class SweepResult:
     spec: str
     identity: dict[str, Any]
     measurement: Measurement  # params and MACs (no throughput: the sweep has that)
-    input_size: tuple[int, int, int]
+    input_size: tuple[int, ...]
     gates: list[GateResult]
     sweep: BatchSweep
     models: list[str]

@@ -62,7 +62,7 @@ class EvalResult:
     spec: str
     data: str
     split: str
-    input_size: tuple[int, int, int]
+    input_size: tuple[int, ...]
     accuracy: dict[str, Any]  # top1, top5 or miou, pixel_acc, iou (percent), images
     data_config: DataConfig
     identity: dict[str, Any]

@@ -63,7 +63,7 @@ class _Inference(nn.Module):
         return self.model(x)
 
 
-def _inputs(batch_size: int, input_size: tuple[int, int, int], seed: int) -> Tensor:
+def _inputs(batch_size: int, input_size: tuple[int, ...], seed: int) -> Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(batch_size, *input_size, generator=generator)
 
@@ -216,7 +216,7 @@ def _require(*packages: str) -> None:
 
 def export_model(
     model: nn.Module,
-    input_size: tuple[int, int, int],
+    input_size: tuple[int, ...],
     fmt: str,
     out: str | Path,
     batch_size: int = 1,
@@ -317,7 +317,7 @@ def export_model(
 
 
 def compile_check(
-    model: nn.Module, input_size: tuple[int, int, int], batch_size: int = 2, backend: str = "eager"
+    model: nn.Module, input_size: tuple[int, ...], batch_size: int = 2, backend: str = "eager"
 ) -> dict[str, Any]:
     """``torch.compile(model, fullgraph=True)`` in eval mode, run on two batches of the same size.
 

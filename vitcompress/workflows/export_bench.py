@@ -33,7 +33,7 @@ def runner_name(runtime: str, model: str) -> str:
 def bench_exported(
     models: Mapping[str, nn.Module],
     onnx_files: Mapping[str, str | Path],
-    input_size: tuple[int, int, int],
+    input_size: tuple[int, ...],
     reference: str,
     batch_size: int = 32,
     warmup: int = 3,

@@ -32,7 +32,7 @@ class ModelRequest:
     args: dict[str, Any] = field(default_factory=dict)
     checkpoint: str | None = None
     pretrained: bool = False
-    input_size: tuple[int, int, int] | None = None
+    input_size: tuple[int, ...] | None = None
     typed_args: tuple[str, ...] = ()
 
     def load(self) -> LoadedModel:
@@ -122,7 +122,7 @@ class DataRequest:
     overrides: dict[str, Any] = field(default_factory=dict)
 
     def for_model(
-        self, model: nn.Module, input_size: tuple[int, int, int]
+        self, model: nn.Module, input_size: tuple[int, ...]
     ) -> tuple[Dataset, DataConfig]:
         """The split without augmentation, brought to ``model`` as it expects its images, and
         the config resolved for it."""

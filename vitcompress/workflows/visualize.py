@@ -126,7 +126,7 @@ def _reducers(model: nn.Module, info: CompressionInfo | None) -> list[nn.Module]
     return reducers
 
 
-def _location_grid(info: CompressionInfo, location: Location) -> tuple[int, int]:
+def _location_grid(info: CompressionInfo, location: Location) -> tuple[int, ...]:
     """The patch grid of the location's stage (a pyramid's later stages have smaller ones)."""
     return info.model_map.stages[location.stage].grid
 
@@ -145,6 +145,12 @@ def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationReco
     info = compression_info(model)
     reducers = _reducers(model, info)
     assert info is not None  # _reducers refused an uncompressed model
+    flat = [s.grid for s in info.model_map.stages if len(s.grid) != 2]
+    if flat:
+        raise VisualizeError(
+            f"visualize draws 2-D token grids on an image; this model's grid is "
+            f"{'x'.join(map(str, flat[0]))} ({len(flat[0])}-D, a video's T x H x W)"
+        )
     method = info.plan.method
     records: list[LocationRecord] = []
     failures: list[BaseException] = []

@@ -12,6 +12,7 @@ from vitcompress.data import resolve_data_config
 from vitcompress.workflows.inputs import ModelRequest
 from vitcompress.workflows.visualize import (
     LocationRecord,
+    VisualizeError,
     draw_locations,
     load_image,
     record_locations,
@@ -36,6 +37,11 @@ class VisualizeResult:
 
 def visualize_model(request: ModelRequest, image: str, out: str) -> VisualizeResult:
     loaded = request.load()
+    if len(loaded.input_size) != 3:
+        raise VisualizeError(
+            f"visualize feeds one image (C, H, W); {request.spec} takes input "
+            f"{','.join(map(str, loaded.input_size))} (a video model's grid is not drawn)"
+        )
     # Fed as eval feeds it: the model's own normalisation and resize interpolation.
     data_config = resolve_data_config(loaded.model, loaded.input_size[0])
     picture, tensor = load_image(image, loaded.input_size, data_config)
