@@ -1,6 +1,8 @@
 """The compatibility matrix: the smallest model of every timm ViT-like family (plus the zoo), built
 with random weights at a small size, and for each variant whether it maps, is exact at keep 1 with
 sharpened weights, cuts GMACs at keep 0.7, trains one step and exports to ONNX, or is refused.
+Rows whose output is the token grid itself (``DENSE``: dense outputs and video) compare whole
+outputs instead of logits: shape and per-token cosine at keep 0.7, a loss on the output.
 
     nice -n 10 python benchmarks/compat_matrix.py            # the full matrix (~30 min, 2 cores)
     python benchmarks/compat_matrix.py --families deit,beit  # a subset (writes nothing by default)
@@ -229,6 +231,18 @@ HF_CLASSES = {
     "hf_pvt_v2": "PvtV2ForImageClassification",
     "hf_cvt": "CvtForImageClassification",
 }
+# Models whose output is the token grid itself (tokens, or per-pixel logits) and video token
+# grids (tests/fixtures/dense_models.py): their cells compare whole outputs, not logits. The
+# values name the model each row builds; the hf rows only where transformers is installed.
+DENSE = {
+    "dense_vit": "vit_tiny_patch16_224",
+    "dense_dinov2": "vit_small_patch14_dinov2",
+    "dense_hf_dinov2": "Dinov2Model",
+    "dense_segmenter": "segmenter_tiny_fmnist",
+    "video_conv3d": "VideoViT",
+    "video_hf_videomae": "VideoMAEModel",
+}
+DENSE_HF = ("dense_hf_dinov2", "video_hf_videomae")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,8 +279,10 @@ def family_models() -> list[tuple[str, str | None]]:
         taken.update(members)
         chosen.append((family.name, min(members, key=size_rank) if members else None))
     chosen.extend(ZOO.items())
-    if importlib.util.find_spec("transformers") is not None:
+    has_transformers = importlib.util.find_spec("transformers") is not None
+    if has_transformers:
         chosen.extend(HF_CLASSES.items())
+    chosen.extend((f, m) for f, m in DENSE.items() if has_transformers or f not in DENSE_HF)
     return chosen
 
 
@@ -280,6 +296,20 @@ def build_hf(family: str) -> tuple[nn.Module, tuple[int, int, int], dict[str, An
     model, input_size = hf_models.build(family, seed=SEED)
     wrapped = hf_models.sharpen(hf_models.Logits(model))
     return wrapped, input_size, {"transformers": HF_CLASSES[family]}
+
+
+def build_dense(family: str) -> tuple[nn.Module, tuple[int, ...], dict[str, Any]]:
+    """A dense-output or video row's model (tests/fixtures/dense_models.py), sharpened as the
+    matrix sharpens timm models, and the transformers ones by transformers' names too."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests.fixtures import dense_models, hf_models
+
+    model, input_size = dense_models.build(family, seed=SEED)
+    sharpen(model)
+    if family in DENSE_HF:
+        hf_models.sharpen(model)
+    return model, input_size, {"fixture": f"tests/fixtures/dense_models.py:{family}"}
 
 
 class CellTimeout(BaseException):  # noqa: N818 - not an Exception: nothing may swallow it
@@ -377,16 +407,75 @@ def _logits(output: Any) -> torch.Tensor:
     raise TypeError(f"the model returns {type(output).__name__}, not logits")
 
 
+def _outputs(output: Any) -> list[torch.Tensor]:
+    """Every tensor of a dense output: the tensor itself, or those of a tuple, list or dict (a
+    transformers ModelOutput is a dict)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    values = output.values() if isinstance(output, dict) else output
+    tensors = [t for t in values if isinstance(t, torch.Tensor)]
+    if not isinstance(output, (tuple, list, dict)) or not tensors:
+        raise TypeError(f"the model returns {type(output).__name__}, not tensors")
+    return tensors
+
+
+def _shapes(tensors: list[torch.Tensor]) -> list[list[int]]:
+    return [list(t.shape) for t in tensors]
+
+
+def _check_shapes(tensors: list[torch.Tensor], base: list[torch.Tensor], keep: float) -> None:
+    if _shapes(tensors) != _shapes(base):
+        shapes, base_shapes = _shapes(tensors), _shapes(base)
+        raise ValueError(f"keep {keep:g} gives outputs of shape {shapes}, the base {base_shapes}")
+
+
+def _dense_max_diff(tensors: list[torch.Tensor], base: list[torch.Tensor]) -> float:
+    _check_shapes(tensors, base, 1.0)
+    return max(_max_diff(t, b) for t, b in zip(tensors, base, strict=True))
+
+
+def _token_vectors(t: torch.Tensor) -> torch.Tensor:
+    """One row per token: (B, N, D) tokens by their last axis; a channels-first map (B, C, H, W)
+    or (B, C, T, H, W) by its channel axis, one row per pixel; a (B, D) output per sample."""
+    if t.dim() >= 4:
+        t = t.movedim(1, -1)
+    return t.float().reshape(-1, t.shape[-1])
+
+
+def _dense_output(model: nn.Module, x: torch.Tensor, base: list[torch.Tensor]) -> dict[str, Any]:
+    """The reduced model's output against the base's: its shapes (an error unless they are the
+    base's) and the median (and lowest) cosine between each token's vector and the base's."""
+    with torch.no_grad():
+        tensors = _outputs(model.eval()(x))
+    _check_shapes(tensors, base, REDUCED_KEEP)
+    cosines = torch.cat(
+        [
+            nn.functional.cosine_similarity(_token_vectors(t), _token_vectors(b), dim=-1)
+            for t, b in zip(tensors, base, strict=True)
+        ]
+    )
+    return {
+        "output_shape": _shapes(tensors),
+        "token_cosine": round(float(cosines.median()), 4),
+        "token_cosine_min": round(float(cosines.min()), 4),
+    }
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def _train_step(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
-    """One step of the variant's training path: train-mode forward, cross-entropy, backward."""
+def _train_step(model: nn.Module, x: torch.Tensor, dense: bool = False) -> dict[str, Any]:
+    """One step of the variant's training path: train-mode forward, cross-entropy (a dense
+    output: the mean of its squares), backward."""
     model.train()
-    logits = _logits(model(x))
-    labels = torch.arange(x.shape[0]) % logits.shape[-1]
-    loss = nn.functional.cross_entropy(logits.float(), labels)
+    if dense:
+        tensors = _outputs(model(x))
+        loss = sum(t.float().pow(2).mean() for t in tensors) / len(tensors)
+    else:
+        logits = _logits(model(x))
+        labels = torch.arange(x.shape[0]) % logits.shape[-1]
+        loss = nn.functional.cross_entropy(logits.float(), labels)
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     with_grad = [g for g in grads if g is not None]
@@ -405,12 +494,15 @@ def variant_cell(
     model: nn.Module,
     input_size: tuple[int, int, int],
     variant: str,
-    base_logits: torch.Tensor,
+    base_logits: torch.Tensor | list[torch.Tensor],
     base_macs: int | str,
     x: torch.Tensor,
+    dense: bool = False,
 ) -> dict[str, Any]:
     """Every column of one variant; the first refusal ends the cell, a raw error only its step.
-    ``base_macs`` is the base's MAC count, or the line saying why it could not be counted."""
+    ``base_macs`` is the base's MAC count, or the line saying why it could not be counted.
+    ``dense``: ``base_logits`` is the list of the base's output tensors (``_outputs``), and the
+    whole outputs are compared: keep 1 on every tensor, keep 0.7 on shape and token cosine."""
     cell: dict[str, Any] = {"status": None, "line": None}
     errors: list[str] = []
 
@@ -429,9 +521,14 @@ def variant_cell(
     if same is not None:
         try:
             with torch.no_grad():
-                diff = _max_diff(_logits(same.eval()(x)), base_logits)
+                if dense:
+                    diff = _dense_max_diff(_outputs(same.eval()(x)), base_logits)
+                    scale = max(float(b.abs().max()) for b in base_logits)
+                else:
+                    diff = _max_diff(_logits(same.eval()(x)), base_logits)
+                    scale = float(base_logits.abs().max())
             # Relative: some heads are initialised near zero (BEiT's logits are ~1e-4 here).
-            relative = diff / max(float(base_logits.abs().max()), 1e-30)
+            relative = diff / max(scale, 1e-30)
             cell.update(
                 keep1_max_diff=diff, keep1_relative_diff=relative, exact=relative <= EXACT_TOLERANCE
             )
@@ -442,9 +539,14 @@ def variant_cell(
     if cell["status"] == "refused":
         return cell
     if reduced is not None:
+        if dense:
+            try:
+                cell.update(_dense_output(reduced, x, base_logits))
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"output: {one_line(e)}")
         steps = (
             ("gmac_ratio", lambda: _ratio(count_macs(reduced, input_size), base_macs)),
-            ("train", lambda: _train_step(reduced, x)),
+            ("train", lambda: _train_step(reduced, x, dense=dense)),
             ("onnx", lambda: _onnx(reduced, input_size, base=model)),
         )
         for key, step in steps:
@@ -463,7 +565,7 @@ def variant_cell(
     if cell.get("exact") is False:
         cell.update(
             status="wrong",
-            line="keep 1 changes the logits by "
+            line=f"keep 1 changes the {'output' if dense else 'logits'} by "
             f"{cell['keep1_relative_diff']:.2g} of their scale with no error",
         )
     elif errors:
@@ -515,12 +617,15 @@ def matrix_row(
         with time_limit(BUILD_SECONDS):
             if family in HF_CLASSES:
                 model, input_size, kwargs = build_hf(family)
+            elif family in DENSE:
+                model, input_size, kwargs = build_dense(family)
             else:
                 model, input_size, kwargs = build_small(family, model_name)
                 sharpen(model)
             x = seeded_input(input_size)
             with torch.no_grad():
-                base_logits = _logits(model(x))
+                output = model(x)
+            base_logits = _outputs(output) if family in DENSE else _logits(output)
     except CellTimeout as e:
         row["build"] = {"status": "timeout", "line": str(e)}
         return _finish(row, variants, "timeout", str(e), start)
@@ -533,6 +638,8 @@ def matrix_row(
         "input_size": list(input_size),
         "params": sum(p.numel() for p in model.parameters()),
     }
+    if family in DENSE:
+        row["build"]["output_shape"] = _shapes(base_logits)
     try:
         with time_limit(cell_seconds):
             model_map = vitcompress.map_model(model, input_size).to_json()
@@ -566,7 +673,7 @@ def matrix_row(
         try:
             with time_limit(cell_seconds):
                 row["variants"][variant] = variant_cell(
-                    model, input_size, variant, base_logits, base_macs, x
+                    model, input_size, variant, base_logits, base_macs, x, dense=family in DENSE
                 )
         except CellTimeout as e:
             row["variants"][variant] = {"status": "timeout", "line": str(e)}
@@ -687,7 +794,8 @@ def cell_text(cell: dict[str, Any]) -> str:
     status = cell["status"]
     if status == "ok":
         no_onnx = isinstance(cell.get("onnx"), dict) and cell["onnx"]["ok"] is None
-        return f"ok {cell['gmac_ratio']:.2f}" + (" (no ONNX)" if no_onnx else "")
+        cosine = f" cos {cell['token_cosine']:.3f}" if "token_cosine" in cell else ""
+        return f"ok {cell['gmac_ratio']:.2f}{cosine}" + (" (no ONNX)" if no_onnx else "")
     if status == "wrong":
         return f"**WRONG** Δ{cell['keep1_relative_diff']:.0e}"
     if status == "error":
@@ -766,15 +874,46 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "|---|---|---|---|" + "---|" * len(VARIANTS),
     ]
     for row in rows:
-        if not row.get("model"):
+        if not row.get("model") or row["family"] in DENSE:
             continue
         build = row.get("build", {})
         size = "x".join(map(str, build.get("input_size", [])[1:])) or "-"
-        maps = row.get("maps", {}).get("status", build.get("status", "-"))
-        if maps == "ok":
-            maps = f"ok ({row['maps']['blocks']} blocks)"
+        maps = _maps_text(row)
         cells = " | ".join(cell_text(row["variants"][v]) for v in VARIANTS)
         out.append(f"| {row['family']} | `{row['model']}` | {size} | {maps} | {cells} |")
+    dense = [row for row in rows if row.get("model") and row["family"] in DENSE]
+    if dense:
+        out += [
+            "",
+            "## Dense outputs and video",
+            "",
+            "Models whose output is the token grid itself, so that a compressed model must give "
+            "back every token in the base's order (`tests/fixtures/dense_models.py`, built and "
+            "sharpened as above, width 64 and 4 blocks): a timm ViT without head or pooling, "
+            "timm DINOv2's `forward_features`, transformers' `Dinov2Model` (`last_hidden_state`), "
+            "the zoo's Segmenter (per-pixel logits, (B, classes, H, W)), and video token grids: "
+            "an in-house Conv3d tubelet ViT returning its tokens and transformers' "
+            "`VideoMAEModel` (`last_hidden_state`, input (T, C, H, W)). Here a cell compares "
+            "whole outputs, not logits: keep 1 must match every output tensor within "
+            f"{EXACT_TOLERANCE:g} of its scale; at keep {REDUCED_KEEP} the output must have the "
+            "base's shape (else an error), and **ok r cos c** gives the GMAC ratio r and the "
+            "median per-token cosine c to the base's output (per token over the feature axis; per "
+            "pixel over the class axis for a (B, C, H, W) output; random weights, so only a "
+            "rough sign of how much the reduction changes); the training step's loss is the mean "
+            "of the output's squares; ONNX as above.",
+            "",
+            "| family | model | input | output | maps | " + " | ".join(VARIANTS) + " |",
+            "|---|---|---|---|---|" + "---|" * len(VARIANTS),
+        ]
+        for row in dense:
+            build = row.get("build", {})
+            size = "x".join(map(str, build.get("input_size", []))) or "-"
+            shape = ", ".join("x".join(map(str, s[1:])) for s in build.get("output_shape", []))
+            cells = " | ".join(cell_text(row["variants"][v]) for v in VARIANTS)
+            out.append(
+                f"| {row['family']} | `{row['model']}` | {size} | {shape or '-'} | "
+                f"{_maps_text(row)} | {cells} |"
+            )
     out += ["", "## Refusals", "", "| family | line |", "|---|---|"]
     for family, line in summary["refused"].items():
         out.append(f"| {family} | {_md(line)} |")
@@ -852,6 +991,11 @@ def merge_rows(
         }
     )
     return {"meta": meta, "rows": everything}
+
+
+def _maps_text(row: dict[str, Any]) -> str:
+    maps = row.get("maps", {}).get("status", row.get("build", {}).get("status", "-"))
+    return f"ok ({row['maps']['blocks']} blocks)" if maps == "ok" else maps
 
 
 def _md(text: str) -> str:

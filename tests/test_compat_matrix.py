@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from vitcompress.compilation.rewrite import _Rewriter
 
@@ -176,8 +177,8 @@ def test_every_family_the_matrix_promises_has_its_smallest_model():
     assert chosen["levit"] == "levit_128s"
     assert chosen["pvt_v2"] == "pvt_v2_b0"
     assert chosen["pvt (zoo)"] == "pvt_tiny" and chosen["cvt (zoo)"] == "cvt_13"
-    # A model is in one family only.
-    models = [m for m in chosen.values() if m]
+    # A model is in one family only (the dense rows rebuild some on purpose: tokens out).
+    models = [m for f, m in chosen.items() if m and f not in matrix.DENSE]
     assert len(models) == len(set(models))
 
 
@@ -223,3 +224,83 @@ def test_an_export_the_base_fails_too_is_the_familys_not_a_bug(monkeypatch):
     assert result["ok"] is None and "the base model does not export either" in result["line"]
     cell = {"status": "ok", "gmac_ratio": 0.7, "onnx": result}
     assert matrix.cell_text(cell) == "ok 0.70 (no ONNX)"
+
+
+def test_a_dense_output_row_compares_whole_outputs_shape_and_token_cosine():
+    """dense_vit (a timm ViT without head or pooling: the tokens are the output), one variant:
+    keep 1 is exact on the whole output, keep 0.7 gives the base's shape back with a median
+    per-token cosine, trains on a loss of the output and exports."""
+    row = matrix.matrix_row("dense_vit", matrix.DENSE["dense_vit"], variants=("etps",))
+    assert row["build"]["input_size"] == [3, 32, 32]
+    assert row["build"]["output_shape"] == [[2, 65, 64]]  # cls + 8x8 tokens, width 64
+    assert row["maps"]["status"] == "ok" and row["maps"]["blocks"] == 4
+    cell = row["variants"]["etps"]
+    assert cell["status"] == "ok", cell
+    assert cell["exact"] and cell["keep1_relative_diff"] < 1e-4
+    assert cell["output_shape"] == [[2, 65, 64]]
+    assert 0.0 < cell["token_cosine_min"] <= cell["token_cosine"] <= 1.0
+    assert cell["gmac_ratio"] < 1.0 and cell["train"]["ok"] and cell["onnx"]["ok"]
+    assert matrix.cell_text(cell) == f"ok {cell['gmac_ratio']:.2f} cos {cell['token_cosine']:.3f}"
+
+
+class _Tokens(torch.nn.Module):
+    """A stand-in "compressed" model: its input's first ``keep`` tokens, the features negated
+    after the first half (so that the cosine to the input is about 0 for each token)."""
+
+    def __init__(self, keep: int | None = None, flip: bool = False) -> None:
+        super().__init__()
+        self.keep, self.flip = keep, flip
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        x = x[:, : self.keep] * self.scale
+        if self.flip:
+            half = x.shape[-1] // 2
+            x = torch.cat([x[..., :half], -x[..., half:]], dim=-1)
+        return x
+
+
+def test_the_dense_cell_gives_an_error_for_a_dropped_token_and_a_cosine_per_token(monkeypatch):
+    """Keep 0.7 must give the base's output shape (a model that drops tokens from its output is
+    an error in the output step); the cosine is per token (per pixel of a (B, C, H, W) map)."""
+    x = torch.randn(2, 10, 8)
+    base = matrix._outputs(x)
+    assert matrix._dense_output(_Tokens(), x, base)["token_cosine"] == 1.0
+    flipped = matrix._dense_output(_Tokens(flip=True), x, base)
+    assert abs(flipped["token_cosine"]) < 0.5 and flipped["output_shape"] == [[2, 10, 8]]
+    # A (B, C, H, W) map: cosines over C, one per pixel; negating it everywhere gives -1.
+    image = torch.randn(2, 3, 4, 4)
+    assert matrix._token_vectors(image).shape == (32, 3)
+    negate = _Tokens()
+    negate.scale.data.fill_(-1.0)
+    negated = matrix._dense_output(negate, image, [image])
+    assert negated["token_cosine"] == negated["token_cosine_min"] == -1.0
+
+    compressed = {1.0: _Tokens(), matrix.REDUCED_KEEP: _Tokens(keep=7)}
+    monkeypatch.setattr(
+        matrix.vitcompress, "compress", lambda model, variant, keep, **kw: compressed[keep]
+    )
+    monkeypatch.setattr(matrix, "count_macs", lambda *args: 70)
+    monkeypatch.setattr(matrix, "_onnx", lambda *args, **kw: {"ok": True, "max_abs_diff": 0.0})
+    cell = matrix.variant_cell(_Tokens(), (10, 8), "etps", base, 100, x, dense=True)
+    assert cell["exact"] and cell["keep1_max_diff"] == 0.0
+    assert cell["status"] == "error" and cell["line"] == (
+        "output: ValueError: keep 0.7 gives outputs of shape [[2, 7, 8]], the base [[2, 10, 8]]"
+    )
+    assert matrix.cell_text(cell) == "**error** (output)"
+    assert cell["gmac_ratio"] == 0.7 and cell["train"]["ok"]  # the other steps still ran
+
+
+def test_merging_adds_new_families_in_the_matrix_order(tmp_path):
+    old = {"family": "deit", "model": "deit_tiny_patch16_224", "variants": {}}
+    old["variants"] = {v: {"status": "ok", "gmac_ratio": 0.7} for v in matrix.VARIANTS}
+    path = tmp_path / "matrix.json"
+    path.write_text(json.dumps({"meta": {"command": "full"}, "rows": [old]}))
+    cell = {"status": "ok", "gmac_ratio": 0.7, "token_cosine": 0.99}
+    new = {"family": "dense_vit", "model": "vit_tiny_patch16_224", "variants": {}}
+    new["variants"] = {v: dict(cell) for v in matrix.VARIANTS}
+    order = [family for family, _ in matrix.family_models()]
+    merged = matrix.merge_rows(path, [new], order, "nice -n 10 python ... --merge")
+    assert [row["family"] for row in merged["rows"]] == ["deit", "dense_vit"]
+    assert merged["meta"]["summary"]["families"] == 2
+    assert merged["meta"]["merged"][0]["families"] == ["dense_vit"]
