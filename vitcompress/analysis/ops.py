@@ -107,6 +107,21 @@ def is_multihead_attention(gm: fx.GraphModule, node: fx.Node) -> bool:
     return isinstance(_module(gm, node), nn.MultiheadAttention)
 
 
+def multiplies(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` is a layer with multiply-accumulates over its features: a linear, a
+    product, a conv (what a restore must not run twice)."""
+    module = _module(gm, node)
+    if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return True
+    name = getattr(node.target, "__name__", str(node.target)) if node.op != "call_module" else ""
+    return (
+        is_matmul(node)
+        or is_einsum(node)
+        or _is_call(node, _CONV_FUNCS, set())
+        or (node.op in ("call_function", "call_method") and name.split(".")[-1] == "linear")
+    )
+
+
 def grid_op_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
     """``"conv"`` or ``"pool"`` for an op that works on a spatial grid, else ``None``."""
     module = _module(gm, node)

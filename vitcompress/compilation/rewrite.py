@@ -125,6 +125,9 @@ class _Rewriter:
                     f"{reader.what} at {reader.path}",
                 )
         self._restore_stage_exit(self.map.stages[stage], state)
+        # Ops whose reduced result a reader no longer reads (a dense head's per-token linear, now
+        # run on the restored copy) must not run.
+        self.graph.eliminate_dead_code()
         self.graph.lint()
         self.gm.recompile()
         return self.gm
@@ -163,15 +166,23 @@ class _Rewriter:
         stream_prefix: int,
         name: str,
         where: str,
+        in_block: bool = False,
     ) -> None:
         """Make ``reader`` read ``tokens`` with the stage's full token set back (a no-op before
         any reduction in the stage). ``tokens`` derives from the residual stream ``state.node``
         through per-token ops; a rule that reads recorded stream values restores the stream and
-        recomputes those ops on the copy."""
+        recomputes those ops on the copy, unless (``in_block``: a grid op inside a block) one of
+        them is a layer, which would then run twice: there the variant's local rule restores
+        where the tokens are read."""
         if not state.reduced:
             return
-        rule = self.plan.method.restore_rule
+        method = self.plan.method
+        rule = method.restore_rule
         stream = state.node
+        if in_block and rule not in RESTORES_ANYWHERE:
+            between = _ancestors(tokens) - _ancestors(stream)
+            if any(ops.multiplies(self.gm, node) for node in between):
+                rule = method.local_restore_rule
         anywhere = rule in RESTORES_ANYWHERE or tokens is stream
         module = TokenRestore(
             rule,
@@ -407,6 +418,7 @@ class _Rewriter:
                 block.prefix_tokens,
                 f"restore{block.index}_{op.op_node}",
                 f"the {op.kind} {op.path} in block {block.index}",
+                in_block=True,
             )
             if op.from_grid_node is not None:
                 flat = self.nodes[op.from_grid_node]

@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from vitcompress.method import SELECTION_POLICIES, keep_count
+from vitcompress.method.restore import HOST, RESTORES_ANYWHERE, ZERO
 from vitcompress.variants.fuses import Fuse
 from vitcompress.variants.placement import (
     AFTER_ATTENTION,
@@ -251,6 +252,17 @@ class Variant:
         """How a token it removed comes back where the model reads tokens by position:
         ``method/restore.py``'s rules (``host``, ``value``, ``delta``, ``zero``)."""
         return self.restore or self.fuse.restore_default
+
+    @property
+    def local_restore_rule(self) -> str:
+        """The rule inside a block, where restoring on the residual stream would run a layer
+        between it and a grid op again on every token (PVTv2's ``fc1`` before its depthwise
+        conv): :attr:`restore_rule` where it reads only the tokens there, else ``host`` where the
+        fuse gives tokens a host, else ``zero``."""
+        rule = self.restore_rule
+        if rule in RESTORES_ANYWHERE:
+            return rule
+        return HOST if HOST in self.fuse.restore_rules else ZERO
 
     @property
     def tracks_sizes(self) -> bool:
