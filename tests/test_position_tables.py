@@ -104,7 +104,7 @@ def _reduced(compressed: nn.Module, x: torch.Tensor):
     with torch.no_grad():
         logits = compressed(x)
     handle.remove()
-    tokens, _, positions = seen["out"]
+    tokens, _, positions, _ = seen["out"]  # (tokens, keep_mask, positions, trace)
     return logits, tokens, positions
 
 

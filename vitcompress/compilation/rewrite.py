@@ -125,9 +125,6 @@ class _Rewriter:
                     f"{reader.what} at {reader.path}",
                 )
         self._restore_stage_exit(self.map.stages[stage], state)
-        # Ops whose reduced result a reader no longer reads (a dense head's per-token linear, now
-        # run on the restored copy) must not run.
-        self.graph.eliminate_dead_code()
         self.graph.lint()
         self.gm.recompile()
         return self.gm
@@ -204,6 +201,7 @@ class _Rewriter:
                         f"restored there by {rule}; try --variant-arg restore=host"
                     )
         reader.replace_input_with(tokens, restored)
+        _erase_unused(self.graph, tokens)
 
     def _insert_reducer(
         self,
@@ -443,6 +441,20 @@ class _Stream:
         self.positions: Any = None
         self.sizes: Any = None  # tokens' sizes after merges (ToMe), for proportional attention
         self.trace: Any = ()
+
+
+def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` if nothing reads it any more, and so on up its inputs: the ops whose reduced
+    result a reader no longer reads (a dense head's per-token linear, now run on the restored
+    copy) must not run too. Impure ops (asserts) stay."""
+    frontier = [node]
+    while frontier:
+        node = frontier.pop()
+        if node.users or node.op in ("placeholder", "output", "get_attr") or node.is_impure():
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        frontier.extend(inputs)
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
