@@ -171,8 +171,8 @@ class _Rewriter:
         recomputes those ops on the copy, unless (``in_block``: a grid op inside a block) one of
         them is a layer, which would then run twice: there the variant's local rule restores
         where the tokens are read."""
-        if not state.reduced:
-            return
+        if not state.reduced or tokens not in reader.all_input_nodes:
+            return  # nothing reduced yet, or already restored (CvT's q, k, v share one grid)
         method = self.plan.method
         rule = method.restore_rule
         stream = state.node
