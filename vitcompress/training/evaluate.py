@@ -23,6 +23,19 @@ __all__ = [
 ]
 
 
+def _loader(dataset: Dataset, batch_size: int, device: str, num_workers: int) -> DataLoader:
+    """The evaluation loader: in order, pinned for CUDA; an empty set is refused."""
+    if len(dataset) == 0:  # type: ignore[arg-type]
+        raise DataError("the dataset is empty: nothing to evaluate")
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        pin_memory=str(device).startswith("cuda"),
+    )
+
+
 def evaluate(
     model: nn.Module,
     dataset: Dataset,
@@ -37,15 +50,7 @@ def evaluate(
     rather than averaging per-batch percentages, so a short last batch weighs what it should.
     The model runs in eval mode under ``inference_mode`` and is put back in its previous mode.
     """
-    if len(dataset) == 0:  # type: ignore[arg-type]
-        raise DataError("the dataset is empty: nothing to evaluate")
-    loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=False,
-        num_workers=num_workers,
-        pin_memory=str(device).startswith("cuda"),
-    )
+    loader = _loader(dataset, batch_size, device, num_workers)
     was_training = model.training
     model.eval().to(device)
     correct1 = correct5 = total = 0
@@ -159,15 +164,7 @@ def evaluate_segmentation(
     The confusion matrix covers K = the larger of the model's outputs and the data's classes.
     The model runs in eval mode under ``inference_mode`` and is put back in its previous mode.
     """
-    if len(dataset) == 0:  # type: ignore[arg-type]
-        raise DataError("the dataset is empty: nothing to evaluate")
-    loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=False,
-        num_workers=num_workers,
-        pin_memory=str(device).startswith("cuda"),
-    )
+    loader = _loader(dataset, batch_size, device, num_workers)
     was_training = model.training
     model.eval().to(device)
     try:
