@@ -161,7 +161,7 @@ def test_predictor_gradients_match_the_reference_per_location(monkeypatch: pytes
     monkeypatch.setattr(torch.nn.functional, "gumbel_softmax", FixedGumbel(noises))
     tokens, keep_mask, masks = x0, None, []
     for reducer in library:
-        tokens, keep_mask, _ = reducer(block(tokens), keep_mask)
+        tokens, keep_mask, _, _ = reducer(block(tokens), keep_mask)  # positions, trace
         masks.append(keep_mask[:, prefix:])
     loss(tokens, masks).backward()
 
