@@ -297,6 +297,45 @@ def run_one(
 # --------------------------------------------------------------------------------------------------
 
 
+def rule_table(
+    base_path: Path, test_set: Dataset, args: argparse.Namespace, locs: list[int]
+) -> str:
+    """Training-free mIoU (%) of each method under each restore rule it allows, at each keep:
+    which rule brings the removed tokens back best on a trained model."""
+    from vitcompress.variants import get_variant
+
+    methods = args.methods.split(",")
+    keeps = [float(k) for k in args.keeps.split(",")]
+    rules = ("delta", "host", "value", "zero")
+    lines = [
+        "| keep | method | " + " | ".join(rules) + " |",
+        "|---|---|" + "---|" * len(rules),
+    ]
+    for keep in keeps:
+        for method in methods:
+            allowed = get_variant(method).fuse.restore_rules
+            default = get_variant(method).restore_rule
+            matched = matched_r(base_path, keep, methods, locs) if method == MATCHED else None
+            cells = []
+            for rule in rules:
+                if rule not in allowed:
+                    cells.append("-")
+                    continue
+                args_ = {"restore": rule}
+                how: dict[str, Any] = {"keep": keep}
+                if matched is not None:
+                    how = {}
+                    args_["r"] = matched["tome_r"]
+                model = compress_loaded(
+                    load_base(base_path), variant=method, locs=locs, variant_args=args_, **how
+                ).model.eval()
+                miou = scores(model, test_set)["miou"]
+                cells.append(f"**{miou:.2f}**" if rule == default else f"{miou:.2f}")
+                print(f"{method} keep {keep:g} restore={rule}: mIoU {miou:.2f}%", flush=True)
+            lines.append(f"| {keep:g} | {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(base: dict[str, Any], results: list[dict[str, Any]], locs: list[int]) -> str:
     lines = [
         f"Base {SPEC}: mIoU {base['miou']:.2f}%, pixel accuracy {base['pixel_acc']:.2f}%, "
@@ -393,6 +432,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--base-only", action="store_true", help="train (or reuse) the base; stop")
     p.add_argument("--fresh", action="store_true", help="discard the cached (method, keep) runs")
+    p.add_argument(
+        "--rules",
+        action="store_true",
+        help="instead of fine-tuning: the training-free mIoU of every restore rule each method "
+        "allows (--variant-arg restore=...), at each keep, as a table",
+    )
     p.add_argument("--md-out", type=Path)
     p.add_argument("--json-out", type=Path)
     p.add_argument("--plot", type=Path)
@@ -442,6 +487,13 @@ def main(argv: list[str] | None = None) -> int:
         else default_locs(map_model(base.model, INPUT_SIZE))
     )
     results: list[dict[str, Any]] = []
+    if args.rules:
+        table = rule_table(base_path, test_set, args, locs)
+        print(table)
+        if args.md_out:
+            args.md_out.parent.mkdir(parents=True, exist_ok=True)
+            args.md_out.write_text(table)
+        return 0
     if not args.base_only:
         methods = args.methods.split(",")
         for keep in (float(k) for k in args.keeps.split(",")):
