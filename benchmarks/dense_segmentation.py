@@ -326,10 +326,9 @@ def rule_table(
                 if matched is not None:
                     how = {}
                     args_["r"] = matched["tome_r"]
-                base = load_base(base_path)
                 torch.manual_seed(args.seed)  # the predictor's initial weights, as run_one's
                 model = compress_loaded(
-                    base, variant=method, locs=locs, variant_args=args_, **how
+                    load_base(base_path), variant=method, locs=locs, variant_args=args_, **how
                 ).model.eval()
                 miou = scores(model, test_set)["miou"]
                 cells.append(f"**{miou:.2f}**" if rule == default else f"{miou:.2f}")
