@@ -198,7 +198,8 @@ class _Rewriter:
                     raise RewriteError(
                         f"{where} reads {tokens.name}, which does not come from the residual "
                         f"stream {stream.name} through per-token ops: the tokens cannot be "
-                        f"restored there by {rule}; try --variant-arg restore=host"
+                        f"restored there by {rule}; try --variant-arg "
+                        f"restore={method.local_restore_rule}"
                     )
         reader.replace_input_with(tokens, restored)
         _erase_unused(self.graph, tokens)
