@@ -45,6 +45,7 @@ import vitcompress.zoo  # noqa: E402, F401  registers the Segmenter, PVT and CvT
 from tests.test_dense_outputs import (  # noqa: E402
     MODELS,
     argmax_agreement,
+    block_cosine,
     median_cosine,
     outputs,
     sharpen,
@@ -78,22 +79,12 @@ def build(name: str, seed: int) -> tuple[nn.Module, tuple[int, ...], Tensor, str
     return model, size, x, kind
 
 
-def block_cosine(model: nn.Module, x: Tensor, name: str) -> float | None:
-    """Median cosine between a token entering the first block and leaving the last (how much the
-    blocks move the tokens); ``None`` for the hybrids (several stages)."""
+def blocks_moved(model: nn.Module, x: Tensor, name: str) -> float | None:
+    """How much the blocks move the tokens (:func:`block_cosine`); ``None`` for the hybrids
+    (several stages)."""
     if name not in MODELS:
         return None
-    blocks = model.get_submodule(MODELS[name].blocks)
-    seen: dict[str, Tensor] = {}
-    first = blocks[0].register_forward_pre_hook(lambda m, args: seen.setdefault("in", args[0]))
-    last = blocks[-1].register_forward_hook(
-        lambda m, args, out: seen.setdefault("out", out[0] if isinstance(out, tuple) else out)
-    )
-    with torch.no_grad():
-        model(x)
-    first.remove()
-    last.remove()
-    return median_cosine(seen["out"], seen["in"])
+    return block_cosine(model, x, MODELS[name].blocks)
 
 
 def measure(out: list[Tensor], base: list[Tensor], kind: str) -> tuple[float | None, float | None]:
@@ -122,7 +113,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, 
                 "input": size,
                 "batch": x.shape[0],
                 "kind": kind,
-                "block_cosine": block_cosine(model, x, name),
+                "block_cosine": blocks_moved(model, x, name),
                 "base_gmacs": base_macs / 1e9,
             }
         )
