@@ -229,3 +229,24 @@ def test_visualize_refuses_a_video_model_in_one_line(classifier):
     with pytest.raises(VisualizeError, match="3x4x6") as info:
         record_locations(small, _video()[:1])
     _one_line(info.value)
+
+
+def test_attention_scores_of_pooled_keys_on_a_3d_grid_are_refused_at_the_plan():
+    """eTPS/EViT spread pooled keys' scores to the tokens they cover on a 2-D grid only: on a
+    video grid that attention is refused in one line before any forward, not at run time."""
+    from types import SimpleNamespace
+
+    from vitcompress.variants import get_variant
+
+    def block(grid):
+        attention = SimpleNamespace(key_tokens=8, kind="sdpa", path="blocks.0.attn")
+        return SimpleNamespace(
+            index=0, path="blocks.0", tokens=48, grid=grid, attention=attention, score_blocker=None
+        )
+
+    plan = SimpleNamespace(locations=[SimpleNamespace(block=0)], variant="etps")
+    for name in ("etps", "evit"):
+        scorer = get_variant(name).scorer
+        line = scorer.refusal(SimpleNamespace(blocks=[block((3, 4, 4))]), plan)
+        assert line is not None and "\n" not in line and "3-D token grid (3, 4, 4)" in line
+        assert scorer.refusal(SimpleNamespace(blocks=[block((4, 12))]), plan) is None

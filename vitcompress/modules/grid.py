@@ -1,7 +1,7 @@
-"""Padding and masking around ops that need the full token grid (hybrid ViTs).
+"""After an op that needs the full token grid (hybrid ViTs): the present tokens gathered again.
 
 Tokens laid out as a grid are patch tokens only (models split prefix tokens off before such a
-reshape), so masks and positions here refer to the stage's N0 = H * W patch positions (a grid
+reshape), so positions here refer to the stage's N0 = H * W patch positions (a grid
 of any rank: a video's N0 = T * H * W).
 """
 

@@ -18,6 +18,7 @@ class Block(Protocol):
     tokens: int  # prefix included
     prefix_tokens: int
     stage: int
+    grid: tuple[int, ...]
     attention: Any  # AttentionCore: kind, key_tokens, path
     parallel_cores: Sequence[Any]  # further attention cores of a parallel block (AttentionCore)
 

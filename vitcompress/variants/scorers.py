@@ -120,11 +120,20 @@ class AttentionScorer(Scorer):
         """A block whose attention cores do not make one map (``Block.score_blocker``, see
         ``parallel.py``) cannot score."""
         for loc in plan.locations:
-            blocker = model_map.blocks[loc.block].score_blocker
+            block = model_map.blocks[loc.block]
+            blocker = block.score_blocker
             if blocker is not None:
                 return (
                     f"block {loc.block}: {blocker}; {plan.variant} scores tokens with that "
                     "attention, so it is refused there (a learned predictor scores without it)"
+                )
+            keys = block.attention.key_tokens
+            if keys is not None and keys < block.tokens and len(block.grid) != 2:
+                return (
+                    f"block {loc.block} ({block.path}) attends over {keys} pooled keys on a "
+                    f"{len(block.grid)}-D token grid {tuple(block.grid)}: {plan.variant}'s scores "
+                    "of pooled keys are spread to the tokens only on a 2-D grid, so it is "
+                    "refused there (a learned predictor scores without them)"
                 )
         return None
 
