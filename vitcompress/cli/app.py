@@ -18,6 +18,7 @@ from vitcompress.cli.status import PROGRESS_MODES, ConsoleStatus
 from vitcompress.compilation.plan import PlanError
 from vitcompress.errors import EXIT_USAGE as EXIT_USAGE  # re-exported for the commands
 from vitcompress.errors import UserError
+from vitcompress.measure.throughput import ThreadChoice
 from vitcompress.status import reporting
 from vitcompress.workflows.gates import GateResult, failed
 
@@ -133,9 +134,17 @@ def fmt_throughput(value: float | None) -> str:
 
 def print_environment(environment: dict[str, Any]) -> None:
     if environment:
+        # The threads timing chose (fewer than torch's under load, or 1 after a failed starvation
+        # check) are part of what the numbers mean, so the line says why.
+        choice = environment.get("thread_choice")
+        threads = (
+            ThreadChoice.from_json(choice).text()
+            if choice
+            else f"{environment.get('threads')} threads"
+        )
         console.print(
             f"[dim]{environment.get('device_name', environment.get('device'))}, "
-            f"{environment.get('dtype')}, {environment.get('threads')} threads, batch "
+            f"{environment.get('dtype')}, {threads}, batch "
             f"{environment.get('batch_size')}, torch {environment.get('torch')}[/]"
         )
 

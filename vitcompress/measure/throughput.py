@@ -11,17 +11,29 @@ two models' samples into a speed-up with a 95% interval (:mod:`.paired`).
 Two things make a number untrustworthy, and both are reported in ``ThroughputReport.warnings``
 rather than hidden: other work on the machine (the 1-minute load average above the threads torch
 uses, read before and after timing), and a time budget that ended the timing before all runs.
+
+Other work on the machine does worse than add noise when torch's threads outnumber the free
+cores: an OpenMP barrier waits for its slowest thread, so one thread that shares a core with
+another process stalls all of them (deit_tiny at batch 1 on 2 cores at load 3-4: 0.7 img/s with 2
+threads, 28 img/s with 1). So on the CPU the thread count is chosen (:func:`choose_threads`): as
+many as torch would use, but no more than the cores the load average leaves free. When the
+machine still filled up during timing, a starvation check times the first model at 1 thread; if
+that is more than :data:`STARVATION_FACTOR` times faster, the threads were starved and every model
+is timed again at 1 thread. ``environment["thread_choice"]`` says which of these happened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import functools
+import math
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -32,15 +44,30 @@ from .macs import _same_device
 from .paired import PairedRatio, paired_ratio
 
 __all__ = [
+    "STARVATION_FACTOR",
     "ModelThroughput",
     "RoundProgress",
+    "StarvationCheck",
+    "ThreadChoice",
     "ThroughputReport",
+    "available_cpus",
+    "choose_threads",
     "environment",
     "load_average",
     "load_warning",
     "measure_callables",
     "measure_throughput",
+    "own_load",
+    "thread_choice",
+    "torch_threads",
 ]
+
+# The same model timed at 1 thread more than this many times faster than at the chosen count: the
+# chosen threads were starved by other work, and their numbers are not a speed of the model. A
+# quiet machine cannot make 1 thread faster at all, so 2 leaves a wide margin for noise.
+STARVATION_FACTOR = 2.0
+# Timed batches of the starvation check (after one warm-up batch).
+STARVATION_RUNS = 3
 
 
 @dataclass
@@ -114,6 +141,150 @@ def load_warning(loads: list[float | None], threads: int) -> str | None:
         "timing: other work shared the CPU, so throughput is low and its ratios noisy; "
         "time on a quiet machine, or check the 95% interval"
     )
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS has one (a container or
+    ``taskset`` may allow fewer than the machine has), else ``os.cpu_count()``."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def own_load() -> float:
+    """An estimate of this process's own share of the 1-minute load average, in busy threads.
+
+    The load average counts this process too: loading the model and counting its MACs just
+    before timing raise it, and read as other work they would take cores from the timing. The
+    load is an average decaying with a 1-minute constant, so the estimate is the process's mean
+    busy threads since it started (CPU seconds over wall seconds) weighted by the part of that
+    average its lifetime fills. 0 where the start time cannot be read (not Linux): the choice
+    then errs towards fewer threads, which costs speed, never honesty.
+    """
+    try:
+        with open("/proc/self/stat") as f:
+            # Field 22 (after the parenthesised name, which may hold spaces) is the start time in
+            # clock ticks since boot.
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            age = float(f.read().split()[0]) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+    if age <= 0:
+        return 0.0
+    times = os.times()
+    busy = (times.user + times.system) / age
+    return busy * (1 - math.exp(-age / 60))
+
+
+@dataclass(frozen=True)
+class StarvationCheck:
+    """The first model timed again at 1 thread after timing at ``threads`` on a full machine."""
+
+    model: str
+    threads: int
+    rate: float  # images/s at ``threads`` (the median of the timed rounds)
+    one_thread_rate: float  # images/s at 1 thread (the median of the check's batches)
+    starved: bool  # one_thread_rate > STARVATION_FACTOR * rate
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """How many threads timing used, and why.
+
+    ``reason``: ``fits`` (the threads torch uses fit the free cores), ``load`` (fewer, so as not to
+    oversubscribe the cores the load average leaves free), ``no-load`` (no load average on this
+    system: torch's count), ``fixed`` (the caller set the count), ``starved`` (the starvation
+    check failed, and everything was timed again at 1 thread).
+    """
+
+    asked: int  # the threads torch would use (torch.get_num_threads() when timing began)
+    cpus: int  # the CPUs this process may run on
+    load: float | None  # the 1-minute load average before timing
+    own: float  # this process's estimated share of it (:func:`own_load`)
+    threads: int  # the threads the reported numbers were timed with
+    reason: str
+    starvation: StarvationCheck | None = None
+
+    @property
+    def free(self) -> float | None:
+        """Cores not taken by other work, by the load average; None without one."""
+        if self.load is None:
+            return None
+        return self.cpus - max(0.0, self.load - self.own)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["free_cpus"] = self.free
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ThreadChoice:
+        """The choice back from :meth:`to_json` (a report's ``environment["thread_choice"]``)."""
+        fields = {k: v for k, v in data.items() if k not in ("free_cpus", "starvation")}
+        check = data.get("starvation")
+        return cls(**fields, starvation=None if check is None else StarvationCheck(**check))
+
+    def text(self) -> str:
+        """One line for a report: ``1 thread of 2 (load 3.4 on 2 CPUs)``."""
+        plural = "s" if self.threads != 1 else ""
+        if self.reason == "starved" and self.starvation is not None:
+            check = self.starvation
+            return (
+                f"{self.threads} thread{plural}: {check.model} ran "
+                f"{check.one_thread_rate / check.rate:.1f}x faster at 1 thread than at "
+                f"{check.threads} (starved by other work), so everything was timed again at 1"
+            )
+        if self.reason == "load":
+            return (
+                f"{self.threads} thread{plural} of {self.asked} (load {self.load:.1f} on "
+                f"{self.cpus} CPUs: more would oversubscribe the free cores)"
+            )
+        text = f"{self.threads} thread{plural}"
+        if self.reason == "fixed":
+            return text + " (set by the caller)"
+        if self.starvation is not None:
+            return text + " (the starvation check passed)"
+        return text
+
+
+def choose_threads(asked: int, cpus: int, load: float | None, own: float = 0.0) -> ThreadChoice:
+    """At most ``asked`` threads, and no more than the cores other work leaves free.
+
+    Other work is the load average less this process's own share (``own``); the free cores are
+    ``cpus`` less that, rounded to the nearest whole core (a core half used by others is not worth
+    a thread that would stall the rest at every barrier; more than half free is), and at least 1.
+    """
+    asked = max(1, asked)
+    if load is None:
+        return ThreadChoice(asked, cpus, None, own, asked, "no-load")
+    others = max(0.0, load - own)
+    free = max(1, math.floor(cpus - others + 0.5))
+    threads = min(asked, free)
+    return ThreadChoice(asked, cpus, load, own, threads, "fits" if threads == asked else "load")
+
+
+def thread_choice(threads: int | None = None) -> ThreadChoice:
+    """The threads to time with now: ``threads`` when given (``fixed``), else
+    :func:`choose_threads` from torch's count, this process's CPUs and the load average."""
+    asked = torch.get_num_threads()
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        return ThreadChoice(asked, available_cpus(), load_average(), 0.0, threads, "fixed")
+    return choose_threads(asked, available_cpus(), load_average(), own_load())
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` inside, restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _cpu_name() -> str:
@@ -191,6 +362,7 @@ def measure_throughput(
     time_budget: float | None = None,
     on_round: Callable[[RoundProgress], None] | None = None,
     compile_options: Mapping[str, Any] | None = None,
+    threads: int | None = None,
 ) -> ThroughputReport:
     """Images/s of each model in inference mode, timed interleaved in this process.
 
@@ -210,6 +382,12 @@ def measure_throughput(
     ``time_budget`` (seconds) bounds warm-up and timing together: no round starts once it is
     spent, but one warm-up round (when ``warmup`` > 0) and one timed round always run, so a round
     may overshoot it. ``on_round`` is called after every round, for progress displays.
+
+    ``threads``: torch's intra-op threads while timing on the CPU. None (the default) chooses
+    them (:func:`choose_threads`: torch's count, but no more than the free cores) and, when the
+    machine was full while timing, checks for starvation (the first model timed at 1 thread more
+    than :data:`STARVATION_FACTOR` times faster), timing everything again at 1 thread if it
+    fails; a number fixes them and checks nothing. ``environment["thread_choice"]`` says which.
     """
     if not models:
         raise ValueError("no models to time")
@@ -254,8 +432,11 @@ def measure_throughput(
 
     compile_seconds: dict[str, float] = {}
     compiled_graphs: dict[str, int] = {}
+    # On a GPU the CPU threads only launch kernels: the count is torch's, and nothing is checked.
+    choice = thread_choice(threads if device.type == "cpu" else torch.get_num_threads())
+    runners = {name: functools.partial(forward, model) for name, model in runnable.items()}
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), torch_threads(choice.threads):
             # Compilation first, each model on its own and outside the budget: minutes of
             # code generation must neither be timed nor eat the rounds that are.
             for name in compiled_names:
@@ -263,14 +444,19 @@ def measure_throughput(
                     lambda model=runnable[name]: forward(model), device
                 )
             rounds = _interleave(
-                {name: functools.partial(forward, model) for name, model in runnable.items()},
+                runners,
                 batch_size,
                 warmup,
                 runs,
                 time_budget,
                 on_round,
                 lambda: _synchronize(device),
+                load_before=choice.load,
             )
+            if threads is None and device.type == "cpu":
+                choice, rounds = _check_starvation(
+                    choice, rounds, runners, batch_size, warmup, runs, time_budget, on_round
+                )
     finally:
         # eval() above changed the caller's models whenever no copy was needed.
         for name, model in models.items():
@@ -294,9 +480,53 @@ def measure_throughput(
             "compile_seconds": compile_seconds,
             "compiled_graphs": compiled_graphs,
             "amp": amp,
+            "threads": choice.threads,
+            "thread_choice": choice.to_json(),
         },
-        warnings,
+        warnings + _thread_warnings(choice),
+        threads=choice.threads,
     )
+
+
+def _thread_warnings(choice: ThreadChoice) -> list[str]:
+    """What the report must say about the threads: fewer than torch would use, or a retime."""
+    if choice.reason in ("load", "starved"):
+        return [f"timed with {choice.text()}"]
+    return []
+
+
+def _check_starvation(
+    choice: ThreadChoice,
+    rounds: _Rounds,
+    runners: Mapping[str, Callable[[], Any]],
+    batch_size: int,
+    warmup: int,
+    runs: int,
+    time_budget: float | None,
+    on_round: Callable[[RoundProgress], None] | None,
+) -> tuple[ThreadChoice, _Rounds]:
+    """After timing at ``choice.threads``: when more than 1 thread ran and the load average seen
+    while timing says the machine was full (this process's threads and others' work over its
+    CPUs), time the first model at 1 thread. Starved (:data:`STARVATION_FACTOR`): time every
+    model again at 1 thread, and return that. Otherwise the timing stands, with the check."""
+    seen = [load for load in rounds.loads if load is not None]
+    if choice.threads <= 1 or not seen or max(seen) <= choice.cpus:
+        return choice, rounds
+    name, run = next(iter(runners.items()))
+    rate = statistics.median(rounds.samples[name])
+    with torch_threads(1):
+        probe = _interleave({name: run}, batch_size, 1, STARVATION_RUNS, None, None, lambda: None)
+    one_thread_rate = statistics.median(probe.samples[name])
+    check = StarvationCheck(
+        name, choice.threads, rate, one_thread_rate, one_thread_rate > STARVATION_FACTOR * rate
+    )
+    if not check.starved:
+        return dataclasses.replace(choice, starvation=check), rounds
+    with torch_threads(1):
+        retimed = _interleave(
+            runners, batch_size, warmup, runs, time_budget, on_round, lambda: None
+        )
+    return dataclasses.replace(choice, threads=1, reason="starved", starvation=check), retimed
 
 
 def measure_callables(
@@ -307,18 +537,41 @@ def measure_callables(
     time_budget: float | None = None,
     on_round: Callable[[RoundProgress], None] | None = None,
     extra_environment: Mapping[str, Any] | None = None,
+    threads: ThreadChoice | None = None,
 ) -> ThroughputReport:
     """Images/s of each runner, a call that processes one batch of ``batch_size`` images on the
-    CPU (an onnxruntime session, say), timed interleaved like :func:`measure_throughput`."""
+    CPU (an onnxruntime session, say), timed interleaved like :func:`measure_throughput`.
+
+    ``threads``: the choice the runners were built with (:func:`thread_choice`; an onnxruntime
+    session's threads are fixed when it is made, so the caller chooses before making them);
+    torch runs at ``threads.threads`` while timing, and the choice is recorded. There is no
+    starvation check: the runners cannot be re-threaded. None: torch's count as it is."""
     if not runners:
         raise ValueError("no runners to time")
     if batch_size < 1 or runs < 1 or warmup < 0:
         raise ValueError("batch_size and runs must be >= 1 and warmup >= 0")
     if time_budget is not None and time_budget <= 0:
         raise ValueError(f"time_budget must be > 0 seconds, got {time_budget}")
-    rounds = _interleave(runners, batch_size, warmup, runs, time_budget, on_round, lambda: None)
+    if threads is None:
+        count = torch.get_num_threads()
+        threads = ThreadChoice(count, available_cpus(), load_average(), 0.0, count, "fixed")
+    with torch_threads(threads.threads):
+        rounds = _interleave(
+            runners,
+            batch_size,
+            warmup,
+            runs,
+            time_budget,
+            on_round,
+            lambda: None,
+            load_before=threads.load,
+        )
     return rounds.report(
-        environment("cpu", torch.float32, batch_size) | dict(extra_environment or {}), []
+        environment("cpu", torch.float32, batch_size)
+        | {"threads": threads.threads, "thread_choice": threads.to_json()}
+        | dict(extra_environment or {}),
+        _thread_warnings(threads),
+        threads=threads.threads,
     )
 
 
@@ -335,11 +588,13 @@ class _Rounds:
     seconds: float
     loads: list[float | None]
 
-    def report(self, env: dict[str, Any], warnings: list[str]) -> ThroughputReport:
-        """The report, with the load and budget warnings added to ``warnings``."""
-        warnings = [w for w in (load_warning(self.loads, torch.get_num_threads()),) if w] + list(
-            warnings
-        )
+    def report(
+        self, env: dict[str, Any], warnings: list[str], threads: int | None = None
+    ) -> ThroughputReport:
+        """The report, with the load and budget warnings added to ``warnings`` (``threads``: those
+        timing ran with, default torch's count now)."""
+        threads = torch.get_num_threads() if threads is None else threads
+        warnings = [w for w in (load_warning(self.loads, threads),) if w] + list(warnings)
         if self.timed < self.runs or self.warmed < self.warmup:
             warnings.append(
                 f"timing stopped at the {self.time_budget:g} s budget after {self.warmed} of "
@@ -370,10 +625,12 @@ def _interleave(
     time_budget: float | None,
     on_round: Callable[[RoundProgress], None] | None,
     synchronize: Callable[[], None],
+    load_before: float | None = None,
 ) -> _Rounds:
-    """Warm-up rounds, then timed rounds, each one batch of every runner in turn."""
+    """Warm-up rounds, then timed rounds, each one batch of every runner in turn.
+    ``load_before``: the load average already read for the thread choice (else read here)."""
     samples: dict[str, list[float]] = {name: [] for name in runners}
-    loads = [load_average()]
+    loads = [load_before if load_before is not None else load_average()]
     began = time.perf_counter()
 
     def spent() -> bool:

@@ -20,6 +20,7 @@ from torch import nn
 from vitcompress.artifacts.fingerprint import eval_mode
 from vitcompress.measure import RoundProgress, measure_callables, paired_ratio
 from vitcompress.measure.onnx_runtime import onnx_runner, onnxruntime_version
+from vitcompress.measure.throughput import thread_choice
 
 RUNTIMES = ("pytorch", "onnxruntime")
 
@@ -54,6 +55,9 @@ def bench_exported(
         raise ValueError(f"the reference {reference!r} is not among the models {sorted(models)}")
     generator = torch.Generator().manual_seed(0)
     batch = torch.randn((batch_size, *input_size), generator=generator)
+    # Chosen before the sessions are made, which fixes their threads: both runtimes get the same
+    # count, no more than the free cores.
+    threads = thread_choice()
     runners: dict[str, Callable[[], Any]] = {}
     for name, model in models.items():
 
@@ -62,7 +66,9 @@ def bench_exported(
                 model(batch)
 
         runners[runner_name("pytorch", name)] = eager
-        runners[runner_name("onnxruntime", name)] = onnx_runner(onnx_files[name], batch)
+        runners[runner_name("onnxruntime", name)] = onnx_runner(
+            onnx_files[name], batch, threads.threads
+        )
     with contextlib.ExitStack() as modes:
         for model in models.values():
             modes.enter_context(eval_mode(model))  # each submodule's own mode back afterwards
@@ -78,6 +84,7 @@ def bench_exported(
                 "onnxruntime": onnxruntime_version(),
                 "onnx_files": {name: str(path) for name, path in onnx_files.items()},
             },
+            threads=threads,
         )
 
     def paired(a: str, b: str) -> dict[str, Any]:
