@@ -20,6 +20,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from vitcompress.method.squeeze import SCATTER, index_sum, sum_form
+
 
 class Matching(NamedTuple):
     """The outcome of :func:`bipartite_soft_matching` for a ``(B, t, C)`` token sequence.
@@ -58,10 +60,10 @@ def bipartite_soft_matching(metric: Tensor, r: int, protected: int = 0) -> Match
         scores = a @ b.transpose(-1, -2)  # (B, ta, tb)
         protected_a = (protected + 1) // 2  # sequence indices 0, 2, ... below `protected`
         protected_b = protected // 2  # 1, 3, ...
-        if protected_a:  # (an empty slice assignment would not export to ONNX)
-            scores[:, :protected_a, :] = float("-inf")
-        if protected_b:
-            scores[:, :, :protected_b] = float("-inf")
+        if protected:  # a mask rather than slice assignments, which ONNX writes as ScatterND
+            rows = torch.arange(scores.shape[1], device=scores.device) < protected_a
+            columns = torch.arange(scores.shape[2], device=scores.device) < protected_b
+            scores = scores.masked_fill(rows.unsqueeze(-1) | columns, float("-inf"))
         best, best_b = scores.max(dim=-1)  # (B, ta)
         order = torch.sort(best, dim=-1, descending=True, stable=True).indices
         src = order[:, :r]
@@ -70,14 +72,19 @@ def bipartite_soft_matching(metric: Tensor, r: int, protected: int = 0) -> Match
     return Matching(src=src, dst=dst, unmerged=unmerged, protected=protected)
 
 
-def merge_tokens(x: Tensor, sizes: Tensor, matching: Matching) -> tuple[Tensor, Tensor, Tensor]:
+def merge_tokens(
+    x: Tensor, sizes: Tensor, matching: Matching, form: str | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Merge ``x`` ``(B, t, C)`` with token sizes ``(B, t)`` as ``matching`` says.
 
     A destination becomes ``(s_b x_b + sum s_i x_i) / (s_b + sum s_i)`` over the ``a`` tokens ``i``
     merged into it, and its size ``s_b + sum s_i``; computed in float32, returned in x's dtype.
     Returns the merged tokens ``(B, t - r, C)`` in ToMe's order (see the module), their sizes and
     their indices in the input sequence ``(B, t - r)`` (a merged token takes its destination's).
+    ``form``: how the merged tokens are summed per destination (``method.squeeze.index_sum``;
+    default ``sum_form()``: the scatter, except in an ONNX export).
     """
+    form = form or sum_form()
     b_count = x.shape[1] // 2
     src, dst, unmerged, protected = matching
     if src.shape[1] == 0:
@@ -89,9 +96,14 @@ def merge_tokens(x: Tensor, sizes: Tensor, matching: Matching) -> tuple[Tensor, 
     sa, sb = weights[:, ::2], weights[:, 1::2]
     channels = x.shape[-1]
     src_tokens = wa.gather(1, src.unsqueeze(-1).expand(-1, -1, channels))
-    dst_index = dst.unsqueeze(-1)
-    merged = wb.scatter_add(1, dst_index.expand(-1, -1, channels), src_tokens)
-    merged_sizes = sb.scatter_add(1, dst_index, sa.gather(1, src.unsqueeze(-1)))
+    src_sizes = sa.gather(1, src.unsqueeze(-1))
+    if form == SCATTER:
+        dst_index = dst.unsqueeze(-1)
+        merged = wb.scatter_add(1, dst_index.expand(-1, -1, channels), src_tokens)
+        merged_sizes = sb.scatter_add(1, dst_index, src_sizes)
+    else:
+        merged = wb + index_sum(src_tokens, dst, wb.shape[1], form)
+        merged_sizes = sb + index_sum(src_sizes, dst, sb.shape[1], form)
     kept_a = wa.gather(1, unmerged.unsqueeze(-1).expand(-1, -1, channels))
     kept_a_sizes = sa.gather(1, unmerged.unsqueeze(-1))
     b_index = torch.arange(b_count, device=x.device).expand(x.shape[0], -1) * 2 + 1

@@ -8,7 +8,9 @@ weight on itself (its similarity to itself is 1). Hosts without donors are uncha
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,6 +18,69 @@ from torch import Tensor
 
 SELF_WEIGHT = math.e  # exp(1): a token's similarity to itself is 1
 _NORM_EPS = 1e-6
+
+# How a sum of rows by index (the fuse's "sum of the donors of each host", ToMe's "sum of the
+# tokens merged into each destination") is computed. SCATTER is ``scatter_add``: O(m * C), the
+# fastest in PyTorch, but ONNX writes it as ``ScatterElements`` with ``reduction="add"``, which
+# TensorRT's parser does not take. ONE_HOT multiplies by the (m x bins) one-hot of the index;
+# SEGMENT sorts the rows by index and differences a cumulative sum at the segments' ends. Neither
+# has a scatter; benchmarks/export_scatter_free.py times the three in onnxruntime.
+SCATTER, ONE_HOT, SEGMENT = "scatter", "one-hot", "segment"
+SUM_FORMS = (SCATTER, ONE_HOT, SEGMENT)
+PORTABLE_FORM = ONE_HOT  # the form an ONNX export gets (faster of the two in onnxruntime)
+_forced_form: list[str] = []  # set by :func:`index_sum_form`
+
+
+def sum_form() -> str:
+    """The form index sums take now: the one :func:`index_sum_form` set, else
+    :data:`PORTABLE_FORM` while an ONNX exporter traces (``torch.onnx.export``, either exporter)
+    and :data:`SCATTER` otherwise. A branch in Python, so a traced graph holds one form only."""
+    if _forced_form:
+        return _forced_form[-1]
+    return PORTABLE_FORM if torch.onnx.is_in_onnx_export() else SCATTER
+
+
+@contextlib.contextmanager
+def index_sum_form(form: str) -> Iterator[None]:
+    """Within the block every index sum takes ``form`` (one of :data:`SUM_FORMS`), eager or
+    traced: for comparing the forms. An ONNX export needs no such block."""
+    if form not in SUM_FORMS:
+        raise ValueError(f"form must be one of {SUM_FORMS}, got {form!r}")
+    _forced_form.append(form)
+    try:
+        yield
+    finally:
+        _forced_form.pop()
+
+
+def one_hot_index(index: Tensor, bins: int) -> Tensor:
+    """``(B, m, bins)`` float32, 1 where ``index[b, i] == j``: a comparison with a range, which
+    every runtime has (ONNX ``OneHot`` is not in every one)."""
+    return (index.unsqueeze(-1) == torch.arange(bins, device=index.device)).float()
+
+
+def index_sum(values: Tensor, index: Tensor, bins: int, form: str | None = None) -> Tensor:
+    """``out[b, j] = sum of values[b, i] over the i with index[b, i] == j``, ``(B, bins, C)``
+    float32 from ``values`` ``(B, m, C)`` and ``index`` ``(B, m)``: ``scatter_add`` into zeros in
+    any of :data:`SUM_FORMS` (default :func:`sum_form`). A bin no row goes to is exactly 0."""
+    form = form or sum_form()
+    values = values.float()
+    if form == SCATTER:
+        out = values.new_zeros(values.shape[0], bins, values.shape[-1])
+        return out.scatter_add_(1, index.unsqueeze(-1).expand_as(values), values)
+    if form == ONE_HOT:
+        return one_hot_index(index, bins).transpose(1, 2) @ values
+    if form != SEGMENT:
+        raise ValueError(f"form must be one of {SUM_FORMS}, got {form!r}")
+    # Rows sorted by bin (stable: a bin's rows stay in their order); bin j's rows are the sorted
+    # rows from ends[j - 1] to ends[j], so its sum is a difference of the running sum there.
+    index, order = index.sort(dim=1, stable=True)
+    values = values.gather(1, order.unsqueeze(-1).expand_as(values))
+    running = torch.cat([values.new_zeros(values[:, :1].shape), values.cumsum(dim=1)], dim=1)
+    bounds = torch.arange(-1, bins, device=index.device)  # ends[-1] = 0: no row below bin 0
+    ends = (index.unsqueeze(-1) <= bounds).sum(dim=1)  # (B, bins + 1): rows in bins <= j
+    at_ends = running.gather(1, ends.unsqueeze(-1).expand(-1, -1, values.shape[-1]))
+    return at_ends[:, 1:] - at_ends[:, :-1]
 
 
 def cosine_similarity(donors: Tensor, hosts: Tensor) -> Tensor:
@@ -57,6 +122,7 @@ def fuse_into_hosts(
     host_index: Tensor,
     host_similarity: Tensor,
     inplace: bool = False,
+    form: str | None = None,
 ) -> Tensor:
     """Fuse donors into hosts by index scatter: O(Np * C) instead of the dense O(Np * Nr * C).
 
@@ -64,7 +130,13 @@ def fuse_into_hosts(
     algebraically the paper's form: only donor-sized tensors are built, and a host without donors
     comes out bit-identical rather than ``e * x / e``. ``inplace=True`` writes into ``hosts``
     (a buffer the caller owns, float32) instead of a copy.
+
+    ``form``: how the sums over each host's donors are taken (:func:`index_sum`; default
+    :func:`sum_form`, which is the scatter except in an ONNX export).
     """
+    form = form or sum_form()
+    if form != SCATTER:
+        return _fuse_without_scatter(hosts, donors, host_index, host_similarity, form)
     weight = host_similarity.float().exp()  # (B, Np)
     total = torch.zeros(hosts.shape[:2], dtype=torch.float32, device=hosts.device)
     total = total.scatter_add(1, host_index, weight)  # (B, Nr): sum of donor weights per host
@@ -79,14 +151,34 @@ def fuse_into_hosts(
     return x.scatter_add(1, index, contribution).to(hosts.dtype)
 
 
+def _fuse_without_scatter(
+    hosts: Tensor, donors: Tensor, host_index: Tensor, host_similarity: Tensor, form: str
+) -> Tensor:
+    """:func:`fuse_into_hosts`'s arithmetic with its two scatters as :func:`index_sum` in
+    ``form``; a host without donors gets exactly 0 added, so it is still unchanged bitwise."""
+    weight = host_similarity.float().exp()  # (B, Np)
+    bins = hosts.shape[1]
+    total = index_sum(weight.unsqueeze(-1), host_index, bins, form).squeeze(-1)  # (B, Nr)
+    coefficient = weight / (total.gather(1, host_index) + SELF_WEIGHT)
+    x = hosts.float()
+    index = host_index.unsqueeze(-1).expand(-1, -1, hosts.shape[-1])
+    contribution = (donors.float() - x.gather(1, index)) * coefficient.unsqueeze(-1)
+    return (x + index_sum(contribution, host_index, bins, form)).to(hosts.dtype)
+
+
 def squeeze(
-    hosts: Tensor, donors: Tensor, prefix: Tensor | None = None, return_hosts: bool = False
+    hosts: Tensor,
+    donors: Tensor,
+    prefix: Tensor | None = None,
+    return_hosts: bool = False,
+    form: str | None = None,
 ) -> Any:
     """TPS at inference: squeeze ``(B, Np, C)`` donors into ``(B, Nr, C)`` hosts.
 
     With ``prefix`` ``(B, P, C)`` the result is ``cat([prefix, squeezed hosts])``, fused in place
     into the concatenation's fresh buffer rather than into a copy that is concatenated after.
-    ``return_hosts``: also each donor's host, its index among ``hosts`` (B, Np).
+    ``return_hosts``: also each donor's host, its index among ``hosts`` (B, Np). ``form``: how
+    the donors are summed per host (:func:`fuse_into_hosts`).
     """
     offset = 0 if prefix is None else prefix.shape[1]
     out = hosts if prefix is None else torch.cat([prefix, hosts], dim=1)
@@ -100,6 +192,7 @@ def squeeze(
         host_index + offset if offset else host_index,
         host_similarity,
         inplace=prefix is not None,
+        form=form,
     )
     return (out, host_index) if return_hosts else out
 
