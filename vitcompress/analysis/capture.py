@@ -5,13 +5,19 @@ tracing into it fails, retrying until the rest traces; ``torch.export`` as the f
 whose top-level ``forward`` cannot be traced symbolically (HuggingFace transformers' checks).
 Every node gets ``meta["shape"]``: the concrete shape seen on an example input (or a tuple of
 shapes for tuple outputs), which the analysis reads.
+
+torch's own ``nn.TransformerEncoder`` and ``nn.TransformerEncoderLayer`` are traced into (fx keeps
+every ``torch.nn`` module whole by default), with their fused fast paths off, so that a ViT built
+from them shows its attention (a kept-whole ``nn.MultiheadAttention``) and residual adds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import operator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +42,51 @@ def _inserted(module: nn.Module) -> bool:
     return type(module).__module__.startswith(INSERTED_MODULES)
 
 
+@contextlib.contextmanager
+def fast_paths_off() -> Iterator[None]:
+    """Run ``nn.MultiheadAttention`` and ``nn.TransformerEncoder(Layer)`` on their decomposed
+    path (projections, SDPA or matmul+softmax, norms as separate ops) instead of the fused
+    ``_native_multi_head_attention`` / ``_transformer_encoder_layer_fwd`` kernels that eval mode
+    picks: a tracer or a MAC counter only sees inside the decomposed one. The same numbers come
+    out either way. The previous setting is restored on exit."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
+
+
+# torch's own encoder modules: fx keeps every torch.nn module whole, which would hide the blocks of
+# a ViT written with them. nn.MultiheadAttention stays whole: the analysis reads it as a core.
+TRACED_TORCH_MODULES = (nn.TransformerEncoder, nn.TransformerEncoderLayer)
+
+
+def _encoder_forward(encoder: nn.TransformerEncoder, forward: Callable) -> Callable:
+    """``nn.TransformerEncoder.forward`` as it runs with fast paths off and no masks: its layers in
+    turn, then its norm. torch's forward also checks the input's metadata (``is_nested``, its
+    size) for the nested-tensor path, which symbolic tracing cannot branch on; with a mask it is
+    left to torch's forward (and tracing keeps the encoder whole if that fails)."""
+
+    def plain_forward(
+        src: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        src_key_padding_mask: torch.Tensor | None = None,
+        is_causal: bool | None = None,
+    ) -> torch.Tensor:
+        if mask is not None or src_key_padding_mask is not None:
+            return forward(src, mask, src_key_padding_mask, is_causal)
+        output = src
+        for layer in encoder.layers:
+            # Without a mask torch's causal-mask detection reduces to the flag itself.
+            output = layer(output, src_mask=None, is_causal=is_causal is True)
+        if encoder.norm is not None:
+            output = encoder.norm(output)
+        return output
+
+    return plain_forward
+
+
 class LeafFallbackTracer(fx.Tracer):
     """A tracer that remembers which submodule it was inside when tracing failed."""
 
@@ -46,6 +97,8 @@ class LeafFallbackTracer(fx.Tracer):
         self._stack: list[str] = []
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, TRACED_TORCH_MODULES) and module_qualified_name not in self.leaves:
+            return False
         return (
             module_qualified_name in self.leaves
             or _inserted(m)
@@ -54,6 +107,8 @@ class LeafFallbackTracer(fx.Tracer):
 
     def call_module(self, m, forward, args, kwargs):  # type: ignore[override]
         name = self.path_of_module(m)
+        if isinstance(m, nn.TransformerEncoder) and not self.is_leaf_module(m, name):
+            forward = _encoder_forward(m, forward)
         self._stack.append(name)
         try:
             return super().call_module(m, forward, args, kwargs)
@@ -411,18 +466,19 @@ def capture(model: nn.Module, example: torch.Tensor) -> CapturedGraph:
     """Capture ``model`` (left unchanged) as a graph with shapes from ``example``."""
     model = copy.deepcopy(model).eval()
     blocker: str | None = None  # why symbolic tracing failed, where export takes over
-    try:
-        gm, leaves, method = _best_trace(model, example)
-    except CaptureError as trace_error:
+    with fast_paths_off():
         try:
-            gm, leaves, method = _export(model, example), [], "export"
-            blocker = str(trace_error)
-        except Exception as e:  # noqa: BLE001
-            raise CaptureError(
-                f"could not capture the model: {trace_error}; torch.export also failed: "
-                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            ) from e
-    annotate_shapes(gm, example)
+            gm, leaves, method = _best_trace(model, example)
+        except CaptureError as trace_error:
+            try:
+                gm, leaves, method = _export(model, example), [], "export"
+                blocker = str(trace_error)
+            except Exception as e:  # noqa: BLE001
+                raise CaptureError(
+                    f"could not capture the model: {trace_error}; torch.export also failed: "
+                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                ) from e
+        annotate_shapes(gm, example)
     if method != "export":  # an exported graph is never rewritten
         split_tokens_by_slices(gm)
     return CapturedGraph(

@@ -1,14 +1,15 @@
 """The two patterns a ViT's blocks are found from: attention cores (a fused SDPA call, a softmax
 whose logits come from a matmul/einsum, a kept-whole ``nn.MultiheadAttention``) and residual adds
-``add(skip, branch)`` of two (B, N, C) tensors where ``skip`` is an ancestor of ``branch``; with
-the data ancestry (``Ancestry``) both are read from. ``analyse.py`` builds blocks and stages from
-them."""
+``add(skip, branch)`` of two (B, N, C) tensors where ``skip`` is an ancestor of ``branch`` (in a
+post-norm block, ``norm(skip + branch)``, ending at the norm); with the data ancestry
+(``Ancestry``) both are read from. ``analyse.py`` builds blocks and stages from them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch.fx as fx
+from torch import nn
 
 from vitcompress.analysis import ops
 from vitcompress.analysis.model_map import AttentionCore
@@ -132,4 +133,42 @@ def find_residuals(gm: fx.GraphModule, anc: Ancestry) -> list[Residual]:
             continue
         inner = anc.between(skip, node)
         residuals.append(Residual(node, skip, branch, inner))
-    return residuals
+    return _through_post_norms(gm, residuals)
+
+
+def _normalises_each_token(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A layer or RMS norm: each token on its own. A group norm on (B, N, C) would take the
+    tokens as its channels."""
+    if not ops.is_norm(gm, node):
+        return False
+    if node.op == "call_module":
+        return not isinstance(gm.get_submodule(str(node.target)), nn.GroupNorm)
+    return "group_norm" not in str(node.target)
+
+
+def _through_post_norms(gm: fx.GraphModule, residuals: list[Residual]) -> list[Residual]:
+    """A post-norm block (``norm1(x + attn(x))``, then ``norm2(h + mlp(h))``: torch's
+    ``nn.TransformerEncoderLayer`` with ``norm_first=False``, BERT-style encoders) builds each
+    residual on the norm after the previous one, not on its add. Such a residual is reported as
+    ending at that norm, so blocks chain through it as through a plain add, and a reduction after
+    the residual acts on the tokens the next residual reads. Only where the add's one user is
+    that norm and the norm is the skip of another residual: a pre-norm model's last add feeding
+    its final norm stays as it is."""
+    skips = {r.skip for r in residuals}
+    ended: list[Residual] = []
+    for residual in residuals:
+        users = [u for u in residual.add.users if u.meta.get("carries_tensor", True)]
+        norm = users[0] if len(users) == 1 else None
+        if (
+            norm is not None
+            and norm in skips
+            and norm.args
+            and norm.args[0] is residual.add
+            and ops.shape(norm) == ops.shape(residual.add)
+            and _normalises_each_token(gm, norm)
+        ):
+            residual = Residual(
+                norm, residual.skip, residual.branch, [*residual.nodes, residual.add]
+            )
+        ended.append(residual)
+    return ended
