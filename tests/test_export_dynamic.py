@@ -29,7 +29,9 @@ from vitcompress.workflows.export import (
 SIZE = (3, 32, 32)
 
 
-@pytest.fixture(scope="module", params=["dtps", "etps"])
+# Every method: each reducer reads the batch in its own way (dTPS/DynamicViT's predictor, the
+# attention reducers' class-attention scores, ToMe's bipartite matching).
+@pytest.fixture(scope="module", params=["dtps", "etps", "dynamicvit", "evit", "tome"])
 def compressed(request: pytest.FixtureRequest) -> nn.Module:
     torch.manual_seed(0)
     base = timm_small("vit_small_patch16_224", depth=2)

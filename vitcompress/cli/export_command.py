@@ -22,7 +22,7 @@ from vitcompress.cli.options import (
     runs_option,
     warmup_option,
 )
-from vitcompress.workflows.export import DEFAULT_OPSET, FORMATS
+from vitcompress.workflows.export import DEFAULT_OPSET, DTYPES, FORMATS
 from vitcompress.workflows.export_run import (
     ExportResult,
     ExportSettings,
@@ -70,6 +70,15 @@ from vitcompress.workflows.inputs import ModelRequest
     help="Make the batch dimension symbolic (ONNX dynamic_axes, a torch.export Dim); token "
     "counts stay constants. Checked at batch sizes 1 and 3.",
 )
+@click.option(
+    "--dtype",
+    type=click.Choice(list(DTYPES)),
+    default="float32",
+    show_default=True,
+    help="Weights, input and output at this dtype, checked against PyTorch at the same dtype "
+    "(docs/export.md states the tolerance). A bfloat16 ONNX file, which onnxruntime cannot run "
+    "on the CPU, is checked as a file (onnx.checker), not run.",
+)
 @click.option("--no-check", is_flag=True, help="Do not compare the written file with PyTorch.")
 @click.option(
     "--bench",
@@ -88,6 +97,7 @@ def export(
     batch_size: int,
     opset: int,
     dynamic_batch: bool,
+    dtype: str,
     no_check: bool,
     bench: bool,
     warmup: int,
@@ -96,7 +106,9 @@ def export(
     as_json: bool,
 ) -> None:
     """Export the model's inference path (eval: tokens dropped, constant shapes) and check it."""
-    settings = ExportSettings(fmt, out, batch_size, opset, dynamic_batch, check=not no_check)
+    settings = ExportSettings(
+        fmt, out, batch_size, opset, dynamic_batch, check=not no_check, dtype=dtype
+    )
     timing = ExportTiming(warmup, runs, bench_seconds) if bench else None
     result = export_request(model, settings, timing)
     if as_json:
@@ -108,17 +120,23 @@ def export(
 def _print_export(result: ExportResult, dynamic_batch: bool) -> None:
     written = result.export
     checked = (
-        f"max |diff| {written['max_abs_diff']:.2e} <= {written['atol']:g}"
+        f"max |diff| {written['max_abs_diff']:.2e} <= {written['atol']:.2g}"
         if written["checked"]
+        else "checked as a file (onnx.checker), not run"
+        if written.get("check") == "structural"
         else "not checked"
     )
     if written["checked"] and dynamic_batch:
         checked += f" at batch sizes {', '.join(map(str, written['checked_batch_sizes']))}"
     console.print(
-        f"[bold]{written['format']}[/] {written['out']}  input "
+        f"[bold]{written['format']}[/] {written['out']}  {written.get('dtype', 'float32')} input "
         f"{tuple(written['input_shape'])} ({written['batch']} batch)  "
         f"{written['bytes'] / 1e6:.1f} MB  {checked}"
     )
+    if written.get("check") == "structural":
+        console.print(f"onnxruntime: {written['onnxruntime_error']}", style="dim", highlight=False)
+    if "op_audit" in written:
+        console.print(audit_text(written["op_audit"]), highlight=False)
     if result.bench is not None:
         _print_bench(result.bench)
 
@@ -144,6 +162,19 @@ def _print_bench(bench: dict[str, Any]) -> None:
         highlight=False,
     )
     print_environment(bench["environment"] | {"warnings": bench["warnings"]})
+
+
+def audit_text(audit: dict[str, Any]) -> str:
+    """``ops: 31 types, 402 nodes; portable (TensorRT ...)``, or what is not portable."""
+    head = f"ops: {len(audit['ops'])} types, {sum(audit['ops'].values())} nodes; "
+    if audit["portable"]:
+        return head + f"portable ({audit['reference']})"
+    reasons = "; ".join(
+        f"{item['op']} x{item['count']}"
+        + "".join(f" {key}={value}" for key, value in item.get("attribute", {}).items())
+        for item in audit["not_portable"]
+    )
+    return head + f"NOT portable to {audit['reference']}: {reasons}"
 
 
 def paired_text(ratio: dict[str, Any]) -> str:

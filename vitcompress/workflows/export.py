@@ -13,6 +13,7 @@ selection baked in as constants would show up as a mismatch.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import time
 import warnings
@@ -31,6 +32,14 @@ from vitcompress.measure.onnx_runtime import onnx_session
 FORMATS = ("onnx", "torchscript", "exported-program")
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
 ATOL = 1e-4
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Half precision: the file and PyTorch both compute at the dtype but accumulate and round in
+# different orders (onnxruntime's CPU float16 kernels round where PyTorch accumulates in float32),
+# and a reducer's top-k may then keep a different token where two scores nearly tie, which moves
+# the output by about a percent of its scale (deit_small, eTPS, float16: 1.1%). The tolerance is
+# this times max(1, max |PyTorch output|): loose enough for that, far below the tens of percent a
+# wrong graph or wrong weights give.
+HALF_RTOL = {"float16": 5e-2, "bfloat16": 1e-1}
 DEFAULT_OPSET = 17
 BATCH_AXIS = "batch"  # the name of the symbolic batch dimension (ONNX dim_param, export Dim)
 # With a dynamic batch the graph is traced at this batch (not 1, which torch.export would
@@ -95,9 +104,26 @@ def _sort_symbolic(g: Any, self: Any, *args: Any) -> Any:
         g.op("Shape", self),
         g.op("Constant", value_t=torch.tensor([dim], dtype=torch.int64)),
     )
+    scalar = self.type().scalarType() if hasattr(self.type(), "scalarType") else None
+    if scalar == "BFloat16":
+        # ONNX TopK takes bfloat16 only from opset 24, beyond this exporter: sort a float32 copy
+        # (widening is exact, so the order and its ties are the same) and narrow the values back.
+        values, indices = g.op(
+            "TopK",
+            g.op("Cast", self, to_i=_ONNX_FLOAT),
+            length,
+            axis_i=dim,
+            largest_i=int(bool(descending)),
+            sorted_i=1,
+            outputs=2,
+        )
+        return g.op("Cast", values, to_i=_ONNX_BFLOAT16), indices
     return g.op(
         "TopK", self, length, axis_i=dim, largest_i=int(bool(descending)), sorted_i=1, outputs=2
     )
+
+
+_ONNX_FLOAT, _ONNX_BFLOAT16 = 1, 16  # onnx.TensorProto.FLOAT, .BFLOAT16
 
 
 # ``aten::rms_norm`` (timm's RmsNorm, e.g. AIMv2) has no symbolic either: ONNX has
@@ -172,9 +198,87 @@ def _export_onnx(
 
     def run(x: Tensor) -> Tensor:
         session = onnx_session(out)
-        return torch.from_numpy(session.run(None, {"image": x.numpy()})[0])
+        return _from_numpy(session.run(None, {"image": _to_numpy(x)})[0])
 
     return run
+
+
+def _to_numpy(x: Tensor) -> Any:
+    """``x`` as NumPy, bfloat16 included (NumPy has none; ``ml_dtypes``, an onnx dependency,
+    has the type onnxruntime reads)."""
+    if x.dtype != torch.bfloat16:
+        return x.numpy()
+    import ml_dtypes
+
+    return x.float().numpy().astype(ml_dtypes.bfloat16)
+
+
+def _from_numpy(array: Any) -> Tensor:
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.astype("float32")).to(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+class _Float32Conv(nn.Module):
+    """A convolution run in float32 between casts from and back to the model's dtype.
+
+    ONNX ``Conv`` takes bfloat16 only from opset 22, beyond the TorchScript-based exporter
+    (opset 20 at most), so a bfloat16 export keeps its convolutions (the patch embedding, a
+    pyramid's reductions) in float32 with float32 weights. PyTorch's bfloat16 convolution also
+    accumulates in float32 and rounds its output once, as the cast back does.
+    """
+
+    def __init__(self, conv: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.conv = conv.float()
+        self.dtype = dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(x.float()).to(self.dtype)
+
+
+def _at_dtype(model: nn.Module, dtype: str, float32_convs: bool = False) -> nn.Module:
+    """``model`` itself at float32, else a copy at ``dtype`` (the caller's model is not cast),
+    with ``float32_convs`` its convolutions in float32 (:class:`_Float32Conv`)."""
+    if dtype == "float32":
+        return model
+    copied = copy.deepcopy(model).to(DTYPES[dtype])
+    if float32_convs:
+        for parent in list(copied.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.modules.conv._ConvNd):
+                    setattr(parent, name, _Float32Conv(child, DTYPES[dtype]))
+    return copied
+
+
+def onnx_structure(path: str | Path, dtype: str) -> dict[str, Any]:
+    """A check of an ONNX file that does not run it: ``onnx.checker`` with ``full_check`` (every
+    node's types against its schema at the file's opset, and strict shape inference), the image
+    input's and the logits output's element types, and the element types of the weights.
+    ``passed`` when the checker accepts it and the input and output are at ``dtype``."""
+    import onnx
+
+    model = onnx.load(str(path))
+    result: dict[str, Any] = {"checker": "passed", "error": None}
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as e:  # onnx raises ValidationError, or InferenceError for types
+        result.update(checker="failed", error=_one_line(e))
+    names = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
+    graph = model.graph
+    result["input_dtype"] = names[graph.input[0].type.tensor_type.elem_type]
+    result["output_dtype"] = names[graph.output[0].type.tensor_type.elem_type]
+    weights: dict[str, int] = {}
+    for tensor in graph.initializer:
+        kind = names[tensor.data_type]
+        weights[kind] = weights.get(kind, 0) + 1
+    result["weight_dtypes"] = dict(sorted(weights.items()))
+    result["passed"] = (
+        result["checker"] == "passed"
+        and result["input_dtype"] == dtype
+        and result["output_dtype"] == dtype
+    )
+    return result
 
 
 def onnx_static_shapes(path: Path) -> bool:
@@ -187,6 +291,119 @@ def onnx_static_shapes(path: Path) -> bool:
         for value in list(graph.input) + list(graph.output)
         for dim in value.type.tensor_type.shape.dim
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The op audit: which ONNX ops a file uses, and whether each is one a deployment runtime's core
+# runs. The reference is TensorRT's ONNX parser, the strictest common target: the operators its
+# docs/operators.md (onnx-tensorrt, TensorRT 10.15) marks supported, in the default domain.
+PORTABLE_REFERENCE = "TensorRT 10.15 ONNX parser, onnx-tensorrt docs/operators.md"
+PORTABLE_OPS = frozenset(
+    """
+    Abs Acos Acosh Add And ArgMax ArgMin Asin Asinh Atan Atanh Attention AveragePool
+    BatchNormalization BlackmanWindow Cast CastLike Ceil Celu Clip Concat Constant ConstantOfShape
+    Conv ConvTranspose Cos Cosh CumSum DeformConv DepthToSpace DequantizeLinear Div Dropout Einsum
+    Elu Equal Erf Exp Expand EyeLike Flatten Floor Gather GatherElements GatherND Gelu Gemm
+    GlobalAveragePool GlobalLpPool GlobalMaxPool Greater GreaterOrEqual GridSample
+    GroupNormalization GRU HammingWindow HannWindow HardSigmoid HardSwish Hardmax Identity If
+    ImageScaler InstanceNormalization IsInf IsNaN LayerNormalization LeakyRelu Less LessOrEqual Log
+    LogSoftmax Loop LRN LSTM LpNormalization LpPool MatMul Max MaxPool Mean
+    MeanVarianceNormalization Min Mish Mod Mul Neg NonMaxSuppression NonZero Not OneHot Or Pad
+    ParametricSoftplus Pow PRelu QuantizeLinear RandomNormal RandomNormalLike RandomUniform
+    RandomUniformLike Range Reciprocal ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp ReduceMax
+    ReduceMean ReduceMin ReduceProd ReduceSum ReduceSumSquare Relu Reshape Resize ReverseSequence
+    RMSNormalization RNN RoiAlign RotaryEmbedding Round STFT ScaledTanh Scan Scatter
+    ScatterElements ScatterND Selu Shape Shrink Sigmoid Sign Sin Sinh Size Slice Softmax Softplus
+    Softsign SpaceToDepth Split Sqrt Squeeze Sub Sum Tan Tanh TensorScatter ThresholdedRelu Tile
+    TopK Transpose Trilu Unsqueeze Upsample Where Xor
+    """.split()
+)
+# Attributes that decide whether a listed op runs in TensorRT's core: a value other than the
+# one given needs a plugin or is refused. Scatter reductions: the core runs ScatterElements and
+# ScatterND only without one (NVIDIA/TensorRT #2396, #3650; the ScatterElements plugin's README;
+# operators.md's ScatterND row). TopK: "sorted must be 1".
+PORTABLE_ATTRIBUTES: dict[str, dict[str, Any]] = {
+    "ScatterElements": {"reduction": "none"},
+    "ScatterND": {"reduction": "none"},
+    "TopK": {"sorted": 1},
+}
+# The ONNX defaults of those attributes, for nodes that leave them out.
+_ATTRIBUTE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ScatterElements": {"reduction": "none"},
+    "ScatterND": {"reduction": "none"},
+    "TopK": {"sorted": 1},
+}
+
+
+def _graph_nodes(graph: Any) -> Iterator[Any]:
+    """Every node of ``graph`` and of the subgraphs its nodes hold (If, Loop, Scan bodies)."""
+    import onnx
+
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _graph_nodes(attribute.g)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for sub in attribute.graphs:
+                    yield from _graph_nodes(sub)
+
+
+def _op_name(node: Any) -> str:
+    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+
+
+def onnx_op_audit(path: str | Path) -> dict[str, Any]:
+    """The ops an ONNX file uses and whether all are portable (:data:`PORTABLE_OPS`, with the
+    attribute values of :data:`PORTABLE_ATTRIBUTES`).
+
+    ``ops``: node count per op type (``domain::Op`` outside the default domain), subgraphs
+    included; ``attributes``: for the ops whose attributes decide portability, the count per
+    value (``{"ScatterElements": {"reduction": {"add": 6}}}``, ONNX defaults filled in);
+    ``not_portable``: one entry per op type, or op type and attribute value, outside the list;
+    ``portable``: whether that is empty.
+    """
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    ops: dict[str, int] = {}
+    attributes: dict[str, dict[str, dict[str, int]]] = {}
+    for node in _graph_nodes(graph):
+        name = _op_name(node)
+        ops[name] = ops.get(name, 0) + 1
+        if name not in PORTABLE_ATTRIBUTES:
+            continue
+        given = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        for key, default in _ATTRIBUTE_DEFAULTS[name].items():
+            value = given.get(key, default)
+            value = value.decode() if isinstance(value, bytes) else value
+            counts = attributes.setdefault(name, {}).setdefault(key, {})
+            counts[str(value)] = counts.get(str(value), 0) + 1
+    not_portable = [
+        {"op": name, "count": count, "why": f"not among {PORTABLE_REFERENCE}'s operators"}
+        for name, count in sorted(ops.items())
+        if name not in PORTABLE_OPS
+    ]
+    for name, keys in sorted(attributes.items()):
+        for key, values in sorted(keys.items()):
+            wanted = str(PORTABLE_ATTRIBUTES[name][key])
+            not_portable += [
+                {
+                    "op": name,
+                    "count": count,
+                    "attribute": {key: value},
+                    "why": f"{key}={value}: {PORTABLE_REFERENCE} runs only {key}={wanted}",
+                }
+                for value, count in sorted(values.items())
+                if value != wanted
+            ]
+    return {
+        "reference": PORTABLE_REFERENCE,
+        "ops": dict(sorted(ops.items())),
+        "attributes": attributes,
+        "portable": not not_portable,
+        "not_portable": not_portable,
+    }
 
 
 def _export_torchscript(module: nn.Module, example: Tensor, out: Path) -> Callable:
@@ -223,6 +440,7 @@ def export_model(
     opset: int = DEFAULT_OPSET,
     check: bool = True,
     dynamic_batch: bool = False,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """Export ``model``'s inference path (eval mode; its mode is restored afterwards) for inputs of
     shape ``(batch_size, *input_size)`` and, with ``check``, run the written file on a fresh input
@@ -237,9 +455,20 @@ def export_model(
     graph is traced at batch :data:`DYNAMIC_TRACE_BATCH` and checked at two other batch sizes
     (``checked_batch_sizes``), so a batch baked into the graph shows up as an error or a mismatch
     (:class:`ExportCheckError`). ``batch_size`` is then not used.
+
+    ``dtype`` (``float32``, ``float16``, ``bfloat16``): weights, input and output at that dtype
+    (a copy of the model is cast; a bfloat16 ONNX file keeps its convolutions in float32, which
+    ONNX has no bfloat16 ``Conv`` for before opset 22). The check compares with PyTorch run at the
+    same dtype, within ``HALF_RTOL[dtype] * max(1, max |PyTorch output|)``. Where onnxruntime
+    cannot run a half-precision file on the CPU (no kernel for an op at that type), the file is
+    checked without running it (:func:`onnx_structure`; ``check: "structural"``, ``checked``
+    false, and onnxruntime's error in ``onnxruntime_error``); it fails the export only if the
+    file is not valid ONNX at that dtype.
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if batch_size < 1:
         raise ExportError(f"batch size must be at least 1, got {batch_size}")
     out = Path(out)
@@ -256,10 +485,14 @@ def export_model(
     input_size = tuple(int(v) for v in input_size)
     trace_batch = DYNAMIC_TRACE_BATCH if dynamic_batch else batch_size
     check_batches = [1, DYNAMIC_TRACE_BATCH + 1] if dynamic_batch else [batch_size]
-    example = _inputs(trace_batch, input_size, seed=0)
+    example = _inputs(trace_batch, input_size, seed=0).to(DTYPES[dtype])
     start = time.perf_counter()
     with eval_mode(model), method_path(model), torch.no_grad():
-        module = _Inference(model)
+        # Copies made here are in eval mode with the method's ops switched on, as the model is.
+        float32_convs = fmt == "onnx" and dtype == "bfloat16"
+        module = _Inference(_at_dtype(model, dtype, float32_convs))
+        # The reference is PyTorch at the dtype throughout, float32 islands or not.
+        reference = _Inference(_at_dtype(model, dtype)) if float32_convs else module
         if not isinstance(module(example), Tensor):
             raise ExportError(
                 "the model's output is not a single tensor; only image -> tensor "
@@ -287,33 +520,84 @@ def export_model(
             "checked": False,
             "checked_batch_sizes": [],
             "max_abs_diff": None,
-            "atol": ATOL,
+            "atol": ATOL if dtype == "float32" else None,
+            "dtype": dtype,
+            "rtol": HALF_RTOL.get(dtype),
+            "check": None,
         }
         if fmt == "onnx":
             result["opset"] = opset
             result["static_shapes"] = onnx_static_shapes(out)
+            result["op_audit"] = onnx_op_audit(out)
+            if dtype != "float32":
+                result["structure"] = onnx_structure(out, dtype)
         if check:
-            diff = 0.0
-            for seed, batch in enumerate(check_batches, start=1):
-                fresh = _inputs(batch, input_size, seed=seed)
-                try:
-                    got = run(fresh)
-                except Exception as e:
-                    if not dynamic_batch:
-                        raise
-                    # A batch read as a constant somewhere in the graph fails here.
-                    raise ExportCheckError(
-                        f"the {fmt} file does not run at batch {batch} (traced at "
-                        f"{trace_batch}): {_one_line(e)}"
-                    ) from e
-                diff = max(diff, _max_diff(got, module(fresh)))
-            result.update(checked=True, checked_batch_sizes=check_batches, max_abs_diff=diff)
-            if not diff <= ATOL:
-                raise ExportCheckError(
-                    f"{fmt} output differs from PyTorch by {diff:.3g} (tolerance {ATOL:g})"
-                    + (f" at batch sizes {check_batches}" if dynamic_batch else "")
-                )
+            _check(result, run, reference, fmt, dtype, input_size, check_batches, trace_batch)
     return result
+
+
+def _check(
+    result: dict[str, Any],
+    run: Callable,
+    reference: nn.Module,
+    fmt: str,
+    dtype: str,
+    input_size: tuple[int, ...],
+    check_batches: list[int],
+    trace_batch: int,
+) -> None:
+    """Run the written file on fresh inputs and compare with ``reference`` (PyTorch at
+    ``dtype``); fill in ``result``'s check fields, or raise :class:`ExportCheckError`."""
+    diff = scale = 0.0
+    for seed, batch in enumerate(check_batches, start=1):
+        fresh = _inputs(batch, input_size, seed=seed).to(DTYPES[dtype])
+        try:
+            got = run(fresh)
+        except Exception as e:
+            if fmt == "onnx" and dtype != "float32":
+                # onnxruntime's CPU kernels cover few ops at half precision (bfloat16 hardly
+                # any): a runtime's gap, not the file's, so the file is checked as a file.
+                _structural(result, dtype, _one_line(e))
+                return
+            if len(check_batches) == 1 and batch == trace_batch:
+                raise
+            # A batch read as a constant somewhere in the graph fails here.
+            raise ExportCheckError(
+                f"the {fmt} file does not run at batch {batch} (traced at "
+                f"{trace_batch}): {_one_line(e)}"
+            ) from e
+        expected = reference(fresh)
+        diff = max(diff, _max_diff(got, expected))
+        scale = max(scale, float(expected.detach().float().abs().max()))
+    atol = ATOL if dtype == "float32" else HALF_RTOL[dtype] * max(1.0, scale)
+    result.update(
+        checked=True,
+        check="onnxruntime" if fmt == "onnx" else "pytorch",
+        checked_batch_sizes=check_batches,
+        max_abs_diff=diff,
+        atol=atol,
+    )
+    if not diff <= atol:
+        raise ExportCheckError(
+            f"{fmt} output differs from PyTorch{'' if dtype == 'float32' else ' at ' + dtype} "
+            f"by {diff:.3g} (tolerance {atol:.3g})"
+            + (f" at batch sizes {check_batches}" if len(check_batches) > 1 else "")
+        )
+
+
+def _structural(result: dict[str, Any], dtype: str, runtime_error: str) -> None:
+    """The check of a file onnxruntime could not run: :func:`onnx_structure`'s."""
+    structure = result.get("structure") or onnx_structure(result["out"], dtype)
+    result.update(check="structural", onnxruntime_error=runtime_error, structure=structure)
+    if not structure["passed"]:
+        raise ExportCheckError(
+            f"the {dtype} ONNX file cannot be run by onnxruntime on the CPU ({runtime_error}) "
+            f"and is not valid ONNX at {dtype}: "
+            + (
+                structure["error"]
+                or f"input {structure['input_dtype']}, output {structure['output_dtype']}"
+            )
+        )
 
 
 def compile_check(

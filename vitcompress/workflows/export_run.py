@@ -23,6 +23,7 @@ class ExportSettings:
     opset: int = 17
     dynamic_batch: bool = False
     check: bool = True
+    dtype: str = "float32"
 
     def export(self, loaded: LoadedModel, model: Any, out: str | Path, fmt: str) -> dict:
         return export_model(
@@ -34,6 +35,7 @@ class ExportSettings:
             opset=self.opset,
             check=self.check,
             dynamic_batch=self.dynamic_batch,
+            dtype=self.dtype,
         )
 
 
@@ -66,6 +68,9 @@ def export_request(
     beside the file and time both (``--bench``)."""
     if timing is not None and settings.fmt != "onnx":
         raise ExportError("--bench times ONNX files in onnxruntime: use --format onnx")
+    if timing is not None and settings.dtype != "float32":
+        # The timed runners feed float32 batches to both runtimes.
+        raise ExportError("--bench times float32 files: drop --dtype or time without --bench")
     loaded = request.load()
     base = _base_to_bench(loaded) if timing is not None else None  # before minutes of exporting
     result = ExportResult(
