@@ -76,6 +76,18 @@ def test_default_onnx_has_no_scatter_reduction_and_matches_pytorch(method, famil
     torch.testing.assert_close(torch.from_numpy(got), expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_dense_outputs_export_without_scatter_reduction(method, tmp_path):
+    """A model that returns every token (restored after the reductions, method/restore.py)."""
+    torch.manual_seed(0)
+    base = timm_small("vit_small_patch16_224", global_pool="", num_classes=0)
+    model = vitcompress.compress(base, method, 0.7, None, SIZE).eval()
+    path = tmp_path / "dense.onnx"
+    info = export_model(model, SIZE, "onnx", path, batch_size=2)
+    assert _scatter_reductions(path) == []
+    assert info["max_abs_diff"] <= ATOL
+
+
 @pytest.mark.parametrize("method", FUSING)
 def test_the_scatter_form_would_export_scatter_adds(method, tmp_path):
     """The control: the same model with the scatter form written has them, so the default file
