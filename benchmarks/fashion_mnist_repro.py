@@ -3,6 +3,9 @@
 1. **Base.** A small timm ViT (6 blocks, width 64, 2 heads, MLP ratio 2, 4x4 patches on the
    28x28 grayscale images: 49 patch tokens + cls) is trained from scratch on the 60,000 training
    images and cached in ``--cache`` (``base.safetensors``); a later run reuses it.
+   ``--base-model swin`` takes a small Swin instead (width 32, MLP ratio 4, 2 + 2 blocks, 2x2 patches: a
+   14 x 14 grid in four 7 x 7 windows, shifted in every other block, then one 7 x 7 window),
+   where every method reduces within the windows of every block (docs/windowed.md).
 2. **Fine-tuning.** For each method (dynamicvit, evit, dtps, etps) and each keep rate (0.7 and
    0.5, at the model's default three locations) the base is compressed and fine-tuned with
    ``vitcompress.workflows.finetune.finetune`` (the same code as ``vitcompress finetune``): the
@@ -73,6 +76,25 @@ MODEL_ARGS: dict[str, Any] = dict(
     mlp_ratio=2.0,
 )
 INPUT_SIZE = (1, 28, 28)
+# ``--base-model``: the ViT above, or a small Swin (2x2 patches: a 14 x 14 grid in four 7 x 7
+# windows, shifted in every other block, then a 7 x 7 grid in one window), for windowed blocks.
+BASE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "vit": (SPEC, MODEL_ARGS),
+    "swin": (
+        "swin_tiny_patch4_window7_224",
+        dict(
+            img_size=28,
+            patch_size=2,
+            in_chans=1,
+            num_classes=10,
+            embed_dim=32,
+            depths=(2, 2),
+            num_heads=(2, 4),
+            window_size=7,
+            mlp_ratio=4.0,
+        ),
+    ),
+}
 METHODS = ("dynamicvit", "evit", "dtps", "etps", "tome")
 MATCHED = "tome"  # compressed at the MMACs of the other methods' rows, by its own r
 TPS_OF = {"dtps": "dynamicvit", "etps": "evit"}  # each TPS variant and the baseline it extends
@@ -561,6 +583,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="Fashion-MNIST IDX folder (default: the Debian package's, else a download)",
     )
+    p.add_argument(
+        "--base-model",
+        choices=sorted(BASE_MODELS),
+        default="vit",
+        help="the base: the small ViT, or a small Swin (windowed attention)",
+    )
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--keeps", default="0.7,0.5")
     p.add_argument("--locs", default=None, help="default: the model's default three locations")
@@ -618,7 +646,9 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global SPEC, MODEL_ARGS  # the chosen base, read by every step below
     args = parse_args(argv)
+    SPEC, MODEL_ARGS = BASE_MODELS[args.base_model]
     if args.threads:
         torch.set_num_threads(args.threads)
     cache: Path = args.cache

@@ -38,6 +38,13 @@ from vitcompress.analysis.model_map import (
 )
 from vitcompress.analysis.parallel import Combination, block_end, combine_cores
 from vitcompress.analysis.positions import find_position_uses, find_token_readers
+from vitcompress.analysis.windows import (
+    WindowError,
+    find_windowed_blocks,
+    is_windowed,
+    on_grid,
+    through_layout,
+)
 from vitcompress.errors import UserError
 
 
@@ -240,20 +247,31 @@ def analyse(captured: CapturedGraph) -> ModelMap:
     residuals = find_residuals(gm, anc)
     core_nodes = {c.node: c for c in cores}
     image_batch = ops.shape(_placeholder(gm))[0]
-    windowed = [
-        c
-        for c in cores
-        if c.batch is not None and c.batch > image_batch and c.batch % image_batch == 0
-    ]
-    if windowed:
-        raise MappingError(
-            f"windowed attention: tokens cannot be dropped without breaking the windows "
-            f"({windowed[0].path} attends within {windowed[0].batch // image_batch} windows of "
-            f"{windowed[0].query_tokens} tokens per image)"
-        )
     windowed_3d = _windowed_batched_attention(gm, image_batch)
     if windowed_3d is not None:
         raise MappingError(windowed_3d)
+    # Windowed cores, and cores over a whole grid whose residual is the grid itself (Swin's
+    # last stage, one window wide): both keep their windows whole.
+    in_residuals = {n.name for r in residuals for n in r.nodes}
+    windowed_cores = [
+        c
+        for c in cores
+        if is_windowed(c, image_batch) or (c.node not in in_residuals and on_grid(gm, c, anc))
+    ]
+    try:
+        windowed = (
+            find_windowed_blocks(gm, captured.example, windowed_cores, residuals, image_batch, anc)
+            if windowed_cores
+            else []
+        )
+    except WindowError as e:
+        raise MappingError(str(e)) from None
+    # A windowed block's residuals are its own: the plain pairing below leaves them alone.
+    taken = {r.add for w in windowed for r in (w.attn, w.mlp)}
+    residuals = [r for r in residuals if r.add not in taken]
+    cores = [c for c in cores if c not in windowed_cores]
+    core_nodes = {c.node: c for c in cores}
+    windows_of = {w.attn.add: w for w in windowed}
     by_name = {n.name: n for n in gm.graph.nodes}
 
     def cores_in(residual: Residual) -> list[AttentionCore]:
@@ -279,6 +297,15 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         combination = combine_cores(inner, attn.nodes, by_name, image, anc.is_ancestor, gm)
         pairs.append((attn, mlp, combination))
 
+    for w in windowed:
+        pairs.append(
+            (
+                w.attn,
+                w.mlp,
+                combine_cores([w.core], w.attn.nodes, by_name, image, anc.is_ancestor, gm),
+            )
+        )
+    pairs.sort(key=lambda pair: anc.index[pair[0].add])
     if not pairs:
         token_cores = {c.node for r in residuals for c in cores_in(r)}
         other = len([c for c in cores if c.node not in token_cores])
@@ -301,12 +328,21 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         core = combination.cores[0]
         last = mlp if mlp is not None else attn
         entry = attn.skip
-        tokens, dim = ops.shape(entry)[1], ops.shape(entry)[2]
-        new_stage = (
-            not blocks or _through_identities(gm, entry) is not by_name[blocks[-1].output_node]
+        window = windows_of.get(attn.add)
+        tokens, dim = ops.shape(entry)[1], ops.shape(entry)[-1]
+        if window is not None:  # Swin's blocks take the (B, H, W, C) grid
+            tokens = math.prod(ops.shape(entry)[1:-1])
+        previous = by_name[blocks[-1].output_node] if blocks else None
+        new_stage = previous is None or (
+            _through_identities(gm, entry) is not previous
+            and not (window is not None and through_layout(entry, previous))
         )
         if new_stage:
-            prefix, grid, patch_node, grid_node = _analyse_entry(entry, image, anc)
+            if window is not None and len(ops.shape(entry)) == 4:
+                prefix, grid = 0, tuple(ops.shape(entry)[1:3])
+                patch_node, grid_node = entry, None
+            else:
+                prefix, grid, patch_node, grid_node = _analyse_entry(entry, image, anc)
             stages.append(
                 Stage(
                     index=len(stages),
@@ -344,7 +380,11 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 position_uses=find_position_uses(
                     gm,
                     image,
-                    {"attention": attn.nodes + [attn.add], "mlp": mlp_nodes},
+                    # A windowed block's attention runs on every token: only its MLP counts.
+                    {
+                        "attention": attn.nodes + [attn.add] if window is None else [],
+                        "mlp": mlp_nodes,
+                    },
                     core,
                     tokens,
                     stage.prefix_tokens,
@@ -355,8 +395,11 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 score_combination=combination.kind,
                 score_coefficient=combination.coefficient,
                 score_blocker=combination.blocker,
+                windows=window.windows if window is not None else None,
             )
         )
+        if window is not None:
+            _check_windowed_block(blocks[-1])
     for stage, following in zip(stages, stages[1:] + [None], strict=True):
         end = by_name[following.entry_node] if following is not None else None
         out = by_name[blocks[stage.blocks[-1]].output_node]
@@ -379,6 +422,8 @@ def analyse(captured: CapturedGraph) -> ModelMap:
 
         for index in stage.blocks:
             block = blocks[index]
+            if block.windows is not None:  # it gives every token back itself
+                continue
             for reader, tokens_node, axis, prefix, what in find_token_readers(
                 gm,
                 image,
@@ -409,6 +454,19 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         cls_token=cls_token,
         final_norm=find_final_norm(gm, last),
     )
+
+
+def _check_windowed_block(block: Block) -> None:
+    """A windowed block runs its MLP on the kept tokens of every window: a conv or a position
+    table there would need the grid, which it does not have."""
+    mlp_ops = [op for op in block.grid_ops if op.branch == "mlp"]
+    mlp_tables = [use for use in block.position_uses if use.branch == "mlp"]
+    if mlp_ops or mlp_tables:
+        what = f"the {mlp_ops[0].kind} {mlp_ops[0].path}" if mlp_ops else mlp_tables[0].table
+        raise MappingError(
+            f"windowed block {block.index} ({block.path}) reads the token grid in its MLP "
+            f"({what}); reducing within its windows is not supported there"
+        )
 
 
 def _block_nodes(attn: Residual, mlp: Residual | None) -> list[fx.Node]:

@@ -144,6 +144,26 @@ class AttentionCore:
 
 
 @dataclass
+class Windows:
+    """A block whose attention runs within windows (``windows.py``): a reduction keeps the same
+    number of tokens in each window, and the block gives every token back before its output."""
+
+    count: int  # windows per image
+    tokens: int  # tokens per window
+    # For each window slot (windows one after another), the index of the token it holds among
+    # the block's MLP input tokens; a shifted window's order differs from a plain partition's.
+    order: tuple[int, ...]
+    mlp_input_node: str  # the (B, L, C) tokens entering the block's MLP residual
+
+    def to_json(self) -> dict[str, Any]:
+        return {"count": self.count, "tokens": self.tokens, "order": list(self.order)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Windows:
+        return cls(data["count"], data["tokens"], tuple(data["order"]), "")
+
+
+@dataclass
 class Block:
     index: int
     path: str
@@ -174,6 +194,7 @@ class Block:
     score_blocker: str | None = None  # why eTPS/EViT cannot score with this block's attention
     # What reads this block's output tokens by position outside the blocks (dense outputs).
     readers: list[TokenReader] = field(default_factory=list)
+    windows: Windows | None = None  # where the block attends within windows
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -199,6 +220,7 @@ class Block:
             "score_combination": self.score_combination,
             "score_blocker": self.score_blocker,
             "readers": [reader.to_json() for reader in self.readers],
+            "windows": self.windows.to_json() if self.windows is not None else None,
         }
 
     @classmethod
@@ -235,6 +257,7 @@ class Block:
             score_combination=data.get("score_combination"),
             score_blocker=data.get("score_blocker"),
             readers=[TokenReader.from_json(r) for r in data.get("readers", [])],
+            windows=Windows.from_json(data["windows"]) if data.get("windows") else None,
         )
 
 

@@ -51,6 +51,9 @@ class Location:
     patch_tokens: int  # N0 of the stage (predictor variants keep a fraction of it)
     keep_tokens: int | None  # the static patch-token count kept, where the variant fixes it
     merge_tokens: int | None = None  # ToMe: tokens merged at this block (its r)
+    # Windows per image where the block attends within windows: the counts above are then a
+    # window's, each location reduces every window alike and its block restores them all.
+    windows: int | None = None
 
 
 @dataclass
@@ -104,8 +107,9 @@ def variant_from_json(data: dict[str, Any]) -> Variant:
 
 def _location_json(location: Location) -> dict[str, Any]:
     data = asdict(location)
-    if data["merge_tokens"] is None:  # only ToMe's plans say it; the others' JSON stays as it was
-        del data["merge_tokens"]
+    for optional in ("merge_tokens", "windows"):  # said only where they apply
+        if data[optional] is None:
+            del data[optional]
     return data
 
 
@@ -142,6 +146,9 @@ def default_locs(model_map: ModelMap) -> list[int]:
     every stage but the first. Only blocks that attend over their own tokens count (CaiT's
     class-attention blocks do not)."""
     stages = token_stages(model_map)
+    windowed = [i for blocks in stages for i in blocks if model_map.blocks[i].windows is not None]
+    if windowed:  # each windowed block restores its own tokens: only its own reduction saves
+        return windowed
     if dominant_last_stage(stages):
         blocks = stages[-1]
         step = math.ceil(len(blocks) / 4)
@@ -239,7 +246,22 @@ def make_plan(
     for block_index, rho in zip(locs, keeps, strict=True):
         block = model_map.blocks[block_index]
         stage = model_map.stages[block.stage]
-        earlier = [loc for loc in locations if loc.stage == block.stage]
+        if block.windows is not None:  # every window alike, restored after the block
+            windows = block.windows
+            locations.append(
+                Location(
+                    block=block_index,
+                    stage=block.stage,
+                    step=1,
+                    keep=rho,
+                    cumulative_keep=rho,
+                    patch_tokens=windows.tokens,
+                    keep_tokens=method.keep_tokens(windows.tokens, rho),
+                    windows=windows.count,
+                )
+            )
+            continue
+        earlier = [loc for loc in locations if loc.stage == block.stage and loc.windows is None]
         cumulative = (
             rho ** (len(earlier) + 1)
             if all(loc.keep == rho for loc in earlier)
@@ -290,7 +312,8 @@ def position_refusal(model_map: ModelMap, plan: Plan) -> str | None:
     """
     first: dict[int, Location] = {}
     for loc in plan.locations:
-        first.setdefault(loc.stage, loc)
+        if loc.windows is None:  # a windowed block restores its tokens itself, tables unread
+            first.setdefault(loc.stage, loc)
     for stage_index, loc in first.items():
         bypass = model_map.stages[stage_index].exit_bypass
         if bypass is not None:

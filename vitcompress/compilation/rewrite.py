@@ -37,6 +37,7 @@ from vitcompress.modules import MHAHook, SDPAHook, SoftmaxHook
 from vitcompress.modules.grid import GridGather
 from vitcompress.modules.position_tables import PositionGather
 from vitcompress.modules.restore import TokenRestore
+from vitcompress.modules.windows import WindowMerge, WindowPartition
 from vitcompress.variants import AFTER_ATTENTION, BEFORE_BLOCK
 from vitcompress.variants.placement import ATTENTION_GIVES_KEYS
 
@@ -98,6 +99,10 @@ class _Rewriter:
                 stage = block.stage
                 state = _Stream(restores=self._stage_restores(stage))
             located = by_block.get(block.index)
+            if block.windows is not None:  # reduced and restored within the block
+                if located is not None:
+                    self._reduce_in_windows(block, *located)
+                continue
             state.node = self.nodes[block.input_node]
             if located is not None and placement == BEFORE_BLOCK:
                 self._insert_predictor(block, *located, state)
@@ -235,6 +240,45 @@ class _Rewriter:
         _replace_uses(stream, tokens, keep)
         state.node, state.trace, state.reduced = tokens, rest[-1], True
         return rest
+
+    def _reduce_in_windows(self, block: Block, index: int, loc) -> None:
+        """A windowed block (Swin's): after its attention, the tokens go into the attention's
+        windows, the method reduces every window alike (scored by that window's attention, a
+        predictor or its keys), the block's MLP residual runs on what is kept, and the restore
+        gives every window its tokens back before they return to their places.
+
+        A method that acts before a block (a predictor) acts there too: the windows' attention
+        runs on every token, and only the MLP and what follows the reduction see fewer."""
+        method = self.plan.method
+        windows = block.windows
+        skip = self.nodes[windows.mlp_input_node]
+        add = self.nodes[block.output_node]
+        module = method.build_reducer(block, loc, self.plan)
+        module.restore_rule = method.restore_rule
+        self.reducers.add_module(str(index), module)
+        if method.placement == AFTER_ATTENTION:
+            given = self._hook_block_attention(block, None, True, None, None)
+            args: tuple = (given, None, None, None) if method.tracks_sizes else (given, None, None)
+        else:
+            args = (None, None)
+        partition = self._add_hook(
+            f"windows{block.index}", WindowPartition(windows.order, windows.count)
+        )
+        merge = self._add_hook(f"unwindows{block.index}", WindowMerge(windows.order, windows.count))
+        restore = self._add_hook(
+            f"restore{block.index}",
+            TokenRestore(method.restore_rule, 0, 1, where=f"block {block.index}'s windows"),
+        )
+        with self.graph.inserting_before(add):
+            in_windows = self.graph.call_module(partition, (skip,))
+            reducer = self.graph.call_module(f"{REDUCER_PREFIX}.{index}", (in_windows, *args, ()))
+            tokens = self.graph.call_function(operator.getitem, (reducer, 0))
+            trace = self.graph.call_function(operator.getitem, (reducer, -1))
+            out = _copy_between(self.graph, skip, add, tokens)
+            restored = self.graph.call_module(restore, (out, trace))
+            merged = self.graph.call_module(merge, (restored,))
+        add.replace_all_uses_with(merged)
+        _erase_unused(self.graph, add)
 
     def _insert_predictor(self, block: Block, index: int, loc, state: _Stream) -> None:
         module = self.plan.method.build_reducer(block, loc, self.plan)

@@ -225,11 +225,13 @@ class Variant:
         present: dict[int, int] = {}  # patch tokens present in each stage (a fused one counts)
         steps = []
         for loc in plan.locations:
-            before = present.get(loc.stage, loc.patch_tokens)
+            # A windowed location reduces its block's windows afresh: they were restored.
+            before = loc.patch_tokens if loc.windows else present.get(loc.stage, loc.patch_tokens)
             after = self.tokens_after(before, loc)
             if after < before:
                 return None
-            present[loc.stage] = after
+            if not loc.windows:
+                present[loc.stage] = after
             steps.append(f"{before} -> {after} at block {loc.block}")
         return (
             f"keep {', '.join(f'{loc.keep:g}' for loc in plan.locations)} removes no token: "

@@ -53,6 +53,14 @@ def _merging_blocks(model_map: ModelMap, first: Location) -> list[Block]:
     return blocks
 
 
+def _window_r(location: Location, r: int | None) -> int:
+    """Tokens merged in each window: ``r`` where given, else what ``keep`` leaves, at most half of
+    a window's tokens (bipartite matching pairs each with one of the other half)."""
+    tokens = location.patch_tokens
+    wanted = r if r is not None else round(tokens * (1.0 - location.keep))
+    return min(wanted, tokens // 2)
+
+
 def _counts_after(n0: int, rs: list[int]) -> list[int]:
     counts, n = [], n0
     for r in rs:
@@ -112,7 +120,14 @@ class TokenMerging(Variant):
 
     def plan_locations(self, model_map: ModelMap, locations: list[Location]) -> list[Location]:
         merge_r = self.r
-        planned: list[Location] = []
+        # A windowed block merges within each window, r of its tokens there, and restores them
+        # all before its output: its own block is all it acts on.
+        planned: list[Location] = [
+            dataclasses.replace(loc, merge_tokens=_window_r(loc, merge_r))
+            for loc in locations
+            if loc.windows
+        ]
+        locations = [loc for loc in locations if not loc.windows]
         for stage in dict.fromkeys(loc.stage for loc in locations):
             given = [loc for loc in locations if loc.stage == stage]
             blocks = _merging_blocks(model_map, given[0])
@@ -158,7 +173,7 @@ class TokenMerging(Variant):
                         merge_tokens=r,
                     )
                 )
-        return planned
+        return sorted(planned, key=lambda loc: loc.block)
 
     def refusal(self, model_map: ModelMap, plan: Plan) -> str | None:
         scored = super().refusal(model_map, plan)

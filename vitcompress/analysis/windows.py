@@ -1,0 +1,358 @@
+"""Windowed attention (Swin, SAM's windowed blocks, ...): which window slot each token takes.
+
+A block attends within windows when its attention core's batch is the images' batch times a
+window count. Its tokens reach the core through ops that only move them (a shift, a partition
+into windows, reshapes) and per-token ops (a norm), and its output goes back to the grid the same
+way. Where that holds, the block is mapped with its window order: for every window slot, the index
+of the token (in the order of the block's MLP input) it holds. A reduction then keeps the same
+number of tokens in every window, which keeps the windows' batch a static shape.
+
+The order is not derived from the ops' names or arguments: the graph is run once on the example
+with token indices in place of the tokens (``_IndexRun``), ops that work per token passing them
+through, and what arrives at the core is read off. The same run checks that the attention's
+output goes back to where its tokens came from. Anything else (padding, a token in two windows,
+an op that mixes tokens on the way) is refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+from vitcompress.analysis import ops
+from vitcompress.analysis.cores import Ancestry, Residual
+from vitcompress.analysis.model_map import AttentionCore, Windows
+from vitcompress.errors import UserError
+
+
+class WindowError(UserError):
+    """A windowed block whose windows cannot be kept whole under a reduction; one line."""
+
+
+@dataclass
+class WindowedBlock:
+    """A windowed block as the analysis pairs it: its core, its attention residual (any rank:
+    Swin's is on the (B, H, W, C) grid), its MLP residual on (B, L, C) tokens, and its windows."""
+
+    core: AttentionCore
+    attn: Residual
+    mlp: Residual
+    windows: Windows
+
+
+# Modules that act on each token alone: an index passes through them unchanged.
+_PER_TOKEN_MODULES = (nn.LayerNorm, nn.Linear, nn.Dropout, nn.Identity, nn.GELU, nn.SiLU, nn.ReLU)
+
+
+def is_windowed(core: AttentionCore, image_batch: int) -> bool:
+    """Whether ``core`` attends within windows: its batch is a multiple of the images'."""
+    return core.batch is not None and core.batch > image_batch and core.batch % image_batch == 0
+
+
+def on_grid(gm: fx.GraphModule, core: AttentionCore, anc: Ancestry) -> bool:
+    """Whether ``core``'s residual add is on a grid of tokens, (B, H, W, C), not on (B, N, C)."""
+    node = next(n for n in gm.graph.nodes if n.name == core.node)
+    windows_in = _window_tokens(gm, node)
+    if windows_in is None or core.batch is None or core.query_tokens is None:
+        return False
+    if not _is_window_shaped(ops.shape(windows_in), core.batch, core.query_tokens):
+        return False
+    closing = _residual_after(node, windows_in, anc)
+    return closing is not None and len(ops.shape(closing[0]) or ()) > 3
+
+
+def _window_tokens(gm: fx.GraphModule, core_node: fx.Node) -> fx.Node | None:
+    """The tokens entering the core's query projection: (B * windows, tokens, C)."""
+    if ops.is_sdpa(core_node):
+        query = core_node.args[0]
+    else:
+        query = ops.walk_back(core_node.args[0], lambda n: ops.is_matmul(n) or ops.is_einsum(n))
+    node = query
+    for _ in range(16):
+        if node is None:
+            return None
+        module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+        functional = node.op == "call_function" and getattr(node.target, "__name__", "") == "linear"
+        if isinstance(module, nn.Linear) or functional:  # SwinV2 calls F.linear with its biases
+            return node.args[0] if node.args else node.kwargs.get("input")
+        # Through tuple outputs too (``qkv.unbind(0)``): the first input of each op.
+        inputs = node.all_input_nodes
+        node = inputs[0] if inputs else None
+    return None
+
+
+def _is_window_shaped(shape: tuple | None, batch: int, tokens: int) -> bool:
+    return (
+        shape is not None
+        and len(shape) >= 3
+        and shape[0] == batch
+        and math.prod(shape[1:-1]) == tokens
+    )
+
+
+def _residual_after(
+    core: fx.Node, windows_in: fx.Node, anc: Ancestry
+) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """The add closing the core's residual: ``(add, skip, branch)``, the skip an ancestor of the
+    window tokens, the branch a descendant of the core, both of one shape."""
+    for node in anc.nodes[anc.index[core] + 1 :]:
+        if not ops.is_add(node) or not anc.is_ancestor(core, node):
+            continue
+        args = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        if len(args) != 2 or ops.shape(args[0]) != ops.shape(args[1]):
+            continue
+        for skip, branch in (args, args[::-1]):
+            if anc.is_ancestor(skip, windows_in) and (
+                branch is core or anc.is_ancestor(core, branch)
+            ):
+                return node, skip, branch
+    return None
+
+
+def through_layout(node: fx.Node, start: fx.Node) -> bool:
+    """Whether ``node`` is ``start`` or comes from it through layout ops only: Swin flattens its
+    (B, H, W, C) grid into the MLP's (B, L, C) tokens, and reshapes them back for the next block."""
+    for _ in range(8):
+        if node is start:
+            return True
+        if not ops.is_layout(node):
+            return False
+        node = node.all_input_nodes[0]
+    return False
+
+
+class _IndexRun(fx.Interpreter):
+    """Runs the graph on the example with token indices put in at some nodes (``seeds``); ops
+    that work per token pass the indices through, every other op runs as it is. Records the
+    values at ``wanted`` and stops when it has them all."""
+
+    def __init__(self, gm: fx.GraphModule, seeds: dict[fx.Node, Tensor], wanted: set[fx.Node]):
+        super().__init__(gm)
+        self.seeds = seeds
+        self.wanted = wanted
+        self.found: dict[fx.Node, Tensor] = {}
+        self.indexed: set[fx.Node] = set()  # nodes whose value is made of indices
+        self.mixing: dict[fx.Node, str] = {}  # first op after a seed that is not per-token
+
+    def run_node(self, n: fx.Node):
+        if n in self.seeds:
+            value = self.seeds[n]
+            self.indexed.add(n)
+        else:
+            indexed = [a for a in n.all_input_nodes if a in self.indexed]
+            if indexed and self._per_token(n):
+                source = self.env[indexed[0]]
+                out = ops.shape(n)
+                value = source[..., :1].expand(*out).clone() if out is not None else source
+                self.indexed.add(n)
+            else:
+                value = super().run_node(n)
+                if indexed:
+                    self.indexed.add(n)
+                    if (
+                        not ops.is_layout(n)
+                        and n.op != "call_function"
+                        or ops.multiplies(self.module, n)
+                    ):
+                        self.mixing.setdefault(n, ops.module_path(n) or n.name)
+        if n in self.wanted:
+            self.found[n] = value
+            if len(self.found) == len(self.wanted):
+                raise _Done
+        return value
+
+    def _per_token(self, n: fx.Node) -> bool:
+        if ops.is_norm(self.module, n):
+            return True
+        if n.op == "call_module":
+            module = self.module.get_submodule(str(n.target))
+            if isinstance(module, _PER_TOKEN_MODULES):
+                return True
+            return _identity_in_eval(module, ops.shape(n))
+        return False
+
+
+def _identity_in_eval(module: nn.Module, shape: tuple | None) -> bool:
+    """A parameterless module that returns its input in eval mode (a drop path)."""
+    if shape is None or any(True for _ in module.parameters()) or module.training:
+        return False
+    probe = torch.randn(shape)
+    try:
+        with torch.no_grad():
+            return torch.equal(module(probe), probe)
+    except Exception:  # noqa: BLE001 - a module that cannot run alone is not an identity
+        return False
+
+
+class _Done(Exception):
+    pass
+
+
+def _run(gm: fx.GraphModule, example: Tensor, seeds, wanted) -> _IndexRun:
+    run = _IndexRun(gm, seeds, set(wanted))
+    with torch.no_grad():
+        try:
+            run.run(example)
+        except _Done:
+            pass
+    return run
+
+
+def _grid_index(shape: tuple[int, ...], offset: int = 1) -> Tensor:
+    """A (B, ..., C) tensor whose every channel holds the token's flat index in its image's
+    tokens plus ``b * tokens`` plus ``offset`` (0 is then free to mean padding)."""
+    batch = shape[0]
+    tokens = math.prod(shape[1:-1])
+    index = torch.arange(batch * tokens, dtype=torch.float32) + offset
+    return index.reshape(batch, *shape[1:-1], 1).expand(*shape).clone()
+
+
+def find_windowed_blocks(
+    gm: fx.GraphModule,
+    example: Tensor,
+    cores: list[AttentionCore],
+    residuals: list[Residual],
+    image_batch: int,
+    anc: Ancestry,
+) -> list[WindowedBlock]:
+    """Map every windowed core's block with its window order, or raise :class:`WindowError`."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    found: list[tuple[AttentionCore, fx.Node, fx.Node, Residual, Residual]] = []
+    for core in cores:
+        node = by_name[core.node]
+        where = core.path or core.node
+        windows_in = _window_tokens(gm, node)
+        if windows_in is None or ops.shape(windows_in) is None:
+            raise WindowError(f"windowed attention at {where}: its query projection is not found")
+        batch, tokens = core.batch, core.query_tokens
+        if not _is_window_shaped(ops.shape(windows_in), batch, tokens):
+            raise WindowError(
+                f"windowed attention at {where}: its tokens {ops.shape(windows_in)} are not "
+                f"laid out as {batch} windows of {tokens}"
+            )
+        closing = _residual_after(node, windows_in, anc)
+        if closing is None:
+            raise WindowError(f"windowed attention at {where}: no residual add closes it")
+        add, skip, branch = closing
+        attn = Residual(add, skip, branch, anc.between(skip, add))
+        mlp = next(
+            (
+                r
+                for r in residuals
+                if anc.index[r.add] > anc.index[add] and through_layout(r.skip, add)
+            ),
+            None,
+        )
+        if mlp is None:
+            raise WindowError(
+                f"windowed attention at {where}: no MLP residual on its block's tokens follows it"
+            )
+        back = ops.walk_back(
+            branch,
+            lambda n, b=batch, t=tokens, c=node: (
+                _is_window_shaped(ops.shape(n), b, t) and n is not c
+            ),
+        )
+        if back is None or not anc.is_ancestor(node, back) and back is not node:
+            raise WindowError(f"windowed attention at {where}: its output never leaves the windows")
+        found.append((core, windows_in, back, attn, mlp))
+
+    seeds: dict[fx.Node, Tensor] = {}
+    for _, _, back, attn, _ in found:
+        seeds[attn.skip] = _grid_index(ops.shape(attn.skip))
+        seeds[back] = _grid_index(ops.shape(back))
+    wanted = [w for _, w, _, _, _ in found] + [a.branch for _, _, _, a, _ in found]
+    run = _run(gm, example, seeds, wanted)
+    blocks = []
+    for core, windows_in, _back, attn, mlp in found:
+        where = core.path or core.node
+        tokens = math.prod(ops.shape(attn.skip)[1:-1])
+        between = set(anc.between(attn.skip, windows_in))
+        order = _window_order(run, windows_in, between, core, image_batch, tokens, where)
+        _check_return(run, attn.branch, order, core, image_batch, where)
+        blocks.append(
+            WindowedBlock(
+                core=core,
+                attn=attn,
+                mlp=mlp,
+                windows=Windows(
+                    count=core.batch // image_batch,
+                    tokens=core.query_tokens,
+                    order=tuple(order.tolist()),
+                    mlp_input_node=mlp.skip.name,
+                ),
+            )
+        )
+    return blocks
+
+
+def _window_order(
+    run: _IndexRun,
+    windows_in: fx.Node,
+    between: set[fx.Node],
+    core: AttentionCore,
+    image_batch: int,
+    total: int,
+    where: str,
+) -> Tensor:
+    """The token index each window slot holds, windows one after another (one image's)."""
+    if windows_in not in run.found:
+        raise WindowError(f"windowed attention at {where}: its windows could not be traced")
+    mixing = [p for n, p in run.mixing.items() if n in between or n is windows_in]
+    values = run.found[windows_in]
+    count, tokens = core.batch // image_batch, core.query_tokens
+    values = values.reshape(image_batch, count * tokens, -1)
+    if mixing or not torch.equal(values, values[..., :1].expand_as(values)):
+        blocker = f" ({mixing[0]} mixes tokens)" if mixing else ""
+        raise WindowError(
+            f"windowed attention at {where}: the way from the block's tokens into its windows "
+            f"is not a rearrangement{blocker}"
+        )
+    index = values[..., 0].round().long() - 1
+    if (index < 0).any():
+        raise WindowError(
+            f"windowed attention at {where}: its windows are padded (the grid does not divide "
+            "into its windows); reducing padded windows is not supported"
+        )
+    order = index[0]
+    for b in range(image_batch):
+        expected = order + b * total
+        if not torch.equal(index[b], expected):
+            raise WindowError(
+                f"windowed attention at {where}: its windows mix tokens of different images"
+            )
+    if order.numel() != total or not torch.equal(order.sort().values, torch.arange(total)):
+        raise WindowError(
+            f"windowed attention at {where}: its windows do not hold each token exactly once"
+        )
+    return order
+
+
+def _check_return(
+    run: _IndexRun,
+    branch: fx.Node,
+    order: Tensor,
+    core: AttentionCore,
+    image_batch: int,
+    where: str,
+) -> None:
+    """The attention's output must go back where its tokens came from: slot ``s`` to token
+    ``order[s]``."""
+    values = run.found.get(branch)
+    if values is None:
+        raise WindowError(f"windowed attention at {where}: its output could not be traced")
+    tokens = order.numel()
+    values = values.reshape(image_batch, tokens, -1)
+    slots = values[..., 0].round().long() - 1
+    expected = torch.empty_like(order)
+    expected[order] = torch.arange(tokens)
+    for b in range(image_batch):
+        if not torch.equal(slots[b], expected + b * tokens):
+            raise WindowError(
+                f"windowed attention at {where}: its output does not return to the tokens its "
+                "windows were made from"
+            )
