@@ -154,13 +154,35 @@ class Windows:
     # the block's MLP input tokens; a shifted window's order differs from a plain partition's.
     order: tuple[int, ...]
     mlp_input_node: str  # the (B, L, C) tokens entering the block's MLP residual
+    # The windows as the attention takes them, (B * count, tokens, C), and its output there: a
+    # method acting before the block (a predictor) reduces and restores the attention between.
+    attention_input_node: str = ""
+    attention_output_node: str = ""
+    # The tables laid out by window position the attention reads (relative-position bias, the
+    # shifted windows' mask): gathered by the kept positions of each window.
+    tables: list[PositionUse] = field(default_factory=list)
+    # Why the attention cannot run on fewer tokens per window (a table that cannot follow them).
+    attention_blocker: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"count": self.count, "tokens": self.tokens, "order": list(self.order)}
+        return {
+            "count": self.count,
+            "tokens": self.tokens,
+            "order": list(self.order),
+            "tables": [use.to_json() for use in self.tables],
+            "attention_blocker": self.attention_blocker,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Windows:
-        return cls(data["count"], data["tokens"], tuple(data["order"]), "")
+        return cls(
+            data["count"],
+            data["tokens"],
+            tuple(data["order"]),
+            "",
+            tables=[PositionUse.from_json(use) for use in data.get("tables", [])],
+            attention_blocker=data.get("attention_blocker"),
+        )
 
 
 @dataclass

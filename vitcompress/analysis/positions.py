@@ -106,9 +106,11 @@ def find_position_uses(
     tokens: int,
     prefix_tokens: int,
     is_ancestor,
+    per_image: bool = True,
 ) -> list[PositionUse]:
     """Position-dependent tensors that meet the token stream in one block: one use per op and
-    table it reads (the same table read twice is gathered at both places).
+    table it reads (the same table read twice is gathered at both places). ``per_image`` false:
+    the tokens are batched as windows, and the tables are gathered per window.
 
     ``branches`` maps "attention"/"mlp" to the nodes of that residual branch (its closing add
     included); ``is_ancestor(a, b)`` says whether ``b`` reads data of ``a``.
@@ -117,7 +119,7 @@ def find_position_uses(
     counts = {c for c in (tokens, tokens - prefix_tokens) if c > 1}
     nodes = {n.name: n for n in gm.graph.nodes}
     parameters = {name for name, _ in gm.named_parameters()}
-    batch = (ops.shape(image) or (None,))[0]
+    batch = (ops.shape(image) or (None,))[0] if per_image else None
     found: list[PositionUse] = []
     seen: set[tuple[str, str]] = set()
     for branch, branch_nodes in branches.items():

@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from vitcompress.analysis import ops
 from vitcompress.analysis.cores import Ancestry, Residual
-from vitcompress.analysis.model_map import AttentionCore, Windows
+from vitcompress.analysis.model_map import AttentionCore, PositionUse, Windows
+from vitcompress.analysis.positions import find_position_uses
 from vitcompress.errors import UserError
 
 
@@ -125,6 +126,24 @@ def through_layout(node: fx.Node, start: fx.Node) -> bool:
     return False
 
 
+def _grid_residual_after(start: fx.Node, anc: Ancestry) -> Residual | None:
+    """The residual whose skip is ``start`` (or a view of it) on tokens of any layout with the
+    channels last, the first one after it: a block's MLP residual on its (B, H, W, C) grid."""
+    shape = ops.shape(start)
+    for node in anc.nodes[anc.index[start] + 1 :]:
+        if not ops.is_add(node) or not anc.is_ancestor(start, node):
+            continue
+        args = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        if len(args) != 2 or ops.shape(args[0]) != ops.shape(args[1]):
+            continue
+        for skip, branch in (args, args[::-1]):
+            if through_layout(skip, start) and anc.is_ancestor(skip, branch):
+                if math.prod(ops.shape(skip)[1:-1]) != math.prod(shape[1:-1]):
+                    return None
+                return Residual(node, skip, branch, anc.between(skip, node))
+    return None
+
+
 class _IndexRun(fx.Interpreter):
     """Runs the graph on the example with token indices put in at some nodes (``seeds``); ops
     that work per token pass the indices through, every other op runs as it is. Records the
@@ -221,6 +240,7 @@ def find_windowed_blocks(
 ) -> list[WindowedBlock]:
     """Map every windowed core's block with its window order, or raise :class:`WindowError`."""
     by_name = {n.name: n for n in gm.graph.nodes}
+    image = next(n for n in gm.graph.nodes if n.op == "placeholder")
     found: list[tuple[AttentionCore, fx.Node, fx.Node, Residual, Residual]] = []
     for core in cores:
         node = by_name[core.node]
@@ -247,17 +267,23 @@ def find_windowed_blocks(
             ),
             None,
         )
+        if mlp is None:  # on the grid itself, channels last (MaxViT, TinyViT, DaViT)
+            mlp = _grid_residual_after(add, anc)
         if mlp is None:
             raise WindowError(
                 f"windowed attention at {where}: no MLP residual on its block's tokens follows it"
             )
+        # The attention's output as (B * windows, tokens, C), the last such on the way back to
+        # the grid: after the output projection, before the windows are reshaped.
         back = ops.walk_back(
             branch,
             lambda n, b=batch, t=tokens, c=node: (
-                _is_window_shaped(ops.shape(n), b, t) and n is not c
+                len(ops.shape(n) or ()) == 3
+                and _is_window_shaped(ops.shape(n), b, t)
+                and (n is c or anc.is_ancestor(c, n))
             ),
         )
-        if back is None or not anc.is_ancestor(node, back) and back is not node:
+        if back is None or back is node:
             raise WindowError(f"windowed attention at {where}: its output never leaves the windows")
         found.append((core, windows_in, back, attn, mlp))
 
@@ -268,26 +294,59 @@ def find_windowed_blocks(
     wanted = [w for _, w, _, _, _ in found] + [a.branch for _, _, _, a, _ in found]
     run = _run(gm, example, seeds, wanted)
     blocks = []
-    for core, windows_in, _back, attn, mlp in found:
+    for core, windows_in, back, attn, mlp in found:
         where = core.path or core.node
         tokens = math.prod(ops.shape(attn.skip)[1:-1])
         between = set(anc.between(attn.skip, windows_in))
         order = _window_order(run, windows_in, between, core, image_batch, tokens, where)
         _check_return(run, attn.branch, order, core, image_batch, where)
+        count = core.batch // image_batch
+        inside = anc.between(windows_in, back) + [back]
+        tables = find_position_uses(
+            gm, image, {"attention": inside}, core, core.query_tokens, 0, anc.is_ancestor, False
+        )
         blocks.append(
             WindowedBlock(
                 core=core,
                 attn=attn,
                 mlp=mlp,
                 windows=Windows(
-                    count=core.batch // image_batch,
+                    count=count,
                     tokens=core.query_tokens,
                     order=tuple(order.tolist()),
                     mlp_input_node=mlp.skip.name,
+                    attention_input_node=windows_in.name,
+                    attention_output_node=back.name,
+                    tables=tables,
+                    attention_blocker=_tables_blocker(tables, by_name, core.batch, count),
                 ),
             )
         )
     return blocks
+
+
+def _tables_blocker(
+    tables: list[PositionUse], by_name: dict[str, fx.Node], batch: int, count: int
+) -> str | None:
+    """Why a window's attention cannot run on its kept tokens, or ``None``: every table it reads
+    by position must be an attention bias on the logits, batched as the windows are, either
+    (B * windows, heads, N, N) or viewed (B, windows, heads, N, N), so that each window's rows
+    and columns can be gathered by its own kept positions (``modules/windows.py``)."""
+    for use in tables:
+        shape = ops.shape(by_name[use.node]) or ()
+        if use.kind != "attention bias":
+            return f"the {use.kind} {use.table} meets its {use.path} elsewhere than the logits"
+        if use.blocker is not None:
+            return f"the table {use.table} at {use.path}: {use.blocker}"
+        if len(shape) == 4 and shape[0] in (1, batch):
+            continue
+        if len(shape) == 5 and shape[1] == count and shape[0] * count == batch:
+            continue
+        return (
+            f"the table {use.table} at {use.path} meets logits of shape {tuple(shape)}, not "
+            f"batched as {count} windows per image"
+        )
+    return None
 
 
 def _window_order(

@@ -37,7 +37,12 @@ from vitcompress.modules import MHAHook, SDPAHook, SoftmaxHook
 from vitcompress.modules.grid import GridGather
 from vitcompress.modules.position_tables import PositionGather
 from vitcompress.modules.restore import TokenRestore
-from vitcompress.modules.windows import WindowMerge, WindowPartition
+from vitcompress.modules.windows import (
+    WindowMerge,
+    WindowPartition,
+    WindowReplay,
+    WindowTableGather,
+)
 from vitcompress.variants import AFTER_ATTENTION, BEFORE_BLOCK
 from vitcompress.variants.placement import ATTENTION_GIVES_KEYS
 
@@ -242,13 +247,13 @@ class _Rewriter:
         return rest
 
     def _reduce_in_windows(self, block: Block, index: int, loc) -> None:
-        """A windowed block (Swin's): after its attention, the tokens go into the attention's
-        windows, the method reduces every window alike (scored by that window's attention, a
-        predictor or its keys), the block's MLP residual runs on what is kept, and the restore
-        gives every window its tokens back before they return to their places.
+        """A windowed block (Swin's): its tokens go into the attention's windows, the method
+        reduces every window alike, the block runs on what is kept, and restores give every
+        window its tokens back before they return to their places.
 
-        A method that acts before a block (a predictor) acts there too: the windows' attention
-        runs on every token, and only the MLP and what follows the reduction see fewer."""
+        A method scored by the attention (or matching on its keys) reduces after it: the MLP
+        runs on the kept tokens. A predictor reduces the windows entering the attention; the
+        MLP's input is then reduced by the same choice (``WindowReplay``)."""
         method = self.plan.method
         windows = block.windows
         skip = self.nodes[windows.mlp_input_node]
@@ -256,11 +261,7 @@ class _Rewriter:
         module = method.build_reducer(block, loc, self.plan)
         module.restore_rule = method.restore_rule
         self.reducers.add_module(str(index), module)
-        if method.placement == AFTER_ATTENTION:
-            given = self._hook_block_attention(block, None, True, None, None)
-            args: tuple = (given, None, None, None) if method.tracks_sizes else (given, None, None)
-        else:
-            args = (None, None)
+        target = f"{REDUCER_PREFIX}.{index}"
         partition = self._add_hook(
             f"windows{block.index}", WindowPartition(windows.order, windows.count)
         )
@@ -269,16 +270,67 @@ class _Rewriter:
             f"restore{block.index}",
             TokenRestore(method.restore_rule, 0, 1, where=f"block {block.index}'s windows"),
         )
+        if method.placement == BEFORE_BLOCK:
+            trace = self._reduce_window_attention(block, target)
+            replay = self._add_hook(f"replay{block.index}", WindowReplay(method.restore_rule))
+            with self.graph.inserting_before(add):
+                in_windows = self.graph.call_module(partition, (skip,))
+                replayed = self.graph.call_module(replay, (in_windows, trace))
+                tokens = self.graph.call_function(operator.getitem, (replayed, 0))
+                trace = self.graph.call_function(operator.getitem, (replayed, 1))
+        else:
+            given = self._hook_block_attention(block, None, True, None, None)
+            args = (given, None, None, None) if method.tracks_sizes else (given, None, None)
+            with self.graph.inserting_before(add):
+                in_windows = self.graph.call_module(partition, (skip,))
+                reducer = self.graph.call_module(target, (in_windows, *args, ()))
+                tokens = self.graph.call_function(operator.getitem, (reducer, 0))
+                trace = self.graph.call_function(operator.getitem, (reducer, -1))
         with self.graph.inserting_before(add):
-            in_windows = self.graph.call_module(partition, (skip,))
-            reducer = self.graph.call_module(f"{REDUCER_PREFIX}.{index}", (in_windows, *args, ()))
-            tokens = self.graph.call_function(operator.getitem, (reducer, 0))
-            trace = self.graph.call_function(operator.getitem, (reducer, -1))
             out = _copy_between(self.graph, skip, add, tokens)
             restored = self.graph.call_module(restore, (out, trace))
-            merged = self.graph.call_module(merge, (restored,))
+            merged = self.graph.call_module(merge, (restored, skip))
         add.replace_all_uses_with(merged)
         _erase_unused(self.graph, add)
+
+    def _reduce_window_attention(self, block: Block, target: str) -> fx.Node:
+        """A predictor's reduction of the windows entering a windowed block's attention: the
+        attention runs on the kept tokens of each window (its position tables gathered by them,
+        the removed keys masked while training) and its output comes back to every token by
+        the rule that reads only the output (host, else zero). Returns the trace."""
+        windows = block.windows
+        if windows.attention_blocker is not None:
+            raise RewriteError(
+                f"block {block.index} ({block.path}): {windows.attention_blocker}; "
+                f"{self.plan.variant} reduces the windows before the attention, so it is refused"
+            )
+        method = self.plan.method
+        entering = self.nodes[windows.attention_input_node]
+        leaving = self.nodes[windows.attention_output_node]
+        with self.graph.inserting_after(entering):
+            reducer = self.graph.call_module(target, (entering, None, None, ()))
+        tokens, keep_mask, positions, trace = _getitems(self.graph, reducer, 4)
+        _replace_uses(entering, tokens, {reducer})
+        self._hook_attention(block, keep_mask, False, None)
+        for number, use in enumerate(windows.tables):
+            meeting, table = self.nodes[use.node], self.nodes[use.table_node]
+            rank = len(ops.shape(meeting))
+            gather = self._add_hook(
+                f"windowtables{block.index}_{number}", WindowTableGather(windows.count, rank)
+            )
+            with self.graph.inserting_before(meeting):
+                gathered = self.graph.call_module(gather, (table, positions))
+            meeting.replace_input_with(table, gathered)
+        restore = self._add_hook(
+            f"restore{block.index}_attention",
+            TokenRestore(
+                method.local_restore_rule, 0, 1, where=f"block {block.index}'s window attention"
+            ),
+        )
+        with self.graph.inserting_after(leaving):
+            restored = self.graph.call_module(restore, (leaving, trace))
+        _replace_uses(leaving, restored, {restored})
+        return trace
 
     def _insert_predictor(self, block: Block, index: int, loc, state: _Stream) -> None:
         module = self.plan.method.build_reducer(block, loc, self.plan)

@@ -23,6 +23,7 @@ from vitcompress.method.restore import (
     RESTORE_RULES,
     MaskedRemoval,
     Removal,
+    replay,
     restore_masked,
     restore_tokens,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "merged_hosts",
     "per_location_keep",
     "received_attention_score",
+    "replay",
     "restore_masked",
     "restore_tokens",
     "scatter_tokens",

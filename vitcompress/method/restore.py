@@ -131,3 +131,20 @@ def restore_masked(patches: Tensor, removals: Sequence[MaskedRemoval], rule: str
             x = x - (removal.values - removal.before).to(x.dtype)  # hosts shed their donors
         x = x * (1 - mask) + filled * mask
     return x
+
+
+def replay(
+    x: Tensor, removal: Removal | MaskedRemoval, rule: str
+) -> tuple[Tensor, Removal | MaskedRemoval]:
+    """The same reduction on other tokens laid out alike, ``x`` (B, N, C): the kept ones
+    gathered, nothing fused; with its record for ``rule``. A windowed block reduces its attention's
+    input, then its MLP's input by the same choice (``modules/windows.py``)."""
+    if isinstance(removal, MaskedRemoval):  # every token stays: only the record is new
+        return x, MaskedRemoval(removal.removed, removal.host_index, x, x)
+    kept = _gather(x, removal.keep_index)
+    removed = _gather(x, removal.prune_index) if rule in (VALUE, DELTA) else None
+    then = kept if rule == DELTA else None
+    record = Removal(
+        removal.keep_index, removal.prune_index, removal.host_index, removed, then, then
+    )
+    return kept, record

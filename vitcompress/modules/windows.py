@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from vitcompress.method import replay
+
 
 class WindowPartition(nn.Module):
     """(B, L, C) tokens -> (B * windows, tokens per window, C), window slot ``s`` of an image
@@ -41,7 +43,55 @@ class WindowMerge(nn.Module):
     def extra_repr(self) -> str:
         return f"windows={self.windows}, tokens={self.inverse.numel()}"
 
-    def forward(self, windows: Tensor) -> Tensor:
+    def forward(self, windows: Tensor, like: Tensor | None = None) -> Tensor:
+        """``like``: the block's tokens as they entered (a (B, H, W, C) grid): their layout."""
         channels = windows.shape[-1]
         tokens = windows.reshape(-1, self.inverse.numel(), channels)
-        return tokens.index_select(1, self.inverse)
+        tokens = tokens.index_select(1, self.inverse)
+        return tokens if like is None else tokens.reshape(like.shape)
+
+
+class WindowReplay(nn.Module):
+    """A windowed block's MLP input, in windows, reduced as its attention's input was (the last
+    record of ``trace``): ``(tokens, trace)`` with the record for ``rule``."""
+
+    def __init__(self, rule: str) -> None:
+        super().__init__()
+        self.rule = rule
+
+    def extra_repr(self) -> str:
+        return f"rule={self.rule!r}"
+
+    def forward(self, windows: Tensor, trace: tuple) -> tuple[Tensor, tuple]:
+        if not trace:
+            return windows, trace
+        tokens, record = replay(windows, trace[-1], self.rule)
+        return tokens, (record,)
+
+
+class WindowTableGather(nn.Module):
+    """A table an attention within windows adds to its logits by window position (Swin's
+    relative-position bias, its shifted windows' mask), laid out for logits batched as
+    (B * windows, heads, N, N) or viewed as (B, windows, heads, N, N) (``rank`` 4 or 5): its
+    rows and columns gathered by each window's kept positions (B * windows, K)."""
+
+    def __init__(self, windows: int, rank: int) -> None:
+        super().__init__()
+        self.windows = windows
+        self.rank = rank
+
+    def extra_repr(self) -> str:
+        return f"windows={self.windows}, rank={self.rank}"
+
+    def forward(self, table: Tensor, positions: Tensor | None = None) -> Tensor:
+        if positions is None:  # nothing reduced (a predictor trains with masks)
+            return table
+        rows, kept = positions.shape
+        lead = (rows,) if self.rank == 4 else (rows // self.windows, self.windows)
+        table = table.reshape((1,) * (self.rank - table.dim()) + tuple(table.shape))
+        n = table.shape[-1]
+        table = table.expand(*lead, table.shape[-3], n, n)
+        heads = table.shape[-3]
+        index = positions.reshape(*lead, 1, kept)
+        picked = table.gather(-2, index.unsqueeze(-1).expand(*lead, heads, kept, n))
+        return picked.gather(-1, index.unsqueeze(-2).expand(*lead, heads, kept, kept))

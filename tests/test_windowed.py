@@ -1,0 +1,209 @@
+"""Windowed attention (Swin): the windows are found by analysis (the shift included), every
+method reduces within them alike, the block gives its tokens back, keep 1 is exact on sharpened
+weights, keep 0.7 is cheaper, a training step is finite and the ONNX export matches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+from vitcompress import compress, map_model
+from vitcompress.analysis.analyse import MappingError
+from vitcompress.compilation.metadata import compression_info
+from vitcompress.compilation.plan import Plan
+from vitcompress.measure import count_macs
+from vitcompress.modules.windows import WindowTableGather
+from vitcompress.workflows.export import export_model
+
+METHODS = ("dtps", "etps", "dynamicvit", "evit", "tome")
+SIZE = (3, 56, 56)
+# A Swin small enough to run in a test: a 14 x 14 grid in 4 windows of 7 x 7 (shifted by 3 in
+# every other block), then a 7 x 7 grid in one window.
+SWIN = dict(img_size=56, embed_dim=32, depths=(2, 2), num_heads=(2, 4), window_size=7)
+
+
+def sharpen(model: nn.Module) -> nn.Module:
+    """Weights under which positions matter: random init attends almost uniformly, which hides a
+    token put in the wrong window or slot. Relative-position tables from N(0, 1), queries and
+    keys x3, the residual branches' last linears x2."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "relative_position_bias_table" in name:
+                param.copy_(torch.randn(param.shape, generator=generator))
+            elif name.endswith("qkv.weight"):
+                param[: 2 * param.shape[1]] *= 3.0
+            elif name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
+                param *= 2.0
+    return model.eval()
+
+
+def swin(**extra) -> nn.Module:
+    torch.manual_seed(0)
+    return sharpen(
+        timm.create_model("swin_tiny_patch4_window7_224", num_classes=10, **SWIN, **extra)
+    )
+
+
+@pytest.fixture(scope="module")
+def model() -> nn.Module:
+    return swin()
+
+
+@pytest.fixture(scope="module")
+def images() -> torch.Tensor:
+    return torch.randn(2, *SIZE, generator=torch.Generator().manual_seed(1))
+
+
+def _partition_order(side: int, window: int, shift: int) -> list[int]:
+    """Swin's windows written out by hand: roll the grid by ``-shift``, then cut it into
+    ``window`` x ``window`` tiles, row-major within and across tiles."""
+    order = []
+    for tile_row in range(side // window):
+        for tile_col in range(side // window):
+            for i in range(window):
+                for j in range(window):
+                    row = (tile_row * window + i + shift) % side
+                    col = (tile_col * window + j + shift) % side
+                    order.append(row * side + col)
+    return order
+
+
+def test_windows_and_their_shift_are_found_by_analysis(model):
+    model_map = map_model(model, SIZE)
+    windows = [(b.windows.count, b.windows.tokens) for b in model_map.blocks]
+    assert windows == [(4, 49), (4, 49), (1, 49), (1, 49)]
+    assert list(model_map.blocks[0].windows.order) == _partition_order(14, 7, 0)
+    assert list(model_map.blocks[1].windows.order) == _partition_order(14, 7, 3)
+    # One window over the whole 7 x 7 grid: the last stage's shift is dropped by timm there.
+    assert list(model_map.blocks[3].windows.order) == list(range(49))
+    assert [s.grid for s in model_map.stages] == [(14, 14), (7, 7)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_keep_one_is_exact_on_sharpened_weights(model, images, method):
+    with torch.no_grad():
+        base = model(images)
+        compressed = compress(model, method, keep=[1.0], input_size=SIZE)(images)
+    assert torch.allclose(compressed, base, atol=1e-5 * base.abs().max().item())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_keep_07_reduces_every_window_alike_and_gives_the_tokens_back(model, images, method):
+    compressed = compress(model, method, keep=[0.7], input_size=SIZE)
+    seen = {}
+
+    def record(name):
+        def hook(module, inputs, output):
+            seen[name] = (tuple(inputs[0].shape), tuple(output[0].shape))
+
+        return hook
+
+    for name, module in compressed.named_modules():
+        if name.startswith("tps.") and name.count(".") == 1:
+            module.register_forward_hook(record(name))
+    with torch.no_grad():
+        out = compressed(images)
+    assert out.shape == (2, 10) and torch.isfinite(out).all()
+    assert sorted(seen) == [f"tps.{i}" for i in range(4)]  # every windowed block reduces
+    for before, after in seen.values():
+        windows, tokens, _ = before
+        assert tokens == 49 and windows in (2 * 4, 2 * 1)
+        assert after[0] == windows and after[1] < tokens  # fewer in every window, windows whole
+
+
+def test_keep_07_costs_under_085_of_the_base_at_swin_t_width():
+    """At Swin-T's width (96, 3 heads, MLP ratio 4): a method scored by the attention saves in
+    the MLP only (it needs the whole window's attention to score), a predictor in the whole
+    block; every one of them stays under 0.85 of the base."""
+    torch.manual_seed(0)
+    wide = timm.create_model(
+        "swin_tiny_patch4_window7_224", num_classes=10, **{**SWIN, "embed_dim": 96}
+    ).eval()
+    base = count_macs(wide, SIZE)
+    ratios = {
+        method: count_macs(compress(wide, method, keep=[0.7], input_size=SIZE), SIZE) / base
+        for method in METHODS
+    }
+    assert all(ratio < 0.85 for ratio in ratios.values()), ratios
+    # The predictor's whole block runs on fewer tokens: it saves more than the MLP-only ones.
+    assert ratios["dtps"] < ratios["etps"] and ratios["dynamicvit"] < ratios["evit"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_one_training_step_is_finite_and_trains_the_predictor(model, images, method):
+    compressed = compress(model, method, keep=[0.7], input_size=SIZE).train()
+    loss = nn.functional.cross_entropy(compressed(images), torch.tensor([1, 2]))
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = {n: p.grad for n, p in compressed.named_parameters() if p.requires_grad}
+    assert all(g is None or torch.isfinite(g).all() for g in grads.values())
+    predictor = [g for n, g in grads.items() if "predictor" in n]
+    if method in ("dtps", "dynamicvit"):
+        assert predictor and all(g is not None and g.abs().sum() > 0 for g in predictor)
+
+
+@pytest.mark.parametrize("method", ("dtps", "etps", "tome"))
+def test_onnx_export_matches_pytorch(model, method, tmp_path):
+    compressed = compress(model, method, keep=[0.7], input_size=SIZE)
+    result = export_model(compressed, SIZE, "onnx", tmp_path / "swin.onnx")
+    assert result["max_abs_diff"] < 1e-3
+
+
+def test_the_plan_says_its_windows_and_reads_back(model):
+    plan = compression_info(compress(model, "etps", keep=[0.7], input_size=SIZE)).plan
+    data = json.loads(json.dumps(plan.to_json()))
+    assert [loc["windows"] for loc in data["locations"]] == [4, 4, 1, 1]
+    assert [loc["patch_tokens"] for loc in data["locations"]] == [49] * 4
+    assert Plan.from_json(data).locations == plan.locations
+
+
+def test_padded_windows_are_refused_in_one_line():
+    padded = timm.create_model(
+        "swin_tiny_patch4_window7_224", img_size=48, embed_dim=32, depths=(2, 2), num_heads=(2, 4)
+    )
+    with pytest.raises(MappingError) as refused:
+        map_model(padded, (3, 48, 48))
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith("windowed attention at layers.0.blocks.0.attn")
+    assert "padded" in message
+
+
+@pytest.mark.parametrize("method", ("dtps", "dynamicvit"))
+def test_a_predictor_runs_the_windows_attention_on_the_kept_tokens(model, images, method):
+    compressed = compress(model, method, keep=[0.7], input_size=SIZE)
+    seen = []
+    for name in ("qkv", "proj"):  # in a shifted block
+        layer = compressed.get_submodule(f"layers.0.blocks.1.attn.{name}")
+        layer.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
+    with torch.no_grad():
+        compressed(images)
+    assert seen == [(2 * 4, 34, 32)] * 2  # int(49 * 0.7) of each window's 49 tokens
+
+
+@pytest.mark.parametrize("lead", [(6,), (2, 3)])
+def test_window_tables_are_gathered_by_each_windows_positions(lead):
+    """Against a loop: row i, column j of window w's table is the table at its kept tokens'
+    positions (i, j); a (B * windows, ...) and a (B, windows, ...) layout."""
+    generator = torch.Generator().manual_seed(0)
+    tokens, kept, heads, windows = 9, 5, 2, 3
+    rows = 6
+    table = torch.randn(1, windows, heads, tokens, tokens, generator=generator)
+    if len(lead) == 1:
+        table = torch.randn(1, heads, tokens, tokens, generator=generator)
+    positions = torch.stack(
+        [torch.randperm(tokens, generator=generator)[:kept] for _ in range(rows)]
+    )
+    gathered = WindowTableGather(windows, 3 + len(lead))(table, positions)
+    assert gathered.shape == (*lead, heads, kept, kept)
+    flat = gathered.reshape(rows, heads, kept, kept)
+    for row in range(rows):
+        source = table[0] if len(lead) == 1 else table[0, row % windows]
+        pos = positions[row]
+        assert torch.equal(flat[row], source[:, pos][:, :, pos])
+    assert WindowTableGather(windows, 4)(table, None) is table
