@@ -413,3 +413,15 @@ def test_analytic_macs_agree_with_counted_macs(family):
         counted = count_macs(compressed, size)
         assert counted < base, (family, variant)
         assert relative_error(cost.macs(plan), counted) < 0.01, (family, variant)
+
+
+def test_models_on_torchs_multihead_attention_export_to_onnx(tmp_path):
+    """Eval mode would run nn.MultiheadAttention's fused kernel, which the ONNX exporter has no
+    op for: the export runs with fast paths off, and the file matches PyTorch."""
+    from vitcompress.workflows.export import export_model
+
+    model = sharpen(EncoderViT(norm_first=True)).eval()
+    reduced = vitcompress.compress(model, "etps", keep=0.7, locs=[1, 2], input_size=SIZE)
+    for label, candidate in (("base", model), ("etps", reduced)):
+        result = export_model(candidate, SIZE, "onnx", tmp_path / f"{label}.onnx")
+        assert result["max_abs_diff"] < 1e-4, label

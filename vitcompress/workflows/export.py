@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vitcompress.analysis.capture import fast_paths_off
 from vitcompress.artifacts.fingerprint import eval_mode
 from vitcompress.errors import UserError
 from vitcompress.kernels import method_path
@@ -487,7 +488,9 @@ def export_model(
     check_batches = [1, DYNAMIC_TRACE_BATCH + 1] if dynamic_batch else [batch_size]
     example = _inputs(trace_batch, input_size, seed=0).to(DTYPES[dtype])
     start = time.perf_counter()
-    with eval_mode(model), method_path(model), torch.no_grad():
+    # Fast paths off: the exporters have no op for torch's fused nn.MultiheadAttention kernel,
+    # which eval mode would take; its decomposed path gives the same numbers.
+    with eval_mode(model), method_path(model), torch.no_grad(), fast_paths_off():
         # Copies made here are in eval mode with the method's ops switched on, as the model is.
         float32_convs = fmt == "onnx" and dtype == "bfloat16"
         module = _Inference(_at_dtype(model, dtype, float32_convs))
