@@ -230,3 +230,36 @@ def test_search_refuses_windowed_attention_in_one_line(model, tmp_path):
         search(loaded, calibration, config)
     assert "\n" not in str(refused.value)
     assert "windowed attention" in str(refused.value) and "layers.0.blocks.0" in str(refused.value)
+
+
+def test_apply_says_what_each_window_keeps_and_saves_a_model_that_loads_back(tmp_path):
+    """The command line on a windowed model: the blocks' full token counts, the tokens each
+    window keeps, and an artifact that is rewritten again on load to the same model."""
+    from click.testing import CliRunner
+
+    from vitcompress.api import load
+    from vitcompress.cli.main import cli
+
+    args = [
+        "apply",
+        "--model",
+        "swin_tiny_patch4_window7_224",
+        *("--model-arg", "img_size=56", "--model-arg", "embed_dim=32"),
+        *("--model-arg", "depths=(2,2)", "--model-arg", "num_heads=(2,4)"),
+        *("--variant", "dtps", "--keep", "0.7", "--batch-size", "2", "--runs", "1"),
+        *("--bench-seconds", "1", "--out", str(tmp_path / "swin"), "--json"),
+    ]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{") :])
+    assert data["tokens_per_block"] == [196, 196, 49, 49]
+    assert data["window_tokens"] == [
+        {"block": block, "windows": windows, "tokens": 49, "kept": 34}
+        for block, windows in ((0, 4), (1, 4), (2, 1), (3, 1))
+    ]
+    loaded = load(tmp_path / "swin")  # the model, rewritten again from its plan, checked against the save
+    reducers = [n for n, _ in loaded.named_modules() if n.count(".") == 1]
+    assert [n for n in reducers if n.startswith("tps.")] == [f"tps.{i}" for i in range(4)]
+    with torch.no_grad():
+        out = loaded(torch.randn(2, *SIZE))
+    assert out.shape == (2, 1000) and torch.isfinite(out).all()

@@ -230,11 +230,29 @@ def _print_apply(report: ApplyReport) -> None:
             style="dim",
             highlight=False,
         )
+    if data.get("window_tokens"):
+        console.print(window_text(data["window_tokens"]), highlight=False)
     if data["restored"]:
         console.print(restored_text(data["restored"]), highlight=False)
     print_environment(data["environment"])
     if data["out"]:
         console.print(f"saved to {data['out']}")
+
+
+def window_text(window_tokens: list[dict[str, int]]) -> str:
+    """``within windows: blocks 0, 1: 64 x 49→35; blocks 2, 3: 16 x 49→35``: each windowed
+    block's windows per image and the tokens its MLP (and a predictor's attention) keeps of each
+    window's, blocks alike grouped; every block gives all its tokens back before its output."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for entry in window_tokens:
+        key = (entry["windows"], entry["tokens"], entry["kept"])
+        groups.setdefault(key, []).append(entry["block"])
+    parts = [
+        f"block{'s' if len(blocks) > 1 else ''} {', '.join(map(str, blocks))}: "
+        f"{windows} x {tokens}→{kept}"
+        for (windows, tokens, kept), blocks in groups.items()
+    ]
+    return "within windows: " + "; ".join(parts)
 
 
 def restored_text(restored: list[dict[str, str]]) -> str:

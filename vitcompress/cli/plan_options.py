@@ -341,7 +341,7 @@ def plan_options(
             "--locs",
             default=None,
             help="0-based block indices, e.g. 3,6,9 (default: 1/4, 1/2, 3/4 of the depth; "
-            "stage starts for pyramids; stage 3 for CvT).",
+            "stage starts for pyramids; stage 3 for CvT; every windowed block for Swin).",
         ),
         click.option(
             "--policy",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,7 +173,8 @@ def tokens_per_block(model: nn.Module, input_size: tuple[int, ...]) -> list[int]
     finally:
         model.train(was_training)
     nodes = {n.name: n for n in model.graph.nodes}
-    return [nodes[name].meta["shape"][1] for name in block_nodes]
+    # Tokens of any layout, channels last: a windowed block takes the (B, H, W, C) grid.
+    return [math.prod(nodes[name].meta["shape"][1:-1]) for name in block_nodes]
 
 
 def base_for_timing(loaded: LoadedModel) -> LoadedModel | None:

@@ -47,6 +47,8 @@ class ApplyResult:
     out: Path | None
     # Where the compressed model brings the full token set back, and by which rule.
     restored: list[dict[str, str]] = field(default_factory=list)
+    # Windowed blocks: the windows per image and the tokens kept of each window's.
+    window_tokens: list[dict[str, int]] = field(default_factory=list)
 
     @property
     def speedup(self) -> float | None:
@@ -66,6 +68,7 @@ class ApplyResult:
             "environment": self.environment,
             "out": str(self.out) if self.out is not None else None,
             "restored": self.restored,
+            "window_tokens": self.window_tokens,
         }
 
 
@@ -109,6 +112,16 @@ def _compress_and_measure(
         environment=environment,
         out=None,
         restored=restore_points(model),
+        window_tokens=[
+            {
+                "block": loc.block,
+                "windows": loc.windows,
+                "tokens": loc.patch_tokens,
+                "kept": info.plan.method.tokens_after(loc.patch_tokens, loc),
+            }
+            for loc in info.plan.locations
+            if loc.windows
+        ],
     )
     return result, model
 
