@@ -41,7 +41,9 @@ from torch import nn
 
 import vitcompress
 from vitcompress.cli.app import USER_ERRORS
+from vitcompress.compilation.metadata import compression_info
 from vitcompress.measure import count_macs
+from vitcompress.search.cost import profile, relative_error
 from vitcompress.workflows.export import export_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +56,8 @@ REDUCED_KEEP = 0.7
 # logits' scale (~1e-6), a position table read with another token's row (the silent bug) far
 # above it (~1e-2 with sharpened weights).
 EXACT_TOLERANCE = 1e-4
+# The search ranks candidates by analytic MACs: they must agree with the counted ones.
+ANALYTIC_TOLERANCE = 0.01
 CELL_SECONDS = 120.0
 BUILD_SECONDS = 120.0
 SEED = 0
@@ -498,9 +502,13 @@ def variant_cell(
     base_macs: int | str,
     x: torch.Tensor,
     dense: bool = False,
+    cost: Any = None,
 ) -> dict[str, Any]:
     """Every column of one variant; the first refusal ends the cell, a raw error only its step.
     ``base_macs`` is the base's MAC count, or the line saying why it could not be counted.
+    ``cost``: the search's cost model of the base (``vitcompress.search.cost.profile``), whose
+    analytic MACs of the plan must agree with the counted ones within 1% (``None``: not searched,
+    as windowed models are not).
     ``dense``: ``base_logits`` is the list of the base's output tensors (``_outputs``), and the
     whole outputs are compared: keep 1 on every tensor, keep 0.7 on shape and token cosine."""
     cell: dict[str, Any] = {"status": None, "line": None}
@@ -544,8 +552,15 @@ def variant_cell(
                 cell.update(_dense_output(reduced, x, base_logits))
             except Exception as e:  # noqa: BLE001
                 errors.append(f"output: {one_line(e)}")
+        counted: dict[str, int] = {}
+
+        def gmac_ratio() -> float:
+            counted["macs"] = count_macs(reduced, input_size)
+            return _ratio(counted["macs"], base_macs)
+
         steps = (
-            ("gmac_ratio", lambda: _ratio(count_macs(reduced, input_size), base_macs)),
+            ("gmac_ratio", gmac_ratio),
+            ("analytic_error", lambda: _analytic_error(cost, reduced, counted.get("macs"))),
             ("train", lambda: _train_step(reduced, x, dense=dense)),
             ("onnx", lambda: _onnx(reduced, input_size, base=model)),
         )
@@ -558,6 +573,11 @@ def variant_cell(
             errors.append(f"train: loss {cell['train']['loss']} or its gradients not finite")
         if isinstance(cell.get("onnx"), dict) and cell["onnx"]["ok"] is False:
             errors.append(f"onnx: {cell['onnx']['line']}")
+        error = cell.get("analytic_error")
+        if isinstance(error, float) and error > ANALYTIC_TOLERANCE:
+            errors.append(
+                f"analytic_error: the search's analytic MACs are {error:.2%} off the counted ones"
+            )
         if isinstance(cell.get("gmac_ratio"), float) and not cell["gmac_ratio"] < 1.0:
             errors.append(
                 f"gmac_ratio: keep {REDUCED_KEEP} does not cut MACs ({cell['gmac_ratio']})"
@@ -575,6 +595,15 @@ def variant_cell(
     if errors:
         cell["errors"] = errors
     return cell
+
+
+def _analytic_error(cost: Any, model: nn.Module, counted: int | None) -> float | None:
+    """The relative error of the search's analytic MACs for ``model``'s plan against the counted
+    ones; ``None`` where the search does not cover the model or the method."""
+    info = compression_info(model)
+    if cost is None or counted is None or info is None or not info.plan.method.searchable:
+        return None
+    return round(relative_error(cost.macs(info.plan), counted), 6)
 
 
 def _ratio(macs: int, base_macs: int | str) -> float:
@@ -642,7 +671,8 @@ def matrix_row(
         row["build"]["output_shape"] = _shapes(base_logits)
     try:
         with time_limit(cell_seconds):
-            model_map = vitcompress.map_model(model, input_size).to_json()
+            typed_map = vitcompress.map_model(model, input_size)
+            model_map = typed_map.to_json()
     except CellTimeout as e:
         row["maps"] = {"status": "timeout", "line": str(e)}
         return _finish(row, variants, "timeout", str(e), start)
@@ -668,12 +698,26 @@ def matrix_row(
         base_macs = f"base MACs: {e}"
     except Exception as e:  # noqa: BLE001
         base_macs = f"base MACs: {one_line(e)}"
+    cost = None  # the search's cost model, where the search covers the model
+    if not any(block.windows is not None for block in typed_map.blocks):
+        try:
+            with time_limit(cell_seconds):
+                cost = profile(model, typed_map)
+        except Exception as e:  # noqa: BLE001 - the cells then say nothing of it
+            row["maps"]["cost_model"] = one_line(e)
     row["variants"] = {}
     for variant in variants:
         try:
             with time_limit(cell_seconds):
                 row["variants"][variant] = variant_cell(
-                    model, input_size, variant, base_logits, base_macs, x, dense=family in DENSE
+                    model,
+                    input_size,
+                    variant,
+                    base_logits,
+                    base_macs,
+                    x,
+                    dense=family in DENSE,
+                    cost=cost,
                 )
         except CellTimeout as e:
             row["variants"][variant] = {"status": "timeout", "line": str(e)}
@@ -836,9 +880,12 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"- **ok r**: compresses at keep 1 with logits within {EXACT_TOLERANCE:g} of the base "
         "(relative to the largest base logit, eval mode, a seeded batch of 2), keep "
         f"{REDUCED_KEEP} has GMAC ratio r < 1 (`vitcompress.measure.count_macs`), one training "
-        "step (train mode, cross-entropy, backward) gives a finite loss and finite gradients, and "
-        "the ONNX export (`vitcompress.workflows.export.export_model`, checked with "
-        "onnxruntime) matches PyTorch;",
+        "step (train mode, cross-entropy, backward) gives a finite loss and finite gradients, "
+        "the search's analytic MACs of the keep-0.7 plan agree with the counted ones within "
+        f"{ANALYTIC_TOLERANCE:.0%} (`vitcompress.search.cost.profile`; rows regenerated since "
+        "it was added, and not windowed models, which the search refuses), and the ONNX export "
+        "(`vitcompress.workflows.export.export_model`, checked with onnxruntime) matches "
+        "PyTorch;",
         "- **(no ONNX)**: all of the above but ONNX, which fails for the uncompressed base "
         "model too (the family does not export; its line is below);",
         "- **refused**: the tool refuses in one line (the line is below);",
