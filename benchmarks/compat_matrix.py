@@ -81,16 +81,19 @@ FAMILY_TRIES: dict[str, list[tuple[dict[str, Any], int]]] = {
             64,
         )
     ],
+    # Swin-T's width and windows (7 x 7; a small width or window makes the window attention's
+    # own products and the keep count's rounding weigh more than at any real size), three stages
+    # at 112 pixels: 16, 4 and 1 windows.
     "swin": [
         (
             dict(
-                img_size=64,
-                window_size=4,
-                embed_dim=32,
-                depths=(1, 1, 2, 1),
-                num_heads=(1, 2, 4, 8),
+                img_size=112,
+                window_size=7,
+                embed_dim=96,
+                depths=(1, 1, 2),
+                num_heads=(3, 6, 12),
             ),
-            64,
+            112,
         )
     ],
     "cait": [(dict(SMALL_VIT, depth_token_only=1), 32)],
