@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
+import random
 import shutil
 import statistics
 import sys
@@ -74,6 +76,42 @@ def spearman(x: list[float], y: list[float]) -> float:
     sx = sum((a - mx) ** 2 for a in rx) ** 0.5
     sy = sum((b - my) ** 2 for b in ry) ** 0.5
     return cov / (sx * sy) if sx and sy else float("nan")
+
+
+def spearman_interval(
+    x: list[float], y: list[float], draws: int = 10000, seed: int = 0
+) -> tuple[float, float]:
+    """A bootstrap 95% interval of :func:`spearman`: the configurations resampled with
+    replacement (pairs kept together), percentiles 2.5 and 97.5 of the draws; a draw whose
+    scores or accuracies all tie has no correlation and is drawn again."""
+    generator = random.Random(seed)
+    values: list[float] = []
+    n = len(x)
+    while len(values) < draws:
+        picks = [generator.randrange(n) for _ in range(n)]
+        rho = spearman([x[i] for i in picks], [y[i] for i in picks])
+        if not math.isnan(rho):
+            values.append(rho)
+    values.sort()
+    return values[int(0.025 * draws)], values[int(0.975 * draws) - 1]
+
+
+def summarise(path: Path) -> dict[str, Any]:
+    """Spearman and its bootstrap interval from a finished run's results JSON: overall and per
+    variant (nothing is trained)."""
+    results = json.loads(path.read_text())["results"]
+    out: dict[str, Any] = {}
+    groups = {"all": results}
+    for row in results:
+        groups.setdefault(row["variant"], []).append(row)
+    for name, rows in groups.items():
+        scores, top1 = [r["score"] for r in rows], [r["top1"] for r in rows]
+        out[name] = {
+            "configs": len(rows),
+            "spearman": spearman(scores, top1),
+            "ci95": list(spearman_interval(scores, top1)),
+        }
+    return out
 
 
 def choose(candidates: list[dict[str, Any]], defaults: list[dict[str, Any]], count: int):
@@ -211,6 +249,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="random tiny base: checks the machinery")
     p.add_argument("--md-out", type=Path)
+    p.add_argument(
+        "--summarise",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="only print Spearman and its bootstrap 95%% interval from a finished run's results",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.out = args.out.with_name(args.out.name + "_quick")
@@ -223,6 +267,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.summarise is not None:
+        print(json.dumps(summarise(args.summarise), indent=2))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -272,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in configs
     ]
     rho = spearman([r["score"] for r in results], [r["top1"] for r in results])
+    rho_interval = spearman_interval([r["score"] for r in results], [r["top1"] for r in results])
     best = next(r for r in results if r["role"] == "searched best")
     default = next(
         (r for r in results if r["role"] == "paper default" and r["variant"] == best["variant"]),
@@ -294,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "base_macs": found["base_macs"],
         "budget": args.budget,
         "spearman": rho,
+        "spearman_ci95": list(rho_interval),
         "configs": len(results),
         "search_seconds": search_seconds,
         "search": {k: found[k] for k in ("strategy", "scored", "space", "macs_check")},
