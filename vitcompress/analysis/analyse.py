@@ -26,7 +26,13 @@ from torch import nn
 
 from vitcompress.analysis import ops
 from vitcompress.analysis.capture import CapturedGraph
-from vitcompress.analysis.cores import Ancestry, Residual, find_attention_cores, find_residuals
+from vitcompress.analysis.cores import (
+    Ancestry,
+    Residual,
+    find_attention_cores,
+    find_residuals,
+    find_window_axis_attention,
+)
 from vitcompress.analysis.final_norm import find_final_norm
 from vitcompress.analysis.model_map import (
     AttentionCore,
@@ -170,6 +176,7 @@ def _grid_ops(
             grid = tuple(in_shape[2:])  # (H, W), or a video's (T, H, W)
             found_tokens = _tokens_before_grid(node.args[0], math.prod(grid))
             if found_tokens is None:
+                _refuse_per_head_grid(gm, node, kind, in_shape, residual)
                 continue
             tokens_node, to_grid = found_tokens
             from_grid = _flatten_back(node, math.prod(grid), len(in_shape))
@@ -186,6 +193,31 @@ def _grid_ops(
                 )
             )
     return found
+
+
+def _refuse_per_head_grid(
+    gm: fx.GraphModule, node: fx.Node, kind: str, in_shape: tuple, residual: Residual
+) -> None:
+    """Pooling attention (MViTv2): queries, keys or values split into heads, each head's laid
+    out on the token grid ((images x heads, C/h, H, W)) and pooled by a conv there. No (B, N, C)
+    tokens lead to that grid through layout ops alone, so the grid cannot be given back to
+    reduced tokens before the op (as it is for PVT's spatial reduction, which pools the tokens
+    themselves), and the op would pool tokens in the wrong cells: refused in one line. A grid
+    op on a grid of more cells than the block has tokens is not of the block's tokens."""
+    images, tokens = ops.shape(residual.skip)[0], ops.shape(residual.skip)[1]
+    cells = math.prod(in_shape[2:])
+    if in_shape[0] % images or cells > tokens:
+        return
+    path = ops.module_path(node) if node.op == "call_module" else node.name
+    heads = in_shape[0] // images
+    raise MappingError(
+        f"pooling attention at {path}: the {kind} pools queries, keys or values split into "
+        f"{heads} head{'s' if heads > 1 else ''} on the {'x'.join(map(str, in_shape[2:]))} "
+        "token grid, a grid made per head inside the attention, not laid out from the block's "
+        "(B, N, C) tokens, so reduced tokens cannot be given their grid back before it (as "
+        "they are before a spatial reduction that pools the tokens themselves); the block's "
+        "tokens cannot be reduced"
+    )
 
 
 def _tokens_before_grid(grid_node: fx.Node, cells: int) -> tuple[fx.Node, fx.Node] | None:
@@ -284,6 +316,9 @@ def analyse(captured: CapturedGraph) -> ModelMap:
             if n.name in core_nodes and core_nodes[n.name].query_tokens in (None, tokens)
         ]
 
+    channel_attention = _channel_attention(gm, cores, residuals)
+    if channel_attention is not None:
+        raise MappingError(channel_attention)
     attn_residuals = [r for r in residuals if cores_in(r)]
     other_residuals = {r.skip: r for r in residuals if not cores_in(r)}
     blocks: list[Block] = []
@@ -307,6 +342,15 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         )
     pairs.sort(key=lambda pair: anc.index[pair[0].add])
     if not pairs:
+        window_axis = find_window_axis_attention(gm, image_batch)
+        if window_axis:
+            first = window_axis[0]
+            raise MappingError(
+                f"windowed attention: tokens cannot be dropped without breaking the windows "
+                f"({first.path or first.node.name} attends within {first.windows} windows of "
+                f"{first.tokens} tokens per image, the windows on an axis of their own: "
+                "(images, heads, windows, tokens, tokens) attention)"
+            )
         token_cores = {c.node for r in residuals for c in cores_in(r)}
         other = len([c for c in cores if c.node not in token_cores])
         raise MappingError(
@@ -404,6 +448,8 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         end = by_name[following.entry_node] if following is not None else None
         out = by_name[blocks[stage.blocks[-1]].output_node]
         _find_stage_exit(stage, out, end, anc)
+        if stage.exit_grid_node is None and end is not None:
+            _find_prefix_join(gm, stage, out, end, image, anc)
         if end is not None:
             stage.exit_bypass = _exit_bypass(out, end, by_name.get(stage.exit_grid_node or ""), anc)
     input_shape = ops.shape(image)
@@ -454,6 +500,40 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         cls_token=cls_token,
         final_norm=find_final_norm(gm, last),
     )
+
+
+def _channel_attention(
+    gm: fx.GraphModule, cores: list[AttentionCore], residuals: list[Residual]
+) -> str | None:
+    """The refusal for attention over channels (XCiT's cross-covariance attention): a core whose
+    query and key vectors run along the token axis of the residual it lies in, so that its
+    softmax weighs channels against channels (C/h x C/h per head) and no token attends to
+    another. There is no token attention to score nor a token axis for it to reduce."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for core in cores:
+        node = by_name[core.node]
+        if core.kind == "sdpa":
+            query = node.args[0]
+        elif core.kind == "matmul_softmax" and core.logits_node is not None:
+            query = by_name[core.logits_node].args[0]
+        else:
+            continue
+        q_shape = ops.shape(query) if isinstance(query, fx.Node) else None
+        if q_shape is None or len(q_shape) < 3:
+            continue
+        for residual in residuals:
+            tokens = ops.shape(residual.skip)[1]
+            if node not in residual.nodes or core.query_tokens == tokens:
+                continue
+            # The product contracts the tokens: (.., C/h, N) @ (.., N, C/h).
+            if q_shape[-1] == tokens and q_shape[-2] == core.query_tokens:
+                return (
+                    f"cross-covariance attention over channels at {core.path or core.node}: "
+                    f"its softmax weighs {core.query_tokens} x {core.key_tokens} channels per "
+                    f"head over all {tokens} tokens, so there is no token attention to score "
+                    "or reduce"
+                )
+    return None
 
 
 def _check_windowed_block(block: Block) -> None:
@@ -594,6 +674,27 @@ def _find_stage_exit(stage: Stage, out: fx.Node, end: fx.Node | None, anc: Ances
             if found is not None and (found[0] is out or anc.is_ancestor(out, found[0])):
                 stage.exit_tokens_node, stage.exit_grid_node = found[0].name, found[1].name
         return
+
+
+def _find_prefix_join(
+    gm: fx.GraphModule, stage: Stage, out: fx.Node, end: fx.Node, image: fx.Node, anc: Ancestry
+) -> None:
+    """A stage that ends where prefix tokens join its output (ConViT's class token, joined after
+    its gated positional blocks: ``cat((cls, x), 1)`` is the next stage's entry). The join is
+    the stage's exit: reduced tokens get their full grid back, in grid order, before it, as
+    before an exit grid, so that the next stage starts from every patch token in order."""
+    if not ops.is_cat(end):
+        return
+    operands = end.args[0] if end.args else end.kwargs.get("tensors")
+    dim = end.args[1] if len(end.args) > 1 else end.kwargs.get("dim", 0)
+    if dim not in (1, -2) or not isinstance(operands, (list, tuple)):
+        return
+    from_image = [o for o in operands if o is image or anc.is_ancestor(image, o)]
+    if len(from_image) != 1 or from_image[0] is not operands[-1]:
+        return
+    if _through_identities(gm, from_image[0]) is not out:
+        return
+    stage.exit_tokens_node, stage.exit_grid_node = from_image[0].name, end.name
 
 
 def _reads_first_token(stream: fx.Node, anc: Ancestry) -> bool:

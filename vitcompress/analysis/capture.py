@@ -146,11 +146,24 @@ class GuardedTracer(LeafFallbackTracer):
     symbolic (``x.shape`` is still read at run time), so rewriting works as on a plain trace.
     """
 
-    def __init__(self, leaves: set[str], example: tuple[torch.Tensor, ...]) -> None:
+    def __init__(
+        self,
+        leaves: set[str],
+        example: tuple[torch.Tensor, ...],
+        retried_modules: set[str] | None = None,
+    ) -> None:
         super().__init__(leaves)
         self._examples = list(example)
         self._values: dict[fx.Node, object] = {}
         self.guards = 0
+        # Modules traced again, after tracing failed inside them, with two more rules: their
+        # buffers are read as graph values, not as constants (a buffer that takes part in a
+        # shape, ``self.rel_indices.expand(B, -1, -1, -1)`` in ConViT, cannot be a plain tensor
+        # with a traced size), and ``int`` of a size is decided under a guard (NesT). Elsewhere a
+        # buffer stays the constant it always was, and ``int`` of a size fails as before (the
+        # leaf fallback, or torch.export at the top level).
+        self.retried_modules = retried_modules if retried_modules is not None else set()
+        self._buffer_reads: dict[fx.Node, fx.Proxy] = {}
 
     def _value(self, arg: object) -> object:
         if isinstance(arg, fx.proxy.Attribute):
@@ -202,7 +215,21 @@ class GuardedTracer(LeafFallbackTracer):
     def getattr(self, attr, attr_val, parameter_proxy_cache):  # type: ignore[override]
         if self._computing:
             return attr_val
-        return super().getattr(attr, attr_val, parameter_proxy_cache)
+        inside = self._stack[-1] if self._stack else ""
+        self.proxy_buffer_attributes = inside in self.retried_modules
+        try:
+            value = super().getattr(attr, attr_val, parameter_proxy_cache)
+        finally:
+            self.proxy_buffer_attributes = False
+        if isinstance(value, fx.Proxy) and not isinstance(attr_val, nn.Parameter):
+            # Every read of such a buffer (its size checked against the token count, its data)
+            # goes through one no-op node: a position table gathered there is read gathered by
+            # both, so a cache check (ConViT's ``rel_indices.shape[1] != N``) holds again on the
+            # kept tokens. ``contiguous`` of a contiguous buffer returns the buffer itself.
+            if value.node not in self._buffer_reads:
+                self._buffer_reads[value.node] = value.contiguous()
+            return self._buffer_reads[value.node]
+        return value
 
     def _run(self, kind: str, target, args, kwargs) -> object:
         if kind == "placeholder":
@@ -253,6 +280,42 @@ class GuardedTracer(LeafFallbackTracer):
         self.guards += 1
         return decided
 
+    def to_int(self, obj: fx.Proxy) -> int:
+        """``int`` of a traced size (NesT's ``int(math.sqrt(T))``, its block grid's side): the
+        example's value, kept in the graph as a guard, as a branch on metadata is."""
+        value = self._value(obj)
+        inside = self._stack[-1] if self._stack else ""
+        if (
+            inside not in self.retried_modules
+            or isinstance(value, torch.Tensor)
+            or not isinstance(value, (int, float, bool))
+        ):
+            raise TypeError("int() of a traced value is not supported in symbolic tracing")
+        decided = int(value)
+        as_int = self.create_proxy("call_function", int, (obj,), {})
+        same = self.create_proxy("call_function", operator.eq, (as_int, decided), {})
+        where = self._stack[-1] if self._stack and self._stack[-1] else "the top level"
+        self.create_proxy(
+            "call_function",
+            torch._assert,
+            (
+                same,
+                f"this input gives another size than the captured graph at {where}: a size "
+                f"there was {decided} on the example input",
+            ),
+            {},
+        )
+        self.guards += 1
+        return decided
+
+    def item_write(self, obj: fx.Proxy, index: object, value: object) -> fx.Proxy:
+        """``obj[index] = value`` as the value :func:`put` computes, inside a retried module
+        (MViTv2's attention); elsewhere refused, as fx refuses it."""
+        inside = self._stack[-1] if self._stack else ""
+        if inside not in self.retried_modules:
+            raise TypeError(f"'{type(obj).__name__}' object does not support item assignment")
+        return self.create_proxy("call_function", put, (obj, index, value), {})
+
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _SizedProxy(node, self)
 
@@ -272,11 +335,31 @@ class GuardedTracer(LeafFallbackTracer):
         return super().iter(obj)
 
 
+def put(tensor: torch.Tensor, index: object, value: object) -> torch.Tensor:
+    """``tensor[index] = value`` as a new tensor: an in-place write as a graph value, so that
+    what reads the tensor afterwards reads the write (MViTv2 adds its relative positions to a
+    slice of the attention logits this way)."""
+    out = tensor.clone()
+    out[index] = value
+    return out
+
+
 class _SizedProxy(fx.Proxy):
-    """A proxy whose ``len`` the :class:`GuardedTracer` answers where it is structural."""
+    """A proxy whose ``len`` and ``int`` the :class:`GuardedTracer` answers where they are
+    structural, and that takes item assignment."""
 
     def __len__(self) -> int:
         return self.tracer.length(self)  # type: ignore[attr-defined]
+
+    def __int__(self) -> int:
+        return self.tracer.to_int(self)  # type: ignore[attr-defined]
+
+    def __setitem__(self, index: object, value: object) -> None:
+        # fx records no in-place writes. The write becomes a new value, and this proxy (the
+        # Python variable the code goes on reading: ``attn`` after ``attn[...] = ...``) now
+        # stands for it. Views taken of the tensor before the write do not see it; eager code
+        # reading such a view after the write is not supported.
+        self.node = self.tracer.item_write(self, index, value).node  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -328,19 +411,29 @@ def _symbolic_trace(
     """Trace ``model``, keeping failing submodules whole; given an ``example``, with the
     :class:`GuardedTracer` (control flow on metadata decided on it, under guards)."""
     leaves: set[str] = set()
+    retried_modules: set[str] = set()
     last_error: Exception | None = None
     concrete = bound_defaults(model)
-    for _ in range(MAX_LEAF_RETRIES):
+    # A guarded trace first retries a failing module with its buffers as graph values and
+    # ``int`` of sizes guarded (``GuardedTracer.retried_modules``), then keeps it whole: each
+    # module may take two tries.
+    for _ in range(MAX_LEAF_RETRIES * (1 if example is None else 2)):
         tracer = (
-            LeafFallbackTracer(leaves) if example is None else GuardedTracer(leaves, (example,))
+            LeafFallbackTracer(leaves)
+            if example is None
+            else GuardedTracer(leaves, (example,), retried_modules)
         )
         try:
             graph = tracer.trace(model, concrete_args=concrete or None)
         except Exception as e:  # noqa: BLE001 - any tracing failure leads to a retry
             last_error = e
-            if tracer.failed_module is None or tracer.failed_module in leaves:
+            failed = tracer.failed_module
+            if failed is None or failed in leaves:
                 break
-            leaves.add(tracer.failed_module)
+            if example is not None and failed not in retried_modules:
+                retried_modules.add(failed)
+            else:
+                leaves.add(failed)
             continue
         name = model.__class__.__name__
         return fx.GraphModule(tracer.root, graph, name), sorted(leaves)
@@ -364,6 +457,13 @@ def _best_trace(model: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule
         return gm, leaves, "guarded_trace"
     if not leaves:
         return gm, leaves, "symbolic_trace"
+    # One eager run first: a module that builds a cache on its first call (ConViT's relative
+    # indices, sized to the token count) is then traced on the branch that reads the cache.
+    try:
+        with torch.no_grad():
+            model(example)
+    except Exception:  # noqa: BLE001 - the guarded trace then meets the same failure
+        pass
     try:
         guarded, guarded_leaves = _symbolic_trace(model, example)
     except CaptureError:

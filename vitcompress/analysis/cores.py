@@ -113,6 +113,36 @@ def find_attention_cores(gm: fx.GraphModule) -> list[AttentionCore]:
     return cores
 
 
+@dataclass
+class WindowAxisAttention:
+    """Attention within windows laid on an axis of their own: logits (B, heads, T, N, N), the
+    images' batch first, then the heads, the T windows and the N tokens of a window (NesT's
+    blocks, Hiera's mask units), where a windowed core folds the windows into the batch."""
+
+    node: fx.Node
+    path: str
+    windows: int
+    tokens: int
+
+
+def find_window_axis_attention(gm: fx.GraphModule, image_batch: int) -> list[WindowAxisAttention]:
+    """Every softmax over 5-D logits from a product, or SDPA on 5-D queries, whose batch is the
+    images' and whose third dim (the windows) is more than one."""
+    found = []
+    for node in gm.graph.nodes:
+        if ops.is_sdpa(node):
+            shape = ops.shape(node.args[0])
+        elif ops.is_softmax(node, gm):
+            product = ops.walk_back(node.args[0], lambda n: ops.is_matmul(n) or ops.is_einsum(n), 8)
+            shape = ops.shape(node.args[0]) if product is not None else None
+        else:
+            continue
+        if shape is None or len(shape) != 5 or shape[0] != image_batch or shape[2] < 2:
+            continue
+        found.append(WindowAxisAttention(node, ops.module_path(node), shape[2], shape[3]))
+    return found
+
+
 def find_residuals(gm: fx.GraphModule, anc: Ancestry) -> list[Residual]:
     residuals = []
     for node in gm.graph.nodes:

@@ -134,22 +134,140 @@ def find_position_uses(
                 if not _token_dims(shape, counts, keys_last=kind == "attention bias"):
                     continue
                 seen.add((meeting.name, operand.name))
+                positional = _positional_attention(gm, operand)
+                if positional is not None:
+                    use = _positional_use(
+                        positional, branch, meeting, operand, parameters, tokens, prefix_tokens
+                    )
+                    # One gather where the table is read, however many places its result meets.
+                    if not any((u.node, u.table_node) == (use.node, use.table_node) for u in found):
+                        found.append(use)
+                    continue
+                table = describe(operand, parameters)
+                blocker = _blocker(gm, meeting, operand, kind, tokens, prefix_tokens, batch, image)
                 found.append(
                     PositionUse(
-                        table=describe(operand, parameters),
+                        table=table,
                         kind=kind,
                         branch=branch,
                         path=ops.module_path(meeting),
                         node=meeting.name,
                         table_node=operand.name,
                         shape=tuple(shape),
-                        blocker=_blocker(
-                            gm, meeting, operand, kind, tokens, prefix_tokens, batch, image
-                        ),
+                        blocker=blocker,
                         neutral=_neutral(meeting, operand, image, is_ancestor),
                     )
                 )
     return found
+
+
+def _positional_attention(gm: fx.GraphModule, table: fx.Node) -> fx.Node | None:
+    """The softmax a position tensor is computed through, if any: an attention over positions
+    alone (ConViT's gated positional self-attention: a softmax over a projection of the
+    relative positions, blended with the token attention), not a table the tokens' rows can be
+    picked from. Only the table's own ancestors are searched: none of them reads the image."""
+    seen: set[fx.Node] = set()
+    stack = [table]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if ops.is_softmax(node, gm):
+            return node
+        stack.extend(n for n in node.all_input_nodes if n.meta.get("carries_tensor", True))
+    return None
+
+
+def _pair_source(softmax: fx.Node, counts: set[int]) -> fx.Node | None:
+    """The table a positional attention is computed from: the one tensor among its ancestors
+    that has no tensor inputs (a parameter, a buffer, a constant), is not batched (first dim 1)
+    and holds a (queries, keys) pair of token dims before its last (ConViT's relative indices
+    (1, N, N, 3)). Gathered there, every op after it (the projection, the expand over the
+    images, the softmax over the kept keys) computes the positional attention of the kept
+    tokens, as it would for an image of those tokens alone."""
+    seen: set[fx.Node] = set()
+    stack = [softmax]
+    sources = []
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        inputs = [n for n in node.all_input_nodes if n.meta.get("carries_tensor", True)]
+        shape = ops.shape(node)
+        if not inputs and shape is not None and _pair_dims(shape, counts) is not None:
+            sources.append(node)
+        stack.extend(inputs)
+    return sources[0] if len(sources) == 1 else None
+
+
+def _pair_dims(shape: tuple, counts: set[int]) -> tuple[int, int] | None:
+    """The (queries, keys) dims of an unbatched pairwise table: two adjacent token dims of one
+    size before the last (its channel axis), the first dim 1, no other token dim."""
+    if len(shape) < 4 or shape[0] != 1:
+        return None
+    dims = [d for d in range(1, len(shape) - 1) if shape[d] in counts]
+    if len(dims) != 2 or dims[1] != dims[0] + 1 or shape[dims[0]] != shape[dims[1]]:
+        return None
+    return dims[0], dims[1]
+
+
+def _positional_use(
+    softmax: fx.Node,
+    branch: str,
+    meeting: fx.Node,
+    operand: fx.Node,
+    parameters: set[str],
+    tokens: int,
+    prefix_tokens: int,
+) -> PositionUse:
+    """A positional attention (see ``_positional_attention``) as a position use: gathered at
+    the pairwise table it is computed from, where its single reader reads it; refused in one
+    line where there is no such table."""
+    counts = {c for c in (tokens, tokens - prefix_tokens) if c > 1}
+    source = _pair_source(softmax, counts)
+    readers = list(source.users) if source is not None else []
+    if source is not None and len(readers) == 1 and ops.shape(readers[0]) is not None:
+        reader = readers[0]
+        return PositionUse(
+            table=describe(source, parameters),
+            kind="query/key table",
+            branch=branch,
+            path=ops.module_path(reader) or ops.module_path(meeting),
+            node=reader.name,
+            table_node=source.name,
+            shape=tuple(ops.shape(source)),
+            # Where ``gather_layout`` reads the table at its reader's rank, it is gathered.
+            blocker=_layout_blocker(
+                tuple(ops.shape(source)), len(ops.shape(reader)), tokens, prefix_tokens
+            ),
+            # No row of a positional attention is known to leave the attention unchanged.
+            neutral=None,
+        )
+    sources = _sources(softmax, parameters)
+    named = ", ".join(s for s in sources if s not in parameters) or ", ".join(sources)
+    return PositionUse(
+        table=f"GPSA positional attention over {named or 'a constant'}",
+        kind="token table",
+        branch=branch,
+        path=ops.module_path(meeting),
+        node=meeting.name,
+        table_node=operand.name,
+        shape=tuple(ops.shape(operand) or ()),
+        blocker=(
+            "it is gated positional self-attention's positional attention (a softmax over the "
+            "relative positions, blended with the token attention after the attention's own "
+            "softmax), and no single unbatched (1, N, N, C) table of token pairs it is "
+            "computed from was found to gather by the kept tokens"
+        ),
+        neutral=None,
+    )
+
+
+def _layout_blocker(shape: tuple, rank: int, tokens: int, prefix_tokens: int) -> str | None:
+    layout = gather_layout(shape, rank, "query/key table", tokens, prefix_tokens)
+    return layout if isinstance(layout, str) else None
 
 
 # --- Following the kept tokens: where a table is gathered, and what a token off the grid gets --
@@ -202,7 +320,10 @@ def gather_layout(
             return f"its last two dims {padded[-2:]} are not the queries and keys"
     else:
         dims = tuple(d for d in range(1, rank - 1) if padded[d] in rows and padded[d] > 1)
-        if len(dims) != 1:
+        pair = _pair_dims(padded, set(rows)) if kind == "query/key table" else None
+        if pair is not None:
+            dims = pair  # a table of (query, key) pairs: both follow the kept tokens
+        elif len(dims) != 1:
             return f"{len(dims)} of its dims {padded} could be the token axis"
     return dims, tuple(rows[padded[d]] for d in dims)
 

@@ -1,0 +1,234 @@
+"""ConViT, MViTv2, NesT and XCiT: what capture sees inside them, and what the analysis makes of it.
+
+ConViT's gated positional self-attention is supported: its positional attention is computed from
+a (1, N, N, 3) table of relative positions, which is gathered by the kept tokens, so keep 1 is
+exact on sharpened weights (and not without the gather), keep 0.7 is cheaper, a training step is
+finite and the ONNX export matches. MViTv2 (pooling attention on per-head grids), NesT (windows
+on an axis of their own) and XCiT (attention over channels) are each refused in one line that
+names what blocks them.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+from vitcompress import compress, map_model
+from vitcompress.analysis.analyse import MappingError
+from vitcompress.analysis.capture import capture
+from vitcompress.analysis.positions import gather_layout
+from vitcompress.measure import count_macs
+from vitcompress.modules.position_tables import PositionGather
+from vitcompress.workflows.export import export_model
+
+SIZE = (3, 32, 32)
+# An 8 x 8 grid, 4 GPSA blocks of width 64 (ConViT multiplies its width by the heads).
+CONVIT = dict(img_size=32, patch_size=4, depth=4, embed_dim=32, num_heads=2)
+METHODS = ("dtps", "etps", "dynamicvit")
+
+
+def sharpened_convit(**extra) -> nn.Module:
+    """A ConViT under which positions matter: random init attends almost uniformly, which hides
+    a token paired with another token's relative positions. Queries and keys x3, the positional
+    projections and gates from N(0, 1) (a peaked positional attention, weighed in)."""
+    torch.manual_seed(0)
+    model = timm.create_model("convit_tiny", num_classes=10, **CONVIT, **extra)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("qk.weight"):
+                param *= 3.0
+            elif "pos_proj" in name or name.endswith("gating_param"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def convit() -> nn.Module:
+    # Never run before it is captured: its relative indices are still the 1-token placeholder.
+    return sharpened_convit()
+
+
+@pytest.fixture(scope="module")
+def images() -> torch.Tensor:
+    return torch.randn(2, *SIZE, generator=torch.Generator().manual_seed(1))
+
+
+# --- ConViT ------------------------------------------------------------------------------------
+
+
+def test_convit_maps_with_its_relative_indices_as_pair_tables(convit: nn.Module) -> None:
+    model_map = map_model(convit, SIZE)
+    assert model_map.capture == "guarded_trace" and model_map.leaves == []
+    assert len(model_map.blocks) == 4
+    for block in model_map.blocks:
+        uses = [u for u in block.position_uses if u.branch == "attention"]
+        assert [u.table for u in uses] == [f"blocks.{block.index}.attn.rel_indices"]
+        assert uses[0].shape == (1, 64, 64, 3) and uses[0].blocker is None
+        assert gather_layout(uses[0].shape, 4, uses[0].kind, 64, 0) == ((1, 2), (0, 0))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_convit_keep_1_is_exact(convit: nn.Module, images: torch.Tensor, method: str) -> None:
+    with torch.no_grad():
+        base = convit(images)
+        out = compress(convit, method, keep=1.0, input_size=SIZE).eval()(images)
+    assert (out - base).abs().max() <= 1e-5 * base.abs().max()
+
+
+def test_convit_keep_1_needs_the_gather(
+    convit: nn.Module, images: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dTPS re-sorts the tokens at keep 1: read ungathered, the relative positions pair each
+    token with another's, and the logits move far beyond rounding."""
+    monkeypatch.setattr(PositionGather, "forward", lambda self, table, positions: table)
+    with torch.no_grad():
+        base = convit(images)
+        out = compress(convit, "dtps", keep=1.0, input_size=SIZE).eval()(images)
+    assert (out - base).abs().max() > 1e-3 * base.abs().max()
+
+
+def test_pair_table_is_gathered_on_both_token_dims() -> None:
+    table = torch.randn(1, 5, 5, 3)
+    positions = torch.tensor([[4, 0, 2], [1, 3, 0]])
+    gathered = PositionGather((1, 2), (0, 0), 4)(table, positions)
+    for image in range(2):
+        pos = positions[image]
+        assert torch.equal(gathered[image], table[0][pos][:, pos])
+
+
+@pytest.mark.parametrize("method", ("etps", "dtps"))
+def test_convit_keep_07_is_cheaper(convit: nn.Module, method: str) -> None:
+    base = count_macs(convit, SIZE)
+    reduced = count_macs(compress(convit, method, keep=0.7, input_size=SIZE), SIZE)
+    assert reduced < 0.85 * base
+
+
+def test_convit_training_step_is_finite(convit: nn.Module, images: torch.Tensor) -> None:
+    model = compress(convit, "dtps", keep=0.7, input_size=SIZE).train()
+    loss = nn.functional.cross_entropy(model(images), torch.tensor([1, 2]))
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert math.isfinite(loss.item()) and grads
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_convit_onnx_export_matches(convit: nn.Module, tmp_path) -> None:
+    model = compress(convit, "etps", keep=0.7, input_size=SIZE)
+    result = export_model(model, SIZE, "onnx", tmp_path / "convit.onnx")
+    assert result["max_abs_diff"] < 1e-4
+
+
+def test_convit_reduces_before_its_class_token_joins(images: torch.Tensor) -> None:
+    """GPSA blocks, then the class token joins for plain attention blocks: two stages, the join
+    being the first's exit. Tokens reduced in the GPSA blocks get their grid order back there."""
+    model = sharpened_convit(local_up_to_layer=3)
+    model_map = map_model(model, SIZE)
+    assert [s.prefix_tokens for s in model_map.stages] == [0, 1]
+    first = model_map.stages[0]
+    assert first.exit_bypass is None and first.exit_grid_node is not None
+    with torch.no_grad():
+        base = model(images)
+        out = compress(model, "dtps", keep=1.0, locs=[1], input_size=SIZE).eval()(images)
+    assert (out - base).abs().max() <= 1e-5 * base.abs().max()
+    reduced = compress(model, "dtps", keep=0.7, locs=[1], input_size=SIZE)
+    assert count_macs(reduced, SIZE) < count_macs(model, SIZE)
+
+
+# --- Capture: what let it see inside these models ---------------------------------------------
+
+
+class _CachedTable(nn.Module):
+    """A table cached on the first call for the token count it sees (ConViT's relative indices):
+    the check on the cache and the expand over the batch both read the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.zeros(1, 1, 4), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        if self.table.shape[1] != n:
+            self.table = torch.arange(n * c, dtype=x.dtype).reshape(1, n, c)
+        return x + self.table.expand(b, -1, -1)
+
+
+class _Blocks(nn.Module):
+    """NesT's ``int(math.sqrt(T))`` and MViTv2's write into a slice of a tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        side = int(math.sqrt(t))
+        grid = x.reshape(b, side, side, c).clone()
+        grid[:, 1:, 1:] = grid[:, 1:, 1:] * 2.0
+        return grid.reshape(b, t, c)
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cached = _CachedTable()
+        self.blocks = _Blocks()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.cached(x))
+
+
+def test_capture_traces_size_ints_item_writes_and_cached_buffers() -> None:
+    model = _Model().eval()
+    example = torch.randn(2, 9, 4)
+    captured = capture(model, example)
+    assert captured.method == "guarded_trace" and captured.leaves == []
+    targets = [n.target for n in captured.module.graph.nodes]
+    assert "contiguous" in targets  # the buffer is read through one node
+    assert sum(t is torch._assert for t in targets) >= 2  # the cache check and the int
+    assert not any(t is operator.setitem for t in targets)  # the write is a value
+    fresh = torch.randn(2, 9, 4)
+    assert torch.equal(captured.module(fresh), model(fresh))
+    with pytest.raises(Exception, match="captured graph"):
+        captured.module(torch.randn(2, 16, 4))
+
+
+# --- Refused in one line -----------------------------------------------------------------------
+
+
+def _refusal(name: str, size: tuple[int, int, int], **kwargs) -> str:
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=10, **kwargs).eval()
+    with pytest.raises(MappingError) as refused:
+        map_model(model, size)
+    line = str(refused.value)
+    assert "\n" not in line
+    return line
+
+
+def test_mvitv2_is_refused_at_its_pooling_attention() -> None:
+    line = _refusal("mvitv2_tiny", (3, 64, 64), img_size=64)
+    assert line.startswith("pooling attention at stages.0.blocks.0.attn.pool_q")
+    assert "split into 1 head on the 16x16 token grid" in line
+
+
+def test_nest_is_refused_as_windowed() -> None:
+    line = _refusal("nest_tiny", (3, 64, 64), img_size=64)
+    assert line.startswith("windowed attention: tokens cannot be dropped")
+    assert "levels.0.transformer_encoder.0.attn attends within 16 windows of 16 tokens" in line
+
+
+def test_nest_is_captured_whole() -> None:
+    torch.manual_seed(0)
+    model = timm.create_model("nest_tiny", img_size=64, num_classes=10).eval()
+    captured = capture(model, torch.randn(2, 3, 64, 64))
+    assert captured.method == "guarded_trace" and captured.leaves == []
+
+
+def test_xcit_is_refused_as_channel_attention() -> None:
+    line = _refusal(
+        "xcit_nano_12_p8_224", SIZE, img_size=32, patch_size=8, depth=2, embed_dim=64, num_heads=2
+    )
+    assert line.startswith("cross-covariance attention over channels at blocks.0.attn")
+    assert "32 x 32 channels per head over all 16 tokens" in line
