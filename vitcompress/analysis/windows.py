@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from vitcompress.analysis import ops
 from vitcompress.analysis.cores import Ancestry, Residual
 from vitcompress.analysis.model_map import AttentionCore, PositionUse, Windows
-from vitcompress.analysis.positions import find_position_uses
+from vitcompress.analysis.positions import find_position_uses, gather_layout
 from vitcompress.errors import UserError
 
 
@@ -66,12 +66,15 @@ def on_grid(gm: fx.GraphModule, core: AttentionCore, anc: Ancestry) -> bool:
     return closing is not None and len(ops.shape(closing[0]) or ()) > 3
 
 
-def _window_tokens(gm: fx.GraphModule, core_node: fx.Node) -> fx.Node | None:
-    """The tokens entering the core's query projection: (B * windows, tokens, C)."""
+def _window_tokens(gm: fx.GraphModule, core_node: fx.Node, operand: int = 0) -> fx.Node | None:
+    """The tokens entering the core's query projection (``operand`` 1: its key projection):
+    (B * windows, tokens, C)."""
     if ops.is_sdpa(core_node):
-        query = core_node.args[0]
+        query = core_node.args[operand]
     else:
         query = ops.walk_back(core_node.args[0], lambda n: ops.is_matmul(n) or ops.is_einsum(n))
+        if operand and query is not None:
+            query = query.args[operand] if isinstance(query.args[operand], fx.Node) else None
     node = query
     for _ in range(16):
         if node is None:
@@ -114,6 +117,46 @@ def _residual_after(
     return None
 
 
+def _before_norms(gm: fx.GraphModule, windows_in: fx.Node) -> fx.Node:
+    """The window tokens before the norms the attention applies itself (TinyViT normalises
+    inside its attention, after reading the token count off its input): a predictor reduces
+    there, so that what the attention reads its sizes from is already reduced."""
+    node = windows_in
+    while ops.is_norm(gm, node) and node.all_input_nodes:
+        source = node.all_input_nodes[0]
+        if ops.shape(source) != ops.shape(node):
+            break
+        node = source
+    return node
+
+
+def _window_output(branch: fx.Node, core: fx.Node, layout: tuple) -> fx.Node | None:
+    """The attention's output in the windows' own layout (``layout``: the shape of the tokens
+    entering the query projection, (B * windows, tokens, C) or MaxViT's (B * windows, h, w, C)),
+    the last such on the way back to the grid: after the output projection, before the windows
+    are reshaped. Only the run of such nodes that follows the heads' merge counts: a view that
+    splits the tokens into rows (Swin's (B * windows, h, w, C), or the one window of a grid as
+    large as it) works on the full window only."""
+    chain = []
+    node: fx.Node | None = branch
+    for _ in range(64):
+        if node is None or node is core:
+            break
+        chain.append(node)
+        tensors = [n for n in node.all_input_nodes if ops.shape(n) is not None]
+        node = tensors[0] if tensors else None
+    if node is not core:
+        return None
+    chain.reverse()  # from the core towards the grid
+    first = next((i for i, n in enumerate(chain) if ops.shape(n) == layout), None)
+    if first is None:
+        return None
+    last = first
+    while last + 1 < len(chain) and ops.shape(chain[last + 1]) == layout:
+        last += 1
+    return chain[last]
+
+
 def through_layout(node: fx.Node, start: fx.Node) -> bool:
     """Whether ``node`` is ``start`` or comes from it through layout ops only: Swin flattens its
     (B, H, W, C) grid into the MLP's (B, L, C) tokens, and reshapes them back for the next block."""
@@ -124,6 +167,24 @@ def through_layout(node: fx.Node, start: fx.Node) -> bool:
             return False
         node = node.all_input_nodes[0]
     return False
+
+
+def _channels_stay_last(node: fx.Node, start: fx.Node) -> bool:
+    """Whether no transpose or permute on the layout path from ``start`` to ``node`` moves the
+    last (channel) dim: DaViT's (B, C, H, W) grid after its attention is not channels last,
+    though its sizes may read as if it were (C = W)."""
+    while node is not start:
+        rank = len(ops.shape(node.all_input_nodes[0]) or ())
+        name = str(getattr(node.target, "__name__", node.target))
+        dims = [a for a in node.args[1:] if isinstance(a, int)]
+        if node.args[1:] and isinstance(node.args[1], (tuple, list)):
+            dims = list(node.args[1])
+        if "transpose" in name and any(d % rank == rank - 1 for d in dims):
+            return False
+        if "permute" in name and dims and dims[-1] % rank != rank - 1:
+            return False
+        node = node.all_input_nodes[0]
+    return True
 
 
 def _grid_residual_after(start: fx.Node, anc: Ancestry) -> Residual | None:
@@ -137,11 +198,65 @@ def _grid_residual_after(start: fx.Node, anc: Ancestry) -> Residual | None:
         if len(args) != 2 or ops.shape(args[0]) != ops.shape(args[1]):
             continue
         for skip, branch in (args, args[::-1]):
-            if through_layout(skip, start) and anc.is_ancestor(skip, branch):
+            if (
+                through_layout(skip, start)
+                and _channels_stay_last(skip, start)
+                and anc.is_ancestor(skip, branch)
+            ):
                 if math.prod(ops.shape(skip)[1:-1]) != math.prod(shape[1:-1]):
                     return None
                 return Residual(node, skip, branch, anc.between(skip, node))
     return None
+
+
+def _residual_past_grid(add: fx.Node, residuals: list[Residual], anc: Ancestry) -> Residual | None:
+    """The first residual on (B, L, C) tokens of the attention's token count after ``add``
+    whose skip comes from it (through ops over the grid, which must keep every token at its
+    place: ``_check_mlp_order``), with no attention on the way."""
+    tokens = math.prod((ops.shape(add) or (0, 0))[1:-1])
+    for residual in residuals:
+        if anc.index[residual.add] <= anc.index[add] or not anc.is_ancestor(add, residual.skip):
+            continue
+        if ops.shape(residual.skip)[1] != tokens:
+            return None
+        return residual
+    return None
+
+
+def _check_mlp_order(
+    gm: fx.GraphModule, example: Tensor, found: list, anc: Ancestry, dtype: torch.dtype
+) -> None:
+    """A block whose MLP input is not its attention's output through layout ops (a conv over
+    the grid between them) reduces that input in the attention's windows: it must hold the
+    same tokens in the same order. Run on indices, the ops in between passing a token's index
+    on where they keep it at its place."""
+    checks = [
+        (core, attn, mlp)
+        for core, _, _, attn, mlp in found
+        if not through_layout(mlp.skip, attn.add) and mlp.skip is not attn.add
+    ]
+    if not checks:
+        return
+    seeds = {attn.add: _grid_index(ops.shape(attn.add), dtype=dtype) for _, attn, _ in checks}
+    in_place = {n for _, attn, mlp in checks for n in anc.between(attn.add, mlp.skip) + [mlp.skip]}
+    run = _run(gm, example, seeds, [mlp.skip for _, _, mlp in checks], in_place)
+    for core, attn, mlp in checks:
+        where = core.path or core.node
+        values = run.found.get(mlp.skip)
+        tokens = math.prod(ops.shape(attn.add)[1:-1])
+        expected = seeds[attn.add].reshape(-1, tokens, ops.shape(attn.add)[-1])[..., :1]
+        mixing = [p for n, p in run.mixing.items() if n in in_place]
+        if (
+            values is None
+            or mixing
+            or values.numel() // values.shape[-1] != expected.numel()
+            or not torch.equal(values.reshape(expected.shape[0], tokens, -1)[..., :1], expected)
+        ):
+            blocker = f" ({mixing[0]} moves them)" if mixing else ""
+            raise WindowError(
+                f"windowed attention at {where}: the MLP after it does not read its tokens in "
+                f"their order{blocker}"
+            )
 
 
 class _IndexRun(fx.Interpreter):
@@ -149,10 +264,20 @@ class _IndexRun(fx.Interpreter):
     that work per token pass the indices through, every other op runs as it is. Records the
     values at ``wanted`` and stops when it has them all."""
 
-    def __init__(self, gm: fx.GraphModule, seeds: dict[fx.Node, Tensor], wanted: set[fx.Node]):
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        seeds: dict[fx.Node, Tensor],
+        wanted: set[fx.Node],
+        in_place: set[fx.Node] = frozenset(),
+    ):
         super().__init__(gm)
         self.seeds = seeds
         self.wanted = wanted
+        # Ops that keep every token at its place, read as passing the index on: a stride-1
+        # conv over the grid that gives it back at its size (DaViT's and TinyViT's between
+        # the attention and the MLP), and a sum of tensors that hold the same token everywhere.
+        self.in_place = in_place
         self.found: dict[fx.Node, Tensor] = {}
         self.indexed: set[fx.Node] = set()  # nodes whose value is made of indices
         self.mixing: dict[fx.Node, str] = {}  # first op after a seed that is not per-token
@@ -163,7 +288,16 @@ class _IndexRun(fx.Interpreter):
             self.indexed.add(n)
         else:
             indexed = [a for a in n.all_input_nodes if a in self.indexed]
-            if indexed and self._per_token(n):
+            if indexed and n in self.in_place and not ops.is_layout(n):
+                values = [self.env[a] for a in indexed]
+                same = ops.shape(n) == ops.shape(indexed[0]) and all(
+                    torch.equal(v, values[0]) for v in values[1:]
+                )
+                value = values[0].clone() if same else super().run_node(n)
+                self.indexed.add(n)
+                if not same:
+                    self.mixing.setdefault(n, ops.module_path(n) or n.name)
+            elif indexed and self._per_token(n):
                 source = self.env[indexed[0]]
                 out = ops.shape(n)
                 value = source[..., :1].expand(*out).clone() if out is not None else source
@@ -211,8 +345,8 @@ class _Done(Exception):
     pass
 
 
-def _run(gm: fx.GraphModule, example: Tensor, seeds, wanted) -> _IndexRun:
-    run = _IndexRun(gm, seeds, set(wanted))
+def _run(gm: fx.GraphModule, example: Tensor, seeds, wanted, in_place=frozenset()) -> _IndexRun:
+    run = _IndexRun(gm, seeds, set(wanted), set(in_place))
     with torch.no_grad():
         try:
             run.run(example)
@@ -221,12 +355,15 @@ def _run(gm: fx.GraphModule, example: Tensor, seeds, wanted) -> _IndexRun:
     return run
 
 
-def _grid_index(shape: tuple[int, ...], offset: int = 1) -> Tensor:
+def _grid_index(
+    shape: tuple[int, ...], offset: int = 1, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """A (B, ..., C) tensor whose every channel holds the token's flat index in its image's
-    tokens plus ``b * tokens`` plus ``offset`` (0 is then free to mean padding)."""
+    tokens plus ``b * tokens`` plus ``offset`` (0 is then free to mean padding); ``dtype`` the
+    model's where it is double (its other operands, a table, are too)."""
     batch = shape[0]
     tokens = math.prod(shape[1:-1])
-    index = torch.arange(batch * tokens, dtype=torch.float32) + offset
+    index = torch.arange(batch * tokens, dtype=dtype) + offset
     return index.reshape(batch, *shape[1:-1], 1).expand(*shape).clone()
 
 
@@ -242,13 +379,34 @@ def find_windowed_blocks(
     by_name = {n.name: n for n in gm.graph.nodes}
     image = next(n for n in gm.graph.nodes if n.op == "placeholder")
     found: list[tuple[AttentionCore, fx.Node, fx.Node, Residual, Residual]] = []
+    query_blockers: dict[str, str] = {}
     for core in cores:
         node = by_name[core.node]
         where = core.path or core.node
         windows_in = _window_tokens(gm, node)
+        batch, tokens = core.batch, core.query_tokens
+        global_query = None
+        if windows_in is None or not _is_window_shaped(ops.shape(windows_in), batch, tokens):
+            # GCViT's global query attention: the queries come from a global token generator,
+            # the keys and values from the window tokens. Scored after it, the attention runs
+            # whole and reducing its MLP is exact; the windows entering it cannot be reduced.
+            keys_in = _window_tokens(gm, node, operand=1)
+            if keys_in is not None and _is_window_shaped(ops.shape(keys_in), batch, tokens):
+                windows_in = keys_in
+                global_query = (
+                    "its queries do not come from its window tokens (a global query), so the "
+                    "windows entering it cannot be reduced"
+                )
         if windows_in is None or ops.shape(windows_in) is None:
             raise WindowError(f"windowed attention at {where}: its query projection is not found")
-        batch, tokens = core.batch, core.query_tokens
+        if core.key_tokens is not None and core.key_tokens != tokens:
+            # Hiera's stage transitions pool the queries within each window (mask unit): the
+            # block leaves fewer tokens than it takes, and no window keeps its token count.
+            raise WindowError(
+                f"windowed attention at {where}: its queries are pooled ({tokens} queries "
+                f"against {core.key_tokens} keys per window), so the block changes the token "
+                "count and its windows cannot be reduced alike"
+            )
         if not _is_window_shaped(ops.shape(windows_in), batch, tokens):
             raise WindowError(
                 f"windowed attention at {where}: its tokens {ops.shape(windows_in)} are not "
@@ -267,32 +425,29 @@ def find_windowed_blocks(
             ),
             None,
         )
-        if mlp is None:  # on the grid itself, channels last (MaxViT, TinyViT, DaViT)
+        if mlp is None:  # on the grid itself, channels last (MaxViT)
             mlp = _grid_residual_after(add, anc)
+        if mlp is None:  # past a conv over the grid (DaViT's, TinyViT's): checked below
+            mlp = _residual_past_grid(add, residuals, anc)
         if mlp is None:
             raise WindowError(
                 f"windowed attention at {where}: no MLP residual on its block's tokens follows it"
             )
-        # The attention's output as (B * windows, tokens, C), the last such on the way back to
-        # the grid: after the output projection, before the windows are reshaped.
-        back = ops.walk_back(
-            branch,
-            lambda n, b=batch, t=tokens, c=node: (
-                len(ops.shape(n) or ()) == 3
-                and _is_window_shaped(ops.shape(n), b, t)
-                and (n is c or anc.is_ancestor(c, n))
-            ),
-        )
-        if back is None or back is node:
+        back = _window_output(branch, node, ops.shape(windows_in))
+        if back is None:
             raise WindowError(f"windowed attention at {where}: its output never leaves the windows")
         found.append((core, windows_in, back, attn, mlp))
+        if global_query is not None:
+            query_blockers[core.node] = global_query
 
     seeds: dict[fx.Node, Tensor] = {}
+    dtype = torch.float64 if example.dtype == torch.float64 else torch.float32
     for _, _, back, attn, _ in found:
-        seeds[attn.skip] = _grid_index(ops.shape(attn.skip))
-        seeds[back] = _grid_index(ops.shape(back))
+        seeds[attn.skip] = _grid_index(ops.shape(attn.skip), dtype=dtype)
+        seeds[back] = _grid_index(ops.shape(back), dtype=dtype)
     wanted = [w for _, w, _, _, _ in found] + [a.branch for _, _, _, a, _ in found]
     run = _run(gm, example, seeds, wanted)
+    _check_mlp_order(gm, example, found, anc, dtype)
     blocks = []
     for core, windows_in, back, attn, mlp in found:
         where = core.path or core.node
@@ -315,10 +470,11 @@ def find_windowed_blocks(
                     tokens=core.query_tokens,
                     order=tuple(order.tolist()),
                     mlp_input_node=mlp.skip.name,
-                    attention_input_node=windows_in.name,
+                    attention_input_node=_before_norms(gm, windows_in).name,
                     attention_output_node=back.name,
                     tables=tables,
-                    attention_blocker=_tables_blocker(tables, by_name, core.batch, count),
+                    attention_blocker=query_blockers.get(core.node)
+                    or _tables_blocker(tables, by_name, core.batch, count),
                 ),
             )
         )
@@ -336,8 +492,14 @@ def _tables_blocker(
         shape = ops.shape(by_name[use.node]) or ()
         if use.kind != "attention bias":
             return f"the {use.kind} {use.table} meets its {use.path} elsewhere than the logits"
-        if use.blocker is not None:
-            return f"the table {use.table} at {use.path}: {use.blocker}"
+        blocker = use.blocker
+        if blocker is not None and len(use.shape) == 4 and use.shape[0] == batch:
+            # Batched as the windows are (HF Swin adds its shift mask to the table first): it
+            # is gathered per window, not per image.
+            layout = gather_layout((1, *use.shape[1:]), 4, use.kind, use.shape[-1], 0)
+            blocker = layout if isinstance(layout, str) else None
+        if blocker is not None:
+            return f"the table {use.table} at {use.path}: {blocker}"
         if len(shape) == 4 and shape[0] in (1, batch):
             continue
         if len(shape) == 5 and shape[1] == count and shape[0] * count == batch:

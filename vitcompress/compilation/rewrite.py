@@ -307,11 +307,17 @@ class _Rewriter:
         method = self.plan.method
         entering = self.nodes[windows.attention_input_node]
         leaving = self.nodes[windows.attention_output_node]
-        with self.graph.inserting_after(entering):
-            reducer = self.graph.call_module(target, (entering, None, None, ()))
+        window_shape = ops.shape(leaving)
+        flat = entering
+        if len(ops.shape(entering)) > 3:  # MaxViT's (B * windows, h, w, C): as (.., N, C)
+            with self.graph.inserting_after(entering):
+                flat = self.graph.call_method("flatten", (entering, 1, -2))
+        with self.graph.inserting_after(flat):
+            reducer = self.graph.call_module(target, (flat, None, None, ()))
         tokens, keep_mask, positions, trace = _getitems(self.graph, reducer, 4)
-        _replace_uses(entering, tokens, {reducer})
-        self._hook_attention(block, keep_mask, False, None)
+        _replace_uses(entering, tokens, {reducer, flat})
+        # The tables first: one may meet the core itself (MaxViT's SDPA mask), which the hook
+        # replaces.
         for number, use in enumerate(windows.tables):
             meeting, table = self.nodes[use.node], self.nodes[use.table_node]
             rank = len(ops.shape(meeting))
@@ -319,17 +325,33 @@ class _Rewriter:
                 f"windowtables{block.index}_{number}", WindowTableGather(windows.count, rank)
             )
             with self.graph.inserting_before(meeting):
-                gathered = self.graph.call_module(gather, (table, positions))
+                # A table laid out by sizes read off the tokens (HF Swin reshapes its shift
+                # mask to the window's token count) is built at the full window, then gathered.
+                whole = _copy_between(self.graph, tokens, table, flat) or table
+                gathered = self.graph.call_module(gather, (whole, positions))
             meeting.replace_input_with(table, gathered)
+            if whole is not table:  # the table built at the reduced size must not run
+                built = _ancestors(table)
+                for node in reversed([n for n in self.graph.nodes if n in built]):
+                    calls = node.op in ("call_function", "call_method", "call_module")
+                    if calls and not node.users and not node.is_impure():
+                        self.graph.erase_node(node)
+        self._hook_attention(block, keep_mask, False, None)
         restore = self._add_hook(
             f"restore{block.index}_attention",
             TokenRestore(
                 method.local_restore_rule, 0, 1, where=f"block {block.index}'s window attention"
             ),
         )
+        # The attention kept the tokens flat (it reads its output's layout off its input); in
+        # MaxViT's layout the restored windows are laid out as they were.
         with self.graph.inserting_after(leaving):
-            restored = self.graph.call_module(restore, (leaving, trace))
-        _replace_uses(leaving, restored, {restored})
+            out = self.graph.call_method("flatten", (leaving, 1, -2))
+        with self.graph.inserting_after(out):
+            restored = self.graph.call_module(restore, (out, trace))
+        with self.graph.inserting_after(restored):
+            back = self.graph.call_method("reshape", (restored, -1, *window_shape[1:]))
+        _replace_uses(leaving, back, {out})
         return trace
 
     def _insert_predictor(self, block: Block, index: int, loc, state: _Stream) -> None:
