@@ -305,7 +305,8 @@ def test_sam_vit_windows_are_refused_in_one_line():
         # MaxViT's MBConv blocks run on the full grid: eTPS, which saves in the MLP only, stays
         # above 0.85 (0.93 measured); a predictor saves in the whole attention block.
         ("maxvit_pico_rw_256", 256, {}, {"dtps": 0.85, "etps": 0.95}),
-        ("tiny_vit_5m_224", 224, {}, {"dtps": 0.95, "etps": 0.95}),
+        # TinyViT's first stage is convolutions, and a conv sits in every block (0.85, 0.93).
+        ("tiny_vit_5m_224", 224, {}, {"dtps": 0.86, "etps": 0.95}),
     ],
 )
 def test_keep_07_costs_less_at_the_real_width(name, side, extra, limits):
