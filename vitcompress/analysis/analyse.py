@@ -317,7 +317,9 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         ]
 
     channel_attention = _channel_attention(gm, cores, residuals)
-    if channel_attention is not None:
+    # DaViT alternates channel attention with windowed token attention: its channel blocks
+    # mix no tokens and are left whole; a model of channel attention only is refused.
+    if channel_attention is not None and not windowed:
         raise MappingError(channel_attention)
     attn_residuals = [r for r in residuals if cores_in(r)]
     other_residuals = {r.skip: r for r in residuals if not cores_in(r)}
