@@ -377,7 +377,8 @@ def build_small(
 def sharpen(model: nn.Module) -> nn.Module:
     """Weights under which a position table matters (random weights give near-uniform attention,
     where even a wrongly ordered table changes the logits by ~1e-7 only): relative-position
-    parameters from N(0, 1), query/key projections x3, LayerScale 1."""
+    parameters from N(0, 1) (ConViT's positional projection and gates too), query/key projections
+    x3, LayerScale 1."""
     generator = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -387,11 +388,14 @@ def sharpen(model: nn.Module) -> nn.Module:
                 or "relative_position" in name
                 or "attention_biases" in name
                 or "pos_bias" in name
+                or name.endswith(("pos_proj.weight", "gating_param"))  # ConViT's GPSA
             ):
                 param.copy_(torch.randn(param.shape, generator=generator))
             elif name.endswith("qkv.weight") and param.shape[0] % 3 == 0:
                 param[: 2 * param.shape[0] // 3] *= 3.0  # the q and k rows of a fused projection
-            elif name.endswith(("q_proj.weight", "k_proj.weight", ".q.weight", ".k.weight")):
+            elif name.endswith(
+                ("q_proj.weight", "k_proj.weight", ".q.weight", ".k.weight", ".qk.weight")
+            ):
                 param *= 3.0
             elif name.endswith("kv.weight") and param.shape[0] % 2 == 0:
                 param[: param.shape[0] // 2] *= 3.0  # the k rows of a fused k/v projection
