@@ -669,7 +669,9 @@ def main(argv: list[str] | None = None) -> int:
 
     base_path = cache / "base.safetensors"
     base_info = _base_record(base_path) if base_path.is_file() else None
-    if base_info is not None and base_info.get("settings") != base_settings(args):
+    # As the record reads back from JSON (a Swin's depths tuple is a list there).
+    settings = json.loads(json.dumps(base_settings(args)))
+    if base_info is not None and base_info.get("settings") != settings:
         print("base: the cached one was trained with other settings; training anew", flush=True)
         base_info = None
     if base_info is not None:
