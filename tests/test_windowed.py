@@ -257,7 +257,9 @@ def test_apply_says_what_each_window_keeps_and_saves_a_model_that_loads_back(tmp
         {"block": block, "windows": windows, "tokens": 49, "kept": 34}
         for block, windows in ((0, 4), (1, 4), (2, 1), (3, 1))
     ]
-    loaded = load(tmp_path / "swin")  # the model, rewritten again from its plan, checked against the save
+    loaded = load(
+        tmp_path / "swin"
+    )  # the model, rewritten again from its plan, checked against the save
     reducers = [n for n, _ in loaded.named_modules() if n.count(".") == 1]
     assert [n for n in reducers if n.startswith("tps.")] == [f"tps.{i}" for i in range(4)]
     with torch.no_grad():
