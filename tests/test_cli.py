@@ -227,10 +227,15 @@ def test_a_busy_machine_is_warned_about_on_stderr(monkeypatch):
     result = run("bench", "--model", MHA, *FAST, "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["environment"]["loadavg_1min"] == [threads + 3.0] * 2
-    [line] = result.stderr.splitlines()
-    assert line.startswith(
-        f"warning: the 1-minute load average was {threads + 3.0:.1f} with {threads} torch threads"
+    # The timer fits its threads to the free cores (none here: 1 thread) and says so too.
+    choice = json.loads(result.stdout)["environment"]["thread_choice"]
+    load_line, *threads_lines = result.stderr.splitlines()
+    assert load_line.startswith(
+        "warning: the 1-minute load average was "
+        f"{threads + 3.0:.1f} with {choice['threads']} torch threads"
     )
+    fewer = choice["threads"] < choice["asked"]
+    assert [line.startswith("warning: timed with ") for line in threads_lines] == [True] * fewer
 
 
 def test_progress_goes_to_stderr_only_when_asked_off_a_terminal(tmp_path):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from tests.test_windowed_families import window_order
 from vitcompress import compress, map_model
 from vitcompress.analysis.analyse import MappingError
 from vitcompress.compilation.metadata import compression_info
@@ -62,26 +63,12 @@ def images() -> torch.Tensor:
     return torch.randn(2, *SIZE, generator=torch.Generator().manual_seed(1))
 
 
-def _partition_order(side: int, window: int, shift: int) -> list[int]:
-    """Swin's windows written out by hand: roll the grid by ``-shift``, then cut it into
-    ``window`` x ``window`` tiles, row-major within and across tiles."""
-    order = []
-    for tile_row in range(side // window):
-        for tile_col in range(side // window):
-            for i in range(window):
-                for j in range(window):
-                    row = (tile_row * window + i + shift) % side
-                    col = (tile_col * window + j + shift) % side
-                    order.append(row * side + col)
-    return order
-
-
 def test_windows_and_their_shift_are_found_by_analysis(model):
     model_map = map_model(model, SIZE)
     windows = [(b.windows.count, b.windows.tokens) for b in model_map.blocks]
     assert windows == [(4, 49), (4, 49), (1, 49), (1, 49)]
-    assert list(model_map.blocks[0].windows.order) == _partition_order(14, 7, 0)
-    assert list(model_map.blocks[1].windows.order) == _partition_order(14, 7, 3)
+    assert list(model_map.blocks[0].windows.order) == window_order(14, 14, 7, 0)
+    assert list(model_map.blocks[1].windows.order) == window_order(14, 14, 7, 3)
     # One window over the whole 7 x 7 grid: the last stage's shift is dropped by timm there.
     assert list(model_map.blocks[3].windows.order) == list(range(49))
     assert [s.grid for s in model_map.stages] == [(14, 14), (7, 7)]
