@@ -74,7 +74,7 @@ def test_channel_attention_is_not_token_attention():
     """XCiT's cross-covariance attention is a (C/h x C/h) softmax over channels: it mixes no
     tokens, so its blocks are no place to score or drop tokens."""
     xcit = timm.create_model("xcit_nano_12_p16_224", num_classes=10, depth=2, img_size=64)
-    with pytest.raises(MappingError, match="not over the block's tokens"):
+    with pytest.raises(MappingError, match="cross-covariance attention over channels"):
         map_model(xcit, (3, 64, 64))
 
 
@@ -172,15 +172,17 @@ def test_tokens_pooled_by_their_order_between_stages_are_refused():
         ("maxvit_nano_rw_256", dict(img_size=64)),
     ],
 )
-def test_windowed_attention_is_refused_saying_why(name, options):
+def test_windowed_attention_is_mapped_with_its_windows(name, options):
+    """Refused once, windowed attention now maps with its windows (docs/windowed.md): every
+    windowed block holds each of its tokens in exactly one window slot."""
     model = timm.create_model(name, num_classes=10, **options)
     size = (3, options["img_size"], options["img_size"])
-    with pytest.raises(
-        MappingError,
-        match=r"^windowed attention: tokens cannot be dropped "
-        r"without breaking the windows \(.* attends within",
-    ):
-        map_model(model, size)
+    windowed = [b for b in map_model(model, size).blocks if b.windows is not None]
+    assert windowed
+    for block in windowed:
+        windows = block.windows
+        assert len(windows.order) == windows.count * windows.tokens
+        assert sorted(windows.order) == list(range(len(windows.order)))
 
 
 # --- Heads: every stage's way out, and attention pooling -----------------------------------
