@@ -17,6 +17,7 @@ from torch import nn
 from vitcompress import compress, map_model
 from vitcompress.analysis.analyse import MappingError
 from vitcompress.compilation.rewrite import RewriteError
+from vitcompress.errors import UserError
 from vitcompress.measure import count_macs
 from vitcompress.workflows.export import export_model
 
@@ -317,3 +318,20 @@ def test_keep_07_costs_less_at_the_real_width(name, side, extra, limits):
     for method, limit in limits.items():
         ratio = count_macs(compress(model, method, keep=[0.7], input_size=size), size) / base
         assert ratio < limit, (method, ratio)
+
+
+def test_an_attention_that_reads_its_windows_spatial_size_refuses_a_predictor():
+    """VOLO's one-window blocks norm the (B, H, W, C) stream and read ``B, H, W, C = x.shape``
+    inside the attention: a predictor, which hands the attention (B * windows, K, C), is refused
+    in one line; eTPS, which reduces after the attention, compresses exactly."""
+    torch.manual_seed(0)
+    volo = timm.create_model("volo_d1_224", img_size=64, num_classes=10).eval()
+    size = (3, 64, 64)
+    with pytest.raises(UserError) as refused:
+        compress(volo, "dtps", keep=[0.7], input_size=size)
+    message = str(refused.value)
+    assert "\n" not in message and "reads the windows' spatial size" in message
+    images = torch.randn(2, *size)
+    with torch.no_grad():
+        same = compress(volo, "etps", keep=[1.0], input_size=size)(images)
+        assert torch.allclose(same, volo(images), atol=1e-5)

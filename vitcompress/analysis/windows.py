@@ -470,15 +470,45 @@ def find_windowed_blocks(
                     tokens=core.query_tokens,
                     order=tuple(order.tolist()),
                     mlp_input_node=mlp.skip.name,
-                    attention_input_node=_before_norms(gm, windows_in).name,
+                    attention_input_node=_attention_input(gm, windows_in, attn).name,
                     attention_output_node=back.name,
                     tables=tables,
                     attention_blocker=query_blockers.get(core.node)
+                    or _spatial_shape_blocker(_attention_input(gm, windows_in, attn))
                     or _tables_blocker(tables, by_name, core.batch, count),
                 ),
             )
         )
     return blocks
+
+
+def _attention_input(gm: fx.GraphModule, windows_in: fx.Node, attn: Residual) -> fx.Node:
+    """Where a predictor reduces the windows: before the norms that lead into the attention,
+    but never on the residual stream itself (a one-window block that norms the stream, VOLO's):
+    the stream also feeds the residual add, which keeps every token."""
+    entering = _before_norms(gm, windows_in)
+    return windows_in if entering is attn.skip else entering
+
+
+def _spatial_shape_blocker(entering: fx.Node) -> str | None:
+    """Why the windows entering the attention cannot be handed over as (B * windows, K, C), or
+    ``None``: an attention that reads their spatial sizes (``B, H, W, C = x.shape``, VOLO's)
+    would reshape K tokens to H x W."""
+    shape = ops.shape(entering) or ()
+    if len(shape) <= 3:
+        return None
+    spatial = set(range(1, len(shape) - 1)) | set(range(-len(shape) + 1, -1))
+    for user in entering.users:
+        if user.op != "call_function" or user.target is not getattr or user.args[1:] != ("shape",):
+            continue
+        for read in user.users:
+            index = read.args[1] if len(read.args) > 1 else None
+            if read.users and isinstance(index, int) and index in spatial:
+                return (
+                    f"its attention reads the windows' spatial size off {entering.name} "
+                    f"({tuple(shape[1:-1])}), which fewer tokens per window do not have"
+                )
+    return None
 
 
 def _tables_blocker(
