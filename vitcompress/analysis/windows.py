@@ -460,6 +460,7 @@ def find_windowed_blocks(
         tables = find_position_uses(
             gm, image, {"attention": inside}, core, core.query_tokens, 0, anc.is_ancestor, False
         )
+        entering = _attention_input(gm, windows_in, attn)
         blocks.append(
             WindowedBlock(
                 core=core,
@@ -470,11 +471,11 @@ def find_windowed_blocks(
                     tokens=core.query_tokens,
                     order=tuple(order.tolist()),
                     mlp_input_node=mlp.skip.name,
-                    attention_input_node=_attention_input(gm, windows_in, attn).name,
+                    attention_input_node=entering.name,
                     attention_output_node=back.name,
                     tables=tables,
                     attention_blocker=query_blockers.get(core.node)
-                    or _spatial_shape_blocker(_attention_input(gm, windows_in, attn))
+                    or _spatial_shape_blocker(entering)
                     or _tables_blocker(tables, by_name, core.batch, count),
                 ),
             )

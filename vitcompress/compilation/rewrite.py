@@ -331,11 +331,7 @@ class _Rewriter:
                 gathered = self.graph.call_module(gather, (whole, positions))
             meeting.replace_input_with(table, gathered)
             if whole is not table:  # the table built at the reduced size must not run
-                built = _ancestors(table)
-                for node in reversed([n for n in self.graph.nodes if n in built]):
-                    calls = node.op in ("call_function", "call_method", "call_module")
-                    if calls and not node.users and not node.is_impure():
-                        self.graph.erase_node(node)
+                _erase_unused(self.graph, table)
         self._hook_attention(block, keep_mask, False, None)
         restore = self._add_hook(
             f"restore{block.index}_attention",
