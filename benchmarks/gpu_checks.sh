@@ -9,7 +9,9 @@
 #   OUT=gpu-out PARTS="compiled sweep" bash benchmarks/gpu_checks.sh   # issue 13's GPU part
 #
 # PARTS: finetune, bench (the default pair), compiled (eager vs compiled alike, COMPILE_MODE,
-# default reduce-overhead: CUDA graphs), sweep (bench --batch-sizes on the GPU).
+# default reduce-overhead: CUDA graphs), sweep (bench --batch-sizes on the GPU), resume (a bf16
+# finetune through Accelerate stopped by SIGTERM, then resumed), windowed (compressed Swin-T
+# against Swin-T, every method at keep 0.7). COMPILE_VARIANTS narrows the compiled part.
 #
 # Runs from the repository root without installing the package (PYTHONPATH=.), so a machine
 # with torch, timm, accelerate, click, rich, safetensors and pyyaml needs nothing else.
@@ -27,7 +29,7 @@ step environment
 nvidia-smi -L
 python3 -c "import torch, timm, accelerate; print('torch', torch.__version__, 'timm', timm.__version__, 'accelerate', accelerate.__version__, torch.cuda.get_device_name())"
 
-if [[ " $PARTS " == *" finetune "* ]]; then
+if [[ " $PARTS " == *" finetune "* || " $PARTS " == *" resume "* ]]; then
 step "a small ImageFolder (random images, 2 classes)"
 python3 - "$OUT/data" <<'EOF'
 import sys
@@ -46,6 +48,36 @@ for split, count in (("train", 64), ("val", 32)):
             Image.fromarray(pixels).save(folder / f"{i}.png")
 EOF
 
+fi
+if [[ " $PARTS " == *" resume "* ]]; then
+# Issue 24: a GPU fine-tune interrupted the way a scheduler does it (SIGTERM), then resumed.
+# The first run must exit non-zero after checkpointing; the resumed run must finish every epoch.
+step "finetune deit_tiny dtps, --amp bf16, stopped by SIGTERM after its first steps"
+rm -rf "$OUT/ft_resume"
+# python itself in the background (not the cli function's subshell), so the signal reaches it
+python3 -c "from vitcompress.cli.main import main; main()" finetune --model deit_tiny_patch16_224 \
+    --model-arg num_classes=2 --variant dtps --keep 0.7 --data "$OUT/data" --epochs 3 --batch-size 16 --warmup-epochs 0.5 --amp bf16 \
+    --out "$OUT/ft_resume" --json > "$OUT/ft_resume_first.json" &
+pid=$!
+for _ in $(seq 1 240); do  # wait (up to 120 s) for the first logged steps, then stop the run
+    [[ -s "$OUT/ft_resume/metrics.jsonl" ]] && break
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.5
+done
+sleep 2
+kill -TERM $pid 2>/dev/null && echo "SIGTERM sent to $pid"
+wait $pid; first=$?
+echo "first run exit code: $first (non-zero expected)"
+[[ $first -ne 0 ]] || { echo "FAILED: the interrupted run exited 0"; status=1; }
+ls "$OUT/ft_resume/checkpoints" || { echo "FAILED: no checkpoint"; status=1; }
+step "resume it"
+check cli finetune --model deit_tiny_patch16_224 --model-arg num_classes=2 --variant dtps \
+    --keep 0.7 --data "$OUT/data" --epochs 3 --batch-size 16 --warmup-epochs 0.5 --amp bf16 \
+    --out "$OUT/ft_resume" --resume --json > "$OUT/ft_resume_second.json"
+python3 -c 'import json, sys; print(json.dumps(json.load(open(sys.argv[1])), indent=1)[:3000])' \
+    "$OUT/ft_resume_second.json"
+fi
+if [[ " $PARTS " == *" finetune "* ]]; then
 for amp in bf16 fp16; do
     step "finetune deit_tiny dtps on the GPU, --amp $amp, EMA"
     check cli finetune --model deit_tiny_patch16_224 --model-arg num_classes=2 --variant dtps \
@@ -56,9 +88,9 @@ for amp in bf16 fp16; do
     check cli eval --model "$OUT/ft_$amp" --data "$OUT/data" --device cuda --batch-size 32 \
         --base deit_tiny_patch16_224 --json
 done
+fi
 rm -rf "$OUT/data" "$OUT"/ft_*/checkpoints
 
-fi
 
 if [[ " $PARTS " == *" bench "* ]]; then
 step "overhead, float32, batch 32"
@@ -77,21 +109,6 @@ check timeout 150 python3 benchmarks/tps_speed.py --part overhead --variants dtp
     --device cuda --amp bf16 --batch-size 256 --rounds 2 --runs 20 --warmup 3 --compile \
     --json-out "$OUT/overhead_dtps_bf16_b256_compile.json"
 fi
-if [[ " $PARTS " == *" compiled "* ]]; then
-# Issue 13: every model eager and compiled alike (fullgraph, COMPILE_MODE), interleaved in the
-# same rounds: overhead vs the sliced-tokens model and the speed-up over the base, bf16, batch 256;
-# then the headline dTPS-DeiT-S (2,4,6,8 / 0.5) vs DeiT-T the same way.
-COMPILE_MODE=${COMPILE_MODE:-reduce-overhead}
-step "overhead, bf16 autocast, batch 256, eager and compiled ($COMPILE_MODE)"
-check timeout 420 python3 benchmarks/tps_speed.py --part overhead --device cuda --amp bf16 \
-    --batch-size 256 --rounds 2 --runs 20 --warmup 3 --compile --eager-too \
-    --compile-mode "$COMPILE_MODE" --json-out "$OUT/overhead_bf16_b256_eager_and_compiled.json"
-step "headline, bf16 autocast, batch 256, eager and compiled ($COMPILE_MODE)"
-check timeout 240 python3 benchmarks/tps_speed.py --part headline --device cuda --amp bf16 \
-    --batch-size 256 --rounds 2 --runs 20 --warmup 3 --compile --eager-too \
-    --compile-mode "$COMPILE_MODE" --json-out "$OUT/headline_bf16_b256_eager_and_compiled.json"
-fi
-
 if [[ " $PARTS " == *" sweep "* ]]; then
 step "batch sweep: deit_tiny + dtps (keep 0.7, blocks 3,6,9) against deit_tiny, bf16 autocast"
 check cli apply --model deit_tiny_patch16_224 --variant dtps --keep 0.7 --locs 3,6,9 \
@@ -100,5 +117,27 @@ check cli bench --model "$OUT/deit_t_dtps" --device cuda --amp bf16 \
     --batch-sizes 1,8,32,128,256 --warmup 5 --runs 20 --bench-seconds 30 \
     --plot "$OUT/batch_sweep_deit_t_dtps_bf16.png" --json > "$OUT/batch_sweep_deit_t_dtps_bf16.json"
 fi
+if [[ " $PARTS " == *" windowed "* ]]; then
+step "windowed: compressed Swin-T against Swin-T, keep 0.7, fp32, batch 64"
+check timeout 300 python3 benchmarks/windowed_speed.py --device cuda --batch-size 64 --keeps 0.7 \
+    --runs 20 --warmup 5 --json-out "$OUT/windowed_swin_t_b64.json"
+fi
+if [[ " $PARTS " == *" compiled "* ]]; then
+# Issue 13: every model eager and compiled alike (fullgraph, COMPILE_MODE), interleaved in the
+# same rounds: overhead vs the sliced-tokens model and the speed-up over the base, bf16, batch 256;
+# then the headline dTPS-DeiT-S (2,4,6,8 / 0.5) vs DeiT-T the same way.
+COMPILE_MODE=${COMPILE_MODE:-reduce-overhead}
+COMPILE_VARIANTS=${COMPILE_VARIANTS:-dtps,etps,dynamicvit,evit}
+step "overhead, bf16 autocast, batch 256, eager and compiled ($COMPILE_MODE)"
+check timeout 420 python3 benchmarks/tps_speed.py --part overhead --device cuda --amp bf16 \
+    --variants "$COMPILE_VARIANTS" \
+    --batch-size 256 --rounds 2 --runs 20 --warmup 3 --compile --eager-too \
+    --compile-mode "$COMPILE_MODE" --json-out "$OUT/overhead_bf16_b256_eager_and_compiled.json"
+step "headline, bf16 autocast, batch 256, eager and compiled ($COMPILE_MODE)"
+check timeout 240 python3 benchmarks/tps_speed.py --part headline --device cuda --amp bf16 \
+    --batch-size 256 --rounds 2 --runs 20 --warmup 3 --compile --eager-too \
+    --compile-mode "$COMPILE_MODE" --json-out "$OUT/headline_bf16_b256_eager_and_compiled.json"
+fi
+
 step "done, status $status"
 exit $status

@@ -14,6 +14,12 @@ from vitcompress.cli.app import console
 from vitcompress.workflows.finetune import FinetuneProgress
 
 
+def _rate(img_per_s: float) -> str:
+    """Whole images a second, or three significant digits below 10 (a CPU run under bf16
+    autocast can train at under one image a second; ``0 img/s`` would read as stalled)."""
+    return f"{img_per_s:.0f}" if img_per_s >= 10 else f"{img_per_s:.3g}"
+
+
 class RichProgress(FinetuneProgress):
     """Epoch, step, loss, lr, images/s and ETA, one bar per epoch."""
 
@@ -57,7 +63,7 @@ class RichProgress(FinetuneProgress):
             return
         speed = record.get("img_per_s")
         info = f"step {record['step']} loss {record['loss']:.4f} lr {record['lr']:.2e}" + (
-            f" {speed:.0f} img/s" if speed else ""
+            f" {_rate(speed)} img/s" if speed else ""
         )
         self.bar.update(self.task, advance=1, info=info)
 
@@ -116,7 +122,7 @@ class LogLines(FinetuneProgress):
         if step % self.every and step != 1 and step != self.total_steps:
             return
         speed = record.get("img_per_s")
-        rate = f", {speed:.0f} img/s" if speed else ""
+        rate = f", {_rate(speed)} img/s" if speed else ""
         self._print(
             f"step {step}/{self.total_steps} (epoch {record['epoch'] + 1}/{self.epochs})"
             f": loss {record['loss']:.4f}, lr {record['lr']:.2e}{rate}"
@@ -127,7 +133,7 @@ class LogLines(FinetuneProgress):
         if summary.get("lr") is not None:
             parts.append(f"lr {summary['lr']:.2e}")
         if summary.get("img_per_s"):
-            parts.append(f"{summary['img_per_s']:.0f} img/s")
+            parts.append(f"{_rate(summary['img_per_s'])} img/s")
         if summary.get("val_top1") is not None:
             parts.append(f"val top-1 {100 * summary['val_top1']:.2f}%")
         if summary.get("val_top1_ema") is not None:
