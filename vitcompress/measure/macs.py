@@ -351,6 +351,15 @@ def run_counter(
     return counter
 
 
+def count_call_macs(call: Callable[[], object]) -> int:
+    """Multiply-accumulates of ``call()``, counted as :func:`count_macs` counts them (fused fast
+    paths off, the same formulas); the caller sets up the model and its input."""
+    counter = FlopCounterMode(display=False, custom_mapping=_COUNTER_FORMULAS)
+    with torch.no_grad(), fast_paths_off(), counter:
+        call()
+    return counter.get_total_flops() // 2
+
+
 def count_macs(
     model: nn.Module, input_size: tuple[int, ...], device: str | torch.device = "cpu"
 ) -> int:

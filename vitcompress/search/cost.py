@@ -18,9 +18,14 @@ tokens present (dTPS/DynamicViT), the donor-host similarity of squeezing (``dono
 dTPS/eTPS), the cls-row attention score (eTPS/EViT on SDPA) and ToMe's bipartite similarity
 (``ceil(t/2) x floor(t/2) x head dim`` in every merging block; its size-weighted averages and
 ``log s`` bias are not multiply-accumulates). A method that cannot count its work is not searched.
-Everything outside the blocks (patch embedding, a pyramid's next patch embedding on the full grid,
-the head) is taken as constant. :func:`cross_check` compares the result with the counted MACs of
-compressed models.
+Everything before the blocks (patch embedding, a pyramid's next patch embedding on the full grid)
+is constant. What runs after the last block that attends over its own tokens (the "tail": class
+attention (CaiT), an attention-pooling head (SigLIP, PE), the head) is constant plus a cost per
+token leaving that block, measured once: the base's graph is run from that block's output with
+a quarter of the tokens dropped, and the MACs saved divided by the tokens dropped. A tail that
+cannot run on fewer tokens (it reshapes them to the grid), or that the compressed model gives
+the full tokens back to (a block's ``readers``), costs the same at any keep. :func:`cross_check`
+compares the result with the counted MACs of compressed models.
 """
 
 from __future__ import annotations
@@ -29,11 +34,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.fx as fx
 from torch import nn
 
+from vitcompress.analysis.capture import capture
 from vitcompress.analysis.model_map import ModelMap
 from vitcompress.compilation.plan import Plan
-from vitcompress.measure.macs import run_counter
+from vitcompress.measure.macs import count_call_macs, run_counter
 from vitcompress.variants import BEFORE_BLOCK, ScoringCost
 
 # aten ops whose work is the attention products (counted by FlopCounterMode as 2 FLOPs per MAC).
@@ -62,6 +70,7 @@ class BlockCost:
     heads: int
     prefix_tokens: int
     patch_tokens: int  # the stage's N0
+    parallel_mlp: bool = False  # ``x + attn(h) + mlp(h)``: the MLP sees the block's input
 
     def macs(self, attention_tokens: int, mlp_tokens: int) -> float:
         keys = attention_tokens if self.own_keys else self.key_tokens
@@ -86,6 +95,11 @@ class CostModel:
     base_macs: int  # the base's counted MACs
     cls_token: bool
     sdpa_scores: tuple[bool, ...]  # per block: eTPS/EViT scoring recomputes a cls row/all rows
+    # The tail (module docstring): its MACs per token leaving block ``tail_after``, which leaves
+    # the base with ``tail_tokens`` tokens; the tail's MACs at those are in ``outside``.
+    tail_after: int = -1
+    tail_tokens: int = 0
+    tail_per_token: float = 0.0
 
     def macs(self, plan: Plan) -> float:
         """MACs of ``plan`` at batch size 1, in :func:`vitcompress.measure.count_macs`'s
@@ -95,6 +109,9 @@ class CostModel:
         total = self.outside
         present: dict[int, int] = {}  # stage -> non-prefix tokens present now
         for index, block in enumerate(self.blocks):
+            if index > self.tail_after >= 0:  # in the tail: its base MACs, the change below
+                total += block.macs(block.tokens, block.tokens)
+                continue
             stage = self.stage_of[index]
             n = present.get(stage, block.patch_tokens)
             p = block.prefix_tokens
@@ -109,9 +126,17 @@ class CostModel:
                 raise ValueError(f"{method.name} has no analytic MACs")
             if method.placement == BEFORE_BLOCK:  # the whole block sees the tokens kept
                 total += extra + block.macs(p + after, p + after)
+            elif block.parallel_mlp:  # the MLP beside the attention reads the block's input
+                total += extra + block.macs(p + n, p + n)
             else:  # reduced after the attention: only the MLP sees fewer
                 total += extra + block.macs(p + n, p + after)
             present[stage] = after
+        if self.tail_per_token and self.tail_after >= 0:
+            last = self.blocks[self.tail_after]
+            leaving = last.prefix_tokens + present.get(
+                self.stage_of[self.tail_after], last.patch_tokens
+            )
+            total += self.tail_per_token * (leaving - self.tail_tokens)
         return total
 
     def _scoring(self, index: int, patch_tokens: int) -> ScoringCost:
@@ -162,8 +187,13 @@ def profile(model: nn.Module, model_map: ModelMap) -> CostModel:
     inside = 0
     for block in model_map.blocks:
         block_ops = ops(block.path)
-        attention_ops = ops(block.attention.path) if block.attention.path else {}
-        if not attention_ops or block.attention.path == block.path:
+        # Every attention core of the block (parallel attentions: one module each).
+        attention_ops: dict[Any, int] = {}
+        for path in {core.path for core in [block.attention, *block.parallel_cores]}:
+            if path and path != block.path:
+                for op, n in ops(path).items():
+                    attention_ops[op] = attention_ops.get(op, 0) + n
+        if not attention_ops:
             attention_ops = {
                 op: n for op, n in block_ops.items() if _is(op, _ATTENTION_PRODUCT_OPS)
             }
@@ -189,10 +219,12 @@ def profile(model: nn.Module, model_map: ModelMap) -> CostModel:
                 heads=block.heads,
                 prefix_tokens=block.prefix_tokens,
                 patch_tokens=math.prod(stage.grid),
+                parallel_mlp=block.parallel_mlp,
             )
         )
         scores.append(block.attention.kind in ("sdpa", "multihead_attention"))
         inside += sum(block_ops.values())
+    tail_after, tail_per_token = _tail(model, model_map)
     return CostModel(
         blocks=tuple(blocks),
         stage_of=tuple(b.stage for b in model_map.blocks),
@@ -200,7 +232,68 @@ def profile(model: nn.Module, model_map: ModelMap) -> CostModel:
         base_macs=int(base_total),
         cls_token=model_map.cls_token,
         sdpa_scores=tuple(scores),
+        tail_after=tail_after,
+        tail_tokens=model_map.blocks[tail_after].tokens if tail_after >= 0 else 0,
+        tail_per_token=tail_per_token,
     )
+
+
+class _DropTokens(fx.Interpreter):
+    """Runs a graph with the last ``drop`` tokens of one node's (B, N, C) output dropped."""
+
+    def __init__(self, gm: fx.GraphModule, node: str, tokens: int, drop: int) -> None:
+        super().__init__(gm)
+        self.node, self.tokens, self.drop = node, tokens, drop
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.name == self.node and self.drop:
+            if not (isinstance(result, torch.Tensor) and result.dim() == 3):
+                raise ValueError("not a (B, N, C) token tensor")
+            if result.shape[1] != self.tokens:
+                raise ValueError("not the block's tokens")
+            result = result[:, : self.tokens - self.drop]
+        return result
+
+
+def _tail(model: nn.Module, model_map: ModelMap) -> tuple[int, float]:
+    """The last block attending over its own tokens, and the MACs per token of what runs after
+    it (module docstring); 0 where that does not depend on the tokens left."""
+    own = [
+        b.index
+        for b in model_map.blocks
+        if b.windows is None
+        and b.attention.query_tokens in (None, b.tokens)
+        and b.attention.key_tokens in (None, b.tokens)
+    ]
+    if not own:
+        return -1, 0.0
+    last = model_map.blocks[own[-1]]
+    if last.readers:  # the compressed model restores every token for what reads them
+        return last.index, 0.0
+    drop = (last.tokens - last.prefix_tokens) // 4
+    if drop < 1:
+        return last.index, 0.0
+    first = next(iter(model.parameters()), None)
+    dtype = first.dtype if first is not None and first.is_floating_point() else torch.float32
+    device = first.device if first is not None else torch.device("cpu")
+    generator = torch.Generator().manual_seed(0)
+    example = torch.randn((1, *model_map.input_size), generator=generator, dtype=dtype)
+    example = example.to(device)
+    try:
+        gm = capture(model, example).module.eval()
+        # The counter hooks the backward of inputs that need grad; a parameter fed to a module
+        # as it is (an attention-pool's latent query) has no grad_fn. This copy is not trained.
+        gm.requires_grad_(False)
+        counts = [
+            count_call_macs(
+                lambda d=d: _DropTokens(gm, last.output_node, last.tokens, d).run(example)
+            )
+            for d in (0, drop)
+        ]
+    except Exception:  # noqa: BLE001 - a tail that needs every token: it never sees fewer
+        return last.index, 0.0
+    return last.index, max(0.0, (counts[0] - counts[1]) / drop)
 
 
 def _device(model: nn.Module) -> Any:
