@@ -394,10 +394,18 @@ FAMILIES = {
     # Tails that see the tokens left: an attention-pooling head, and class attention.
     "vit_siglip": (lambda: timm_small("vit_base_patch16_siglip_224"), SIZE),
     "cait": (lambda: timm_small("cait_xxs24_224", depth_token_only=1), SIZE),
+    # A bias table built by an MLP from coordinates: its cost does not depend on the tokens.
+    "vit_relpos": (lambda: timm_small("vit_relpos_small_patch16_224"), SIZE),
+    # Differential attention: q and k narrower than v (the cls-row score's width is q k^T's).
+    "vit_diff": (lambda: timm_small("vit_dwee_patch16_reg1_gap_256"), SIZE),
+    # Keys and values projected from the pooled grid (strided convs): their linears are constant.
+    "cvt_13": (lambda: timm.create_model("cvt_13", num_classes=CLASSES), (3, 64, 64)),
 }
-# ToMe matches on keys: refused on pooled keys (PVT), on einsum attention, on a block with two
-# attentions, and before class attention over the keys it would merge (CaiT).
-TOME_REFUSED = {"pvt_v2_b0", "inhouse_einsum", "vit_parallel", "cait"}
+# ToMe matches on keys: refused on pooled keys (PVT, CvT), on einsum attention, on a block with two
+# attentions (parallel, differential), and before class attention over the keys it would merge.
+TOME_REFUSED = {"pvt_v2_b0", "inhouse_einsum", "vit_parallel", "cait", "vit_diff", "cvt_13"}
+# CvT's default locations, in its deepest stage, where the keys' constant projections weigh most.
+LOCS = {"cvt_13": [3, 6, 9]}
 # Predictors are refused where a later block attends over keys from before the reduction (CaiT's
 # class attention): their training path could not mask the pruned keys there.
 PREDICTORS_REFUSED = {"cait"}
@@ -418,6 +426,7 @@ def test_analytic_macs_agree_with_counted_macs(family):
     # (CaiT's class attention is a stage of its own, with nothing to reduce.)
     pyramid = len(model_map.stages) > 1 and family != "cait"
     locs = [model_map.stages[1].blocks[0]] if pyramid else [1, 2]
+    locs = LOCS.get(family, locs)
     variants = ["etps", "evit"]
     variants += [] if family in PREDICTORS_REFUSED else ["dtps", "dynamicvit"]
     variants += [] if family in TOME_REFUSED else ["tome"]

@@ -354,10 +354,17 @@ def run_counter(
 def count_call_macs(call: Callable[[], object]) -> int:
     """Multiply-accumulates of ``call()``, counted as :func:`count_macs` counts them (fused fast
     paths off, the same formulas); the caller sets up the model and its input."""
+    return sum(count_call_ops(call)[1].values())
+
+
+def count_call_ops(call: Callable[[], Any]) -> tuple[Any, dict[Any, int]]:
+    """``call()``'s result and its multiply-accumulates by aten op, counted as
+    :func:`count_macs` counts them."""
     counter = FlopCounterMode(display=False, custom_mapping=_COUNTER_FORMULAS)
     with torch.no_grad(), fast_paths_off(), counter:
-        call()
-    return counter.get_total_flops() // 2
+        result = call()
+    totals = counter.get_flop_counts().get("Global", {})
+    return result, {op: flops // 2 for op, flops in totals.items()}
 
 
 def count_macs(

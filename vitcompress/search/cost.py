@@ -34,14 +34,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.fx as fx
 from torch import nn
 
-from vitcompress.analysis.capture import capture
 from vitcompress.analysis.model_map import ModelMap
 from vitcompress.compilation.plan import Plan
-from vitcompress.measure.macs import count_call_macs, run_counter
+from vitcompress.measure.macs import run_counter
+from vitcompress.search.graph_profile import GraphProfile, add_ops, tail_cost
 from vitcompress.variants import BEFORE_BLOCK, ScoringCost
 
 # aten ops whose work is the attention products (counted by FlopCounterMode as 2 FLOPs per MAC).
@@ -63,6 +61,7 @@ class BlockCost:
     own_keys: bool  # keys are the block's own tokens (False: pooled from the full grid)
     attention_products: float
     attention_linear: float  # attention branch, per token
+    key_linear: float  # the keys' and values' own projections, per key
     mlp_linear: float  # the rest of the block, per token
     grid: float  # convolutions/pools on the (padded) grid
     dim: int
@@ -80,6 +79,7 @@ class BlockCost:
         return (
             products
             + self.attention_linear * attention_tokens / self.tokens
+            + self.key_linear * keys / self.key_tokens
             + self.mlp_linear * mlp_tokens / self.tokens
             + self.grid
         )
@@ -174,6 +174,7 @@ class CostModel:
 def profile(model: nn.Module, model_map: ModelMap) -> CostModel:
     """Count the base's MACs once, by module and op, and split each block's share."""
     counter = run_counter(model, tuple(model_map.input_size), _device(model))
+    graph = GraphProfile(model, model_map)
     counts = counter.get_flop_counts()
     root = type(model).__name__
 
@@ -185,22 +186,19 @@ def profile(model: nn.Module, model_map: ModelMap) -> CostModel:
     blocks: list[BlockCost] = []
     scores: list[bool] = []
     inside = 0
+    by_node = graph.branch_ops(model_map)
     for block in model_map.blocks:
-        block_ops = ops(block.path)
-        # Every attention core of the block (parallel attentions: one module each).
-        attention_ops: dict[Any, int] = {}
-        for path in {core.path for core in [block.attention, *block.parallel_cores]}:
-            if path and path != block.path:
-                for op, n in ops(path).items():
-                    attention_ops[op] = attention_ops.get(op, 0) + n
-        if not attention_ops:
-            attention_ops = {
-                op: n for op, n in block_ops.items() if _is(op, _ATTENTION_PRODUCT_OPS)
-            }
+        if by_node is not None:
+            block_ops, attention_ops, key_ops = by_node[block.index]
+        else:
+            (block_ops, attention_ops), key_ops = _module_ops(block, ops), {}
         products = sum(n for op, n in attention_ops.items() if _is(op, _ATTENTION_PRODUCT_OPS))
         grid = sum(n for op, n in block_ops.items() if _is(op, _GRID_OPS))
         attention_grid = sum(n for op, n in attention_ops.items() if _is(op, _GRID_OPS))
-        attention_linear = sum(attention_ops.values()) - products - attention_grid
+        key_linear = sum(
+            n for op, n in key_ops.items() if not _is(op, _ATTENTION_PRODUCT_OPS + _GRID_OPS)
+        )
+        attention_linear = sum(attention_ops.values()) - products - attention_grid - key_linear
         mlp_linear = sum(block_ops.values()) - sum(attention_ops.values()) - (grid - attention_grid)
         keys = block.attention.key_tokens or block.tokens
         stage = model_map.stages[block.stage]
@@ -211,11 +209,14 @@ def profile(model: nn.Module, model_map: ModelMap) -> CostModel:
                 own_keys=keys == block.tokens,
                 attention_products=float(products),
                 attention_linear=float(attention_linear),
+                key_linear=float(key_linear),
                 mlp_linear=float(mlp_linear),
                 grid=float(grid),
                 dim=block.dim,
-                # products = 2 (q k^T and attn v) x queries x keys x width
-                attention_width=products / (2 * block.tokens * keys) if products else 0.0,
+                # q k^T's width from the graph's shapes; else from products = 2 (q k^T and
+                # attn v) x queries x keys x width, which takes v as wide as q
+                attention_width=graph.query_key_width(block)
+                or (products / (2 * block.tokens * keys) if products else 0.0),
                 heads=block.heads,
                 prefix_tokens=block.prefix_tokens,
                 patch_tokens=math.prod(stage.grid),
@@ -224,7 +225,7 @@ def profile(model: nn.Module, model_map: ModelMap) -> CostModel:
         )
         scores.append(block.attention.kind in ("sdpa", "multihead_attention"))
         inside += sum(block_ops.values())
-    tail_after, tail_per_token = _tail(model, model_map)
+    tail_after, tail_per_token = tail_cost(model_map, graph)
     return CostModel(
         blocks=tuple(blocks),
         stage_of=tuple(b.stage for b in model_map.blocks),
@@ -238,62 +239,17 @@ def profile(model: nn.Module, model_map: ModelMap) -> CostModel:
     )
 
 
-class _DropTokens(fx.Interpreter):
-    """Runs a graph with the last ``drop`` tokens of one node's (B, N, C) output dropped."""
-
-    def __init__(self, gm: fx.GraphModule, node: str, tokens: int, drop: int) -> None:
-        super().__init__(gm)
-        self.node, self.tokens, self.drop = node, tokens, drop
-
-    def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
-        if n.name == self.node and self.drop:
-            if not (isinstance(result, torch.Tensor) and result.dim() == 3):
-                raise ValueError("not a (B, N, C) token tensor")
-            if result.shape[1] != self.tokens:
-                raise ValueError("not the block's tokens")
-            result = result[:, : self.tokens - self.drop]
-        return result
-
-
-def _tail(model: nn.Module, model_map: ModelMap) -> tuple[int, float]:
-    """The last block attending over its own tokens, and the MACs per token of what runs after
-    it (module docstring); 0 where that does not depend on the tokens left."""
-    own = [
-        b.index
-        for b in model_map.blocks
-        if b.windows is None
-        and b.attention.query_tokens in (None, b.tokens)
-        and b.attention.key_tokens in (None, b.tokens)
-    ]
-    if not own:
-        return -1, 0.0
-    last = model_map.blocks[own[-1]]
-    if last.readers:  # the compressed model restores every token for what reads them
-        return last.index, 0.0
-    drop = (last.tokens - last.prefix_tokens) // 4
-    if drop < 1:
-        return last.index, 0.0
-    first = next(iter(model.parameters()), None)
-    dtype = first.dtype if first is not None and first.is_floating_point() else torch.float32
-    device = first.device if first is not None else torch.device("cpu")
-    generator = torch.Generator().manual_seed(0)
-    example = torch.randn((1, *model_map.input_size), generator=generator, dtype=dtype)
-    example = example.to(device)
-    try:
-        gm = capture(model, example).module.eval()
-        # The counter hooks the backward of inputs that need grad; a parameter fed to a module
-        # as it is (an attention-pool's latent query) has no grad_fn. This copy is not trained.
-        gm.requires_grad_(False)
-        counts = [
-            count_call_macs(
-                lambda d=d: _DropTokens(gm, last.output_node, last.tokens, d).run(example)
-            )
-            for d in (0, drop)
-        ]
-    except Exception:  # noqa: BLE001 - a tail that needs every token: it never sees fewer
-        return last.index, 0.0
-    return last.index, max(0.0, (counts[0] - counts[1]) / drop)
+def _module_ops(block: Any, ops: Any) -> tuple[dict[Any, int], dict[Any, int]]:
+    """A block's MACs by op, and its attention's, by module path (where the graph could not be
+    run node by node): the attention is its cores' modules."""
+    block_ops = ops(block.path)
+    attention_ops: dict[Any, int] = {}
+    for path in {core.path for core in [block.attention, *block.parallel_cores]}:
+        if path and path != block.path:
+            add_ops(attention_ops, ops(path))
+    if not attention_ops:
+        attention_ops = {op: n for op, n in block_ops.items() if _is(op, _ATTENTION_PRODUCT_OPS)}
+    return block_ops, attention_ops
 
 
 def _device(model: nn.Module) -> Any:
