@@ -174,9 +174,11 @@ def test_tiny_vit_windows_are_found():
 def test_davit_windows_are_found_and_its_channel_attention_is_left_whole():
     model, size = _build("davit")
     model_map = map_model(model, size)
-    # One spatial block per (spatial, channel) pair; the 4 x 4 last grid is one window.
+    # One spatial block per (spatial, channel) pair; the 4 x 4 last grid is one window, which
+    # its block views as the grid to partition (found by ``through_grid``).
     spatial = [b for b in model_map.blocks if b.windows is not None]
-    assert [b.windows.count for b in spatial] == [64, 16, 4, 4]
+    assert [b.windows.count for b in spatial] == [64, 16, 4, 4, 1]
+    assert list(spatial[4].windows.order) == list(range(16))
     assert list(spatial[0].windows.order) == window_order(32, 32, 4)
     assert list(spatial[1].windows.order) == window_order(16, 16, 4)
     # Blocks (spatial, channel) pair up as stages.i.blocks.j.0 and .1: no channel block maps.
@@ -202,6 +204,24 @@ def test_hf_swin_windows_and_shift_are_found(name):
     assert [b.windows.count for b in blocks[:2]] == [4, 4]
     assert list(blocks[0].windows.order) == window_order(14, 14, 7)
     assert list(blocks[1].windows.order) == window_order(14, 14, 7, shift=3)
+    # The last stage is one window wide: HF views it as its 7 x 7 grid (sizes from the stage,
+    # not the tokens) to partition it, so it maps as one window, never as a plain block.
+    assert [(b.windows.count, list(b.windows.order)) for b in blocks[2:]] == [
+        (1, list(range(49)))
+    ] * 2
+
+
+@pytest.mark.parametrize("name", ["hf_swin", "hf_swinv2"])
+@pytest.mark.parametrize("method", ["dtps", "etps", "tome"])
+def test_hf_swins_one_window_stage_reduces_when_chosen(name, method):
+    """Chosen alone, the one-window blocks reduce and give their grid back (a plain block's
+    reduction used to reach HF's view to the 7 x 7 grid and fail)."""
+    model, size = _build(name)
+    images = _images(size)
+    compressed = compress(model, method, keep=[0.7, 0.7], locs=[2, 3], input_size=size)
+    with torch.no_grad():
+        assert compressed(images).shape == model(images).shape
+    assert count_macs(compressed, size) < count_macs(model, size)
 
 
 # --- What every working family passes -------------------------------------------------------

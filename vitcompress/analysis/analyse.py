@@ -49,6 +49,7 @@ from vitcompress.analysis.windows import (
     find_windowed_blocks,
     is_windowed,
     on_grid,
+    through_grid,
     through_layout,
 )
 from vitcompress.errors import UserError
@@ -298,6 +299,18 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         )
     except WindowError as e:
         raise MappingError(str(e)) from None
+    # A core over its whole grid whose tokens pass through the grid's layout on the way in (HF
+    # Swin's last stage): one window, where the window analysis confirms it; a core it cannot
+    # confirm stays a plain block, as before.
+    for core in cores:
+        if core in windowed_cores or core.batch != image_batch or not through_grid(gm, core, anc):
+            continue
+        try:
+            one = find_windowed_blocks(gm, captured.example, [core], residuals, image_batch, anc)
+        except WindowError:
+            continue
+        windowed += one
+        windowed_cores.append(core)
     # A windowed block's residuals are its own: the plain pairing below leaves them alone.
     taken = {r.add for w in windowed for r in (w.attn, w.mlp)}
     residuals = [r for r in residuals if r.add not in taken]

@@ -66,6 +66,34 @@ def on_grid(gm: fx.GraphModule, core: AttentionCore, anc: Ancestry) -> bool:
     return closing is not None and len(ops.shape(closing[0]) or ()) > 3
 
 
+def through_grid(gm: fx.GraphModule, core: AttentionCore, anc: Ancestry) -> bool:
+    """Whether ``core`` attends over its block's whole grid as one window while its tokens reach
+    it laid out on that grid, (B, H, W, C) channels last: HF's Swin views a stage one window wide
+    as its grid to partition it, with the grid's size taken from the stage, not the tokens, so
+    its block reads the token count as the grid and must be mapped with its (one) window."""
+    node = next(n for n in gm.graph.nodes if n.name == core.node)
+    windows_in = _window_tokens(gm, node)
+    if windows_in is None or core.batch is None or core.query_tokens is None:
+        return False
+    if not _is_window_shaped(ops.shape(windows_in), core.batch, core.query_tokens):
+        return False
+    closing = _residual_after(node, windows_in, anc)
+    if closing is None:
+        return False
+    skip, channels = closing[1], ops.shape(windows_in)[-1]
+    for between in anc.between(skip, windows_in):
+        shape = ops.shape(between)
+        if (
+            shape is not None
+            and len(shape) > 3
+            and shape[0] == core.batch
+            and shape[-1] == channels
+            and math.prod(shape[1:-1]) == core.query_tokens
+        ):
+            return True
+    return False
+
+
 def _window_tokens(gm: fx.GraphModule, core_node: fx.Node, operand: int = 0) -> fx.Node | None:
     """The tokens entering the core's query projection (``operand`` 1: its key projection):
     (B * windows, tokens, C)."""

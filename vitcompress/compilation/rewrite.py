@@ -563,12 +563,16 @@ def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
     result a reader no longer reads (a dense head's per-token linear, now run on the restored
     copy) must not run too. Impure ops (asserts) stay."""
     frontier = [node]
+    erased: set[fx.Node] = set()  # an input shared by two erased nodes comes up twice
     while frontier:
         node = frontier.pop()
-        if node.users or node.op in ("placeholder", "output", "get_attr") or node.is_impure():
+        if node in erased or node.users or node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if node.is_impure():
             continue
         inputs = node.all_input_nodes
         graph.erase_node(node)
+        erased.add(node)
         frontier.extend(inputs)
 
 
