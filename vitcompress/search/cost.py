@@ -8,9 +8,16 @@ counts a plan leaves each block with. Per block:
   keys are pooled from the full grid (spatial-reduction attention keeps its key count);
 * convolutions and pools run on the grid, which a reduced stage gets back padded at inference:
   constant;
-* everything else (linear layers, norms) is per token, split at the attention module: the
-  attention branch sees the tokens the block was entered with, the MLP branch those left after an
-  in-block reduction (eTPS/EViT).
+* the keys' and values' own projections scale with the keys (constant when they are pooled);
+* everything else (linear layers, norms) is per token, split at the residual add closing the
+  attention: the attention branch sees the tokens the block was entered with, the MLP branch
+  those left after an in-block reduction (eTPS/EViT; a parallel block's MLP reads the block's
+  input, so it sees those the block was entered with too).
+
+Which node's work is which is read off the captured graph, node by node (``graph_profile.py``):
+the block is what runs between its input and its output, work that does not depend on the image
+(a position table built from coordinates) belongs to no block. Where the graph cannot be run so,
+the split falls back to module paths.
 
 The reducers a plan inserts add their own work, which each method counts from dimensions
 (``Variant.location_macs``: its scorer's and its fuse's): the predictor's MLP over the patch
@@ -172,7 +179,8 @@ class CostModel:
 
 
 def profile(model: nn.Module, model_map: ModelMap) -> CostModel:
-    """Count the base's MACs once, by module and op, and split each block's share."""
+    """Count the base's MACs once (in total, and node by node on its graph) and split each
+    block's share by kind of work."""
     counter = run_counter(model, tuple(model_map.input_size), _device(model))
     graph = GraphProfile(model, model_map)
     counts = counter.get_flop_counts()

@@ -17,6 +17,7 @@ from vitcompress.measure.macs import count_call_macs, count_call_ops
 
 
 def add_ops(into: dict[Any, int], more: dict[Any, int]) -> None:
+    """Add ``more``'s MACs by op into ``into``."""
     for op, n in more.items():
         into[op] = into.get(op, 0) + n
 
@@ -75,10 +76,9 @@ class GraphProfile:
         self.module.requires_grad_(False)
         self.nodes = {node.name: node for node in self.module.graph.nodes}
 
-    def branch_ops(
-        self, model_map: ModelMap
-    ) -> dict[int, tuple[dict[Any, int], dict[Any, int]]] | None:
-        """Per block, its MACs by op and its attention branch's, read off the graph: the block
+    def branch_ops(self, model_map: ModelMap) -> dict[int, tuple[dict[Any, int], ...]] | None:
+        """Per block, its MACs by op, its attention branch's and its keys' side's (what feeds
+        only the keys and values, ``_key_side``), read off the graph: the block
         is what runs on the tokens between its input and its output, the attention branch what
         of that feeds the residual add closing the attention. Work that does not depend on the
         image (a position table built by an MLP from coordinates) belongs to no block: it is
