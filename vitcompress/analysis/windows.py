@@ -54,16 +54,25 @@ def is_windowed(core: AttentionCore, image_batch: int) -> bool:
     return core.batch is not None and core.batch > image_batch and core.batch % image_batch == 0
 
 
-def on_grid(gm: fx.GraphModule, core: AttentionCore, anc: Ancestry) -> bool:
-    """Whether ``core``'s residual add is on a grid of tokens, (B, H, W, C), not on (B, N, C)."""
+def _closed_windows(
+    gm: fx.GraphModule, core: AttentionCore, anc: Ancestry
+) -> tuple[fx.Node, tuple[fx.Node, fx.Node, fx.Node]] | None:
+    """The tokens entering ``core``'s query projection, laid out as its windows, and the
+    residual add closing it (``_residual_after``); ``None`` where either is not found."""
     node = next(n for n in gm.graph.nodes if n.name == core.node)
     windows_in = _window_tokens(gm, node)
     if windows_in is None or core.batch is None or core.query_tokens is None:
-        return False
+        return None
     if not _is_window_shaped(ops.shape(windows_in), core.batch, core.query_tokens):
-        return False
+        return None
     closing = _residual_after(node, windows_in, anc)
-    return closing is not None and len(ops.shape(closing[0]) or ()) > 3
+    return (windows_in, closing) if closing is not None else None
+
+
+def on_grid(gm: fx.GraphModule, core: AttentionCore, anc: Ancestry) -> bool:
+    """Whether ``core``'s residual add is on a grid of tokens, (B, H, W, C), not on (B, N, C)."""
+    found = _closed_windows(gm, core, anc)
+    return found is not None and len(ops.shape(found[1][0]) or ()) > 3
 
 
 def through_grid(gm: fx.GraphModule, core: AttentionCore, anc: Ancestry) -> bool:
@@ -71,16 +80,11 @@ def through_grid(gm: fx.GraphModule, core: AttentionCore, anc: Ancestry) -> bool
     it laid out on that grid, (B, H, W, C) channels last: HF's Swin views a stage one window wide
     as its grid to partition it, with the grid's size taken from the stage, not the tokens, so
     its block reads the token count as the grid and must be mapped with its (one) window."""
-    node = next(n for n in gm.graph.nodes if n.name == core.node)
-    windows_in = _window_tokens(gm, node)
-    if windows_in is None or core.batch is None or core.query_tokens is None:
+    found = _closed_windows(gm, core, anc)
+    if found is None:
         return False
-    if not _is_window_shaped(ops.shape(windows_in), core.batch, core.query_tokens):
-        return False
-    closing = _residual_after(node, windows_in, anc)
-    if closing is None:
-        return False
-    skip, channels = closing[1], ops.shape(windows_in)[-1]
+    windows_in, (_, skip, _) = found
+    channels = ops.shape(windows_in)[-1]
     for between in anc.between(skip, windows_in):
         shape = ops.shape(between)
         if (
