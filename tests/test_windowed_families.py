@@ -32,7 +32,8 @@ def sharpen(model: nn.Module) -> nn.Module:
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("relative_position_bias_table"):
+            # SAM's decomposed relative position tables start at zero.
+            if name.endswith(("relative_position_bias_table", "rel_pos_h", "rel_pos_w")):
                 param.copy_(torch.randn(param.shape, generator=generator))
             elif name.endswith("qkv.weight"):
                 param[: 2 * (param.shape[0] // 3)] *= 3.0
@@ -75,6 +76,21 @@ def _davit() -> nn.Module:
     )
 
 
+def _sam_vit() -> nn.Module:
+    # 64 x 64 in 8 x 8 patches: an 8 x 8 grid, block 0 in 4 windows of 4 x 4, block 1 global.
+    return timm.create_model(
+        "samvit_base_patch16",
+        img_size=64,
+        patch_size=8,
+        window_size=4,
+        depth=2,
+        embed_dim=64,
+        num_heads=2,
+        global_attn_indexes=(1,),
+        num_classes=10,
+    )
+
+
 def _gcvit() -> nn.Module:
     return timm.create_model("gcvit_xxtiny", img_size=64, num_classes=10)
 
@@ -100,6 +116,7 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], int, tuple[str, ...]]] = {
     "tiny_vit": (_tiny_vit, 64, METHODS),
     "davit": (_davit, 128, METHODS),
     "gcvit": (_gcvit, 64, ("etps", "evit", "tome")),  # a predictor is refused: see below
+    "sam_vit": (_sam_vit, 64, ("etps", "evit", "tome")),  # as is a predictor here
     "hf_swin": (_hf_swin(False), 56, METHODS),
     "hf_swinv2": (_hf_swin(True), 56, METHODS),
 }
@@ -301,21 +318,23 @@ def test_hiera_pooled_query_windows_are_refused_in_one_line():
     assert message.startswith("windowed attention at blocks.1.attn: its queries are pooled")
 
 
-def test_sam_vit_windows_are_refused_in_one_line():
-    model = timm.create_model(
-        "samvit_base_patch16",
-        img_size=64,
-        patch_size=8,
-        window_size=4,
-        depth=2,
-        embed_dim=64,
-        num_heads=2,
-        global_attn_indexes=(1,),
-        num_classes=10,
-    ).eval()
-    with pytest.raises(MappingError) as refused:
-        map_model(model, (3, 64, 64))
-    assert "\n" not in str(refused.value) and "windows" in str(refused.value)
+def test_sam_vit_windows_are_found_and_a_predictor_is_refused_in_one_line():
+    """SAM's attention folds its heads into the batch, (B * windows * heads, N, D); the capture
+    gives it its heads axis back, so the windowed block (4 windows of 4 x 4) and the global
+    block (one window of the 8 x 8 grid) map. Its decomposed relative position is a bias made
+    from the queries and tables indexed by row and column offsets, which no gathered table
+    follows: a predictor is refused in one line naming the table."""
+    model, size = _build("sam_vit")
+    blocks = map_model(model, size).blocks
+    assert [(b.windows.count, b.windows.tokens) for b in blocks] == [(4, 16), (1, 64)]
+    assert list(blocks[0].windows.order) == window_order(8, 8, 4)
+    assert [b.attention.heads for b in blocks] == [2, 2]
+    for method in PREDICTORS:
+        with pytest.raises(UserError) as refused:
+            compress(model, method, keep=[0.7], input_size=size)
+        message = str(refused.value)
+        assert "\n" not in message
+        assert "a term made from blocks.0.attn.rel_pos_h" in message, message
 
 
 # --- Cost at the real widths -----------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from vitcompress.analysis.heads import heads_apart
 from vitcompress.errors import UserError
 
 MAX_LEAF_RETRIES = 16
@@ -581,6 +582,8 @@ def capture(model: nn.Module, example: torch.Tensor) -> CapturedGraph:
         annotate_shapes(gm, example)
     if method != "export":  # an exported graph is never rewritten
         split_tokens_by_slices(gm)
+        if heads_apart(gm, example):
+            annotate_shapes(gm, example)
     return CapturedGraph(
         module=gm,
         method=method,

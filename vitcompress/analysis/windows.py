@@ -8,7 +8,7 @@ of the token (in the order of the block's MLP input) it holds. A reduction then 
 number of tokens in every window, which keeps the windows' batch a static shape.
 
 The order is not derived from the ops' names or arguments: the graph is run once on the example
-with token indices in place of the tokens (``_IndexRun``), ops that work per token passing them
+with token indices in place of the tokens (``IndexRun``), ops that work per token passing them
 through, and what arrives at the core is read off. The same run checks that the attention's
 output goes back to where its tokens came from. Anything else (padding, a token in two windows,
 an op that mixes tokens on the way) is refused in one line naming it.
@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from vitcompress.analysis import ops
 from vitcompress.analysis.cores import Ancestry, Residual
+from vitcompress.analysis.index_run import IndexRun, grid_index, run_indices
 from vitcompress.analysis.model_map import AttentionCore, PositionUse, Windows
 from vitcompress.analysis.positions import find_position_uses, gather_layout
 from vitcompress.errors import UserError
@@ -43,10 +44,6 @@ class WindowedBlock:
     attn: Residual
     mlp: Residual
     windows: Windows
-
-
-# Modules that act on each token alone: an index passes through them unchanged.
-_PER_TOKEN_MODULES = (nn.LayerNorm, nn.Linear, nn.Dropout, nn.Identity, nn.GELU, nn.SiLU, nn.ReLU)
 
 
 def is_windowed(core: AttentionCore, image_batch: int) -> bool:
@@ -269,9 +266,9 @@ def _check_mlp_order(
     ]
     if not checks:
         return
-    seeds = {attn.add: _grid_index(ops.shape(attn.add), dtype=dtype) for _, attn, _ in checks}
+    seeds = {attn.add: grid_index(ops.shape(attn.add), dtype=dtype) for _, attn, _ in checks}
     in_place = {n for _, attn, mlp in checks for n in anc.between(attn.add, mlp.skip) + [mlp.skip]}
-    run = _run(gm, example, seeds, [mlp.skip for _, _, mlp in checks], in_place)
+    run = run_indices(gm, example, seeds, [mlp.skip for _, _, mlp in checks], in_place)
     for core, attn, mlp in checks:
         where = core.path or core.node
         values = run.found.get(mlp.skip)
@@ -289,114 +286,6 @@ def _check_mlp_order(
                 f"windowed attention at {where}: the MLP after it does not read its tokens in "
                 f"their order{blocker}"
             )
-
-
-class _IndexRun(fx.Interpreter):
-    """Runs the graph on the example with token indices put in at some nodes (``seeds``); ops
-    that work per token pass the indices through, every other op runs as it is. Records the
-    values at ``wanted`` and stops when it has them all."""
-
-    def __init__(
-        self,
-        gm: fx.GraphModule,
-        seeds: dict[fx.Node, Tensor],
-        wanted: set[fx.Node],
-        in_place: set[fx.Node] = frozenset(),
-    ):
-        super().__init__(gm)
-        self.seeds = seeds
-        self.wanted = wanted
-        # Ops that keep every token at its place, read as passing the index on: a stride-1
-        # conv over the grid that gives it back at its size (DaViT's and TinyViT's between
-        # the attention and the MLP), and a sum of tensors that hold the same token everywhere.
-        self.in_place = in_place
-        self.found: dict[fx.Node, Tensor] = {}
-        self.indexed: set[fx.Node] = set()  # nodes whose value is made of indices
-        self.mixing: dict[fx.Node, str] = {}  # first op after a seed that is not per-token
-
-    def run_node(self, n: fx.Node):
-        if n in self.seeds:
-            value = self.seeds[n]
-            self.indexed.add(n)
-        else:
-            indexed = [a for a in n.all_input_nodes if a in self.indexed]
-            if indexed and n in self.in_place and not ops.is_layout(n):
-                values = [self.env[a] for a in indexed]
-                same = ops.shape(n) == ops.shape(indexed[0]) and all(
-                    torch.equal(v, values[0]) for v in values[1:]
-                )
-                value = values[0].clone() if same else super().run_node(n)
-                self.indexed.add(n)
-                if not same:
-                    self.mixing.setdefault(n, ops.module_path(n) or n.name)
-            elif indexed and self._per_token(n):
-                source = self.env[indexed[0]]
-                out = ops.shape(n)
-                value = source[..., :1].expand(*out).clone() if out is not None else source
-                self.indexed.add(n)
-            else:
-                value = super().run_node(n)
-                if indexed:
-                    self.indexed.add(n)
-                    if (
-                        not ops.is_layout(n)
-                        and n.op != "call_function"
-                        or ops.multiplies(self.module, n)
-                    ):
-                        self.mixing.setdefault(n, ops.module_path(n) or n.name)
-        if n in self.wanted:
-            self.found[n] = value
-            if len(self.found) == len(self.wanted):
-                raise _Done
-        return value
-
-    def _per_token(self, n: fx.Node) -> bool:
-        if ops.is_norm(self.module, n):
-            return True
-        if n.op == "call_module":
-            module = self.module.get_submodule(str(n.target))
-            if isinstance(module, _PER_TOKEN_MODULES):
-                return True
-            return _identity_in_eval(module, ops.shape(n))
-        return False
-
-
-def _identity_in_eval(module: nn.Module, shape: tuple | None) -> bool:
-    """A parameterless module that returns its input in eval mode (a drop path)."""
-    if shape is None or any(True for _ in module.parameters()) or module.training:
-        return False
-    probe = torch.randn(shape)
-    try:
-        with torch.no_grad():
-            return torch.equal(module(probe), probe)
-    except Exception:  # noqa: BLE001 - a module that cannot run alone is not an identity
-        return False
-
-
-class _Done(Exception):
-    pass
-
-
-def _run(gm: fx.GraphModule, example: Tensor, seeds, wanted, in_place=frozenset()) -> _IndexRun:
-    run = _IndexRun(gm, seeds, set(wanted), set(in_place))
-    with torch.no_grad():
-        try:
-            run.run(example)
-        except _Done:
-            pass
-    return run
-
-
-def _grid_index(
-    shape: tuple[int, ...], offset: int = 1, dtype: torch.dtype = torch.float32
-) -> Tensor:
-    """A (B, ..., C) tensor whose every channel holds the token's flat index in its image's
-    tokens plus ``b * tokens`` plus ``offset`` (0 is then free to mean padding); ``dtype`` the
-    model's where it is double (its other operands, a table, are too)."""
-    batch = shape[0]
-    tokens = math.prod(shape[1:-1])
-    index = torch.arange(batch * tokens, dtype=dtype) + offset
-    return index.reshape(batch, *shape[1:-1], 1).expand(*shape).clone()
 
 
 def find_windowed_blocks(
@@ -475,10 +364,10 @@ def find_windowed_blocks(
     seeds: dict[fx.Node, Tensor] = {}
     dtype = torch.float64 if example.dtype == torch.float64 else torch.float32
     for _, _, back, attn, _ in found:
-        seeds[attn.skip] = _grid_index(ops.shape(attn.skip), dtype=dtype)
-        seeds[back] = _grid_index(ops.shape(back), dtype=dtype)
+        seeds[attn.skip] = grid_index(ops.shape(attn.skip), dtype=dtype)
+        seeds[back] = grid_index(ops.shape(back), dtype=dtype)
     wanted = [w for _, w, _, _, _ in found] + [a.branch for _, _, _, a, _ in found]
-    run = _run(gm, example, seeds, wanted)
+    run = run_indices(gm, example, seeds, wanted)
     _check_mlp_order(gm, example, found, anc, dtype)
     blocks = []
     for core, windows_in, back, attn, mlp in found:
@@ -508,7 +397,8 @@ def find_windowed_blocks(
                     tables=tables,
                     attention_blocker=query_blockers.get(core.node)
                     or _spatial_shape_blocker(entering)
-                    or _tables_blocker(tables, by_name, core.batch, count),
+                    or _tables_blocker(tables, by_name, core.batch, count)
+                    or _unexplained_mask_blocker(by_name[core.node], tables, by_name),
                 ),
             )
         )
@@ -544,6 +434,48 @@ def _spatial_shape_blocker(entering: fx.Node) -> str | None:
     return None
 
 
+def _unexplained_mask_blocker(
+    core: fx.Node, tables: list[PositionUse], by_name: dict[str, fx.Node]
+) -> str | None:
+    """Why the attention cannot run on fewer or reordered tokens per window because of a term it
+    adds to its logits that no table found by position explains, or ``None``. SAM's decomposed
+    relative position is such a term: a bias made from the queries and two tables indexed by
+    row and column offsets, laid out by where each query and key sits in its window, which a
+    reduction would silently shuffle. Any parameter or buffer the mask is built from must be
+    one the found tables are built from."""
+    if not ops.is_sdpa(core):
+        return None
+    mask = core.args[3] if len(core.args) > 3 else core.kwargs.get("attn_mask")
+    if not isinstance(mask, fx.Node):
+        return None
+    explained: set[fx.Node] = set()
+    for use in tables:
+        table = by_name.get(use.table_node)
+        if table is not None:
+            explained |= _ancestors(table)
+    unexplained = sorted(
+        str(n.target) for n in _ancestors(mask) if n.op == "get_attr" and n not in explained
+    )
+    if not unexplained:
+        return None
+    return (
+        f"its attention adds to its logits a term made from {unexplained[0]} that no table laid "
+        "out by token position explains (it may depend on where each token sits in its window)"
+    )
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    frontier = [node]
+    while frontier:
+        current = frontier.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        frontier.extend(current.all_input_nodes)
+    return seen
+
+
 def _tables_blocker(
     tables: list[PositionUse], by_name: dict[str, fx.Node], batch: int, count: int
 ) -> str | None:
@@ -575,7 +507,7 @@ def _tables_blocker(
 
 
 def _window_order(
-    run: _IndexRun,
+    run: IndexRun,
     windows_in: fx.Node,
     between: set[fx.Node],
     core: AttentionCore,
@@ -617,7 +549,7 @@ def _window_order(
 
 
 def _check_return(
-    run: _IndexRun,
+    run: IndexRun,
     branch: fx.Node,
     order: Tensor,
     core: AttentionCore,

@@ -1,0 +1,118 @@
+"""Attention written on (images x heads, N, D) tensors, given its heads axis back.
+
+SAM's encoder folds the heads into the batch before ``scaled_dot_product_attention``:
+``qkv.reshape(3, B * heads, N, D)``. Every later step (finding the attention core, scoring
+tokens by the attention they receive, reducing, counting) reads attention as
+(B, heads, N, D). The same attention on ``q.unflatten(0, (-1, heads))`` gives the same numbers,
+since attention is computed for each leading index alone, so the captured graph is written that
+way, with the output flattened back. The images' axis must come first in the folded batch (else
+a row of the unflattened tensor would mix images): that is read off an index run (the
+projections' outputs seeded with their row number), not assumed. Where it does not hold, the
+graph is left as it was.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vitcompress.analysis import ops
+from vitcompress.analysis.index_run import run_indices
+
+
+def _projection_of(gm: fx.GraphModule, operand: fx.Node) -> fx.Node | None:
+    """The linear projection an attention operand is computed by, through layout ops, per-token
+    norms and tuple items (first inputs only)."""
+    node: fx.Node | None = operand
+    for _ in range(16):
+        if node is None:
+            return None
+        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.Linear):
+            return node
+        if node.op == "call_function" and node.target is F.linear:
+            return node
+        inputs = node.all_input_nodes
+        node = inputs[0] if inputs else None
+    return None
+
+
+def _row_index(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A tensor of ``shape`` holding, everywhere in row ``b``, the number ``b + 1``."""
+    rows = torch.arange(1, shape[0] + 1, dtype=dtype)
+    return rows.reshape(-1, *([1] * (len(shape) - 1))).expand(*shape).clone()
+
+
+def _folded(gm: fx.GraphModule, node: fx.Node) -> tuple[int, list[fx.Node]] | None:
+    """``(heads, projections)`` for an SDPA on 3-D operands whose batch is the projections'
+    batch times a head count, else ``None``."""
+    operands = list(node.args[:3])
+    shapes = [ops.shape(o) if isinstance(o, fx.Node) else None for o in operands]
+    if any(s is None or len(s) != 3 for s in shapes):
+        return None
+    projections = [_projection_of(gm, o) for o in operands]
+    if any(p is None for p in projections):
+        return None
+    rows = {ops.shape(p)[0] for p in projections if ops.shape(p)}
+    if len(rows) != 1:
+        return None
+    batch = rows.pop()
+    folded = shapes[0][0]
+    if folded == batch or folded % batch or any(s[0] != folded for s in shapes):
+        return None
+    return folded // batch, list(dict.fromkeys(projections))
+
+
+def _images_first(
+    gm: fx.GraphModule, example: Tensor, node: fx.Node, heads: int, projections: list[fx.Node]
+) -> bool:
+    """Whether row ``b * heads + h`` of every operand holds row ``b`` of its projection."""
+    dtype = torch.float64 if example.dtype == torch.float64 else torch.float32
+    seeds = {p: _row_index(ops.shape(p), dtype) for p in projections}
+    operands = list(node.args[:3])
+    run = run_indices(gm, example, seeds, operands)
+    for operand in operands:
+        value = run.found.get(operand)
+        if value is None or operand not in run.indexed:
+            return False
+        rows = value.unflatten(0, (-1, heads))
+        expected = _row_index(rows.shape, dtype)
+        if not torch.equal(rows, expected):
+            return False
+    return True
+
+
+def _unflatten(graph: fx.Graph, value: object, heads: int, folded: int) -> object:
+    if isinstance(value, fx.Node) and (ops.shape(value) or (0,))[0] == folded:
+        return graph.call_method("unflatten", (value, 0, (-1, heads)))
+    return value
+
+
+def heads_apart(gm: fx.GraphModule, example: Tensor) -> int:
+    """Give every SDPA on (images x heads, N, D) operands its heads axis: its q, k, v (and an
+    ``attn_mask`` batched the same way) unflattened to (B, heads, N, D), its output flattened
+    back. Returns how many were rewritten; the caller records the shapes again."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if not ops.is_sdpa(node):
+            continue
+        found = _folded(gm, node)
+        if found is None:
+            continue
+        heads, projections = found
+        if not _images_first(gm, example, node, heads, projections):
+            continue
+        folded = ops.shape(node.args[0])[0]
+        graph = gm.graph
+        with graph.inserting_before(node):
+            args = tuple(_unflatten(graph, a, heads, folded) for a in node.args)
+            kwargs = {k: _unflatten(graph, v, heads, folded) for k, v in node.kwargs.items()}
+        node.args, node.kwargs = args, kwargs
+        with graph.inserting_after(node):
+            flat = graph.call_method("flatten", (node, 0, 1))
+        node.replace_all_uses_with(flat, delete_user_cb=lambda user: user is not flat)
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
