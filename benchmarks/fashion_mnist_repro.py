@@ -338,8 +338,9 @@ def random_policy_top1(model: nn.Module, test_set: Dataset, repeats: int) -> lis
 
 
 def run_name(method: str, keep: float, seed: int, args: argparse.Namespace) -> str:
-    """A run's cache name: ``dtps_keep0.7``, with ``_seed1`` when several seeds are run."""
-    return f"{method}_keep{keep}" + (f"_seed{seed}" if len(args.seeds) > 1 else "")
+    """A run's cache name: ``dtps_keep0.7``, with ``_seed1`` when ``--seeds`` names the seeds
+    (even one: processes that share a cache, one seed each, must not share a run's folder)."""
+    return f"{method}_keep{keep}" + (f"_seed{seed}" if args.seeds_given else "")
 
 
 def run_one(
@@ -635,6 +636,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.ft_epochs != int(args.ft_epochs):
         p.error("--ft-epochs must be a whole number")
     args.ft_epochs = int(args.ft_epochs)
+    args.seeds_given = bool(args.seeds)
     args.seeds = [int(v) for v in args.seeds.split(",")] if args.seeds else [args.seed]
     return args
 
@@ -737,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 results.append(result)
                 models[run_name(method, keep, seed, args)] = model
-    if len(args.seeds) > 1:
+    if args.seeds_given:
         # The table with intervals is built from these runs by the caller; one interleaved
         # timing of 30 models would be noise, so none is taken here.
         if args.json_out:
