@@ -37,11 +37,7 @@ class FoldedAttention(nn.Module):
 
 
 def _sdpa_ranks(module: nn.Module) -> list[int]:
-    return [
-        len(ops.shape(n.args[0]))
-        for n in module.graph.nodes
-        if ops.is_sdpa(n)
-    ]
+    return [len(ops.shape(n.args[0])) for n in module.graph.nodes if ops.is_sdpa(n)]
 
 
 @pytest.mark.parametrize("images_first", [True, False])

@@ -14,9 +14,9 @@ from torch.utils.data import TensorDataset
 
 from tests.test_windowed_families import window_order
 from vitcompress import compress, map_model
-from vitcompress.analysis.analyse import MappingError
 from vitcompress.compilation.metadata import compression_info
 from vitcompress.compilation.plan import Plan
+from vitcompress.errors import UserError
 from vitcompress.loading import LoadedModel, ModelSource
 from vitcompress.measure import count_macs
 from vitcompress.modules import reducers
@@ -185,16 +185,107 @@ def test_the_plan_says_its_windows_and_reads_back(model):
     assert Plan.from_json(data).locations == plan.locations
 
 
-def test_padded_windows_are_refused_in_one_line():
-    padded = timm.create_model(
-        "swin_tiny_patch4_window7_224", img_size=48, embed_dim=32, depths=(2, 2), num_heads=(2, 4)
+def _padded_swin() -> nn.Module:
+    # 48 pixels: a 12 x 12 grid in windows of 7, padded to 14 x 14; stage 2 is 6 x 6 in one.
+    torch.manual_seed(0)
+    return sharpen(
+        timm.create_model(
+            "swin_tiny_patch4_window7_224",
+            img_size=48,
+            embed_dim=32,
+            depths=(2, 2),
+            num_heads=(2, 4),
+            num_classes=10,
+        )
     )
-    with pytest.raises(MappingError) as refused:
-        map_model(padded, (3, 48, 48))
-    message = str(refused.value)
-    assert "\n" not in message
-    assert message.startswith("windowed attention at layers.0.blocks.0.attn")
-    assert "padded" in message
+
+
+def _windows_by_tokens(windows) -> dict[int, int]:
+    """How many windows hold each number of real tokens."""
+    counts: dict[int, int] = {}
+    for w in range(windows.count):
+        real = sum(
+            1 for i in windows.order[w * windows.tokens : (w + 1) * windows.tokens] if i >= 0
+        )
+        counts[real] = counts.get(real, 0) + 1
+    return counts
+
+
+def test_padded_windows_are_mapped_with_their_padding_and_grouped_by_token_count():
+    """The padding's slots are read off the index run as -1 (the padding is zeros where a token
+    index starts at 1); every real token sits in exactly one slot, the unshifted block's where
+    the partition of the padded grid puts it."""
+    blocks = map_model(_padded_swin(), (3, 48, 48)).blocks
+    first = blocks[0].windows
+    assert first.padded and (first.count, first.tokens) == (4, 49)
+    padded_grid = [r * 12 + c if r < 12 and c < 12 else -1 for r in range(14) for c in range(14)]
+    assert list(first.order) == [padded_grid[i] for i in window_order(14, 14, 7)]
+    # 7 x 7, 7 x 5, 5 x 7 and 5 x 5 real tokens: three groups, the fullest first.
+    assert _windows_by_tokens(first) == {49: 1, 35: 2, 25: 1}
+    assert [len(tokens) for _, tokens in first.groups()] == [49, 70, 25]
+    for block in blocks:
+        real = sorted(i for i in block.windows.order if i >= 0)
+        assert real == list(range(len(real)))  # each token once
+        assert sum(len(tokens) for _, tokens in block.windows.groups()) == len(real)
+
+
+@pytest.mark.parametrize("method", ("etps", "evit", "tome"))
+def test_padded_windows_reduce_by_groups_exact_at_keep_one(method):
+    """In double precision, on sharpened weights: keep 1 equals the base; keep 0.7 reduces the
+    windows of each token count alike and never keeps a padded slot (each group's reducer sees
+    only its real tokens)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = _padded_swin().double()
+        images = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(1)).double()
+        with torch.no_grad():
+            base = model(images)
+            same = compress(model, method, keep=[1.0], input_size=(3, 48, 48))(images)
+            assert (same - base).abs().max() <= 1e-9 * base.abs().max()
+            compressed = compress(model, method, keep=[0.7], input_size=(3, 48, 48))
+            seen: list[tuple[int, int]] = []
+            for name, module in compressed.named_modules():
+                if name.startswith("tps.") and name.count(".") == 1:
+                    module.register_forward_hook(
+                        lambda m, i, o: seen.append((i[0].shape[0], i[0].shape[1]))
+                    )
+            out = compressed(images)
+    finally:
+        torch.set_default_dtype(default)
+    assert out.shape == base.shape and torch.isfinite(out).all()
+    assert not torch.allclose(out, base)
+    # Block 0's and 1's windows as grouped by their real tokens, batch 2; block 2 and 3 (one
+    # 6 x 6 window padded to 7 x 7) as one group of 36.
+    by_block = seen[:3]
+    assert by_block == [(2, 49), (4, 35), (2, 25)], seen
+    assert (2, 36) in seen
+
+
+def test_padded_windows_refuse_a_predictor_in_one_line():
+    model = _padded_swin()
+    for method in ("dtps", "dynamicvit"):
+        with pytest.raises(UserError) as refused:
+            compress(model, method, keep=[0.7], input_size=(3, 48, 48))
+        message = str(refused.value)
+        assert "\n" not in message
+        assert "its windows are padded" in message and "different numbers of tokens" in message
+
+
+def test_a_windowed_block_refuses_restoring_zeros_and_restores_by_value():
+    """A windowed block restores its tokens before the next block reads them: zeros there would
+    erase every pruned token, so the zero rule is refused; the value rule works, its record
+    holding the hosts the window attention's own restore reads."""
+    model = swin()
+    with pytest.raises(UserError) as refused:
+        compress(model, "dtps", keep=[0.7], input_size=SIZE, variant_args={"restore": "zero"})
+    assert "restore=zero" in str(refused.value) and "\n" not in str(refused.value)
+    images = torch.randn(2, *SIZE)
+    compressed = compress(
+        model, "dtps", keep=[0.7], input_size=SIZE, variant_args={"restore": "value"}
+    )
+    with torch.no_grad():
+        assert torch.isfinite(compressed(images)).all()
 
 
 @pytest.mark.parametrize("method", ("dtps", "dynamicvit"))

@@ -1,6 +1,7 @@
 """Blocks the tool cannot reduce at are refused in one line naming the blocker, not with the
 generic "no transformer block found" (nor left out of the map): SAM's windowed attention on 3-D
-(batch x heads, N, D) tensors. (Parallel blocks, refused here before, now compress:
+(batch x heads, N, D) tensors written as a matmul and a softmax (its SDPA form is given its
+heads axis back at capture and maps: tests/test_windowed_families.py). (Parallel blocks, refused here before, now compress:
 tests/test_parallel_blocks.py.)"""
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def test_sam_windowed_attention_on_3d_tensors_gets_the_windowed_line():
         num_heads=2,
         global_attn_indexes=(1,),
     ).eval()
+    for block in sam.blocks:  # timm's unfused path: q @ k^T and a softmax on 3-D tensors
+        block.attn.fused_attn = False
     with pytest.raises(MappingError) as refused:
         map_model(sam, (3, 64, 64))
     assert str(refused.value) == (

@@ -377,3 +377,17 @@ def test_an_attention_that_reads_its_windows_spatial_size_refuses_a_predictor():
     with torch.no_grad():
         same = compress(volo, "etps", keep=[1.0], input_size=size)(images)
         assert torch.allclose(same, volo(images), atol=1e-5)
+
+
+def test_a_model_that_cached_tensors_with_gradients_still_compresses():
+    """TinyViT caches its attention bias in eval mode once it has run; run with gradients on,
+    the cache is a tensor made by an op, which ``copy.deepcopy`` refuses. The tool copies the
+    model without it (a cache is recomputed), and the caller's model keeps its cache."""
+    model, size = _build("tiny_vit")
+    model(_images(size))  # gradients on: the cached bias is not a leaf
+    cached = [m for m in model.modules() if getattr(m, "attention_bias_cache", None)]
+    assert cached  # the case this test is about
+    compressed = compress(model, "etps", keep=[0.7], input_size=size)
+    with torch.no_grad():
+        assert torch.isfinite(compressed(_images(size))).all()
+    assert all(m.attention_bias_cache for m in cached)

@@ -14,7 +14,6 @@ from them shows its attention (a kept-whole ``nn.MultiheadAttention``) and resid
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import operator
 from collections.abc import Callable, Iterator
@@ -26,6 +25,7 @@ from torch import nn
 
 from vitcompress.analysis.heads import heads_apart
 from vitcompress.errors import UserError
+from vitcompress.model_copy import copy_model
 
 MAX_LEAF_RETRIES = 16
 
@@ -565,7 +565,7 @@ def split_tokens_by_slices(gm: fx.GraphModule) -> int:
 
 def capture(model: nn.Module, example: torch.Tensor) -> CapturedGraph:
     """Capture ``model`` (left unchanged) as a graph with shapes from ``example``."""
-    model = copy.deepcopy(model).eval()
+    model = copy_model(model).eval()
     blocker: str | None = None  # why symbolic tracing failed, where export takes over
     with fast_paths_off():
         try:

@@ -111,7 +111,7 @@ def heads_apart(gm: fx.GraphModule, example: Tensor) -> int:
         node.args, node.kwargs = args, kwargs
         with graph.inserting_after(node):
             flat = graph.call_method("flatten", (node, 0, 1))
-        node.replace_all_uses_with(flat, delete_user_cb=lambda user: user is not flat)
+        node.replace_all_uses_with(flat, delete_user_cb=lambda user, flat=flat: user is not flat)
         rewritten += 1
     if rewritten:
         gm.recompile()

@@ -19,7 +19,6 @@ from vitcompress.analysis import ops
 _PER_TOKEN_MODULES = (nn.LayerNorm, nn.Linear, nn.Dropout, nn.Identity, nn.GELU, nn.SiLU, nn.ReLU)
 
 
-
 class IndexRun(fx.Interpreter):
     """Runs the graph on the example with token indices put in at some nodes (``seeds``); ops
     that work per token pass the indices through, every other op runs as it is. Records the
@@ -106,7 +105,9 @@ class _Done(Exception):
     pass
 
 
-def run_indices(gm: fx.GraphModule, example: Tensor, seeds, wanted, in_place=frozenset()) -> IndexRun:
+def run_indices(
+    gm: fx.GraphModule, example: Tensor, seeds, wanted, in_place=frozenset()
+) -> IndexRun:
     run = IndexRun(gm, seeds, set(wanted), set(in_place))
     with torch.no_grad():
         try:

@@ -151,7 +151,8 @@ class Windows:
     count: int  # windows per image
     tokens: int  # tokens per window
     # For each window slot (windows one after another), the index of the token it holds among
-    # the block's MLP input tokens; a shifted window's order differs from a plain partition's.
+    # the block's MLP input tokens, -1 for a padded slot; a shifted window's order differs from
+    # a plain partition's.
     order: tuple[int, ...]
     mlp_input_node: str  # the (B, L, C) tokens entering the block's MLP residual
     # The windows as the attention takes them, (B * count, tokens, C), and its output there: a
@@ -163,6 +164,29 @@ class Windows:
     tables: list[PositionUse] = field(default_factory=list)
     # Why the attention cannot run on fewer tokens per window (a table that cannot follow them).
     attention_blocker: str | None = None
+
+    @property
+    def padded(self) -> bool:
+        """Whether the grid does not divide into the windows (some slots hold padding)."""
+        return any(index < 0 for index in self.order)
+
+    def groups(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """The windows grouped by how many tokens they hold: for each group (fullest first),
+        ``(slots, tokens)``, its windows' real slots and the tokens they hold, windows one after
+        another. Unpadded windows are one group: every slot, in :attr:`order`. A reduction after
+        the attention reduces each group alike, so each keeps a static shape and no padding is
+        touched."""
+        by_count: dict[int, tuple[list[int], list[int]]] = {}
+        for window in range(self.count):
+            start = window * self.tokens
+            slots = [start + s for s in range(self.tokens) if self.order[start + s] >= 0]
+            group = by_count.setdefault(len(slots), ([], []))
+            group[0].extend(slots)
+            group[1].extend(self.order[slot] for slot in slots)
+        return [
+            (tuple(slots), tuple(tokens))
+            for _, (slots, tokens) in sorted(by_count.items(), reverse=True)
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return {

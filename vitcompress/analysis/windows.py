@@ -396,6 +396,7 @@ def find_windowed_blocks(
                     attention_output_node=back.name,
                     tables=tables,
                     attention_blocker=query_blockers.get(core.node)
+                    or _padded_blocker(order)
                     or _spatial_shape_blocker(entering)
                     or _tables_blocker(tables, by_name, core.batch, count)
                     or _unexplained_mask_blocker(by_name[core.node], tables, by_name),
@@ -403,6 +404,19 @@ def find_windowed_blocks(
             )
         )
     return blocks
+
+
+def _padded_blocker(order: Tensor) -> str | None:
+    """Why the windows entering a padded block's attention cannot be reduced, or ``None``: the
+    windows at the grid's edges hold fewer tokens than the others, so no one count kept per
+    window leaves the windows' batch whole and the padding untouched (after the attention, the
+    windows are regrouped by their token counts: ``Windows.groups``)."""
+    if bool((order >= 0).all()):
+        return None
+    return (
+        "its windows are padded (the grid does not divide into its windows), so they enter the "
+        "attention with different numbers of tokens"
+    )
 
 
 def _attention_input(gm: fx.GraphModule, windows_in: fx.Node, attn: Residual) -> fx.Node:
@@ -528,20 +542,17 @@ def _window_order(
             f"windowed attention at {where}: the way from the block's tokens into its windows "
             f"is not a rearrangement{blocker}"
         )
+    # A padded slot (the grid does not divide into windows) holds the padding's 0: index -1.
     index = values[..., 0].round().long() - 1
-    if (index < 0).any():
-        raise WindowError(
-            f"windowed attention at {where}: its windows are padded (the grid does not divide "
-            "into its windows); reducing padded windows is not supported"
-        )
     order = index[0]
+    real = order >= 0
     for b in range(image_batch):
-        expected = order + b * total
+        expected = torch.where(real, order + b * total, order)
         if not torch.equal(index[b], expected):
             raise WindowError(
                 f"windowed attention at {where}: its windows mix tokens of different images"
             )
-    if order.numel() != total or not torch.equal(order.sort().values, torch.arange(total)):
+    if not torch.equal(order[real].sort().values, torch.arange(total)):
         raise WindowError(
             f"windowed attention at {where}: its windows do not hold each token exactly once"
         )
@@ -561,13 +572,15 @@ def _check_return(
     values = run.found.get(branch)
     if values is None:
         raise WindowError(f"windowed attention at {where}: its output could not be traced")
-    tokens = order.numel()
+    real = order >= 0
+    slots_in_all = order.numel()
+    tokens = int(real.sum())
     values = values.reshape(image_batch, tokens, -1)
     slots = values[..., 0].round().long() - 1
-    expected = torch.empty_like(order)
-    expected[order] = torch.arange(tokens)
+    expected = torch.empty_like(order[real])
+    expected[order[real]] = torch.arange(slots_in_all)[real]
     for b in range(image_batch):
-        if not torch.equal(slots[b], expected + b * tokens):
+        if not torch.equal(slots[b], expected + b * slots_in_all):
             raise WindowError(
                 f"windowed attention at {where}: its output does not return to the tokens its "
                 "windows were made from"

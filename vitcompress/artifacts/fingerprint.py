@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vitcompress.model_copy import copy_model
+
 INPUT_SEED = 0
 SKETCH_SEED = 1
 INPUT_BATCH = 2
@@ -75,9 +77,7 @@ def eval_output(model: nn.Module, input_size: tuple[int, ...]) -> Tensor:
     """
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
     if devices - {torch.device("cpu")}:
-        import copy
-
-        model = copy.deepcopy(model).cpu()
+        model = copy_model(model).cpu()
     with eval_mode(model), torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(INPUT_SEED)
         output = model(fixed_input(input_size))

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import copy
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +40,7 @@ from vitcompress.loading import (
 )
 from vitcompress.method import CumulativeKeep
 from vitcompress.model_args import readable_timm_args
+from vitcompress.model_copy import copy_model
 from vitcompress.variants import Variant
 
 EXAMPLE_BATCH = 2  # batch 1 would hide which dimension is the batch
@@ -86,7 +86,7 @@ def capture_and_map(
 
 
 def _run_problem(model: nn.Module, example: torch.Tensor) -> str | None:
-    probe = copy.deepcopy(model).eval()  # the caller's model keeps its mode and state
+    probe = copy_model(model).eval()  # the caller's model keeps its mode and state
     try:
         with torch.no_grad():
             probe(example)

@@ -23,11 +23,12 @@ import operator
 from dataclasses import replace
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
 from vitcompress.analysis import ops
-from vitcompress.analysis.model_map import Block, ModelMap
+from vitcompress.analysis.model_map import Block, ModelMap, Windows
 from vitcompress.analysis.parallel import DIFFERENCE
 from vitcompress.analysis.positions import gather_layout
 from vitcompress.compilation.plan import Plan
@@ -41,6 +42,7 @@ from vitcompress.modules.windows import (
     WindowMerge,
     WindowPartition,
     WindowReplay,
+    WindowSlots,
     WindowTableGather,
 )
 from vitcompress.variants import AFTER_ATTENTION, BEFORE_BLOCK
@@ -262,15 +264,15 @@ class _Rewriter:
         module.restore_rule = method.restore_rule
         self.reducers.add_module(str(index), module)
         target = f"{REDUCER_PREFIX}.{index}"
-        partition = self._add_hook(
-            f"windows{block.index}", WindowPartition(windows.order, windows.count)
-        )
-        merge = self._add_hook(f"unwindows{block.index}", WindowMerge(windows.order, windows.count))
         restore = self._add_hook(
             f"restore{block.index}",
             TokenRestore(method.restore_rule, 0, 1, where=f"block {block.index}'s windows"),
         )
         if method.placement == BEFORE_BLOCK:
+            module.also_restores = method.local_restore_rule  # the window attention's restore
+            partition = self._add_hook(
+                f"windows{block.index}", WindowPartition(windows.order, windows.count)
+            )
             trace = self._reduce_window_attention(block, target)
             replay = self._add_hook(f"replay{block.index}", WindowReplay(method.restore_rule))
             with self.graph.inserting_before(add):
@@ -278,20 +280,59 @@ class _Rewriter:
                 replayed = self.graph.call_module(replay, (in_windows, trace))
                 tokens = self.graph.call_function(operator.getitem, (replayed, 0))
                 trace = self.graph.call_function(operator.getitem, (replayed, 1))
+                out = _copy_between(self.graph, skip, add, tokens)
+                restored = [self.graph.call_module(restore, (out, trace))]
+            order = windows.order
         else:
             given = self._hook_block_attention(block, None, True, None, None)
-            args = (given, None, None, None) if method.tracks_sizes else (given, None, None)
-            with self.graph.inserting_before(add):
-                in_windows = self.graph.call_module(partition, (skip,))
-                reducer = self.graph.call_module(target, (in_windows, *args, ()))
-                tokens = self.graph.call_function(operator.getitem, (reducer, 0))
-                trace = self.graph.call_function(operator.getitem, (reducer, -1))
+            restored, order = self._reduce_window_groups(block, target, restore, given)
+        merge = self._add_hook(f"unwindows{block.index}", WindowMerge(order, windows.count))
         with self.graph.inserting_before(add):
-            out = _copy_between(self.graph, skip, add, tokens)
-            restored = self.graph.call_module(restore, (out, trace))
-            merged = self.graph.call_module(merge, (restored, skip))
+            joined = restored[0]
+            if len(restored) > 1:  # padded windows, reduced by groups: (B, L, C) again
+                joined = self.graph.call_function(torch.cat, (restored, 1))
+            merged = self.graph.call_module(merge, (joined, skip))
         add.replace_all_uses_with(merged)
         _erase_unused(self.graph, add)
+
+    def _reduce_window_groups(
+        self, block: Block, target: str, restore: str, given: fx.Node
+    ) -> tuple[list[fx.Node], tuple[int, ...]]:
+        """After the attention: the MLP's input in windows, each group of windows alike
+        (``Windows.groups``: one group unless the windows are padded, then one per token count,
+        so that no padding is kept, scored or fused), reduced by what the attention gave for
+        those slots, through the MLP, restored. Returns the restored tokens of each group (one
+        tensor as the windows, or (B, tokens, C) per group where several) and their tokens'
+        order."""
+        windows = block.windows
+        groups = windows.groups()
+        total = windows.count * windows.tokens
+        add = self.nodes[block.output_node]
+        skip = self.nodes[windows.mlp_input_node]
+        tracks_sizes = self.plan.method.tracks_sizes
+        restored, order = [], ()
+        for number, (slots, tokens) in enumerate(groups):
+            count = len(slots) // _group_tokens(windows, slots)  # windows in the group
+            suffix = f"{block.index}" + (f"_{number}" if windows.padded else "")
+            partition = self._add_hook(f"windows{suffix}", WindowPartition(tokens, count))
+            with self.graph.inserting_before(add):
+                scores = given
+                if windows.padded:  # only the group's real slots: no padding scored or kept
+                    pick = self._add_hook(f"slots{suffix}", WindowSlots(slots, total, count))
+                    scores = self.graph.call_module(pick, (given,))
+                args = (scores, None, None, None) if tracks_sizes else (scores, None, None)
+                in_windows = self.graph.call_module(partition, (skip,))
+                reducer = self.graph.call_module(target, (in_windows, *args, ()))
+                kept = self.graph.call_function(operator.getitem, (reducer, 0))
+                trace = self.graph.call_function(operator.getitem, (reducer, -1))
+                out = _copy_between(self.graph, skip, add, kept)
+                back = self.graph.call_module(restore, (out, trace))
+                if windows.padded:  # (B * group windows, n, C) -> (B, group tokens, C)
+                    back = self.graph.call_method("unflatten", (back, 0, (-1, count)))
+                    back = self.graph.call_method("flatten", (back, 1, 2))
+            restored.append(back)
+            order += tokens
+        return restored, order
 
     def _reduce_window_attention(self, block: Block, target: str) -> fx.Node:
         """A predictor's reduction of the windows entering a windowed block's attention: the
@@ -585,6 +626,11 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
                 seen.add(parent)
                 frontier.append(parent)
     return seen
+
+
+def _group_tokens(windows: Windows, slots: tuple[int, ...]) -> int:
+    """How many tokens each window of a group holds (all hold as many)."""
+    return sum(1 for slot in slots if slot // windows.tokens == slots[0] // windows.tokens)
 
 
 def _copy_between(graph: fx.Graph, stream: fx.Node, tokens: fx.Node, restored: fx.Node) -> fx.Node:

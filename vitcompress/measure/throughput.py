@@ -25,7 +25,6 @@ is timed again at 1 thread. ``environment["thread_choice"]`` says which of these
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import math
@@ -39,6 +38,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from vitcompress.model_copy import copy_model
 
 from .macs import _same_device
 from .paired import PairedRatio, paired_ratio
@@ -345,7 +346,7 @@ def _prepare(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.M
     needs_move = any(not _same_device(t.device, device) for t in tensors)
     needs_cast = any(t.is_floating_point() and t.dtype != dtype for t in tensors)
     if needs_move or needs_cast:
-        model = copy.deepcopy(model).to(device=device, dtype=dtype)
+        model = copy_model(model).to(device=device, dtype=dtype)
     return model
 
 

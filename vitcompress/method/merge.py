@@ -57,6 +57,10 @@ def bipartite_soft_matching(metric: Tensor, r: int, protected: int = 0) -> Match
         unit = metric.float()
         unit = unit / unit.norm(dim=-1, keepdim=True).clamp_min(1e-12)
         a, b = unit[:, ::2], unit[:, 1::2]
+        if b.shape[1] == 0:  # a single token (a padded window's corner): nothing to match
+            none = torch.zeros(metric.shape[0], 0, dtype=torch.long, device=metric.device)
+            unmerged = torch.arange(a.shape[1], device=metric.device).expand(metric.shape[0], -1)
+            return Matching(src=none, dst=none, unmerged=unmerged, protected=protected)
         scores = a @ b.transpose(-1, -2)  # (B, ta, tb)
         protected_a = (protected + 1) // 2  # sequence indices 0, 2, ... below `protected`
         protected_b = protected // 2  # 1, 3, ...

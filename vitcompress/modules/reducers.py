@@ -85,6 +85,12 @@ class RecordsAssignment:
     record: bool = False
     assignment: Assignment | None = None
     restore_rule: str | None = None
+    # A second rule the same record serves (a windowed block's attention restores by its
+    # method's local rule, its MLP by ``restore_rule``): the record holds what either reads.
+    also_restores: str | None = None
+
+    def _needs(self, rules: tuple[str, ...] | frozenset[str]) -> bool:
+        return self.restore_rule in rules or self.also_restores in rules
 
     def _recorded(self, x: Tensor, **fields) -> None:
         if self.record:
@@ -108,13 +114,14 @@ class RecordsAssignment:
         rule = self.restore_rule
         if rule is None:
             return None
+        delta = self._needs((DELTA,))
         return Removal(
             keep_index,
             prune_index,
-            host_index if rule in NEEDS_HOST else None,
-            removed if rule in (VALUE, DELTA) else None,
-            output if rule == DELTA else None,
-            kept if rule == DELTA else None,
+            host_index if self._needs(NEEDS_HOST) else None,
+            removed if self._needs((VALUE, DELTA)) else None,
+            output if delta else None,
+            kept if delta else None,
         )
 
 
@@ -176,7 +183,7 @@ class FusingReducer(RecordsAssignment, nn.Module):
         kept = gather_tokens(patches, keep_index)
         # Gathered only for a fuse that reads them (a drop does not: no copy of what it drops,
         # unless a restore brings them back by their value).
-        gather_pruned = self.fuse.takes_pruned or self.restore_rule in (VALUE, DELTA)
+        gather_pruned = self.fuse.takes_pruned or self._needs((VALUE, DELTA))
         pruned = gather_tokens(patches, prune_index) if gather_pruned else patches[:, :0]
         positions = _kept_positions(positions, keep_index)
         fuse_pruned = pruned if self.fuse.takes_pruned else patches[:, :0]
@@ -259,10 +266,8 @@ class PredictorReducer(FusingReducer):
         mask = torch.cat([hard.new_ones(b, self.prefix_tokens), hard], dim=1)
         removal = None
         if self.restore_rule is not None:
-            hosts = (
-                self.fuse.masked_hosts(patches, hard) if self.restore_rule in NEEDS_HOST else None
-            )
-            before = patches if self.restore_rule == DELTA else None
+            hosts = self.fuse.masked_hosts(patches, hard) if self._needs(NEEDS_HOST) else None
+            before = patches if self._needs((DELTA,)) else None
             removal = MaskedRemoval(removed, hosts, fused, before)
         return torch.cat([prefix, fused], dim=1), mask, positions, self._traced(trace, removal)
 

@@ -51,6 +51,27 @@ class WindowMerge(nn.Module):
         return tokens if like is None else tokens.reshape(like.shape)
 
 
+class WindowSlots(nn.Module):
+    """What the attention gives per window slot, (B * windows, N, ...) (a score, a key), for
+    the slots of one group of windows (``Windows.groups``: padded windows regrouped by their
+    token counts): (B * group windows, tokens per group window, ...), as ``WindowPartition``
+    lays out the group's tokens."""
+
+    def __init__(self, slots: tuple[int, ...], total: int, windows: int) -> None:
+        super().__init__()
+        self.total = total  # slots per image: windows x tokens per window, padding included
+        self.windows = windows  # windows in the group
+        self.register_buffer("slots", torch.tensor(slots, dtype=torch.long), persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"windows={self.windows}, slots={self.slots.numel()} of {self.total}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        rest = x.shape[2:]
+        picked = x.reshape(-1, self.total, *rest).index_select(1, self.slots)
+        return picked.reshape(-1, self.slots.numel() // self.windows, *rest)
+
+
 class WindowReplay(nn.Module):
     """A windowed block's MLP input, in windows, reduced as its attention's input was (the last
     record of ``trace``): ``(tokens, trace)`` with the record for ``rule``."""

@@ -9,7 +9,6 @@ a resumed run repeats exactly what the uninterrupted one did.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -23,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vitcompress.data.segmentation import SEGMENTATION
 from vitcompress.loading import LoadedModel
+from vitcompress.model_copy import copy_model
 from vitcompress.training.checkpoint import (
     checkpoint_name,
     find_latest,
@@ -139,7 +139,7 @@ class FinetuneRun:
 
         model = self.student.model
         if self.sharded:  # trained as shards; the caller's model gets the result at the end
-            model = copy.deepcopy(model)
+            model = copy_model(model)
         model.train()
         if self.teacher is not None:
             self.teacher = self.teacher.to(accelerator.device).eval().requires_grad_(False)

@@ -213,7 +213,21 @@ class Variant:
     def refusal(self, model_map: ModelMap, plan: Plan) -> str | None:
         """One line when this variant cannot carry out ``plan`` exactly on the model, else None:
         its scorer's refusal, then its own."""
-        return self.scorer.refusal(model_map, plan)
+        return self.scorer.refusal(model_map, plan) or self._restore_refusal(plan)
+
+    def _restore_refusal(self, plan: Plan) -> str | None:
+        """A windowed block gives its tokens back inside the network, onto the residual stream
+        the next block reads: restored as zeros, every pruned token would lose all it carried,
+        block after block (the zero rule is for a model's output tokens)."""
+        windowed = [loc.block for loc in plan.locations if loc.windows]
+        if not windowed or self.restore_rule != ZERO:
+            return None
+        return (
+            f"restore={ZERO} would zero every pruned token of the residual stream inside the "
+            f"model at windowed block {windowed[0]} (a windowed block restores its tokens before "
+            "the next block reads them); choose "
+            + ", ".join(r for r in self.fuse.restore_rules if r != ZERO)
+        )
 
     def reduction_refusal(self, plan: Plan) -> str | None:
         """One line when a plan asks for a reduction (a keep below 1) that removes no token at any

@@ -87,6 +87,10 @@ class PredictorScorer(Scorer):
         first = plan.locations[0]
         for block in model_map.blocks[first.block :]:
             keys = block.attention.key_tokens
+            # A windowed block's keys are its window's (a padded window may hold more slots
+            # than its grid has tokens), and it gives every token back itself.
+            if block.windows is not None:
+                continue
             if block.stage != first.stage and keys is not None and keys > block.tokens:
                 return (
                     f"block {block.index} ({block.path}) attends over {keys} keys from an earlier "

@@ -182,6 +182,10 @@ class TokenMerging(Variant):
         first = plan.locations[0] if plan.locations else None
         for block in model_map.blocks[first.block :] if first else []:
             keys = block.attention.key_tokens
+            # A windowed block's keys are its window's (a padded window may hold more slots
+            # than its grid has tokens), and it gives every token back itself.
+            if block.windows is not None:
+                continue
             if block.stage != first.stage and keys is not None and keys > block.tokens:
                 return (
                     f"block {block.index} ({block.path}) attends over {keys} keys from an "

@@ -13,7 +13,6 @@ selection baked in as constants would show up as a mismatch.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import time
 import warnings
@@ -29,6 +28,7 @@ from vitcompress.artifacts.fingerprint import eval_mode
 from vitcompress.errors import UserError
 from vitcompress.kernels import method_path
 from vitcompress.measure.onnx_runtime import onnx_session
+from vitcompress.model_copy import copy_model
 
 FORMATS = ("onnx", "torchscript", "exported-program")
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
@@ -243,7 +243,7 @@ def _at_dtype(model: nn.Module, dtype: str, float32_convs: bool = False) -> nn.M
     with ``float32_convs`` its convolutions in float32 (:class:`_Float32Conv`)."""
     if dtype == "float32":
         return model
-    copied = copy.deepcopy(model).to(DTYPES[dtype])
+    copied = copy_model(model).to(DTYPES[dtype])
     if float32_convs:
         for parent in list(copied.modules()):
             for name, child in list(parent.named_children()):
