@@ -39,6 +39,7 @@ Example (the run recorded in docs/results.md)::
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import shutil
@@ -340,7 +341,8 @@ def random_policy_top1(model: nn.Module, test_set: Dataset, repeats: int) -> lis
 def run_name(method: str, keep: float, seed: int, args: argparse.Namespace) -> str:
     """A run's cache name: ``dtps_keep0.7``, with ``_seed1`` when ``--seeds`` names the seeds
     (even one: processes that share a cache, one seed each, must not share a run's folder)."""
-    return f"{method}_keep{keep}" + (f"_seed{seed}" if args.seeds_given else "")
+    settings = "".join(f"_{key}{value}" for key, value in sorted(args.variant_args.items()))
+    return f"{method}_keep{keep}{settings}" + (f"_seed{seed}" if args.seeds_given else "")
 
 
 def run_one(
@@ -362,7 +364,9 @@ def run_one(
     out = runs_dir / name
     settings = run_settings(args, method, seed)
     how: Any = keep
-    variant_args = None
+    variant_args = dict(args.variant_args) or None
+    if variant_args:
+        settings["variant_args"] = variant_args  # the cache's key, only where given
     if matched is not None:
         settings["tome_r"] = matched["tome_r"]  # the cache's key, as earlier runs wrote it
         how, variant_args = None, {"r": matched["tome_r"]}
@@ -591,6 +595,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the base: the small ViT, or a small Swin (windowed attention)",
     )
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument(
+        "--variant-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the methods run (a Python literal; e.g. window_sizes=True with "
+        "--methods dtps), repeatable; part of each run's cache name",
+    )
     p.add_argument("--keeps", default="0.7,0.5")
     p.add_argument("--locs", default=None, help="default: the model's default three locations")
     p.add_argument("--batch", type=int, default=128)
@@ -637,6 +649,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--ft-epochs must be a whole number")
     args.ft_epochs = int(args.ft_epochs)
     args.seeds_given = bool(args.seeds)
+    args.variant_args = {
+        key: ast.literal_eval(value)
+        for key, value in (item.split("=", 1) for item in args.variant_arg)
+    }
     args.seeds = [int(v) for v in args.seeds.split(",")] if args.seeds else [args.seed]
     return args
 

@@ -138,15 +138,22 @@ def test_one_training_step_is_finite_and_trains_the_predictor(model, images, met
         assert predictor and all(g is not None and g.abs().sum() > 0 for g in predictor)
 
 
-@pytest.mark.parametrize("method", ("dtps", "dynamicvit"))
+@pytest.mark.parametrize(
+    "method, settings", [("dtps", {}), ("dynamicvit", {}), ("dtps", {"window_sizes": True})]
+)
 def test_training_masks_give_what_inference_gathers_for_the_same_choice(
-    model, images, method, monkeypatch
+    model, images, method, settings, monkeypatch
 ):
     """A predictor trains on every token with masks (keys masked, removed tokens restored by
     mask) and infers on gathered windows (tables gathered, tokens restored by index). With the
     Gumbel draw replaced by inference's own top-k, the two paths must give the same logits: a
-    mismatch would train the model for a network it never runs."""
-    compressed = compress(model, method, keep=[0.7], input_size=SIZE).eval()
+    mismatch would train the model for a network it never runs. With ``window_sizes`` both
+    paths weigh each kept key by the tokens squeezed into it (and that changes the logits)."""
+    compressed = compress(model, method, keep=[0.7], input_size=SIZE, variant_args=settings).eval()
+    if settings:
+        plain = compress(model, method, keep=[0.7], input_size=SIZE).eval()
+        with torch.no_grad():
+            assert (plain(images) - compressed(images)).abs().max() > 1e-4
     keep_tokens = {m.keep_tokens for m in compressed.modules() if hasattr(m, "keep_tokens")}
     assert keep_tokens == {34}
 

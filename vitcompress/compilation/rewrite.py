@@ -42,6 +42,7 @@ from vitcompress.modules.windows import (
     WindowMerge,
     WindowPartition,
     WindowReplay,
+    WindowSizes,
     WindowSlots,
     WindowTableGather,
 )
@@ -373,7 +374,12 @@ class _Rewriter:
             meeting.replace_input_with(table, gathered)
             if whole is not table:  # the table built at the reduced size must not run
                 _erase_unused(self.graph, table)
-        self._hook_attention(block, keep_mask, False, None)
+        sizes = None
+        if method.window_sizes:  # each kept key weighed by the tokens squeezed into it
+            counter = self._add_hook(f"windowsizes{block.index}", WindowSizes())
+            with self.graph.inserting_after(trace):
+                sizes = self.graph.call_module(counter, (trace,))
+        self._hook_attention(block, keep_mask, False, None, sizes)
         restore = self._add_hook(
             f"restore{block.index}_attention",
             TokenRestore(

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from vitcompress.method import replay
+from vitcompress.method.restore import Removal
 
 
 class WindowPartition(nn.Module):
@@ -70,6 +71,27 @@ class WindowSlots(nn.Module):
         rest = x.shape[2:]
         picked = x.reshape(-1, self.total, *rest).index_select(1, self.slots)
         return picked.reshape(-1, self.slots.numel() // self.windows, *rest)
+
+
+class WindowSizes(nn.Module):
+    """How many of its window's tokens each token entering a reduced window attention stands
+    for: itself and the pruned tokens squeezed into it, read off the reduction's record (the
+    last of ``trace``). (B * windows, K) at inference, (B * windows, N) while a predictor trains
+    (a pruned token counts 1 there: its key is masked anyway). ``None`` where the record holds
+    no hosts (nothing was reduced, or the pruned tokens were dropped)."""
+
+    def forward(self, trace: tuple) -> Tensor | None:
+        if not trace or trace[-1].host_index is None:
+            return None
+        record = trace[-1]
+        hosts = record.host_index
+        if isinstance(record, Removal):  # each pruned token's host among the K kept
+            sizes = hosts.new_ones(hosts.shape[0], record.keep_index.shape[1], dtype=torch.float32)
+            return sizes.scatter_add(1, hosts, torch.ones_like(hosts, dtype=torch.float32))
+        # Training: every token's host among the N (a kept token's is itself); the removed
+        # ones add to their hosts. No gradient: a size is a count.
+        removed = record.removed.detach().float()
+        return torch.ones_like(removed).scatter_add(1, hosts, removed)
 
 
 class WindowReplay(nn.Module):

@@ -74,6 +74,9 @@ class Variant:
     # How removed tokens come back where the model reads tokens by position (its ``restore``
     # setting); ``None``: the fuse's default. See :attr:`restore_rule`.
     restore: str | None = None
+    # Within a windowed block's reduced attention, each kept key weighted by the tokens it
+    # stands for (dTPS's ``window_sizes`` setting): ``log(size)`` added to its logits.
+    window_sizes: bool = False
 
     def __post_init__(self) -> None:
         if self.restore is not None and self.restore not in self.fuse.restore_rules:
