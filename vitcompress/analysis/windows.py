@@ -10,8 +10,9 @@ number of tokens in every window, which keeps the windows' batch a static shape.
 The order is not derived from the ops' names or arguments: the graph is run once on the example
 with token indices in place of the tokens (``IndexRun``), ops that work per token passing them
 through, and what arrives at the core is read off. The same run checks that the attention's
-output goes back to where its tokens came from. Anything else (padding, a token in two windows,
-an op that mixes tokens on the way) is refused in one line naming it.
+output goes back to where its tokens came from. Padding (a grid that does not divide into its
+windows) is read as slots that hold no token (-1). Anything else (a token in two windows, an op
+that mixes tokens on the way) is refused in one line naming it.
 """
 
 from __future__ import annotations
