@@ -374,7 +374,7 @@ def run_one(
         cached = json.loads(result_path.read_text())
         if cached.get("base_sha256") == base_sha256 and cached.get("settings") == settings:
             print(f"{name}: cached", flush=True)
-            return cached, load(out)
+            return {"run": name, **cached}, load(out)
     teacher = load_base(base_path)
     torch.manual_seed(seed)  # the predictor's initial weights: the same in any run order
     student = compress_loaded(
@@ -406,6 +406,7 @@ def run_one(
     # ToMe merges by similarity alone: there is no score to replace by a random one.
     randoms = [] if matched else random_policy_top1(model, test_set, args.random_repeats)
     result = {
+        "run": name,
         "method": method,
         "keep": keep,
         "seed": seed,
@@ -451,8 +452,10 @@ def markdown(
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        name = f"{r['method']}_keep{r['keep']}"
+        name = r.get("run", f"{r['method']}_keep{r['keep']}")  # older caches have no "run"
         method, keep = r["method"], str(r["keep"])
+        if r.get("settings", {}).get("variant_args"):
+            method += " " + ", ".join(f"{k}={v}" for k, v in r["settings"]["variant_args"].items())
         if r.get("matched"):  # ToMe: its r, at the MMACs of the keep's other rows
             method = f"{method} (r = {r['matched']['tome_r']})"
             keep = f"MMACs of {r['keep']}"

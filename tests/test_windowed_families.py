@@ -91,6 +91,11 @@ def _sam_vit() -> nn.Module:
     )
 
 
+def _nest() -> nn.Module:
+    # 64 x 64: level grids 16, 8, 4 in windows (NesT's blocks) of 4 x 4: 16, 4 and 1 windows.
+    return timm.create_model("nest_tiny", img_size=64, num_classes=10)
+
+
 def _gcvit() -> nn.Module:
     return timm.create_model("gcvit_xxtiny", img_size=64, num_classes=10)
 
@@ -117,6 +122,7 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], int, tuple[str, ...]]] = {
     "davit": (_davit, 128, METHODS),
     "gcvit": (_gcvit, 64, ("etps", "evit", "tome")),  # a predictor is refused: see below
     "sam_vit": (_sam_vit, 64, ("etps", "evit", "tome")),  # as is a predictor here
+    "nest": (_nest, 64, ("etps", "evit", "tome")),  # and here
     "hf_swin": (_hf_swin(False), 56, METHODS),
     "hf_swinv2": (_hf_swin(True), 56, METHODS),
 }
@@ -335,6 +341,28 @@ def test_sam_vit_windows_are_found_and_a_predictor_is_refused_in_one_line():
         message = str(refused.value)
         assert "\n" not in message
         assert "a term made from blocks.0.attn.rel_pos_h" in message, message
+
+
+def test_nest_windows_on_their_own_axis_are_found_and_a_predictor_is_refused():
+    """NesT attends within windows laid on an axis of their own, (B, heads, windows, N, D); the
+    capture folds the windows into the batch, so its blocks map as windowed blocks (16, 4 and 1
+    windows of 4 x 4 at 64 pixels). A
+    predictor, which would hand the attention (B x windows, K, C), is refused in one line: the
+    attention reads its windows as (B, windows, N, C)."""
+    model, size = _build("nest")
+    blocks = map_model(model, size).blocks
+    assert [(b.windows.count, b.windows.tokens) for b in blocks] == [(16, 16)] * 2 + [
+        (4, 16)
+    ] * 2 + [(1, 16)] * 8
+    # Its tokens stay in their windows between blocks, (B, windows, N, C): slot s holds the
+    # block's token s.
+    assert list(blocks[0].windows.order) == list(range(256))
+    assert list(blocks[2].windows.order) == list(range(64))
+    for method in PREDICTORS:
+        with pytest.raises(UserError) as refused:
+            compress(model, method, keep=[0.7], input_size=size)
+        message = str(refused.value)
+        assert "\n" not in message and "on an axis of their own" in message, message
 
 
 # --- Cost at the real widths -----------------------------------------------------------------

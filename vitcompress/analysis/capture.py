@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from vitcompress.analysis.heads import heads_apart
+from vitcompress.analysis.heads import heads_apart, windows_into_batch
 from vitcompress.errors import UserError
 from vitcompress.model_copy import copy_model
 
@@ -582,7 +582,7 @@ def capture(model: nn.Module, example: torch.Tensor) -> CapturedGraph:
         annotate_shapes(gm, example)
     if method != "export":  # an exported graph is never rewritten
         split_tokens_by_slices(gm)
-        if heads_apart(gm, example):
+        if heads_apart(gm, example) + windows_into_batch(gm):
             annotate_shapes(gm, example)
     return CapturedGraph(
         module=gm,

@@ -1,4 +1,6 @@
-"""Attention written on (images x heads, N, D) tensors, given its heads axis back.
+"""Attention written in other layouts, rewritten to the (B x windows, heads, N, D) one every later
+step reads: SAM's heads folded into the batch (``heads_apart``), NesT's windows on an axis of
+their own (``windows_into_batch``).
 
 SAM's encoder folds the heads into the batch before ``scaled_dot_product_attention``:
 ``qkv.reshape(3, B * heads, N, D)``. Every later step (finding the attention core, scoring
@@ -87,6 +89,50 @@ def _unflatten(graph: fx.Graph, value: object, heads: int, folded: int) -> objec
     if isinstance(value, fx.Node) and (ops.shape(value) or (0,))[0] == folded:
         return graph.call_method("unflatten", (value, 0, (-1, heads)))
     return value
+
+
+def windows_into_batch(gm: fx.GraphModule) -> int:
+    """Fold the window axis of every SDPA on 5-D (B, heads, windows, N, D) operands (NesT's, with
+    the windows on an axis of their own) into the batch: q, k, v as (B x windows, heads, N, D)
+    (``q.transpose(1, 2).flatten(0, 1)``), the output unfolded back; the same numbers, since
+    each window's attention is computed alone either way, and the form a windowed block is
+    mapped in. Returns how many were rewritten; the caller records the shapes again."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if not ops.is_sdpa(node) or len(node.args) < 3 or set(node.kwargs) - {"dropout_p"}:
+            continue
+        operands = list(node.args[:3])
+        shapes = [ops.shape(o) if isinstance(o, fx.Node) else None for o in operands]
+        if any(s is None or len(s) != 5 for s in shapes):
+            continue
+        windows = shapes[0][2]
+        if any(s[:3] != shapes[0][:3] for s in shapes):
+            continue
+        # Only where the tokens are laid out in their windows before the projection, (B,
+        # windows, N, C): Hiera's mask units are cut from the (B, L, C) tokens after it, by a
+        # view that interleaves them, and stay as they are.
+        projection = _projection_of(gm, operands[0])
+        tokens = ops.shape(projection.args[0]) if projection is not None else None
+        if tokens is None or tuple(tokens[:3]) != (shapes[0][0], windows, shapes[0][3]):
+            continue
+        graph = gm.graph
+        with graph.inserting_before(node):
+            folded = []
+            for operand in operands:
+                moved = graph.call_method("transpose", (operand, 1, 2))
+                folded.append(graph.call_method("flatten", (moved, 0, 1)))
+        node.args = (*folded, *node.args[3:])
+        with graph.inserting_after(node):
+            unfolded = graph.call_method("unflatten", (node, 0, (-1, windows)))
+        with graph.inserting_after(unfolded):
+            back = graph.call_method("transpose", (unfolded, 1, 2))
+        node.replace_all_uses_with(
+            back, delete_user_cb=lambda user, first=unfolded: user is not first
+        )
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
 
 
 def heads_apart(gm: fx.GraphModule, example: Tensor) -> int:

@@ -120,11 +120,26 @@ def _window_tokens(gm: fx.GraphModule, core_node: fx.Node, operand: int = 0) -> 
 
 
 def _is_window_shaped(shape: tuple | None, batch: int, tokens: int) -> bool:
+    """(B * windows, tokens..., C), or the windows on an axis of their own, (B, windows, N, C)
+    (NesT's): leading dims that make the batch, then the window's tokens, then the channels."""
+    if shape is None or len(shape) < 3:
+        return False
+    return any(
+        math.prod(shape[:split]) == batch and math.prod(shape[split:-1]) == tokens
+        for split in range(1, len(shape) - 1)
+    )
+
+
+def _window_axis_blocker(windows_in: fx.Node, batch: int) -> str | None:
+    """Why a predictor cannot hand the attention fewer tokens per window, or ``None``: windows
+    laid out on an axis of their own, (B, windows, N, C), are read by the attention as such (its
+    reshapes name the window count and size), not as a batch of windows."""
+    shape = ops.shape(windows_in) or ()
+    if not shape or shape[0] == batch:
+        return None
     return (
-        shape is not None
-        and len(shape) >= 3
-        and shape[0] == batch
-        and math.prod(shape[1:-1]) == tokens
+        f"its windows enter it on an axis of their own, {tuple(shape)}, not as a batch of "
+        f"{batch} windows"
     )
 
 
@@ -398,6 +413,7 @@ def find_windowed_blocks(
                     tables=tables,
                     attention_blocker=query_blockers.get(core.node)
                     or _padded_blocker(order)
+                    or _window_axis_blocker(windows_in, core.batch)
                     or _spatial_shape_blocker(entering)
                     or _tables_blocker(tables, by_name, core.batch, count)
                     or _unexplained_mask_blocker(by_name[core.node], tables, by_name),
