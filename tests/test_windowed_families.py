@@ -419,3 +419,39 @@ def test_a_model_that_cached_tensors_with_gradients_still_compresses():
     with torch.no_grad():
         assert torch.isfinite(compressed(_images(size))).all()
     assert all(m.attention_bias_cache for m in cached)
+
+
+@pytest.mark.parametrize("method", ("etps", "evit", "tome"))
+def test_sam_vit_padded_windows_are_exact_at_keep_one(method):
+    """SAM pads its grid after its first norm, inside the window partition (a 10 x 10 grid in
+    windows of 4: 4 full windows, 4 of 8 tokens, 1 of 4): the padded slots are read off, and the
+    windows reduced by groups after the attention; float64, tables from N(0, 1)."""
+    torch.manual_seed(0)
+    model = sharpen(
+        timm.create_model(
+            "samvit_base_patch16",
+            img_size=80,
+            patch_size=8,
+            window_size=4,
+            depth=2,
+            embed_dim=64,
+            num_heads=2,
+            global_attn_indexes=(1,),
+            num_classes=10,
+        )
+    ).double()
+    size = (3, 80, 80)
+    images = _images(size, torch.float64)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the capture's example too
+    try:
+        windows = map_model(model, size).blocks[0].windows
+        assert windows.padded and [len(tokens) for _, tokens in windows.groups()] == [64, 32, 4]
+        with torch.no_grad():
+            base = model(images)
+            same = compress(model, method, keep=[1.0], input_size=size)(images)
+            reduced = compress(model, method, keep=[0.7], input_size=size)(images)
+    finally:
+        torch.set_default_dtype(default)
+    assert (same - base).abs().max() <= 1e-9 * base.abs().max()
+    assert torch.isfinite(reduced).all() and not torch.allclose(reduced, base)
