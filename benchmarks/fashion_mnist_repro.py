@@ -652,10 +652,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--ft-epochs must be a whole number")
     args.ft_epochs = int(args.ft_epochs)
     args.seeds_given = bool(args.seeds)
-    args.variant_args = {
-        key: ast.literal_eval(value)
-        for key, value in (item.split("=", 1) for item in args.variant_arg)
-    }
+    try:
+        args.variant_args = {
+            key: ast.literal_eval(value)
+            for key, value in (item.split("=", 1) for item in args.variant_arg)
+        }
+    except (ValueError, SyntaxError):
+        p.error(f"--variant-arg takes KEY=VALUE with a Python literal, got {args.variant_arg}")
     args.seeds = [int(v) for v in args.seeds.split(",")] if args.seeds else [args.seed]
     return args
 

@@ -177,7 +177,7 @@ def test_the_built_in_variants_are_registered_objects() -> None:
     assert all(v.searchable for v in (dtps, evit, tome))
     assert tome.settings == {} and get_variant("tome", {"r": 4}).settings == {"r": 4}
     assert variant_settings("tome") == {"r": None, "restore": "delta"}
-    assert variant_settings("dtps") == {"restore": "delta"}
+    assert variant_settings("dtps") == {"restore": "delta", "window_sizes": False}
     assert "ratio" in dtps.losses and "ratio" not in evit.losses
     assert dtps.keep_tokens(196, 0.49) == 96 and evit.keep_tokens(196, 0.49) is None
 

@@ -149,8 +149,10 @@ def test_training_masks_give_what_inference_gathers_for_the_same_choice(
     Gumbel draw replaced by inference's own top-k, the two paths must give the same logits: a
     mismatch would train the model for a network it never runs. With ``window_sizes`` both
     paths weigh each kept key by the tokens squeezed into it (and that changes the logits)."""
+    torch.manual_seed(0)  # the predictors' weights: the same with and without the setting
     compressed = compress(model, method, keep=[0.7], input_size=SIZE, variant_args=settings).eval()
     if settings:
+        torch.manual_seed(0)
         plain = compress(model, method, keep=[0.7], input_size=SIZE).eval()
         with torch.no_grad():
             assert (plain(images) - compressed(images)).abs().max() > 1e-4
@@ -263,7 +265,7 @@ def test_padded_windows_reduce_by_groups_exact_at_keep_one(method):
     assert out.shape == base.shape and torch.isfinite(out).all()
     assert not torch.allclose(out, base)
     # Block 0's and 1's windows as grouped by their real tokens, batch 2; block 2 and 3 (one
-    # 6 x 6 window padded to 7 x 7) as one group of 36.
+    # 6 x 6 grid in one window of 36) as one group of 36.
     by_block = seen[:3]
     assert by_block == [(2, 49), (4, 35), (2, 25)], seen
     assert (2, 36) in seen
@@ -383,3 +385,45 @@ def test_apply_says_what_each_window_keeps_and_saves_a_model_that_loads_back(tmp
     with torch.no_grad():
         out = loaded(torch.randn(2, *SIZE))
     assert out.shape == (2, 1000) and torch.isfinite(out).all()
+
+
+def test_window_sizes_count_each_kept_token_and_the_tokens_squeezed_into_it():
+    from vitcompress.method.restore import MaskedRemoval, Removal
+    from vitcompress.modules.windows import WindowSizes
+
+    # Inference: 3 kept, 2 pruned both squeezed into kept token 0.
+    record = Removal(
+        torch.tensor([[4, 1, 2]]), torch.tensor([[0, 3]]), torch.tensor([[0, 0]]), None, None
+    )
+    assert WindowSizes()((record,)).tolist() == [[3.0, 1.0, 1.0]]
+    # Training: every token stays; tokens 1 and 2 removed, into hosts 0 and 3.
+    masked = MaskedRemoval(torch.tensor([[0.0, 1.0, 1.0, 0.0]]), torch.tensor([[0, 0, 3, 3]]))
+    assert WindowSizes()((masked,)).tolist() == [[2.0, 1.0, 1.0, 2.0]]
+    # A drop records no hosts: no sizes.
+    assert WindowSizes()((record._replace(host_index=None),)) is None
+
+
+def test_visualize_refuses_padded_windows_in_one_line():
+    """Padded windows are reduced group by group, several reductions per location: visualize,
+    which draws one per location, says so rather than failing on a count."""
+    from vitcompress.workflows.visualize import VisualizeError, record_locations
+
+    compressed = compress(_padded_swin(), "etps", keep=[0.7], input_size=(3, 48, 48))
+    with pytest.raises(VisualizeError) as refused:
+        record_locations(compressed, torch.randn(1, 3, 48, 48))
+    message = str(refused.value)
+    assert "\n" not in message and "groups of different sizes" in message
+
+
+def test_window_sizes_is_refused_where_no_block_is_windowed():
+    from tests.models import timm_small
+
+    with pytest.raises(UserError) as refused:
+        compress(
+            timm_small("deit_tiny_patch16_224"),
+            "dtps",
+            keep=[0.7],
+            input_size=(3, 32, 32),
+            variant_args={"window_sizes": True},
+        )
+    assert "no location of this plan is a windowed block" in str(refused.value)

@@ -29,21 +29,22 @@ def _made_by_an_op(value: object) -> bool:
 
 def copy_model(model: M) -> M:
     """``copy.deepcopy(model)``, leaving out the attributes (not parameters or buffers) that
-    hold tensors computed with gradients on: the copy has them empty where they were a dict,
-    list or tuple, else ``None``."""
+    hold tensors computed with gradients on: the copy has them empty where they were a dict or
+    a list, else ``None``."""
     try:
         return copy.deepcopy(model)
     except RuntimeError as e:
         if "deepcopy protocol" not in str(e):
             raise
     aside: list[tuple[nn.Module, str, object]] = []
-    for module in model.modules():
-        for name, value in list(vars(module).items()):
-            if name.startswith("_") or not _made_by_an_op(value):
-                continue
-            aside.append((module, name, value))
-            setattr(module, name, type(value)() if isinstance(value, (dict, list, tuple)) else None)
     try:
+        for module in model.modules():
+            for name, value in list(vars(module).items()):
+                if name.startswith("_") or not _made_by_an_op(value):
+                    continue
+                aside.append((module, name, value))
+                empty = {} if isinstance(value, dict) else [] if isinstance(value, list) else None
+                setattr(module, name, empty)
         return copy.deepcopy(model)
     finally:
         for module, name, value in aside:

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from vitcompress.analysis.heads import heads_apart, windows_into_batch
+from vitcompress.analysis.attention_layouts import heads_apart, windows_into_batch
 from vitcompress.errors import UserError
 from vitcompress.model_copy import copy_model
 

@@ -3,7 +3,7 @@
 The graph runs once on its example with token indices put in at some nodes; ops that work on
 each token alone (norms, linears, drop paths) pass the indices through, every other op runs as it
 is. What arrives where is then read off: a window's slots (``windows.py``), the images' and the
-heads' order of an attention's batch (``heads.py``)."""
+heads' order of an attention's batch (``attention_layouts.py``)."""
 
 from __future__ import annotations
 

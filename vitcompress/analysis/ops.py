@@ -232,3 +232,14 @@ def is_norm(gm: fx.GraphModule, node: fx.Node) -> bool:
     return isinstance(_module(gm, node), _NORM_MODULES) or _is_call(
         node, _NORM_FUNCS, {"layer_norm", "rms_norm", "group_norm"}
     )
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it depends on."""
+    seen, frontier = {node}, [node]
+    while frontier:
+        for parent in frontier.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                frontier.append(parent)
+    return seen

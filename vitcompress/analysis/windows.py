@@ -472,8 +472,8 @@ def _unexplained_mask_blocker(
     adds to its logits that no table found by position explains, or ``None``. SAM's decomposed
     relative position is such a term: a bias made from the queries and two tables indexed by
     row and column offsets, laid out by where each query and key sits in its window, which a
-    reduction would silently shuffle. Any parameter or buffer the mask is built from must be
-    one the found tables are built from."""
+    reduction would silently shuffle. Any parameter or buffer the mask is built from, other than
+    through the queries, keys and values, must be one the found tables are built from."""
     if not ops.is_sdpa(core):
         return None
     mask = core.args[3] if len(core.args) > 3 else core.kwargs.get("attn_mask")
@@ -483,9 +483,14 @@ def _unexplained_mask_blocker(
     for use in tables:
         table = by_name.get(use.table_node)
         if table is not None:
-            explained |= _ancestors(table)
+            explained |= ops.ancestors(table)
+    # Not what reaches the mask through the queries, keys or values: that is everything
+    # upstream (a position embedding, earlier blocks' tables).
+    for operand in core.args[:3]:
+        if isinstance(operand, fx.Node):
+            explained |= ops.ancestors(operand)
     unexplained = sorted(
-        str(n.target) for n in _ancestors(mask) if n.op == "get_attr" and n not in explained
+        str(n.target) for n in ops.ancestors(mask) if n.op == "get_attr" and n not in explained
     )
     if not unexplained:
         return None
@@ -493,18 +498,6 @@ def _unexplained_mask_blocker(
         f"its attention adds to its logits a term made from {unexplained[0]} that no table laid "
         "out by token position explains (it may depend on where each token sits in its window)"
     )
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    frontier = [node]
-    while frontier:
-        current = frontier.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        frontier.extend(current.all_input_nodes)
-    return seen
 
 
 def _tables_blocker(

@@ -190,7 +190,7 @@ class _Rewriter:
         rule = method.restore_rule
         stream = state.node
         if in_block and rule not in RESTORES_ANYWHERE:
-            between = _ancestors(tokens) - _ancestors(stream)
+            between = ops.ancestors(tokens) - ops.ancestors(stream)
             if any(ops.multiplies(self.gm, node) for node in between):
                 rule = method.local_restore_rule
         anywhere = rule in RESTORES_ANYWHERE or tokens is stream
@@ -243,7 +243,7 @@ class _Rewriter:
         tokens, *rest = _getitems(self.graph, reducer, outputs)
         keep = {reducer}
         if only_into is not None:
-            toward = _ancestors(self.nodes[only_into])
+            toward = ops.ancestors(self.nodes[only_into])
             keep |= {user for user in stream.users if user not in toward}
         _replace_uses(stream, tokens, keep)
         state.node, state.trace, state.reduced = tokens, rest[-1], True
@@ -623,17 +623,6 @@ def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
         frontier.extend(inputs)
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    """``node`` and every node it depends on."""
-    seen, frontier = {node}, [node]
-    while frontier:
-        for parent in frontier.pop().all_input_nodes:
-            if parent not in seen:
-                seen.add(parent)
-                frontier.append(parent)
-    return seen
-
-
 def _group_tokens(windows: Windows, slots: tuple[int, ...]) -> int:
     """How many tokens each window of a group holds (all hold as many)."""
     return sum(1 for slot in slots if slot // windows.tokens == slots[0] // windows.tokens)
@@ -643,7 +632,7 @@ def _copy_between(graph: fx.Graph, stream: fx.Node, tokens: fx.Node, restored: f
     """Copy the ops from ``stream`` to ``tokens`` (those of ``tokens``'s ancestors that depend on
     ``stream``) at the insertion point, reading ``restored`` in place of ``stream``; returns the
     copy of ``tokens`` (``None`` when ``tokens`` does not depend on ``stream``)."""
-    wanted = _ancestors(tokens)
+    wanted = ops.ancestors(tokens)
     depends: set[fx.Node] = {stream}
     env: dict[fx.Node, fx.Node] = {stream: restored}
     started = False

@@ -216,7 +216,21 @@ class Variant:
     def refusal(self, model_map: ModelMap, plan: Plan) -> str | None:
         """One line when this variant cannot carry out ``plan`` exactly on the model, else None:
         its scorer's refusal, then its own."""
-        return self.scorer.refusal(model_map, plan) or self._restore_refusal(plan)
+        return (
+            self.scorer.refusal(model_map, plan)
+            or self._restore_refusal(plan)
+            or self._window_sizes_refusal(plan)
+        )
+
+    def _window_sizes_refusal(self, plan: Plan) -> str | None:
+        """``window_sizes`` weighs keys within windowed blocks' reduced attention only: a plan
+        without one would record a setting that changes nothing."""
+        if not self.window_sizes or any(loc.windows for loc in plan.locations):
+            return None
+        return (
+            "window_sizes=True weighs the keys of windowed blocks' reduced attention; no location "
+            "of this plan is a windowed block"
+        )
 
     def _restore_refusal(self, plan: Plan) -> str | None:
         """A windowed block gives its tokens back inside the network, onto the residual stream

@@ -213,6 +213,12 @@ def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationReco
     if failures:
         raise failures[0]
     records.sort(key=lambda r: r.index)
+    repeated = [r.block for r in records if sum(o.index == r.index for o in records) > 1]
+    if repeated:  # padded windows, reduced group by group (docs/windowed.md)
+        raise VisualizeError(
+            f"block {repeated[0]} reduces its windows in groups of different sizes (its grid "
+            "does not divide into its windows); visualize draws one reduction per location"
+        )
     if len(records) != len(reducers):
         raise VisualizeError(f"only {len(records)} of {len(reducers)} locations ran")
     return records, logits

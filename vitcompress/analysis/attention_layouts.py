@@ -86,7 +86,10 @@ def _images_first(
 
 
 def _unflatten(graph: fx.Graph, value: object, heads: int, folded: int) -> object:
-    if isinstance(value, fx.Node) and (ops.shape(value) or (0,))[0] == folded:
+    """A 3-D operand or mask batched as the queries are, unflattened; anything else as it is (a
+    2-D mask broadcasts over the batch, whatever its first size)."""
+    shape = ops.shape(value) if isinstance(value, fx.Node) else None
+    if shape is not None and len(shape) == 3 and shape[0] == folded:
         return graph.call_method("unflatten", (value, 0, (-1, heads)))
     return value
 
@@ -99,7 +102,8 @@ def windows_into_batch(gm: fx.GraphModule) -> int:
     mapped in. Returns how many were rewritten; the caller records the shapes again."""
     rewritten = 0
     for node in list(gm.graph.nodes):
-        if not ops.is_sdpa(node) or len(node.args) < 3 or set(node.kwargs) - {"dropout_p"}:
+        # q, k, v only: a mask (positional or not) would need folding too, which none needs yet.
+        if not ops.is_sdpa(node) or len(node.args) != 3 or set(node.kwargs) - {"dropout_p"}:
             continue
         operands = list(node.args[:3])
         shapes = [ops.shape(o) if isinstance(o, fx.Node) else None for o in operands]

@@ -1,5 +1,5 @@
 """The capture gives attention written on (images x heads, N, D) tensors its heads axis back
-(``analysis/heads.py``), only where the images come first in the folded batch."""
+(``analysis/attention_layouts.py``), only where the images come first in the folded batch."""
 
 from __future__ import annotations
 
