@@ -7,9 +7,9 @@ tests/test_parallel_blocks.py.)"""
 from __future__ import annotations
 
 import pytest
-import timm
 import torch
 
+from tests.test_windowed_families import _sam_vit
 from vitcompress import map_model
 from vitcompress.analysis.analyse import MappingError
 
@@ -18,16 +18,7 @@ SIZE = (3, 32, 32)
 
 def test_sam_windowed_attention_on_3d_tensors_gets_the_windowed_line():
     torch.manual_seed(0)
-    sam = timm.create_model(
-        "samvit_base_patch16",
-        img_size=64,
-        patch_size=8,
-        window_size=4,
-        depth=2,
-        embed_dim=64,
-        num_heads=2,
-        global_attn_indexes=(1,),
-    ).eval()
+    sam = _sam_vit().eval()
     for block in sam.blocks:  # timm's unfused path: q @ k^T and a softmax on 3-D tensors
         block.attn.fused_attn = False
     with pytest.raises(MappingError) as refused:

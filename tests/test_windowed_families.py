@@ -76,11 +76,11 @@ def _davit() -> nn.Module:
     )
 
 
-def _sam_vit() -> nn.Module:
-    # 64 x 64 in 8 x 8 patches: an 8 x 8 grid, block 0 in 4 windows of 4 x 4, block 1 global.
+def _sam_vit(img_size: int = 64) -> nn.Module:
+    """64 x 64 in 8 x 8 patches: an 8 x 8 grid, block 0 in 4 windows of 4 x 4, block 1 global."""
     return timm.create_model(
         "samvit_base_patch16",
-        img_size=64,
+        img_size=img_size,
         patch_size=8,
         window_size=4,
         depth=2,
@@ -427,19 +427,7 @@ def test_sam_vit_padded_windows_are_exact_at_keep_one(method):
     windows of 4: 4 full windows, 4 of 8 tokens, 1 of 4): the padded slots are read off, and the
     windows reduced by groups after the attention; float64, tables from N(0, 1)."""
     torch.manual_seed(0)
-    model = sharpen(
-        timm.create_model(
-            "samvit_base_patch16",
-            img_size=80,
-            patch_size=8,
-            window_size=4,
-            depth=2,
-            embed_dim=64,
-            num_heads=2,
-            global_attn_indexes=(1,),
-            num_classes=10,
-        )
-    ).double()
+    model = sharpen(_sam_vit(img_size=80)).double()
     size = (3, 80, 80)
     images = _images(size, torch.float64)
     default = torch.get_default_dtype()

@@ -21,7 +21,6 @@ import math
 import operator
 
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from vitcompress.analysis import ops
@@ -599,25 +598,6 @@ def _through_identities(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     return node
 
 
-def _projection_of(gm: fx.GraphModule, query: fx.Node) -> fx.Node | None:
-    """The linear projection a query is computed by, through layout ops and tuple items."""
-    node: fx.Node | None = query
-    for _ in range(16):
-        if node is None:
-            return None
-        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.Linear):
-            return node
-        if (
-            node.op == "call_function"
-            and getattr(node.target, "__name__", "").startswith("linear")
-            or node.target is F.linear
-        ):
-            return node
-        inputs = node.all_input_nodes
-        node = inputs[0] if inputs else None
-    return None
-
-
 def _windowed_batched_attention(gm: fx.GraphModule, image_batch: int) -> str | None:
     """The windowed refusal for attention written on 3-D (batch x heads, N, D) tensors (SAM):
     such a core is not a token-attention core, but where the tokens entering its projection are
@@ -632,7 +612,7 @@ def _windowed_batched_attention(gm: fx.GraphModule, image_batch: int) -> str | N
         shape = ops.shape(query) if query is not None else None
         if shape is None or len(shape) != 3:
             continue
-        projection = _projection_of(gm, query)
+        projection = ops.projection_of(gm, query)
         tokens = ops.shape(projection.args[0]) if projection is not None else None
         if tokens is None or len(tokens) < 3:
             continue

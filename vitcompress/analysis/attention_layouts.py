@@ -17,27 +17,10 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from vitcompress.analysis import ops
 from vitcompress.analysis.index_run import run_indices
-
-
-def _projection_of(gm: fx.GraphModule, operand: fx.Node) -> fx.Node | None:
-    """The linear projection an attention operand is computed by, through layout ops, per-token
-    norms and tuple items (first inputs only)."""
-    node: fx.Node | None = operand
-    for _ in range(16):
-        if node is None:
-            return None
-        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.Linear):
-            return node
-        if node.op == "call_function" and node.target is F.linear:
-            return node
-        inputs = node.all_input_nodes
-        node = inputs[0] if inputs else None
-    return None
 
 
 def _row_index(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -53,7 +36,7 @@ def _folded(gm: fx.GraphModule, node: fx.Node) -> tuple[int, list[fx.Node]] | No
     shapes = [ops.shape(o) if isinstance(o, fx.Node) else None for o in operands]
     if any(s is None or len(s) != 3 for s in shapes):
         return None
-    projections = [_projection_of(gm, o) for o in operands]
+    projections = [ops.projection_of(gm, o) for o in operands]
     if any(p is None for p in projections):
         return None
     rows = {ops.shape(p)[0] for p in projections if ops.shape(p)}
@@ -115,7 +98,7 @@ def windows_into_batch(gm: fx.GraphModule) -> int:
         # Only where the tokens are laid out in their windows before the projection, (B,
         # windows, N, C): Hiera's mask units are cut from the (B, L, C) tokens after it, by a
         # view that interleaves them, and stay as they are.
-        projection = _projection_of(gm, operands[0])
+        projection = ops.projection_of(gm, operands[0])
         tokens = ops.shape(projection.args[0]) if projection is not None else None
         if tokens is None or tuple(tokens[:3]) != (shapes[0][0], windows, shapes[0][3]):
             continue

@@ -243,3 +243,21 @@ def ancestors(node: fx.Node) -> set[fx.Node]:
                 seen.add(parent)
                 frontier.append(parent)
     return seen
+
+
+def projection_of(gm: fx.GraphModule, operand: fx.Node) -> fx.Node | None:
+    """The linear projection an attention operand (a query, key or value) is computed by,
+    through layout ops, per-token norms and tuple items (first inputs only)."""
+    node: fx.Node | None = operand
+    for _ in range(16):
+        if node is None:
+            return None
+        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.Linear):
+            return node
+        if node.op == "call_function" and (
+            node.target is F.linear or getattr(node.target, "__name__", "").startswith("linear")
+        ):
+            return node
+        inputs = node.all_input_nodes
+        node = inputs[0] if inputs else None
+    return None
