@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from vitcompress.analysis import ops
-from vitcompress.analysis.index_run import run_indices
+from vitcompress.analysis.index_run import IndexRun, run_indices
 
 
 def _row_index(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -49,21 +49,15 @@ def _folded(gm: fx.GraphModule, node: fx.Node) -> tuple[int, list[fx.Node]] | No
     return folded // batch, list(dict.fromkeys(projections))
 
 
-def _images_first(
-    gm: fx.GraphModule, example: Tensor, node: fx.Node, heads: int, projections: list[fx.Node]
-) -> bool:
-    """Whether row ``b * heads + h`` of every operand holds row ``b`` of its projection."""
-    dtype = torch.float64 if example.dtype == torch.float64 else torch.float32
-    seeds = {p: _row_index(ops.shape(p), dtype) for p in projections}
-    operands = list(node.args[:3])
-    run = run_indices(gm, example, seeds, operands)
-    for operand in operands:
+def _images_first(run: IndexRun, node: fx.Node, heads: int, dtype: torch.dtype) -> bool:
+    """Whether row ``b * heads + h`` of every operand of ``node`` holds row ``b`` of its
+    projection, in an index run that seeded the projections with their row numbers."""
+    for operand in node.args[:3]:
         value = run.found.get(operand)
         if value is None or operand not in run.indexed:
             return False
         rows = value.unflatten(0, (-1, heads))
-        expected = _row_index(rows.shape, dtype)
-        if not torch.equal(rows, expected):
+        if not torch.equal(rows, _row_index(rows.shape, dtype)):
             return False
     return True
 
@@ -126,15 +120,21 @@ def heads_apart(gm: fx.GraphModule, example: Tensor) -> int:
     """Give every SDPA on (images x heads, N, D) operands its heads axis: its q, k, v (and an
     ``attn_mask`` batched the same way) unflattened to (B, heads, N, D), its output flattened
     back. Returns how many were rewritten; the caller records the shapes again."""
+    candidates = []
+    for node in gm.graph.nodes:
+        found = _folded(gm, node) if ops.is_sdpa(node) else None
+        if found is not None:
+            candidates.append((node, *found))
+    if not candidates:
+        return 0
+    # One index run for them all (a seed replaces its projection's output, whatever fed it).
+    dtype = torch.float64 if example.dtype == torch.float64 else torch.float32
+    seeds = {p: _row_index(ops.shape(p), dtype) for _, _, ps in candidates for p in ps}
+    wanted = [operand for node, _, _ in candidates for operand in node.args[:3]]
+    run = run_indices(gm, example, seeds, wanted)
     rewritten = 0
-    for node in list(gm.graph.nodes):
-        if not ops.is_sdpa(node):
-            continue
-        found = _folded(gm, node)
-        if found is None:
-            continue
-        heads, projections = found
-        if not _images_first(gm, example, node, heads, projections):
+    for node, heads, _ in candidates:
+        if not _images_first(run, node, heads, dtype):
             continue
         folded = ops.shape(node.args[0])[0]
         graph = gm.graph
