@@ -197,9 +197,13 @@ def test_capture_traces_size_ints_item_writes_and_cached_buffers() -> None:
 # --- Refused in one line -----------------------------------------------------------------------
 
 
-def _refusal(name: str, size: tuple[int, int, int], **kwargs) -> str:
+def _refusal(name: str, size: tuple[int, int, int], fused: bool = True, **kwargs) -> str:
     torch.manual_seed(0)
     model = timm.create_model(name, num_classes=10, **kwargs).eval()
+    if not fused:  # timm's unfused attention: q @ k^T and a softmax
+        for module in model.modules():
+            if hasattr(module, "fused_attn"):
+                module.fused_attn = False
     with pytest.raises(MappingError) as refused:
         map_model(model, size)
     line = str(refused.value)
@@ -213,8 +217,12 @@ def test_mvitv2_is_refused_at_its_pooling_attention() -> None:
     assert "split into 1 head on the 16x16 token grid" in line
 
 
-def test_nest_is_refused_as_windowed() -> None:
-    line = _refusal("nest_tiny", (3, 64, 64), img_size=64)
+def test_nest_unfused_is_refused_as_windowed() -> None:
+    """NesT's attention written as a matmul and a softmax on (B, heads, windows, N, N) logits
+    (timm's unfused path) keeps its windows on an axis of its own: refused in one line. (Its
+    SDPA path has the windows folded into the batch at capture and compresses:
+    tests/test_windowed_families.py.)"""
+    line = _refusal("nest_tiny", (3, 64, 64), img_size=64, fused=False)
     assert line.startswith("windowed attention: tokens cannot be dropped")
     assert "levels.0.transformer_encoder.0.attn attends within 16 windows of 16 tokens" in line
 
