@@ -87,6 +87,8 @@ def spearman_interval(
     generator = random.Random(seed)
     values: list[float] = []
     n = len(x)
+    if math.isnan(spearman(x, y)):  # all scores or all accuracies tie: no draw would do
+        return math.nan, math.nan
     while len(values) < draws:
         picks = [generator.randrange(n) for _ in range(n)]
         rho = spearman([x[i] for i in picks], [y[i] for i in picks])
@@ -111,6 +113,10 @@ def summarise(path: Path) -> dict[str, Any]:
             "spearman": spearman(scores, top1),
             "ci95": list(spearman_interval(scores, top1)),
         }
+        if all("proxy_top1" in r for r in rows):
+            short = [r["proxy_top1"] for r in rows]
+            out[name]["short_fine_tune_spearman"] = spearman(short, top1)
+            out[name]["short_fine_tune_ci95"] = list(spearman_interval(short, top1))
     return out
 
 
@@ -200,6 +206,73 @@ def fine_tune_one(
     return result
 
 
+def short_fine_tune_one(
+    row: dict[str, Any],
+    base: LoadedModel,
+    base_state: dict[str, torch.Tensor],
+    base_sha256: str,
+    train_set,
+    args: argparse.Namespace,
+    runs_dir: Path,
+) -> dict[str, Any]:
+    """The stronger proxy: ``--proxy-steps`` steps of the same fine-tuning (its own cosine
+    schedule over those steps) on the training split less its last ``--proxy-holdout`` images,
+    then top-1 on those held-out images. The test split is never seen: this is what a search
+    could afford to run on its top candidates."""
+    name = hashlib.sha256(_key(row).encode()).hexdigest()[:16] + f"_proxy{args.proxy_steps}"
+    result_path = runs_dir / f"{name}.json"
+    settings = {
+        "config": _key(row),
+        **{
+            k: getattr(args, k)
+            for k in ("batch", "seed", "ft_lr", "proxy_steps", "proxy_holdout", "limit_train")
+        },
+    }
+    if result_path.is_file():
+        cached = json.loads(result_path.read_text())
+        if cached.get("base_sha256") == base_sha256 and cached.get("settings") == settings:
+            print(f"{_key(row)}: proxy cached ({cached['proxy_top1']:.2f}%)", flush=True)
+            return cached
+    held_out = len(train_set) - args.proxy_holdout
+    if held_out <= 0:
+        raise ValueError(f"--proxy-holdout {args.proxy_holdout} leaves no training images")
+    proxy_train = repro.TensorImages(
+        train_set.images[:held_out], train_set.labels[:held_out], pad=train_set.pad
+    )
+    proxy_eval = repro.TensorImages(train_set.images[held_out:], train_set.labels[held_out:])
+    teacher = _fresh(base, base_state)
+    torch.manual_seed(args.seed)
+    student = compress_loaded(
+        _fresh(base, base_state), variant=row["variant"], keep=list(row["keep"]), locs=row["locs"]
+    )
+    out = runs_dir / name
+    shutil.rmtree(out, ignore_errors=True)
+    config = FinetuneConfig(
+        epochs=1,
+        batch_size=args.batch,
+        lr=args.ft_lr,
+        warmup_epochs=0.1 * args.proxy_steps * args.batch / len(proxy_train),  # a tenth
+        seed=args.seed,
+        smoothing=0.1,
+        log_every=50,
+        keep_checkpoints=1,
+        max_steps=args.proxy_steps,
+    )
+    started = time.perf_counter()
+    finetune(student, teacher.model, proxy_train, None, out, config)
+    result = {
+        "config": _key(row),
+        "proxy_top1": evaluate(student.model.eval(), proxy_eval, batch_size=256)["top1"],
+        "proxy_seconds": time.perf_counter() - started,
+        "base_sha256": base_sha256,
+        "settings": settings,
+    }
+    shutil.rmtree(out, ignore_errors=True)  # only the number is kept
+    result_path.write_text(json.dumps(result, indent=2))
+    print(f"{_key(row)}: proxy top-1 {result['proxy_top1']:.2f}% (held-out train)", flush=True)
+    return result
+
+
 def _fresh(base: LoadedModel, state: dict[str, torch.Tensor]) -> LoadedModel:
     loaded = load_base_model(repro.SPEC, repro.MODEL_ARGS, input_size=repro.INPUT_SIZE)
     loaded.model.load_state_dict(state)
@@ -245,6 +318,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--limit-train", type=int, default=0)
     p.add_argument("--max-steps", type=int, default=None, help="cap each fine-tune (a smoke run)")
+    p.add_argument(
+        "--proxy-steps",
+        type=int,
+        default=0,
+        help="also score each fine-tuned configuration by a short fine-tune of this many steps "
+        "(the stronger proxy; 0: off)",
+    )
+    p.add_argument(
+        "--proxy-holdout",
+        type=int,
+        default=5000,
+        help="training images held out of the short fine-tune, on which it is scored",
+    )
     p.add_argument("--noise", type=float, default=0.6, help="one fine-tune's noise, points")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="random tiny base: checks the machinery")
@@ -260,6 +346,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.out = args.out.with_name(args.out.name + "_quick")
         args.calib_images, args.max_candidates, args.configs = 64, 10, 8
         args.ft_epochs, args.max_steps, args.batch, args.ft_warmup = 1, 2, 32, 0.0
+        args.proxy_steps = min(args.proxy_steps, 2)
+        args.proxy_holdout = min(args.proxy_holdout, 64)
     if args.configs < 8 and not args.quick:
         p.error("--configs must be at least 8 (the issue's benchmark)")
     return args
@@ -318,8 +406,25 @@ def main(argv: list[str] | None = None) -> int:
         fine_tune_one(row, base, base_state, base_sha256, train_set, test_set, args, runs_dir)
         for row in configs
     ]
+    if args.proxy_steps:
+        for result in results:
+            short = short_fine_tune_one(
+                result, base, base_state, base_sha256, train_set, args, runs_dir
+            )
+            result["proxy_top1"] = short["proxy_top1"]
+            result["proxy_seconds"] = short["proxy_seconds"]
     rho = spearman([r["score"] for r in results], [r["top1"] for r in results])
     rho_interval = spearman_interval([r["score"] for r in results], [r["top1"] for r in results])
+    proxy = None
+    if args.proxy_steps:
+        short_scores, top1 = [r["proxy_top1"] for r in results], [r["top1"] for r in results]
+        proxy = {
+            "steps": args.proxy_steps,
+            "holdout": args.proxy_holdout,
+            "spearman": spearman(short_scores, top1),
+            "spearman_ci95": list(spearman_interval(short_scores, top1)),
+            "seconds_mean": statistics.mean(r["proxy_seconds"] for r in results),
+        }
     best = next(r for r in results if r["role"] == "searched best")
     default = next(
         (r for r in results if r["role"] == "paper default" and r["variant"] == best["variant"]),
@@ -347,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         "search_seconds": search_seconds,
         "search": {k: found[k] for k in ("strategy", "scored", "space", "macs_check")},
         "comparison": comparison,
+        "short_fine_tune_proxy": proxy,
         "results": results,
         "command": " ".join(sys.argv),
     }
@@ -363,17 +469,30 @@ def markdown(summary: dict[str, Any]) -> str:
     lines = [
         f"Base {summary['base_top1']:.2f}% top-1, {summary['base_macs'] / 1e6:.2f} MMACs; "
         f"budget {summary['budget']:g} of its MACs. Spearman(score, fine-tuned top-1) = "
-        f"{summary['spearman']:.3f} over {summary['configs']} configurations.",
+        f"{summary['spearman']:.3f} [{summary['spearman_ci95'][0]:.2f}, "
+        f"{summary['spearman_ci95'][1]:.2f}] over {summary['configs']} configurations.",
+    ]
+    proxy = summary.get("short_fine_tune_proxy")
+    if proxy:
+        lines.append(
+            f"Stronger proxy, {proxy['steps']} fine-tuning steps scored on {proxy['holdout']} "
+            f"held-out training images ({proxy['seconds_mean']:.0f} s a configuration): "
+            f"Spearman(proxy, fine-tuned top-1) = {proxy['spearman']:.3f} "
+            f"[{proxy['spearman_ci95'][0]:.2f}, {proxy['spearman_ci95'][1]:.2f}]."
+        )
+    lines += [
         "",
         "| variant | locs | keep | role | MMACs | score (-KL) | agreement | top-1 before FT | "
-        "top-1 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "short-FT proxy | top-1 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(summary["results"], key=lambda r: -r["score"]):
+        short = f"{r['proxy_top1']:.2f}" if "proxy_top1" in r else "—"
         lines.append(
             f"| {r['variant']} | {','.join(map(str, r['locs']))} | "
             f"{','.join(f'{k:g}' for k in r['keep'])} | {r['role']} | {r['macs'] / 1e6:.2f} | "
-            f"{r['score']:.4g} | {r['agreement']:.3f} | {r['top1_before']:.2f} | {r['top1']:.2f} |"
+            f"{r['score']:.4g} | {r['agreement']:.3f} | {r['top1_before']:.2f} | {short} | "
+            f"{r['top1']:.2f} |"
         )
     c = summary["comparison"]
     if c is not None:

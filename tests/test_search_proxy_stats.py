@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -59,3 +60,10 @@ def test_summarise_reads_a_finished_run_per_variant(tmp_path):
     assert summary["etps"]["spearman"] == pytest.approx(1.0)
     assert summary["dtps"]["spearman"] == pytest.approx(-1.0)
     assert summary["all"]["configs"] == 8 and len(summary["all"]["ci95"]) == 2
+
+
+def test_spearman_interval_of_tied_accuracies_is_undefined_not_endless():
+    # A short fine-tune on random images can leave every proxy accuracy equal: no resampled
+    # draw has a correlation, and the interval must say so rather than draw for ever.
+    low, high = proxy.spearman_interval([0.1, 0.4, 0.2, 0.9], [50.0] * 4)
+    assert math.isnan(low) and math.isnan(high)

@@ -19,54 +19,30 @@ Shapes are read at run time in the captured code, so blocks after a reducer acce
 
 from __future__ import annotations
 
+__all__ = ["HOOK_PREFIX", "REDUCER_PREFIX", "RewriteError", "rewrite"]
+
 import operator
 from dataclasses import replace
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch import nn
 
 from vitcompress.analysis import ops
-from vitcompress.analysis.model_map import Block, ModelMap, Windows
+from vitcompress.analysis.model_map import Block, ModelMap
 from vitcompress.analysis.parallel import DIFFERENCE
 from vitcompress.analysis.positions import gather_layout
+from vitcompress.compilation.graph_edits import copy_between, erase_unused, getitems, replace_uses
+from vitcompress.compilation.naming import HOOK_PREFIX, REDUCER_PREFIX, RewriteError
 from vitcompress.compilation.plan import Plan
-from vitcompress.errors import UserError
+from vitcompress.compilation.windows import WindowRewrites
 from vitcompress.method.restore import RESTORES_ANYWHERE
 from vitcompress.modules import MHAHook, SDPAHook, SoftmaxHook
 from vitcompress.modules.grid import GridGather
 from vitcompress.modules.position_tables import PositionGather
 from vitcompress.modules.restore import TokenRestore
-from vitcompress.modules.windows import (
-    WindowMerge,
-    WindowPartition,
-    WindowReplay,
-    WindowSizes,
-    WindowSlots,
-    WindowTableGather,
-)
 from vitcompress.variants import AFTER_ATTENTION, BEFORE_BLOCK
 from vitcompress.variants.placement import ATTENTION_GIVES_KEYS
-
-REDUCER_PREFIX = "tps"
-HOOK_PREFIX = "tps_hooks"
-
-
-class RewriteError(UserError):
-    """The plan cannot be carried out on this graph."""
-
-
-def _getitems(graph: fx.Graph, node: fx.Node, count: int) -> list[fx.Node]:
-    items = []
-    with graph.inserting_after(node):
-        for i in reversed(range(count)):
-            items.append(graph.call_function(operator.getitem, (node, i)))
-    return list(reversed(items))
-
-
-def _replace_uses(old: fx.Node, new: fx.Node, keep: set[fx.Node]) -> None:
-    old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in keep)
 
 
 def _core_suffix(block: Block) -> str:
@@ -78,7 +54,7 @@ def _core_suffix(block: Block) -> str:
     return ""
 
 
-class _Rewriter:
+class _Rewriter(WindowRewrites):
     def __init__(self, gm: fx.GraphModule, model_map: ModelMap, plan: Plan) -> None:
         self.gm = gm
         self.graph = gm.graph
@@ -206,7 +182,7 @@ class _Rewriter:
                 restored = self.graph.call_module(target, (tokens, state.trace))
             else:
                 restored_stream = self.graph.call_module(target, (stream, state.trace))
-                restored = _copy_between(self.graph, stream, tokens, restored_stream)
+                restored = copy_between(self.graph, stream, tokens, restored_stream)
                 if restored is None:
                     raise RewriteError(
                         f"{where} reads {tokens.name}, which does not come from the residual "
@@ -215,7 +191,7 @@ class _Rewriter:
                         f"restore={method.local_restore_rule}"
                     )
         reader.replace_input_with(tokens, restored)
-        _erase_unused(self.graph, tokens)
+        erase_unused(self.graph, tokens)
 
     def _insert_reducer(
         self,
@@ -240,162 +216,14 @@ class _Rewriter:
             reducer = self.graph.call_module(
                 f"{REDUCER_PREFIX}.{index}", (stream, *args, state.trace)
             )
-        tokens, *rest = _getitems(self.graph, reducer, outputs)
+        tokens, *rest = getitems(self.graph, reducer, outputs)
         keep = {reducer}
         if only_into is not None:
             toward = ops.ancestors(self.nodes[only_into])
             keep |= {user for user in stream.users if user not in toward}
-        _replace_uses(stream, tokens, keep)
+        replace_uses(stream, tokens, keep)
         state.node, state.trace, state.reduced = tokens, rest[-1], True
         return rest
-
-    def _reduce_in_windows(self, block: Block, index: int, loc) -> None:
-        """A windowed block (Swin's): its tokens go into the attention's windows, the method
-        reduces every window alike, the block runs on what is kept, and restores give every
-        window its tokens back before they return to their places.
-
-        A method scored by the attention (or matching on its keys) reduces after it: the MLP
-        runs on the kept tokens. A predictor reduces the windows entering the attention; the
-        MLP's input is then reduced by the same choice (``WindowReplay``)."""
-        method = self.plan.method
-        windows = block.windows
-        skip = self.nodes[windows.mlp_input_node]
-        add = self.nodes[block.output_node]
-        module = method.build_reducer(block, loc, self.plan)
-        module.restore_rule = method.restore_rule
-        self.reducers.add_module(str(index), module)
-        target = f"{REDUCER_PREFIX}.{index}"
-        restore = self._add_hook(
-            f"restore{block.index}",
-            TokenRestore(method.restore_rule, 0, 1, where=f"block {block.index}'s windows"),
-        )
-        if method.placement == BEFORE_BLOCK:
-            module.also_restores = method.local_restore_rule  # the window attention's restore
-            partition = self._add_hook(
-                f"windows{block.index}", WindowPartition(windows.order, windows.count)
-            )
-            trace = self._reduce_window_attention(block, target)
-            replay = self._add_hook(f"replay{block.index}", WindowReplay(method.restore_rule))
-            with self.graph.inserting_before(add):
-                in_windows = self.graph.call_module(partition, (skip,))
-                replayed = self.graph.call_module(replay, (in_windows, trace))
-                tokens = self.graph.call_function(operator.getitem, (replayed, 0))
-                trace = self.graph.call_function(operator.getitem, (replayed, 1))
-                out = _copy_between(self.graph, skip, add, tokens)
-                restored = [self.graph.call_module(restore, (out, trace))]
-            order = windows.order
-        else:
-            given = self._hook_block_attention(block, None, True, None, None)
-            restored, order = self._reduce_window_groups(block, target, restore, given)
-        merge = self._add_hook(f"unwindows{block.index}", WindowMerge(order, windows.count))
-        with self.graph.inserting_before(add):
-            joined = restored[0]
-            if len(restored) > 1:  # padded windows, reduced by groups: (B, L, C) again
-                joined = self.graph.call_function(torch.cat, (restored, 1))
-            merged = self.graph.call_module(merge, (joined, skip))
-        add.replace_all_uses_with(merged)
-        _erase_unused(self.graph, add)
-
-    def _reduce_window_groups(
-        self, block: Block, target: str, restore: str, given: fx.Node
-    ) -> tuple[list[fx.Node], tuple[int, ...]]:
-        """After the attention: the MLP's input in windows, each group of windows alike
-        (``Windows.groups``: one group unless the windows are padded, then one per token count,
-        so that no padding is kept, scored or fused), reduced by what the attention gave for
-        those slots, through the MLP, restored. Returns the restored tokens of each group (one
-        tensor as the windows, or (B, tokens, C) per group where several) and their tokens'
-        order."""
-        windows = block.windows
-        groups = windows.groups()
-        total = windows.count * windows.tokens
-        add = self.nodes[block.output_node]
-        skip = self.nodes[windows.mlp_input_node]
-        tracks_sizes = self.plan.method.tracks_sizes
-        restored, order = [], ()
-        for number, (slots, tokens) in enumerate(groups):
-            count = len(slots) // _group_tokens(windows, slots)  # windows in the group
-            suffix = f"{block.index}" + (f"_{number}" if windows.padded else "")
-            partition = self._add_hook(f"windows{suffix}", WindowPartition(tokens, count))
-            with self.graph.inserting_before(add):
-                scores = given
-                if windows.padded:  # only the group's real slots: no padding scored or kept
-                    pick = self._add_hook(f"slots{suffix}", WindowSlots(slots, total, count))
-                    scores = self.graph.call_module(pick, (given,))
-                args = (scores, None, None, None) if tracks_sizes else (scores, None, None)
-                in_windows = self.graph.call_module(partition, (skip,))
-                reducer = self.graph.call_module(target, (in_windows, *args, ()))
-                kept = self.graph.call_function(operator.getitem, (reducer, 0))
-                trace = self.graph.call_function(operator.getitem, (reducer, -1))
-                out = _copy_between(self.graph, skip, add, kept)
-                back = self.graph.call_module(restore, (out, trace))
-                if windows.padded:  # (B * group windows, n, C) -> (B, group tokens, C)
-                    back = self.graph.call_method("unflatten", (back, 0, (-1, count)))
-                    back = self.graph.call_method("flatten", (back, 1, 2))
-            restored.append(back)
-            order += tokens
-        return restored, order
-
-    def _reduce_window_attention(self, block: Block, target: str) -> fx.Node:
-        """A predictor's reduction of the windows entering a windowed block's attention: the
-        attention runs on the kept tokens of each window (its position tables gathered by them,
-        the removed keys masked while training) and its output comes back to every token by
-        the rule that reads only the output (host, else zero). Returns the trace."""
-        windows = block.windows
-        if windows.attention_blocker is not None:
-            raise RewriteError(
-                f"block {block.index} ({block.path}): {windows.attention_blocker}; "
-                f"{self.plan.variant} reduces the windows before the attention, so it is refused"
-            )
-        method = self.plan.method
-        entering = self.nodes[windows.attention_input_node]
-        leaving = self.nodes[windows.attention_output_node]
-        window_shape = ops.shape(leaving)
-        flat = entering
-        if len(ops.shape(entering)) > 3:  # MaxViT's (B * windows, h, w, C): as (.., N, C)
-            with self.graph.inserting_after(entering):
-                flat = self.graph.call_method("flatten", (entering, 1, -2))
-        with self.graph.inserting_after(flat):
-            reducer = self.graph.call_module(target, (flat, None, None, ()))
-        tokens, keep_mask, positions, trace = _getitems(self.graph, reducer, 4)
-        _replace_uses(entering, tokens, {reducer, flat})
-        # The tables first: one may meet the core itself (MaxViT's SDPA mask), which the hook
-        # replaces.
-        for number, use in enumerate(windows.tables):
-            meeting, table = self.nodes[use.node], self.nodes[use.table_node]
-            rank = len(ops.shape(meeting))
-            gather = self._add_hook(
-                f"windowtables{block.index}_{number}", WindowTableGather(windows.count, rank)
-            )
-            with self.graph.inserting_before(meeting):
-                # A table laid out by sizes read off the tokens (HF Swin reshapes its shift
-                # mask to the window's token count) is built at the full window, then gathered.
-                whole = _copy_between(self.graph, tokens, table, flat) or table
-                gathered = self.graph.call_module(gather, (whole, positions))
-            meeting.replace_input_with(table, gathered)
-            if whole is not table:  # the table built at the reduced size must not run
-                _erase_unused(self.graph, table)
-        sizes = None
-        if method.window_sizes:  # each kept key weighed by the tokens squeezed into it
-            counter = self._add_hook(f"windowsizes{block.index}", WindowSizes())
-            with self.graph.inserting_after(trace):
-                sizes = self.graph.call_module(counter, (trace,))
-        self._hook_attention(block, keep_mask, False, None, sizes)
-        restore = self._add_hook(
-            f"restore{block.index}_attention",
-            TokenRestore(
-                method.local_restore_rule, 0, 1, where=f"block {block.index}'s window attention"
-            ),
-        )
-        # The attention kept the tokens flat (it reads its output's layout off its input); in
-        # MaxViT's layout the restored windows are laid out as they were.
-        with self.graph.inserting_after(leaving):
-            out = self.graph.call_method("flatten", (leaving, 1, -2))
-        with self.graph.inserting_after(out):
-            restored = self.graph.call_module(restore, (out, trace))
-        with self.graph.inserting_after(restored):
-            back = self.graph.call_method("reshape", (restored, -1, *window_shape[1:]))
-        _replace_uses(leaving, back, {out})
-        return trace
 
     def _insert_predictor(self, block: Block, index: int, loc, state: _Stream) -> None:
         module = self.plan.method.build_reducer(block, loc, self.plan)
@@ -508,13 +336,13 @@ class _Rewriter:
             self.graph.erase_node(node)
             return None
         if core.kind == "multihead_attention":
-            out, weights, score = _getitems(self.graph, hook, 3)
+            out, weights, score = getitems(self.graph, hook, 3)
             # Users index the original (output, weights) tuple; give them the same tuple back.
             with self.graph.inserting_after(weights):
                 pair = self.graph.call_function(tuple, ([out, weights],))
             node.replace_all_uses_with(pair)
         else:
-            out, score = _getitems(self.graph, hook, 2)
+            out, score = getitems(self.graph, hook, 2)
             node.replace_all_uses_with(out)
         self.graph.erase_node(node)
         return score
@@ -588,7 +416,7 @@ class _Rewriter:
                     gathered = self.graph.call_module(
                         f"{HOOK_PREFIX}.{name}", (flat, state.positions)
                     )
-                _replace_uses(flat, gathered, {gathered})
+                replace_uses(flat, gathered, {gathered})
 
 
 class _Stream:
@@ -603,51 +431,6 @@ class _Stream:
         self.positions: Any = None
         self.sizes: Any = None  # tokens' sizes after merges (ToMe), for proportional attention
         self.trace: Any = ()
-
-
-def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
-    """Erase ``node`` if nothing reads it any more, and so on up its inputs: the ops whose reduced
-    result a reader no longer reads (a dense head's per-token linear, now run on the restored
-    copy) must not run too. Impure ops (asserts) stay."""
-    frontier = [node]
-    erased: set[fx.Node] = set()  # an input shared by two erased nodes comes up twice
-    while frontier:
-        node = frontier.pop()
-        if node in erased or node.users or node.op in ("placeholder", "output", "get_attr"):
-            continue
-        if node.is_impure():
-            continue
-        inputs = node.all_input_nodes
-        graph.erase_node(node)
-        erased.add(node)
-        frontier.extend(inputs)
-
-
-def _group_tokens(windows: Windows, slots: tuple[int, ...]) -> int:
-    """How many tokens each window of a group holds (all hold as many)."""
-    return sum(1 for slot in slots if slot // windows.tokens == slots[0] // windows.tokens)
-
-
-def _copy_between(graph: fx.Graph, stream: fx.Node, tokens: fx.Node, restored: fx.Node) -> fx.Node:
-    """Copy the ops from ``stream`` to ``tokens`` (those of ``tokens``'s ancestors that depend on
-    ``stream``) at the insertion point, reading ``restored`` in place of ``stream``; returns the
-    copy of ``tokens`` (``None`` when ``tokens`` does not depend on ``stream``)."""
-    wanted = ops.ancestors(tokens)
-    depends: set[fx.Node] = {stream}
-    env: dict[fx.Node, fx.Node] = {stream: restored}
-    started = False
-    for node in list(graph.nodes):
-        if node is stream:
-            started = True
-            continue
-        if not started or node not in wanted:
-            continue
-        if any(parent in depends for parent in node.all_input_nodes):
-            depends.add(node)
-            env[node] = graph.node_copy(node, lambda arg: env.get(arg, arg))
-        if node is tokens:
-            break
-    return env.get(tokens)
 
 
 def rewrite(gm: fx.GraphModule, model_map: ModelMap, plan: Plan) -> fx.GraphModule:

@@ -1,0 +1,14 @@
+"""What the rewrite names in a rewritten graph module, and the error it raises: shared by the
+rewriter and its windowed part, and read by the layers that find the reducers again (the
+training losses, the search's warm-up, visualize)."""
+
+from __future__ import annotations
+
+from vitcompress.errors import UserError
+
+REDUCER_PREFIX = "tps"  # the submodule holding the reducers, one per location: tps.0, tps.1, ...
+HOOK_PREFIX = "tps_hooks"  # the attention hooks, restores and window modules
+
+
+class RewriteError(UserError):
+    """The plan cannot be carried out on this graph."""

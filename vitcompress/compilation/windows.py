@@ -1,0 +1,187 @@
+"""The rewrite of windowed blocks (Swin's and kin): the method reduces every window alike inside
+the block, and every window gets its tokens back before they return to their places on the grid.
+
+``WindowRewrites`` is a part of the rewriter (``rewrite._Rewriter``), kept apart because it is
+one idea of its own: it uses the rewriter's graph, node table, plan, reducer and hook registries
+(``graph``, ``nodes``, ``plan``, ``reducers``, ``_add_hook``) and its attention hooks
+(``_hook_block_attention``, ``_hook_attention``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from vitcompress.analysis import ops
+from vitcompress.analysis.model_map import Block, Windows
+from vitcompress.compilation.graph_edits import copy_between, erase_unused, getitems, replace_uses
+from vitcompress.compilation.naming import REDUCER_PREFIX, RewriteError
+from vitcompress.modules.restore import TokenRestore
+from vitcompress.modules.windows import (
+    WindowMerge,
+    WindowPartition,
+    WindowReplay,
+    WindowSizes,
+    WindowSlots,
+    WindowTableGather,
+)
+from vitcompress.variants import BEFORE_BLOCK
+
+
+class WindowRewrites:
+    """The windowed blocks' part of the rewriter (a mixin of ``rewrite._Rewriter``)."""
+
+    def _reduce_in_windows(self, block: Block, index: int, loc) -> None:
+        """A windowed block (Swin's): its tokens go into the attention's windows, the method
+        reduces every window alike, the block runs on what is kept, and restores give every
+        window its tokens back before they return to their places.
+
+        A method scored by the attention (or matching on its keys) reduces after it: the MLP
+        runs on the kept tokens. A predictor reduces the windows entering the attention; the
+        MLP's input is then reduced by the same choice (``WindowReplay``)."""
+        method = self.plan.method
+        windows = block.windows
+        skip = self.nodes[windows.mlp_input_node]
+        add = self.nodes[block.output_node]
+        module = method.build_reducer(block, loc, self.plan)
+        module.restore_rule = method.restore_rule
+        self.reducers.add_module(str(index), module)
+        target = f"{REDUCER_PREFIX}.{index}"
+        restore = self._add_hook(
+            f"restore{block.index}",
+            TokenRestore(method.restore_rule, 0, 1, where=f"block {block.index}'s windows"),
+        )
+        if method.placement == BEFORE_BLOCK:
+            module.also_restores = method.local_restore_rule  # the window attention's restore
+            partition = self._add_hook(
+                f"windows{block.index}", WindowPartition(windows.order, windows.count)
+            )
+            trace = self._reduce_window_attention(block, target)
+            replay = self._add_hook(f"replay{block.index}", WindowReplay(method.restore_rule))
+            with self.graph.inserting_before(add):
+                in_windows = self.graph.call_module(partition, (skip,))
+                replayed = self.graph.call_module(replay, (in_windows, trace))
+                tokens = self.graph.call_function(operator.getitem, (replayed, 0))
+                trace = self.graph.call_function(operator.getitem, (replayed, 1))
+                out = copy_between(self.graph, skip, add, tokens)
+                restored = [self.graph.call_module(restore, (out, trace))]
+            order = windows.order
+        else:
+            given = self._hook_block_attention(block, None, True, None, None)
+            restored, order = self._reduce_window_groups(block, target, restore, given)
+        merge = self._add_hook(f"unwindows{block.index}", WindowMerge(order, windows.count))
+        with self.graph.inserting_before(add):
+            joined = restored[0]
+            if len(restored) > 1:  # padded windows, reduced by groups: (B, L, C) again
+                joined = self.graph.call_function(torch.cat, (restored, 1))
+            merged = self.graph.call_module(merge, (joined, skip))
+        add.replace_all_uses_with(merged)
+        erase_unused(self.graph, add)
+
+    def _reduce_window_groups(
+        self, block: Block, target: str, restore: str, given: fx.Node
+    ) -> tuple[list[fx.Node], tuple[int, ...]]:
+        """After the attention: the MLP's input in windows, each group of windows alike
+        (``Windows.groups``: one group unless the windows are padded, then one per token count,
+        so that no padding is kept, scored or fused), reduced by what the attention gave for
+        those slots, through the MLP, restored. Returns the restored tokens of each group (one
+        tensor as the windows, or (B, tokens, C) per group where several) and their tokens'
+        order."""
+        windows = block.windows
+        groups = windows.groups()
+        total = windows.count * windows.tokens
+        add = self.nodes[block.output_node]
+        skip = self.nodes[windows.mlp_input_node]
+        tracks_sizes = self.plan.method.tracks_sizes
+        restored, order = [], ()
+        for number, (slots, tokens) in enumerate(groups):
+            count = len(slots) // group_tokens(windows, slots)  # windows in the group
+            suffix = f"{block.index}" + (f"_{number}" if windows.padded else "")
+            partition = self._add_hook(f"windows{suffix}", WindowPartition(tokens, count))
+            with self.graph.inserting_before(add):
+                scores = given
+                if windows.padded:  # only the group's real slots: no padding scored or kept
+                    pick = self._add_hook(f"slots{suffix}", WindowSlots(slots, total, count))
+                    scores = self.graph.call_module(pick, (given,))
+                args = (scores, None, None, None) if tracks_sizes else (scores, None, None)
+                in_windows = self.graph.call_module(partition, (skip,))
+                reducer = self.graph.call_module(target, (in_windows, *args, ()))
+                kept = self.graph.call_function(operator.getitem, (reducer, 0))
+                trace = self.graph.call_function(operator.getitem, (reducer, -1))
+                out = copy_between(self.graph, skip, add, kept)
+                back = self.graph.call_module(restore, (out, trace))
+                if windows.padded:  # (B * group windows, n, C) -> (B, group tokens, C)
+                    back = self.graph.call_method("unflatten", (back, 0, (-1, count)))
+                    back = self.graph.call_method("flatten", (back, 1, 2))
+            restored.append(back)
+            order += tokens
+        return restored, order
+
+    def _reduce_window_attention(self, block: Block, target: str) -> fx.Node:
+        """A predictor's reduction of the windows entering a windowed block's attention: the
+        attention runs on the kept tokens of each window (its position tables gathered by them,
+        the removed keys masked while training) and its output comes back to every token by
+        the rule that reads only the output (host, else zero). Returns the trace."""
+        windows = block.windows
+        if windows.attention_blocker is not None:
+            raise RewriteError(
+                f"block {block.index} ({block.path}): {windows.attention_blocker}; "
+                f"{self.plan.variant} reduces the windows before the attention, so it is refused"
+            )
+        method = self.plan.method
+        entering = self.nodes[windows.attention_input_node]
+        leaving = self.nodes[windows.attention_output_node]
+        window_shape = ops.shape(leaving)
+        flat = entering
+        if len(ops.shape(entering)) > 3:  # MaxViT's (B * windows, h, w, C): as (.., N, C)
+            with self.graph.inserting_after(entering):
+                flat = self.graph.call_method("flatten", (entering, 1, -2))
+        with self.graph.inserting_after(flat):
+            reducer = self.graph.call_module(target, (flat, None, None, ()))
+        tokens, keep_mask, positions, trace = getitems(self.graph, reducer, 4)
+        replace_uses(entering, tokens, {reducer, flat})
+        # The tables first: one may meet the core itself (MaxViT's SDPA mask), which the hook
+        # replaces.
+        for number, use in enumerate(windows.tables):
+            meeting, table = self.nodes[use.node], self.nodes[use.table_node]
+            rank = len(ops.shape(meeting))
+            gather = self._add_hook(
+                f"windowtables{block.index}_{number}", WindowTableGather(windows.count, rank)
+            )
+            with self.graph.inserting_before(meeting):
+                # A table laid out by sizes read off the tokens (HF Swin reshapes its shift
+                # mask to the window's token count) is built at the full window, then gathered.
+                whole = copy_between(self.graph, tokens, table, flat) or table
+                gathered = self.graph.call_module(gather, (whole, positions))
+            meeting.replace_input_with(table, gathered)
+            if whole is not table:  # the table built at the reduced size must not run
+                erase_unused(self.graph, table)
+        sizes = None
+        if method.window_sizes:  # each kept key weighed by the tokens squeezed into it
+            counter = self._add_hook(f"windowsizes{block.index}", WindowSizes())
+            with self.graph.inserting_after(trace):
+                sizes = self.graph.call_module(counter, (trace,))
+        self._hook_attention(block, keep_mask, False, None, sizes)
+        restore = self._add_hook(
+            f"restore{block.index}_attention",
+            TokenRestore(
+                method.local_restore_rule, 0, 1, where=f"block {block.index}'s window attention"
+            ),
+        )
+        # The attention kept the tokens flat (it reads its output's layout off its input); in
+        # MaxViT's layout the restored windows are laid out as they were.
+        with self.graph.inserting_after(leaving):
+            out = self.graph.call_method("flatten", (leaving, 1, -2))
+        with self.graph.inserting_after(out):
+            restored = self.graph.call_module(restore, (out, trace))
+        with self.graph.inserting_after(restored):
+            back = self.graph.call_method("reshape", (restored, -1, *window_shape[1:]))
+        replace_uses(leaving, back, {out})
+        return trace
+
+
+def group_tokens(windows: Windows, slots: tuple[int, ...]) -> int:
+    """How many tokens each window of a group holds (all hold as many)."""
+    return sum(1 for slot in slots if slot // windows.tokens == slots[0] // windows.tokens)
