@@ -125,3 +125,32 @@ def test_a_check_on_the_input_shape_is_captured_by_the_guarded_trace():
     assert model_map["prefix_tokens"] == 4 and len(model_map["blocks"]) == 4
     assert {b["attention"] for b in model_map["blocks"]} == {"matmul_softmax"}
     assert model_map["blocks"][0]["path"] == "inner.body.0"
+
+
+def test_the_guarded_trace_lets_go_of_values_the_traced_code_dropped():
+    # The guarded trace runs the example alongside; keeping every node's value held the whole
+    # model's activations at once (SAM-B at 1024 px ran out of 24 GB). A value must go when the
+    # traced code drops its proxy, as an eager run frees it.
+    from vitcompress.analysis.capture import GuardedTracer
+
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(24))
+
+        def forward(self, x):
+            if x.shape[-1] != 16:  # metadata control flow: what the guarded trace is for
+                raise ValueError("bad input")
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return x
+
+    example = torch.randn(2, 16)
+    tracer = GuardedTracer(set(), (example,))
+    graph = tracer.trace(Deep())
+    assert len(graph.nodes) > 48  # a linear and a relu per layer
+    # What is still held after the trace: the parameters' cached proxies, nothing per layer.
+    held = [node for node in tracer._values if node.op not in ("get_attr", "placeholder")]
+    assert len(held) <= 2, [node.name for node in held]
+    # And the guard on the input check was still decided on the example's value.
+    assert any(node.target is torch._assert for node in graph.nodes)

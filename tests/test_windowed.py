@@ -5,6 +5,7 @@ weights, keep 0.7 is cheaper, a training step is finite and the ONNX export matc
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import timm
@@ -254,11 +255,15 @@ def test_padded_windows_reduce_by_groups_exact_at_keep_one(method):
             assert (same - base).abs().max() <= 1e-9 * base.abs().max()
             compressed = compress(model, method, keep=[0.7], input_size=(3, 48, 48))
             seen: list[tuple[int, int]] = []
+            kept: list[int] = []
+
+            def record(module, inputs, output) -> None:  # returns None: the output stays
+                seen.append((inputs[0].shape[0], inputs[0].shape[1]))
+                kept.append(output[0].shape[1])
+
             for name, module in compressed.named_modules():
                 if name.startswith("tps.") and name.count(".") == 1:
-                    module.register_forward_hook(
-                        lambda m, i, o: seen.append((i[0].shape[0], i[0].shape[1]))
-                    )
+                    module.register_forward_hook(record)
             out = compressed(images)
     finally:
         torch.set_default_dtype(default)
@@ -269,6 +274,14 @@ def test_padded_windows_reduce_by_groups_exact_at_keep_one(method):
     by_block = seen[:3]
     assert by_block == [(2, 49), (4, 35), (2, 25)], seen
     assert (2, 36) in seen
+    # Each group keeps its own share: ceil(0.7 n) for eTPS (EViT adds its fused token); ToMe
+    # merges round(0.3 n) of each group, not a full window's r (which left 20 of 35, 13 of 25).
+    share = {
+        "etps": [math.ceil(0.7 * n) for n in (49, 35, 25)],
+        "evit": [math.ceil(0.7 * n) + 1 for n in (49, 35, 25)],
+        "tome": [n - round(n * (1 - 0.7)) for n in (49, 35, 25)],
+    }
+    assert kept[:3] == share[method], kept
 
 
 def test_padded_windows_refuse_a_predictor_in_one_line():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import operator
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -199,9 +200,15 @@ class GuardedTracer(LeafFallbackTracer):
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, *rest, **kw)
         self._computing = True  # the example runs through the modules as plain eager code
         try:
-            self._values[proxy.node] = self._run(kind, target, args, kwargs)
+            value = self._run(kind, target, args, kwargs)
         finally:
             self._computing = False
+        if value is not _NO_VALUE:
+            self._values[proxy.node] = value
+            # A node is only ever read again through its proxy: once the traced code drops the
+            # proxy, its value goes too. Keeping every value held the whole model's activations
+            # (SAM-B at 1024 px ran out of 24 GB here); now the trace holds what eager code would.
+            weakref.finalize(proxy, self._values.pop, proxy.node, None)
         return proxy
 
     # While the example runs, module calls and attribute reads are the patched ones of the trace:

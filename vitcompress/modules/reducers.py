@@ -307,13 +307,25 @@ class MergeReducer(RecordsAssignment, nn.Module):
     proportional attention of the blocks after it. ``None`` sizes mean all 1 (nothing merged yet).
     """
 
-    def __init__(self, prefix_tokens: int, r: int) -> None:
+    def __init__(self, prefix_tokens: int, r: int, keep: float | None = None) -> None:
         super().__init__()
         self.prefix_tokens = prefix_tokens
         self.r = r
+        # Given, r is read off the tokens that arrive: round(n * (1 - keep)). A windowed block
+        # with padded windows reduces its groups of windows (49, 35, 25 real tokens) with this
+        # one module, and each group must keep its share, not lose a full window's r.
+        self.keep = keep
 
     def extra_repr(self) -> str:
-        return f"prefix_tokens={self.prefix_tokens}, r={self.r}"
+        share = f", keep={self.keep:g}" if self.keep is not None else ""
+        return f"prefix_tokens={self.prefix_tokens}, r={self.r}{share}"
+
+    def merged(self, tokens: int) -> int:
+        """Tokens merged out of ``tokens`` arriving (prefix tokens included)."""
+        if self.keep is None:
+            return self.r
+        patches = tokens - self.prefix_tokens
+        return min(round(patches * (1.0 - self.keep)), patches // 2)
 
     def forward(
         self,
@@ -324,7 +336,7 @@ class MergeReducer(RecordsAssignment, nn.Module):
         sizes: Tensor | None = None,
         trace: tuple = (),
     ) -> tuple[Tensor, None, Tensor | None, Tensor | None, tuple]:
-        matching = bipartite_soft_matching(metric, self.r, self.prefix_tokens)
+        matching = bipartite_soft_matching(metric, self.merged(metric.shape[1]), self.prefix_tokens)
         self._recorded(x, matching=matching)
         if matching.src.shape[1] == 0:  # r = 0 merges nothing: the tokens pass as they came
             return x, None, positions, sizes, trace

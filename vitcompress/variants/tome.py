@@ -195,7 +195,12 @@ class TokenMerging(Variant):
         return None
 
     def build_reducer(self, block: Block, location: Location, plan: Plan) -> nn.Module:
-        return MergeReducer(prefix_tokens=block.prefix_tokens, r=location.merge_tokens or 0)
+        # Padded windows come in groups of fewer real tokens: with a keep ratio (no r given),
+        # each group merges its own share; a given r is ToMe's own setting, the same everywhere.
+        share = location.keep if block.windows is not None and self.r is None else None
+        return MergeReducer(
+            prefix_tokens=block.prefix_tokens, r=location.merge_tokens or 0, keep=share
+        )
 
 
 @register_variant
