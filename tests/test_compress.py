@@ -233,3 +233,21 @@ def _source_of_small_vit():
     from vitcompress.loading import ModelSource
 
     return ModelSource(spec="vit_small_patch16_224", model_args=dict(SMALL))
+
+
+def test_a_float64_model_is_captured_on_a_float64_example():
+    # torch's default dtype stays float32: the capture's example takes the model's dtype, where
+    # a float32 example made the model fail and the input size was blamed.
+    assert torch.get_default_dtype() == torch.float32
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=10
+    ).double()
+    model.eval()
+    images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        base = model(images)
+        same = vitcompress.compress(model, "etps", keep=1.0, input_size=(3, 32, 32))(images)
+        reduced = vitcompress.compress(model, "etps", keep=0.7, input_size=(3, 32, 32))(images)
+    assert same.dtype == torch.float64 and (same - base).abs().max() <= 1e-12
+    assert reduced.dtype == torch.float64 and reduced.shape == base.shape

@@ -46,9 +46,22 @@ from vitcompress.variants import Variant
 EXAMPLE_BATCH = 2  # batch 1 would hide which dimension is the batch
 
 
-def example_input(input_size: tuple[int, ...]) -> torch.Tensor:
+def example_input(
+    input_size: tuple[int, ...], dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The capture's example batch: seeded noise of ``input_size``, in ``dtype`` (default: torch's
+    default dtype)."""
     generator = torch.Generator().manual_seed(0)
-    return torch.randn(EXAMPLE_BATCH, *input_size, generator=generator)
+    return torch.randn(EXAMPLE_BATCH, *input_size, generator=generator, dtype=dtype)
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The floating dtype of ``model``'s first floating parameter or buffer: the input it takes
+    (a float64 model is traced on a float64 example, not refused for the default float32)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return torch.get_default_dtype()
 
 
 def resolve_input_size(model: nn.Module, input_size: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -69,7 +82,7 @@ def capture_and_map(
     image model) is the caller's mistake, not a capture failure: that is told apart by running
     the model itself, only after the capture failed, and raised as ``ModelInputError``.
     """
-    example = example_input(input_size)
+    example = example_input(input_size, model_dtype(model))
     try:
         captured = capture(model, example)
     except CaptureError:
