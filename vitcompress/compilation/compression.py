@@ -46,9 +46,7 @@ from vitcompress.variants import Variant
 EXAMPLE_BATCH = 2  # batch 1 would hide which dimension is the batch
 
 
-def example_input(
-    input_size: tuple[int, ...], dtype: torch.dtype | None = None
-) -> torch.Tensor:
+def example_input(input_size: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
     """The capture's example batch: seeded noise of ``input_size``, in ``dtype`` (default: torch's
     default dtype)."""
     generator = torch.Generator().manual_seed(0)
