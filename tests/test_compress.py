@@ -251,3 +251,27 @@ def test_a_float64_model_is_captured_on_a_float64_example():
         reduced = vitcompress.compress(model, "etps", keep=0.7, input_size=(3, 32, 32))(images)
     assert same.dtype == torch.float64 and (same - base).abs().max() <= 1e-12
     assert reduced.dtype == torch.float64 and reduced.shape == base.shape
+
+
+@pytest.mark.parametrize("variant", ["etps", "evit"])
+def test_a_score_read_off_every_query_costs_no_second_attention(variant):
+    # Without a cls token the score is the attention each token receives from every query: the
+    # hook computes the probabilities once and the output from them. The fused kernel plus a
+    # second q k^T for the score counted half the attention again (SAM-B at 1024 px cost more
+    # than its base at keep 0.7).
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_tiny_patch16_224", img_size=64, patch_size=8, depth=3, class_token=False,
+        global_pool="avg", num_classes=10,
+    ).eval()  # fmt: skip
+    size = (3, 64, 64)
+    compressed = vitcompress.compress(
+        model, variant, keep=[1.0] * 3, locs=[0, 1, 2], input_size=size
+    )
+    tokens, width, blocks = 64, 192, 3
+    second_qk = blocks * tokens * tokens * width  # what a second q k^T would add
+    extra = count_macs(compressed, size) - count_macs(model, size)
+    assert 0 <= extra < second_qk / 4, (extra, second_qk)
+    images = torch.randn(2, *size)
+    with torch.no_grad():
+        assert torch.allclose(compressed(images), model(images), atol=1e-5)

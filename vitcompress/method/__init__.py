@@ -5,7 +5,7 @@ tokens are ``(B, N, C)``, per-token scores and masks are ``(B, N)``, indices are
 refer to positions along ``N``.
 """
 
-from vitcompress.method.attention import masked_attention, masked_softmax
+from vitcompress.method.attention import attention_with_probs, masked_attention, masked_softmax
 from vitcompress.method.keep import (
     CumulativeKeep,
     KeepListError,
@@ -68,6 +68,7 @@ __all__ = [
     "gather_tokens",
     "keep_count",
     "key_scores_to_tokens",
+    "attention_with_probs",
     "masked_attention",
     "masked_host_index",
     "masked_softmax",

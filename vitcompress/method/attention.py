@@ -1,4 +1,5 @@
-"""Attention with a key mask, for training with soft-dropped tokens (DynamicViT's form)."""
+"""Attention computed explicitly: with a key mask, for training with soft-dropped tokens
+(DynamicViT's form), and with its probabilities kept, for a score that needs them all."""
 
 from __future__ import annotations
 
@@ -65,3 +66,17 @@ def masked_attention(
     logits = add_attention_bias((q @ k.transpose(-2, -1)) * scale, bias)
     probs = masked_softmax(logits, keep_mask)
     return probs @ v, probs
+
+
+def attention_with_probs(
+    q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Attention ``(B, H, N, D)`` and its probabilities from one ``q @ k^T``: for a score read off
+    every query's attention (no cls row), where the fused kernel and a second ``q @ k^T`` for
+    the score would cost 1.5 times the attention. The softmax runs in at least float32 (half
+    precision is widened); the probabilities are returned so, the output in ``v``'s dtype."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    wide = torch.promote_types(q.dtype, torch.float32)  # half precision up, float64 kept
+    logits = add_attention_bias((q.to(wide) @ k.to(wide).transpose(-2, -1)) * scale, bias)
+    probs = logits.softmax(dim=-1)
+    return probs.to(v.dtype) @ v, probs

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vitcompress.method import (
+    attention_with_probs,
     cls_attention_score,
     key_scores_to_tokens,
     masked_attention,
@@ -49,6 +50,10 @@ class _ScoringHook(nn.Module):
         return (
             f"prefix_tokens={self.prefix_tokens}, has_cls={self.has_cls}, score={self.score}{keys}"
         )
+
+    def _scores_every_query(self) -> bool:
+        """Whether the score is read off every query's attention (no cls row to read it from)."""
+        return self.score and not self.keys and not self.has_cls
 
     def _score_qk(
         self,
@@ -129,6 +134,12 @@ class SDPAHook(_ScoringHook):
             out, probs = masked_attention(q, k, v, keep_mask, scale, attn_mask)
             if dropout_p > 0.0:
                 out = F.dropout(probs, dropout_p, self.training) @ v
+        elif self._scores_every_query() and dropout_p == 0.0 and not is_causal and not kwargs:
+            # Without a cls row the score needs every query's probabilities: compute them once
+            # and the output from them (2 N^2 D), not the fused kernel and a second q k^T (3).
+            out, probs = attention_with_probs(q, k, v, scale, attn_mask)
+            scores = score_from_probs(probs, self.prefix_tokens, has_cls=False).to(q.dtype)
+            return out, self._per_token(scores, q.shape[-2], positions)
         else:
             out = F.scaled_dot_product_attention(
                 q,

@@ -324,7 +324,9 @@ class MergeReducer(RecordsAssignment, nn.Module):
         """Tokens merged out of ``tokens`` arriving (prefix tokens included)."""
         if self.keep is None:
             return self.r
-        patches = tokens - self.prefix_tokens
+        # A window group's token count is fixed by the model (not by the batch): an exporter's
+        # traced size is read as the constant it is.
+        patches = int(tokens) - self.prefix_tokens
         return min(round(patches * (1.0 - self.keep)), patches // 2)
 
     def forward(

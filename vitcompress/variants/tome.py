@@ -197,7 +197,8 @@ class TokenMerging(Variant):
     def build_reducer(self, block: Block, location: Location, plan: Plan) -> nn.Module:
         # Padded windows come in groups of fewer real tokens: with a keep ratio (no r given),
         # each group merges its own share; a given r is ToMe's own setting, the same everywhere.
-        share = location.keep if block.windows is not None and self.r is None else None
+        padded = block.windows is not None and block.windows.padded
+        share = location.keep if padded and self.r is None else None
         return MergeReducer(
             prefix_tokens=block.prefix_tokens, r=location.merge_tokens or 0, keep=share
         )
