@@ -15,8 +15,15 @@ On the Fashion-MNIST base of ``benchmarks/fashion_mnist_repro.py`` (its cached
    placement's of the same variant at the same budget, with the noise of one fine-tune
    (``--noise``, docs/results.md: about 0.6 points).
 
+4. With ``--proxy-steps N``, a stronger proxy beside the search's score: each fine-tuned
+   configuration is also fine-tuned for N steps only (its own cosine schedule) on the training
+   split less its last ``--proxy-holdout`` images and scored by top-1 on those (never the test
+   split), and the Spearman of that score with the fine-tuned top-1 is reported with its
+   interval. A search could afford this for its top few candidates.
+
 Resumable: the search has its own cache, and each fine-tuned configuration's result is cached in
-``--out/runs`` (keyed by the configuration and the base's hash), so a stopped run continues.
+``--out/runs`` (keyed by the configuration and the base's hash), and a fine-tune stopped midway
+continues from its last checkpoint.
 ``--quick``: a random tiny base on random images, a few steps each: checks the machinery in about
 a minute, says nothing about the proxy.
 
@@ -172,7 +179,10 @@ def fine_tune_one(
     )
     before = evaluate(student.model, test_set, batch_size=256)["top1"]
     out = runs_dir / name
-    shutil.rmtree(out, ignore_errors=True)
+    # An interrupted fine-tune (a session ending mid-run) continues from its last checkpoint.
+    resume = (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step-*.pt"))
+    if not resume:
+        shutil.rmtree(out, ignore_errors=True)
     config = FinetuneConfig(
         epochs=args.ft_epochs,
         batch_size=args.batch,
@@ -182,6 +192,8 @@ def fine_tune_one(
         smoothing=0.1,
         log_every=50,
         keep_checkpoints=1,
+        save_every=100,  # lose at most 100 steps
+        resume=resume,
         max_steps=args.max_steps,
     )
     started = time.perf_counter()

@@ -1,0 +1,97 @@
+"""GMACs at keep 0.7 against the base for the windowed families (docs/windowed.md, "Families").
+
+For each model: ``count_macs(compress(model, method, keep=[0.7]), size) / count_macs(model,
+size)`` at its default locations (every windowed block), randomly initialised (the count does
+not depend on the weights). A method the tool refuses on the model is reported with its one-line
+reason. One process, one thread; the largest (SAM-B at 1024 px) needs about 8 GB.
+
+Example (the run in docs/windowed.md)::
+
+    python benchmarks/windowed_gmacs.py --json-out benchmarks/results/windowed/gmacs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import timm
+import torch
+
+from vitcompress import compress
+from vitcompress.errors import UserError
+from vitcompress.measure import count_macs
+
+# name -> (timm model, input side, timm kwargs)
+MODELS: dict[str, tuple[str, int, dict]] = {
+    "swin": ("swin_tiny_patch4_window7_224", 224, {}),
+    "maxvit": ("maxvit_pico_rw_256", 256, {}),
+    "tiny_vit": ("tiny_vit_5m_224", 224, {}),
+    "davit": ("davit_tiny", 224, {}),
+    "gcvit": ("gcvit_xxtiny", 224, {}),
+    "nest": ("nest_tiny", 224, {}),
+    "samvit448": ("samvit_base_patch16", 448, {"img_size": 448}),
+    "samvit1024": ("samvit_base_patch16", 1024, {}),
+}
+METHODS = ("dtps", "etps", "evit", "tome")
+
+
+def measure(name: str, methods: list[str]) -> dict:
+    spec, side, kwargs = MODELS[name]
+    torch.manual_seed(0)
+    model = timm.create_model(spec, pretrained=False, **kwargs).eval()
+    size = (3, side, side)
+    base = count_macs(model, size)
+    row: dict = {"model": spec, "side": side, "base_gmacs": base / 1e9}
+    for method in methods:
+        started = time.perf_counter()
+        try:
+            compressed = compress(model, method, keep=[0.7], input_size=size)
+        except UserError as refusal:
+            row[method] = {"refused": str(refusal)}
+        else:
+            row[method] = {"ratio": count_macs(compressed, size) / base}
+            del compressed
+        row[method]["seconds"] = time.perf_counter() - started
+        print(name, method, row[method], flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--models", default=",".join(MODELS), help="comma-separated, of: " + ",".join(MODELS)
+    )
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    rows = {name: measure(name, args.methods.split(",")) for name in args.models.split(",")}
+    print("| model | px | base GMACs | " + " | ".join(args.methods.split(",")) + " |")
+    print("|---|---|---|" + "---|" * len(args.methods.split(",")))
+    for row in rows.values():
+        cells = [
+            f"{row[m]['ratio']:.3f}" if "ratio" in row[m] else "refused"
+            for m in args.methods.split(",")
+        ]
+        print(
+            f"| {row['model']} | {row['side']} | {row['base_gmacs']:.2f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(
+            json.dumps({"rows": rows, "command": " ".join(sys.argv)}, indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
