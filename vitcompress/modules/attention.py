@@ -235,6 +235,13 @@ class MHAHook(_ScoringHook):
         else:
             dropout = mha.dropout if self.training else 0.0
             bias = None if sizes is None else _size_bias(sizes, k.shape[-2], q.dtype)
+            if self._scores_every_query() and dropout == 0.0:  # as SDPAHook: one q k^T
+                y, probs = attention_with_probs(q, k, v, None, bias)
+                out = mha.out_proj(y.transpose(1, 2).reshape(b, n, c))
+                if not mha.batch_first:
+                    out = out.transpose(0, 1)
+                scores = score_from_probs(probs, self.prefix_tokens, has_cls=False).to(q.dtype)
+                return out, None, self._per_token(scores, n, positions)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)
         out = mha.out_proj(y.transpose(1, 2).reshape(b, n, c))
         if not mha.batch_first:

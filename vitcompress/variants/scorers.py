@@ -111,14 +111,14 @@ class AttentionScorer(Scorer):
     attention_gives: str = ATTENTION_GIVES_SCORE
 
     def macs(self, cost: ScoringCost) -> float:
-        """On a fused attention kernel the hook recomputes the score rows beside it (the cls row
-        with a cls token, all rows without); a softmax in the graph gives them for free."""
-        if not cost.fused_attention:
+        """On a fused attention kernel the hook recomputes the cls row beside it; without a cls
+        token it computes the attention once, output and probabilities alike
+        (``attention_with_probs``), and a softmax in the graph gives the rows for free."""
+        if not cost.fused_attention or not (cost.cls_token and cost.prefix_tokens > 0):
             return 0.0
         tokens = cost.prefix_tokens + cost.patch_tokens
         keys = tokens if cost.key_tokens is None else cost.key_tokens
-        queries = 1 if cost.cls_token and cost.prefix_tokens > 0 else tokens
-        return queries * keys * cost.attention_width
+        return keys * cost.attention_width
 
     def refusal(self, model_map: ModelMap, plan: Plan) -> str | None:
         """A block whose attention cores do not make one map (``Block.score_blocker``, see
