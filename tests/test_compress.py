@@ -275,3 +275,48 @@ def test_a_score_read_off_every_query_costs_no_second_attention(variant):
     images = torch.randn(2, *size)
     with torch.no_grad():
         assert torch.allclose(compressed(images), model(images), atol=1e-5)
+
+
+def test_a_multihead_attention_model_without_cls_scores_with_one_attention():
+    # nn.MultiheadAttention hides its weights: the hook recomputes attention from the module's
+    # projections, and without a cls token takes the score and the output from one q k^T.
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm1, self.norm2 = torch.nn.LayerNorm(32), torch.nn.LayerNorm(32)
+            self.attn = torch.nn.MultiheadAttention(32, 2, batch_first=True)
+            self.mlp = torch.nn.Sequential(
+                torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)
+            )
+
+        def forward(self, x):
+            y = self.norm1(x)
+            x = x + self.attn(y, y, y, need_weights=False)[0]
+            return x + self.mlp(self.norm2(x))
+
+    class NoClsViT(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.patch_embed = torch.nn.Conv2d(3, 32, 4, 4)
+            self.pos_embed = torch.nn.Parameter(torch.randn(1, 64, 32) * 0.02)
+            self.blocks = torch.nn.Sequential(*(Block() for _ in range(3)))
+            self.head = torch.nn.Linear(32, 10)
+
+        def forward(self, images):
+            x = self.patch_embed(images).flatten(2).transpose(1, 2) + self.pos_embed
+            return self.head(self.blocks(x).mean(dim=1))
+
+    torch.manual_seed(0)
+    model = NoClsViT().eval()
+    size = (3, 32, 32)
+    compressed = vitcompress.compress(
+        model, "etps", keep=[1.0] * 3, locs=[0, 1, 2], input_size=size
+    )
+    second_qk = 3 * 64 * 64 * 32
+    extra = count_macs(compressed, size) - count_macs(model, size)
+    assert extra < second_qk / 4, (extra, second_qk)
+    images = torch.randn(2, *size)
+    with torch.no_grad():
+        assert torch.allclose(compressed(images), model(images), atol=1e-5)
+        reduced = vitcompress.compress(model, "etps", keep=0.7, input_size=size)(images)
+    assert reduced.shape == (2, 10) and torch.isfinite(reduced).all()

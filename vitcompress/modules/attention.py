@@ -228,6 +228,7 @@ class MHAHook(_ScoringHook):
         q = F.linear(query, w_q, b_q).reshape(b, n, heads, c // heads).transpose(1, 2)
         k = F.linear(key, w_k, b_k).reshape(b, -1, heads, c // heads).transpose(1, 2)
         v = F.linear(value, w_v, b_v).reshape(b, -1, heads, c // heads).transpose(1, 2)
+        scores = None  # a score read off the attention computed here, where one is
         if _applies(keep_mask, k.shape[-2]):
             y, probs = masked_attention(q, k, v, keep_mask)
             if mha.dropout > 0.0 and self.training:
@@ -237,12 +238,10 @@ class MHAHook(_ScoringHook):
             bias = None if sizes is None else _size_bias(sizes, k.shape[-2], q.dtype)
             if self._scores_every_query() and dropout == 0.0:  # as SDPAHook: one q k^T
                 y, probs = attention_with_probs(q, k, v, None, bias)
-                out = mha.out_proj(y.transpose(1, 2).reshape(b, n, c))
-                if not mha.batch_first:
-                    out = out.transpose(0, 1)
                 scores = score_from_probs(probs, self.prefix_tokens, has_cls=False).to(q.dtype)
-                return out, None, self._per_token(scores, n, positions)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)
+                scores = self._per_token(scores, n, positions)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)
         out = mha.out_proj(y.transpose(1, 2).reshape(b, n, c))
         if not mha.batch_first:
             out = out.transpose(0, 1)
@@ -250,4 +249,6 @@ class MHAHook(_ScoringHook):
             return out, None
         if self.keys:
             return out, None, k.mean(dim=1)
-        return out, None, self._score_qk(q, k, None, positions)
+        if scores is None:
+            scores = self._score_qk(q, k, None, positions)
+        return out, None, scores
