@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fashion_mnist_repro as repro  # noqa: E402 - the runs' base, its input size, the methods
-from seed_stats import Estimate, combination_interval, difference_interval, mean_interval  # noqa: E402
+from seed_stats import Estimate, combination_interval, mean_interval  # noqa: E402
 
 from vitcompress.api import load  # noqa: E402
 from vitcompress.measure import count_macs, count_params, measure_throughput  # noqa: E402
@@ -109,54 +109,48 @@ def claims(groups: dict[tuple[str, float], list]) -> list[dict[str, Any]]:
         return [run[field] for run in runs]
 
     keeps = sorted({keep for _, keep in groups}, reverse=True)
-    out = []
+    out: list[dict[str, Any]] = []
+
+    def claim(text: str, keep: Any, weighted: list, claimed_sign: int) -> None:
+        """Add the claim where every group it compares has runs."""
+        if all(values for _, values in weighted):
+            estimate = combination_interval(weighted)
+            verdict = _verdict(estimate, claimed_sign)
+            out.append({"claim": text, "keep": keep, "difference": estimate, "verdict": verdict})
+
     for tps, baseline in repro.TPS_OF.items():
         for keep in keeps:
-            a, b = values(tps, keep, "top1"), values(baseline, keep, "top1")
-            if a and b:
-                estimate = difference_interval(a, b)
-                out.append(
-                    {
-                        "claim": f"{tps} > {baseline}, top-1 after fine-tuning",
-                        "keep": keep,
-                        "difference": estimate,
-                        "verdict": _verdict(estimate, +1),
-                    }
-                )
-        # The paper claims the widening for dTPS over DynamicViT only (its Fig. 5).
-        if tps == "dtps" and len(keeps) == 2:  # (tps - baseline) at the lower keep minus higher
+            claim(
+                f"{tps} > {baseline}, top-1 after fine-tuning",
+                keep,
+                [(1.0, values(tps, keep, "top1")), (-1.0, values(baseline, keep, "top1"))],
+                +1,
+            )
+        # The paper claims the widening for dTPS over DynamicViT only (its Fig. 5):
+        # (tps - baseline) at the lower keep minus at the higher.
+        if tps == "dtps" and len(keeps) == 2:
             high, low = keeps
-            parts = [
-                values(tps, low, "top1"),
-                values(baseline, low, "top1"),
-                values(tps, high, "top1"),
-                values(baseline, high, "top1"),
-            ]
-            if all(parts):
-                estimate = combination_interval(
-                    list(zip((1.0, -1.0, -1.0, 1.0), parts, strict=True))
-                )
-                out.append(
-                    {
-                        "claim": f"{tps} - {baseline} widens from keep {high} to {low}",
-                        "keep": f"{low} vs {high}",
-                        "difference": estimate,
-                        "verdict": _verdict(estimate, +1),
-                    }
-                )
-        for keep in keeps:
-            a, b = values(tps, keep, "random_drop"), values(baseline, keep, "random_drop")
-            if a and b:
-                # A smaller drop: the TPS drop minus the baseline's is below zero.
-                estimate = difference_interval(a, b)
-                out.append(
-                    {
-                        "claim": f"{tps} drops less than {baseline} under a random policy",
-                        "keep": keep,
-                        "difference": estimate,
-                        "verdict": _verdict(estimate, -1),
-                    }
-                )
+            claim(
+                f"{tps} - {baseline} widens from keep {high} to {low}",
+                f"{low} vs {high}",
+                [
+                    (1.0, values(tps, low, "top1")),
+                    (-1.0, values(baseline, low, "top1")),
+                    (-1.0, values(tps, high, "top1")),
+                    (1.0, values(baseline, high, "top1")),
+                ],
+                +1,
+            )
+        for keep in keeps:  # a smaller drop: the TPS drop minus the baseline's below zero
+            claim(
+                f"{tps} drops less than {baseline} under a random policy",
+                keep,
+                [
+                    (1.0, values(tps, keep, "random_drop")),
+                    (-1.0, values(baseline, keep, "random_drop")),
+                ],
+                -1,
+            )
     return out
 
 
@@ -222,20 +216,16 @@ def plot(base: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    styles = {
-        "dtps": ("tab:red", "o", "-"),
-        "dynamicvit": ("tab:red", "s", "--"),
-        "etps": ("tab:blue", "o", "-"),
-        "evit": ("tab:blue", "s", "--"),
-        "tome": ("tab:green", "^", "-."),
-    }
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
 
     def series(method: str, field: str, label: str, hollow: bool = False) -> None:
-        points = sorted((r["macs"] / 1e6, r[field]) for r in rows if r["method"] == method)
+        points = sorted(
+            ((r["macs"] / 1e6, r[field]) for r in rows if r["method"] == method),
+            key=lambda point: point[0],
+        )
         if not points:
             return
-        color, marker, line = styles[method]
+        color, marker, line = repro.PLOT_STYLES[method]
         ax.errorbar(
             [x for x, _ in points],
             [e.mean for _, e in points],
@@ -251,24 +241,9 @@ def plot(base: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
     for method in repro.METHODS:
         series(method, "top1", method)
     series("tome", "top1_before", "tome, no fine-tuning", hollow=True)
-    ax.scatter(
-        [base["macs"] / 1e6],
-        [base["top1"]],
-        color="black",
-        marker="*",
-        s=90,
-        zorder=3,
-        label="base (no pruning)",
+    repro.finish_plot(
+        fig, ax, base, "Top-1 after equal fine-tuning: mean and 95% interval over seeds", path
     )
-    ax.set_xlabel("MMACs per image")
-    ax.set_ylabel("Fashion-MNIST test top-1 (%)")
-    ax.set_title("Top-1 after equal fine-tuning: mean and 95% interval over seeds", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
 
 
 def _jsonable(value: Any) -> Any:

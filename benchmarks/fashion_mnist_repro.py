@@ -99,6 +99,14 @@ BASE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 METHODS = ("dynamicvit", "evit", "dtps", "etps", "tome")
 MATCHED = "tome"  # compressed at the MMACs of the other methods' rows, by its own r
 TPS_OF = {"dtps": "dynamicvit", "etps": "evit"}  # each TPS variant and the baseline it extends
+# The plots' colour, marker and line per method: a TPS variant and its baseline share a colour.
+PLOT_STYLES = {
+    "dtps": ("tab:red", "o", "-"),
+    "dynamicvit": ("tab:red", "s", "--"),
+    "etps": ("tab:blue", "o", "-"),
+    "evit": ("tab:blue", "s", "--"),
+    "tome": ("tab:green", "^", "-."),
+}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -516,13 +524,7 @@ def plot(base: dict[str, Any], results: list[dict[str, Any]], path: Path) -> Non
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4.2))
-    styles = {
-        "dtps": ("tab:red", "o", "-"),
-        "dynamicvit": ("tab:red", "s", "--"),
-        "etps": ("tab:blue", "o", "-"),
-        "evit": ("tab:blue", "s", "--"),
-        "tome": ("tab:green", "^", "-."),
-    }
+    styles = PLOT_STYLES
     for method in METHODS:
         points = sorted(
             (r["macs"] / 1e6, r["top1"], r["keep"]) for r in results if r["method"] == method
@@ -558,6 +560,19 @@ def plot(base: dict[str, Any], results: list[dict[str, Any]], path: Path) -> Non
             markerfacecolor="none",
             label="tome, no fine-tuning",
         )
+    finish_plot(
+        fig,
+        ax,
+        base,
+        "Top-1 against compute after equal fine-tuning (keep rate beside each point)",
+        path,
+    )
+
+
+def finish_plot(fig: Any, ax: Any, base: dict[str, Any], title: str, path: Path) -> None:
+    """The base as a star, the axes, the legend; saved to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
     ax.scatter(
         [base["macs"] / 1e6],
         [base["top1"]],
@@ -569,9 +584,7 @@ def plot(base: dict[str, Any], results: list[dict[str, Any]], path: Path) -> Non
     )
     ax.set_xlabel("MMACs per image")
     ax.set_ylabel("Fashion-MNIST test top-1 (%)")
-    ax.set_title(
-        "Top-1 against compute after equal fine-tuning (keep rate beside each point)", fontsize=9
-    )
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
