@@ -15,6 +15,8 @@ Three kinds of edits, all on the graph the analysis mapped:
   restores there; one that reads values recorded on the residual stream (``value``, ``delta``)
   restores the stream and recomputes the per-token ops between it and the reader on the copy.
 Shapes are read at run time in the captured code, so blocks after a reducer accept fewer tokens.
+A windowed block is reduced and restored within itself (``compilation/windows.py``); the graph
+edits both parts share are in ``compilation/graph_edits.py``.
 """
 
 from __future__ import annotations
