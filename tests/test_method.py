@@ -195,3 +195,20 @@ def test_evit_fuse_is_the_attention_weighted_sum():
     donors = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])
     scores = torch.tensor([[0.25, 0.5]])
     torch.testing.assert_close(evit_fuse(donors, scores), torch.tensor([[[1.75, 2.5]]]))
+
+
+def test_attention_with_probs_is_the_attention_and_its_received_score():
+    from vitcompress.method import attention_with_probs, received_attention_score, score_from_probs
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 10, 8, generator=generator, dtype=torch.float64) for _ in "qkv")
+    bias = torch.randn(10, 10, generator=generator, dtype=torch.float64)
+    out, probs = attention_with_probs(q, k, v, 0.3, bias)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.3)
+    assert out.dtype == torch.float64 and torch.allclose(out, reference, atol=1e-12)
+    assert torch.allclose(probs.sum(-1), torch.ones(2, 3, 10, dtype=torch.float64))
+    scores = score_from_probs(probs, 1, has_cls=False)
+    assert torch.allclose(scores, received_attention_score(q, k, 1, 0.3, bias), atol=1e-12)
+    # Half precision: the probabilities in float32, the output in the values' dtype.
+    out_half, probs_half = attention_with_probs(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert out_half.dtype == torch.bfloat16 and probs_half.dtype == torch.float32
