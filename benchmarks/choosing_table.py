@@ -161,7 +161,7 @@ def time_models(
     models = {"base": repro.load_base(cache / "base.safetensors").model}
     for row in rows:
         first = groups[(row["method"], row["keep"])][0]
-        models[f"{row['method']}_keep{row['keep']}"] = load(cache / "runs" / first["run"]).model
+        models[f"{row['method']}_keep{row['keep']}"] = load(cache / "runs" / first["run"])
     report = measure_throughput(models, repro.INPUT_SIZE, batch_size=batch, runs=runs)
     return {name: result.median for name, result in report.results.items()}
 
