@@ -371,13 +371,13 @@ def test_nest_windows_on_their_own_axis_are_found_and_a_predictor_is_refused():
     "name, side, extra, limits",
     [
         # MaxViT's MBConv blocks run on the full grid: eTPS, which saves in the MLP only, stays
-        # above 0.85 (0.93 measured); a predictor saves in the whole attention block.
-        ("maxvit_pico_rw_256", 256, {}, {"dtps": 0.85, "etps": 0.95}),
-        # TinyViT's first stage is convolutions, and a conv sits in every block (0.85, 0.93).
-        ("tiny_vit_5m_224", 224, {}, {"dtps": 0.86, "etps": 0.95}),
+        # above 0.85 (0.888 measured); a predictor saves in the whole attention block.
+        ("maxvit_pico_rw_256", 256, {}, {"dtps": 0.85, "etps": 0.90}),
+        # TinyViT's first stage is convolutions, and a conv sits in every block (0.853, 0.888).
+        ("tiny_vit_5m_224", 224, {}, {"dtps": 0.86, "etps": 0.90}),
         # SAM's encoder at 448 (2 x 2 windows of 14, 4 global blocks): eTPS saves in the MLP
-        # only (0.867 measured), ToMe likewise (0.820).
-        ("samvit_base_patch16", 448, {"img_size": 448}, {"etps": 0.88, "tome": 0.83}),
+        # only (0.829 measured; 0.867 while the score cost a second q k^T), ToMe likewise (0.820).
+        ("samvit_base_patch16", 448, {"img_size": 448}, {"etps": 0.85, "tome": 0.83}),
     ],
 )
 def test_keep_07_costs_less_at_the_real_width(name, side, extra, limits):
