@@ -246,14 +246,11 @@ def plot(base: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
     )
 
 
-def _jsonable(value: Any) -> Any:
+def _estimate_json(value: Any) -> Any:
+    """``json.dumps``'s ``default``: an interval as mean, ci95 and n."""
     if isinstance(value, Estimate):
         return {"mean": value.mean, "ci95": [value.low, value.high], "n": value.n}
-    if isinstance(value, dict):
-        return {key: _jsonable(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_jsonable(item) for item in value]
-    return value
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         data = {"base": base, "rows": rows, "claims": verdicts, "img_per_s": speed}
         args.json_out.write_text(
-            json.dumps({**_jsonable(data), "command": " ".join(sys.argv)}, indent=2)
+            json.dumps({**data, "command": " ".join(sys.argv)}, indent=2, default=_estimate_json)
         )
     return 0
 

@@ -127,8 +127,3 @@ def combination_interval(
     df = variance**2 / sum(v**2 / dof for v, dof in parts if v > 0)
     half = t_quantile(0.5 + level / 2.0, df) * math.sqrt(variance)
     return Estimate(mean, mean - half, mean + half, n)
-
-
-def difference_interval(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Estimate:
-    """mean(a) - mean(b) with Welch's interval."""
-    return combination_interval([(1.0, a), (-1.0, b)], level)
