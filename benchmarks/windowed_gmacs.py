@@ -35,21 +35,34 @@ MODELS: dict[str, tuple[str, int, dict]] = {
     "nest": ("nest_tiny", 224, {}),
     "samvit448": ("samvit_base_patch16", 448, {"img_size": 448}),
     "samvit1024": ("samvit_base_patch16", 1024, {}),
+    "sam2_hiera": ("sam2_hiera_tiny", 224, {}),
+    "volo": ("volo_d1_224", 224, {}),
 }
 METHODS = ("dtps", "etps", "evit", "tome")
 
 
-def measure(name: str, methods: list[str]) -> dict:
+def measure(name: str, methods: list[str], carry_windows: bool = False) -> dict:
     spec, side, kwargs = MODELS[name]
     torch.manual_seed(0)
     model = timm.create_model(spec, pretrained=False, **kwargs).eval()
     size = (3, side, side)
     base = count_macs(model, size)
-    row: dict = {"model": spec, "side": side, "base_gmacs": base / 1e9}
+    row: dict = {
+        "model": spec,
+        "side": side,
+        "base_gmacs": base / 1e9,
+        "carry_windows": carry_windows,
+    }
     for method in methods:
         started = time.perf_counter()
         try:
-            compressed = compress(model, method, keep=[0.7], input_size=size)
+            compressed = compress(
+                model,
+                method,
+                keep=[0.7],
+                input_size=size,
+                variant_args={"carry_windows": True} if carry_windows else None,
+            )
         except UserError as refusal:
             row[method] = {"refused": str(refusal)}
         else:
@@ -67,12 +80,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--json-out", type=Path)
+    p.add_argument(
+        "--carry-windows",
+        action="store_true",
+        help="every method with carry_windows=True (the default locations then change too)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
-    rows = {name: measure(name, args.methods.split(",")) for name in args.models.split(",")}
+    rows = {
+        name: measure(name, args.methods.split(","), args.carry_windows)
+        for name in args.models.split(",")
+    }
     print("| model | px | base GMACs | " + " | ".join(args.methods.split(",")) + " |")
     print("|---|---|---|" + "---|" * len(args.methods.split(",")))
     for row in rows.values():

@@ -96,6 +96,23 @@ def _nest() -> nn.Module:
     return timm.create_model("nest_tiny", img_size=64, num_classes=10)
 
 
+def _sam2_hiera() -> nn.Module:
+    """64 x 64: stage grids 16, 8, 4, 2. Block 0 in 16 windows of 4 x 4; blocks 1, 3 and 5 pool
+    their queries (stage transitions); block 2 in 4 windows of 4 x 4, block 4 global (one
+    window of the 4 x 4 grid), block 6 one window of 2 x 2. timm starts its head at zero: it is
+    drawn here, so that the logits carry the features' errors."""
+    model = timm.create_model(
+        "sam2_hiera_tiny",
+        num_classes=10,
+        embed_dim=32,
+        stages=(1, 2, 2, 2),
+        window_spec=(4, 4, 4, 2),
+        global_att_blocks=(4,),
+    )
+    nn.init.normal_(model.head.fc.weight, std=0.2)
+    return model
+
+
 def _gcvit() -> nn.Module:
     return timm.create_model("gcvit_xxtiny", img_size=64, num_classes=10)
 
@@ -123,6 +140,7 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], int, tuple[str, ...]]] = {
     "gcvit": (_gcvit, 64, ("etps", "evit", "tome")),  # a predictor is refused: see below
     "sam_vit": (_sam_vit, 64, ("etps", "evit", "tome")),  # as is a predictor here
     "nest": (_nest, 64, ("etps", "evit", "tome")),  # and here
+    "sam2_hiera": (_sam2_hiera, 64, METHODS),  # its query-pooling blocks left whole
     "hf_swin": (_hf_swin(False), 56, METHODS),
     "hf_swinv2": (_hf_swin(True), 56, METHODS),
 }
@@ -315,10 +333,47 @@ def test_onnx_export_matches(family, tmp_path):
 
 
 # --- Refused in one line ----------------------------------------------------------------------
-def test_hiera_pooled_query_windows_are_refused_in_one_line():
-    model = timm.create_model("sam2_hiera_tiny", num_classes=10).eval()
+def test_sam2_hiera_pooled_query_blocks_are_left_whole_and_the_rest_map():
+    """SAM2-Hiera's stage transitions pool their queries within each window: those blocks are
+    left whole, each named with why, and the windowed and global blocks around them map, their
+    attention reading ``B, H, W, C = x.shape`` as a product only (a predictor hands it K x 1)."""
+    model, size = _build("sam2_hiera")
+    model_map = map_model(model, size)
+    assert [b.path for b in model_map.blocks] == ["blocks.0", "blocks.2", "blocks.4", "blocks.6"]
+    assert [(b.windows.count, b.windows.tokens) for b in model_map.blocks] == [
+        (16, 16),
+        (4, 16),
+        (1, 16),
+        (1, 4),
+    ]
+    assert list(model_map.blocks[0].windows.order) == window_order(16, 16, 4)
+    assert list(model_map.blocks[1].windows.order) == window_order(8, 8, 4)
+    assert all(b.windows.spatial_product for b in model_map.blocks)
+    assert all(b.windows.attention_blocker is None for b in model_map.blocks)
+    assert model_map.left_whole == [
+        f"blocks.{i}.attn: its queries are pooled (4 queries against 16 keys per window), so "
+        "the block changes the token count and its windows cannot be reduced alike"
+        for i in (1, 3)
+    ]
+    assert model_map.to_json()["left_whole"] == model_map.left_whole
+
+
+def test_a_model_of_query_pooling_blocks_only_is_refused_in_one_line():
+    """With every windowed block pooling its queries there is nothing to reduce: the model is
+    refused with the first such block's reason."""
+    model = timm.create_model(
+        "sam2_hiera_tiny",
+        num_classes=10,
+        embed_dim=32,
+        stages=(1, 1),
+        q_pool=1,
+        window_spec=(4, 4),
+        global_att_blocks=(),
+    ).eval()
+    # The stage transition alone (a slice keeps its name, blocks.1): its input is stage 0's width.
+    model.blocks = model.blocks[1:]
     with pytest.raises(MappingError) as refused:
-        map_model(model, (3, 224, 224))
+        map_model(model, (3, 64, 64))
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith("windowed attention at blocks.1.attn: its queries are pooled")
@@ -390,17 +445,60 @@ def test_keep_07_costs_less_at_the_real_width(name, side, extra, limits):
         assert ratio < limit, (method, ratio)
 
 
-def test_an_attention_that_reads_its_windows_spatial_size_refuses_a_predictor():
+def test_an_attention_that_reads_its_windows_size_as_a_product_takes_a_predictor():
     """VOLO's one-window blocks norm the (B, H, W, C) stream and read ``B, H, W, C = x.shape``
-    inside the attention: a predictor, which hands the attention (B * windows, K, C), is refused
-    in one line; eTPS, which reduces after the attention, compresses exactly."""
+    inside the attention, using H and W only as H * W and to lay its output back out: a
+    predictor hands it the kept tokens as (B, K, 1, C), exact at keep 1 in float64 on sharpened
+    weights, and keeps int(0.7 N) of them at keep 0.7."""
+    torch.manual_seed(0)
+    volo = sharpen(timm.create_model("volo_d1_224", img_size=64, num_classes=10)).double()
+    size = (3, 64, 64)
+    images = _images(size, torch.float64)
+    blocks = map_model(volo, size).blocks
+    windowed = [b for b in blocks if b.windows is not None]
+    assert windowed and all(b.windows.spatial_product for b in windowed)
+    with torch.no_grad():
+        base = volo(images)
+        for method in PREDICTORS:
+            out = compress(volo, method, keep=[1.0], input_size=size).double()(images)
+            assert (out - base).abs().max() <= 1e-9 * base.abs().max(), method
+        compressed = compress(volo, "dtps", keep=[0.7], input_size=size).double()
+        seen = []
+        for name, module in compressed.named_modules():
+            if name.startswith("tps.") and name.count(".") == 1:
+                module.register_forward_hook(lambda m, i, o: seen.append(tuple(o[0].shape)))
+        assert compressed(images).shape == base.shape
+    assert seen and all(shape[1] == 11 for shape in seen)  # int(0.7 * 16) of a 4 x 4 grid
+
+
+class _RowScaledAttention(nn.Module):
+    """VOLO's attention, then each row of the window scaled by its row number: it reads H
+    alone (``torch.arange(H)``), which a K x 1 stand-in for the window would get wrong."""
+
+    def __init__(self, attention: nn.Module) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, W, C = x.shape
+        rows = torch.arange(H, dtype=x.dtype, device=x.device).view(1, H, 1, 1)
+        return self.attention(x) * (1 + rows)
+
+
+def test_an_attention_that_reads_a_windows_row_alone_refuses_a_predictor():
     torch.manual_seed(0)
     volo = timm.create_model("volo_d1_224", img_size=64, num_classes=10).eval()
+    for block in volo.network[2]:
+        block.attn = _RowScaledAttention(block.attn)
     size = (3, 64, 64)
     with pytest.raises(UserError) as refused:
         compress(volo, "dtps", keep=[0.7], input_size=size)
     message = str(refused.value)
-    assert "\n" not in message and "reads the windows' spatial size" in message
+    assert "\n" not in message
+    assert (
+        "reads the windows' spatial size off" in message
+        and "other than as their product" in message
+    )
     images = torch.randn(2, *size)
     with torch.no_grad():
         same = compress(volo, "etps", keep=[1.0], input_size=size)(images)

@@ -48,6 +48,7 @@ from vitcompress.analysis.windows import (
     find_windowed_blocks,
     is_windowed,
     on_grid,
+    pooled_query_blocker,
     through_grid,
     through_layout,
 )
@@ -290,6 +291,15 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         for c in cores
         if is_windowed(c, image_batch) or (c.node not in in_residuals and on_grid(gm, c, anc))
     ]
+    # A windowed block that pools its queries (SAM2-Hiera's stage transitions) changes the token
+    # count: it is left whole, neither a windowed nor a plain block, and its reason is kept.
+    left_whole = {
+        c.node: f"{c.path or c.node}: {reason}"
+        for c in windowed_cores
+        if (reason := pooled_query_blocker(c)) is not None
+    }
+    windowed_cores = [c for c in windowed_cores if c.node not in left_whole]
+    cores = [c for c in cores if c.node not in left_whole]
     try:
         windowed = (
             find_windowed_blocks(gm, captured.example, windowed_cores, residuals, image_batch, anc)
@@ -355,6 +365,8 @@ def analyse(captured: CapturedGraph) -> ModelMap:
             )
         )
     pairs.sort(key=lambda pair: anc.index[pair[0].add])
+    if not pairs and left_whole:
+        raise MappingError(f"windowed attention at {next(iter(left_whole.values()))}")
     if not pairs:
         window_axis = find_window_axis_attention(gm, image_batch)
         if window_axis:
@@ -511,6 +523,7 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         stages=stages,
         blocks=blocks,
         leaves=list(captured.leaves),
+        left_whole=list(left_whole.values()),
         cls_token=cls_token,
         final_norm=find_final_norm(gm, last),
     )

@@ -164,6 +164,9 @@ class Windows:
     tables: list[PositionUse] = field(default_factory=list)
     # Why the attention cannot run on fewer tokens per window (a table that cannot follow them).
     attention_blocker: str | None = None
+    # The attention reads the windows' spatial sizes, only as their product (``B, H, W, C =
+    # x.shape`` then ``reshape(B, H * W, ...)``): a predictor hands it (B * count, K, 1, C).
+    spatial_product: bool = False
 
     @property
     def padded(self) -> bool:
@@ -195,6 +198,7 @@ class Windows:
             "order": list(self.order),
             "tables": [use.to_json() for use in self.tables],
             "attention_blocker": self.attention_blocker,
+            "spatial_product": self.spatial_product,
         }
 
     @classmethod
@@ -206,6 +210,7 @@ class Windows:
             "",
             tables=[PositionUse.from_json(use) for use in data.get("tables", [])],
             attention_blocker=data.get("attention_blocker"),
+            spatial_product=bool(data.get("spatial_product")),
         )
 
 
@@ -347,6 +352,9 @@ class ModelMap:
     stages: list[Stage]
     blocks: list[Block]
     leaves: list[str] = field(default_factory=list)  # modules kept whole by the tracer
+    # Attention blocks no method can reduce, each with why (``path: reason``): SAM2-Hiera's
+    # query-pooling stage transitions. The rest of the model compresses around them.
+    left_whole: list[str] = field(default_factory=list)
     # The head reads token 0 of the last stage: its first prefix token is a cls token. Without
     # one (global pooling, registers only), eTPS/EViT score by the attention a token receives.
     cls_token: bool = False
@@ -395,6 +403,7 @@ class ModelMap:
             ],
             "blocks": [b.to_json() for b in self.blocks],
             "leaves": self.leaves,
+            "left_whole": self.left_whole,
             "final_norm": self.final_norm,
         }
 
@@ -407,6 +416,7 @@ class ModelMap:
             stages=[Stage.from_json(stage) for stage in data["stages"]],
             blocks=[Block.from_json(block) for block in data["blocks"]],
             leaves=list(data.get("leaves", [])),
+            left_whole=list(data.get("left_whole", [])),
             cls_token=bool(data.get("cls_token")),
             final_norm=data.get("final_norm"),
         )

@@ -18,6 +18,7 @@ that mixes tokens on the way) is refused in one line naming it.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,20 @@ class WindowedBlock:
     attn: Residual
     mlp: Residual
     windows: Windows
+
+
+def pooled_query_blocker(core: AttentionCore) -> str | None:
+    """Why a windowed core's block cannot be reduced, or ``None``: SAM2-Hiera's stage
+    transitions pool the queries within each window (mask unit), so the block leaves fewer
+    tokens than it takes and no window keeps its token count. Such a block is left whole: the
+    blocks around it restore their tokens before their outputs, so it sees the full grid."""
+    if core.key_tokens is None or core.key_tokens == core.query_tokens:
+        return None
+    return (
+        f"its queries are pooled ({core.query_tokens} queries against {core.key_tokens} keys "
+        "per window), so the block changes the token count and its windows cannot be reduced "
+        "alike"
+    )
 
 
 def is_windowed(core: AttentionCore, image_batch: int) -> bool:
@@ -336,14 +351,9 @@ def find_windowed_blocks(
                 )
         if windows_in is None or ops.shape(windows_in) is None:
             raise WindowError(f"windowed attention at {where}: its query projection is not found")
-        if core.key_tokens is not None and core.key_tokens != tokens:
-            # Hiera's stage transitions pool the queries within each window (mask unit): the
-            # block leaves fewer tokens than it takes, and no window keeps its token count.
-            raise WindowError(
-                f"windowed attention at {where}: its queries are pooled ({tokens} queries "
-                f"against {core.key_tokens} keys per window), so the block changes the token "
-                "count and its windows cannot be reduced alike"
-            )
+        pooled = pooled_query_blocker(core)
+        if pooled is not None:  # the analysis leaves these whole before it gets here
+            raise WindowError(f"windowed attention at {where}: {pooled}")
         if not _is_window_shaped(ops.shape(windows_in), batch, tokens):
             raise WindowError(
                 f"windowed attention at {where}: its tokens {ops.shape(windows_in)} are not "
@@ -414,9 +424,10 @@ def find_windowed_blocks(
                     attention_blocker=query_blockers.get(core.node)
                     or _padded_blocker(order)
                     or _window_axis_blocker(windows_in, core.batch)
-                    or _spatial_shape_blocker(entering)
+                    or _spatial_shape_blocker(entering, by_name[core.node], anc)
                     or _tables_blocker(tables, by_name, core.batch, count)
                     or _unexplained_mask_blocker(by_name[core.node], tables, by_name),
+                    spatial_product=bool(spatial_reads(entering)),
                 ),
             )
         )
@@ -444,25 +455,85 @@ def _attention_input(gm: fx.GraphModule, windows_in: fx.Node, attn: Residual) ->
     return windows_in if entering is attn.skip else entering
 
 
-def _spatial_shape_blocker(entering: fx.Node) -> str | None:
-    """Why the windows entering the attention cannot be handed over as (B * windows, K, C), or
-    ``None``: an attention that reads their spatial sizes (``B, H, W, C = x.shape``, VOLO's)
-    would reshape K tokens to H x W."""
+def spatial_reads(entering: fx.Node) -> list[fx.Node]:
+    """The reads of the windows' spatial sizes off their shape (``B, H, W, C = x.shape``,
+    SAM2-Hiera's and VOLO's attention) that something uses, in axis order."""
     shape = ops.shape(entering) or ()
     if len(shape) <= 3:
-        return None
-    spatial = set(range(1, len(shape) - 1)) | set(range(-len(shape) + 1, -1))
+        return []
+    reads: dict[int, fx.Node] = {}
     for user in entering.users:
         if user.op != "call_function" or user.target is not getattr or user.args[1:] != ("shape",):
             continue
         for read in user.users:
             index = read.args[1] if len(read.args) > 1 else None
-            if read.users and isinstance(index, int) and index in spatial:
-                return (
-                    f"its attention reads the windows' spatial size off {entering.name} "
-                    f"({tuple(shape[1:-1])}), which fewer tokens per window do not have"
-                )
-    return None
+            if read.users and isinstance(index, int) and 0 < index % len(shape) < len(shape) - 1:
+                reads.setdefault(index % len(shape), read)
+    return [reads[axis] for axis in sorted(reads)]
+
+
+def _spatial_shape_blocker(entering: fx.Node, core: fx.Node, anc: Ancestry) -> str | None:
+    """Why the windows entering the attention cannot be handed over with fewer tokens, or
+    ``None``. An attention that reads their spatial sizes (``B, H, W, C = x.shape``) takes the
+    kept tokens as (B * windows, K, 1, C) instead. That is exact where it uses the sizes only as
+    their product (``reshape(B, H * W, ...)``), and, after its softmax, to lay its output back
+    out as its input was (``reshape(B, H, W, C)``). Any other use would treat K kept tokens as
+    a K x 1 grid and is refused: a row read alone, or NesT's (B, T, N, C) read as windows T and
+    tokens N, which a reshape before its softmax keeps apart."""
+    shape = ops.shape(entering) or ()
+    reads = spatial_reads(entering)
+    if not reads:
+        return None
+    axes = set(range(1, len(shape) - 1))
+    if len(reads) == len(axes) and all(
+        _only_product_or_layout(read, reads, len(shape), core, anc) for read in reads
+    ):
+        return None
+    return (
+        f"its attention reads the windows' spatial size off {entering.name} "
+        f"({tuple(shape[1:-1])}) other than as their product, and fewer tokens per window have "
+        "no such size"
+    )
+
+
+def _product_factors(node: object, reads: list[fx.Node]) -> list[fx.Node] | None:
+    """The spatial reads a product of them multiplies (``H * W``, ``T * H * W``), or ``None``
+    when ``node`` is anything else."""
+    if isinstance(node, fx.Node) and node in reads:
+        return [node]
+    if not (
+        isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.mul
+    ):
+        return None
+    left, right = (_product_factors(arg, reads) for arg in node.args)
+    return None if left is None or right is None else left + right
+
+
+def _only_product_or_layout(
+    read: fx.Node, reads: list[fx.Node], rank: int, core: fx.Node, anc: Ancestry
+) -> bool:
+    """Whether every use of one spatial read is the product of all of them, or a reshape after
+    the attention core that lays a tensor out as the windows came in: ``rank`` axes, the
+    spatial ones in their order."""
+    for user in read.users:
+        if user.op == "call_method" and user.target in ("reshape", "view"):
+            args = list(user.args[1:])
+            if len(args) == 1 and isinstance(args[0], (list, tuple)):
+                args = list(args[0])
+            if len(args) != rank or args[1:-1] != reads or not anc.is_ancestor(core, user):
+                return False
+            continue
+        product = user
+        while True:
+            factors = _product_factors(product, reads)
+            if factors is None:
+                return False
+            if sorted(factors, key=reads.index) == reads and len(factors) == len(reads):
+                break
+            if len(product.users) != 1:
+                return False
+            product = next(iter(product.users))
+    return True
 
 
 def _unexplained_mask_blocker(

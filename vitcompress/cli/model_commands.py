@@ -84,6 +84,12 @@ def inspect(model: ModelRequest, as_json: bool) -> None:
             soft_wrap=not on_terminal,
             highlight=False,
         )
+    if model_map.get("left_whole"):
+        console.print(
+            "left whole (no method reduces them): " + "; ".join(model_map["left_whole"]),
+            soft_wrap=not on_terminal,
+            highlight=False,
+        )
     if model_map["leaves"]:
         console.print(
             f"kept whole by the tracer: {', '.join(model_map['leaves'])}", soft_wrap=not on_terminal

@@ -28,7 +28,7 @@ def plan_from_cumulative(
     """
     if locs is not None and not isinstance(locs, list):
         raise PlanError(f"must be a list of block indices or None, got {locs!r}", "locs")
-    locations = default_locs(model_map) if locs is None else locs
+    locations = default_locs(model_map, method.carry_windows) if locs is None else locs
     # Indices out of range are make_plan's to refuse; only the ones in range are looked up here.
     depth = len(model_map.blocks)
     stages = [

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from vitcompress.analysis.model_map import Block, ModelMap
@@ -54,6 +54,9 @@ class Location:
     # Windows per image where the block attends within windows: the counts above are then a
     # window's, each location reduces every window alike and its block restores them all.
     windows: int | None = None
+    # The windowed blocks after this one that reduce by its choice (the method's
+    # ``carry_windows``): each in the same windows, with no other location between.
+    carried: tuple[int, ...] = ()
 
 
 @dataclass
@@ -93,7 +96,10 @@ class Plan:
         return cls(
             method=variant_from_json(data),
             policy=data["policy"],
-            locations=[Location(**loc) for loc in data["locations"]],
+            locations=[
+                Location(**{**loc, "carried": tuple(loc.get("carried", ()))})
+                for loc in data["locations"]
+            ],
         )
 
 
@@ -107,9 +113,11 @@ def variant_from_json(data: dict[str, Any]) -> Variant:
 
 def _location_json(location: Location) -> dict[str, Any]:
     data = asdict(location)
-    for optional in ("merge_tokens", "windows"):  # said only where they apply
-        if data[optional] is None:
+    for optional in ("merge_tokens", "windows", "carried"):  # said only where they apply
+        if not data[optional]:
             del data[optional]
+    if "carried" in data:
+        data["carried"] = list(data["carried"])
     return data
 
 
@@ -139,14 +147,20 @@ def default_keep(model_map: ModelMap) -> float:
     return 0.5 if dominant_last_stage(token_stages(model_map)) else 0.7
 
 
-def default_locs(model_map: ModelMap) -> list[int]:
+def default_locs(model_map: ModelMap, carry_windows: bool = False) -> list[int]:
     """The paper's placements: blocks at 1/4, 1/2 and 3/4 of the depth (3, 6, 9 of 12) for a
     single-stage ViT; for a CvT-like model three blocks of the last stage from its first, spaced
     ceil(L/4) (3, 6, 9 for CvT-13, 5, 9, 13 for CvT-21); for a pyramid (PVT) the first block of
     every stage but the first. Only blocks that attend over their own tokens count (CaiT's
-    class-attention blocks do not)."""
+    class-attention blocks do not).
+
+    A model of windowed blocks: every windowed block, since each restores its own tokens and
+    only its own reduction saves; with ``carry_windows``, the first block of every run of blocks
+    in the same windows (:func:`window_runs`), the rest of the run carrying its choice."""
     stages = token_stages(model_map)
     windowed = [i for blocks in stages for i in blocks if model_map.blocks[i].windows is not None]
+    if windowed and carry_windows:
+        return [run[0] for run in window_runs(model_map, windowed)]
     if windowed:  # each windowed block restores its own tokens: only its own reduction saves
         return windowed
     if dominant_last_stage(stages):
@@ -159,6 +173,33 @@ def default_locs(model_map: ModelMap) -> list[int]:
     depth = len(blocks)
     locs = sorted({depth * i // 4 for i in (1, 2, 3)} - {0})
     return [blocks[i] for i in locs] or blocks[:1]
+
+
+def same_windows(first: Block, then: Block) -> bool:
+    """Whether ``then`` attends within the windows ``first`` does, slot for slot (a shifted
+    window's order differs), neither padded: a choice of slots made in one holds in the other."""
+    a, b = first.windows, then.windows
+    return (
+        a is not None
+        and b is not None
+        and (a.count, a.tokens, a.order) == (b.count, b.tokens, b.order)
+        and not a.padded
+    )
+
+
+def window_runs(model_map: ModelMap, blocks: list[int]) -> list[list[int]]:
+    """``blocks`` (windowed, in order) cut into runs of consecutive ones in one stage and the
+    same windows: Swin's alternating shifts give runs of one, SAM2-Hiera's global stage one run."""
+    runs: list[list[int]] = []
+    for index in blocks:
+        block = model_map.blocks[index]
+        if runs:
+            last = model_map.blocks[runs[-1][-1]]
+            if last.stage == block.stage and index == last.index + 1 and same_windows(last, block):
+                runs[-1].append(index)
+                continue
+        runs.append([index])
+    return runs
 
 
 def _describe(stages: list[list[int]]) -> str:
@@ -207,7 +248,7 @@ def make_plan(
     if locs is not None and not isinstance(locs, list | tuple):
         raise PlanError(f"must be a list of block indices or None, got {locs!r}", "locs")
     depth = len(model_map.blocks)
-    locs = list(default_locs(model_map) if locs is None else locs)
+    locs = list(default_locs(model_map, method.carry_windows) if locs is None else locs)
     if not locs:
         raise PlanError("must not be empty", "locs")
     for loc in locs:
@@ -284,6 +325,8 @@ def make_plan(
         locations = method.plan_locations(model_map, locations)
     except VariantRefusal as e:
         raise PlanError(e.detail, e.parameter) from None
+    if method.carry_windows:
+        locations = _carry_windows(model_map, locations)
     plan = Plan(method=method, policy=policy, locations=locations)
     refusal = (
         method.refusal(model_map, plan)
@@ -293,6 +336,26 @@ def make_plan(
     if refusal is not None:
         raise PlanError(refusal)
     return plan
+
+
+def _carry_windows(model_map: ModelMap, locations: list[Location]) -> list[Location]:
+    """Each windowed location with the blocks after it that carry its choice: the rest of its
+    run (:func:`window_runs`) up to the next location."""
+    located = {loc.block for loc in locations}
+    windowed = [b.index for b in model_map.blocks if b.windows is not None and reduces_tokens(b)]
+    carried: dict[int, tuple[int, ...]] = {}
+    for run in window_runs(model_map, windowed):
+        owner = None
+        for index in run:
+            if index in located:
+                owner = index
+                carried[owner] = ()
+            elif owner is not None:
+                carried[owner] += (index,)
+    return [
+        replace(loc, carried=carried.get(loc.block, ())) if loc.windows else loc
+        for loc in locations
+    ]
 
 
 _MEETS = {

@@ -76,6 +76,8 @@ class _Rewriter(WindowRewrites):
     def run(self) -> fx.GraphModule:
         placement = self.plan.method.placement
         by_block = {loc.block: (i, loc) for i, loc in enumerate(self.plan.locations)}
+        carrier = {block: loc.block for loc in self.plan.locations for block in loc.carried}
+        window_traces: dict[int, fx.Node] = {}  # a windowed location's choice, to carry
         state = _Stream()
         stage = -1
         for block in self.map.blocks:
@@ -87,7 +89,9 @@ class _Rewriter(WindowRewrites):
             located = by_block.get(block.index)
             if block.windows is not None:  # reduced and restored within the block
                 if located is not None:
-                    self._reduce_in_windows(block, *located)
+                    window_traces[block.index] = self._reduce_in_windows(block, *located)
+                elif block.index in carrier:
+                    self._carry_in_windows(block, window_traces[carrier[block.index]])
                 continue
             state.node = self.nodes[block.input_node]
             if located is not None and placement == BEFORE_BLOCK:

@@ -20,6 +20,7 @@ from vitcompress.compilation.graph_edits import copy_between, erase_unused, geti
 from vitcompress.compilation.naming import REDUCER_PREFIX, RewriteError
 from vitcompress.modules.restore import TokenRestore
 from vitcompress.modules.windows import (
+    WindowCarry,
     WindowMerge,
     WindowPartition,
     WindowReplay,
@@ -33,44 +34,81 @@ from vitcompress.variants import BEFORE_BLOCK
 class WindowRewrites:
     """The windowed blocks' part of the rewriter (a mixin of ``rewrite._Rewriter``)."""
 
-    def _reduce_in_windows(self, block: Block, index: int, loc) -> None:
+    def _reduce_in_windows(self, block: Block, index: int, loc) -> fx.Node:
         """A windowed block (Swin's): its tokens go into the attention's windows, the method
         reduces every window alike, the block runs on what is kept, and restores give every
         window its tokens back before they return to their places.
 
         A method scored by the attention (or matching on its keys) reduces after it: the MLP
         runs on the kept tokens. A predictor reduces the windows entering the attention; the
-        MLP's input is then reduced by the same choice (``WindowReplay``)."""
+        MLP's input is then reduced by the same choice (``WindowReplay``). Returns the trace of
+        the choice, for the blocks that carry it (:meth:`_carry_in_windows`)."""
         method = self.plan.method
         windows = block.windows
-        skip = self.nodes[windows.mlp_input_node]
-        add = self.nodes[block.output_node]
         module = method.build_reducer(block, loc, self.plan)
         module.restore_rule = method.restore_rule
         self.reducers.add_module(str(index), module)
         target = f"{REDUCER_PREFIX}.{index}"
-        restore = self._add_hook(
-            f"restore{block.index}",
-            TokenRestore(method.restore_rule, 0, 1, where=f"block {block.index}'s windows"),
-        )
+        restore = self._window_restore(block)
         if method.placement == BEFORE_BLOCK:
             module.also_restores = method.local_restore_rule  # the window attention's restore
-            partition = self._add_hook(
-                f"windows{block.index}", WindowPartition(windows.order, windows.count)
-            )
             trace = self._reduce_window_attention(block, target)
-            replay = self._add_hook(f"replay{block.index}", WindowReplay(method.restore_rule))
-            with self.graph.inserting_before(add):
-                in_windows = self.graph.call_module(partition, (skip,))
-                replayed = self.graph.call_module(replay, (in_windows, trace))
-                tokens = self.graph.call_function(operator.getitem, (replayed, 0))
-                trace = self.graph.call_function(operator.getitem, (replayed, 1))
-                out = copy_between(self.graph, skip, add, tokens)
-                restored = [self.graph.call_module(restore, (out, trace))]
+            restored, trace = self._replay_window_mlp(block, trace, restore)
             order = windows.order
         else:
             given = self._hook_block_attention(block, None, True, None, None)
-            restored, order = self._reduce_window_groups(block, target, restore, given)
+            restored, order, trace = self._reduce_window_groups(block, target, restore, given)
+        self._merge_windows(block, restored, order)
+        return trace
+
+    def _carry_in_windows(self, block: Block, trace: fx.Node) -> fx.Node:
+        """A windowed block after a location, in the same windows (``Location.carried``): its
+        attention runs on the tokens the location kept (where nothing in it is laid out by a
+        position no gathered table follows, else it runs whole), then its MLP; each restores
+        by the method's rules. Nothing is scored or fused here. Returns the trace."""
+        restore = self._window_restore(block)
+        if block.windows.attention_blocker is None:
+            trace = self._reduce_window_attention(block, None, carried=trace)
+        restored, trace = self._replay_window_mlp(block, trace, restore)
+        self._merge_windows(block, restored, block.windows.order)
+        return trace
+
+    def _window_restore(self, block: Block) -> str:
+        return self._add_hook(
+            f"restore{block.index}",
+            TokenRestore(
+                self.plan.method.restore_rule, 0, 1, where=f"block {block.index}'s windows"
+            ),
+        )
+
+    def _replay_window_mlp(
+        self, block: Block, trace: fx.Node, restore: str
+    ) -> tuple[list[fx.Node], fx.Node]:
+        """The MLP's input put in the windows and reduced by the choice ``trace`` records
+        (``WindowReplay``), the MLP run on the kept tokens, restored. Returns the restored
+        windows (one tensor) and the replay's trace."""
+        windows = block.windows
+        skip = self.nodes[windows.mlp_input_node]
+        add = self.nodes[block.output_node]
+        rule = self.plan.method.restore_rule
+        partition = self._add_hook(
+            f"windows{block.index}", WindowPartition(windows.order, windows.count)
+        )
+        replay = self._add_hook(f"replay{block.index}", WindowReplay(rule))
+        with self.graph.inserting_before(add):
+            in_windows = self.graph.call_module(partition, (skip,))
+            replayed = self.graph.call_module(replay, (in_windows, trace))
+            tokens = self.graph.call_function(operator.getitem, (replayed, 0))
+            trace = self.graph.call_function(operator.getitem, (replayed, 1))
+            out = copy_between(self.graph, skip, add, tokens)
+            restored = [self.graph.call_module(restore, (out, trace))]
+        return restored, trace
+
+    def _merge_windows(self, block: Block, restored: list[fx.Node], order: tuple[int, ...]) -> None:
+        """Every window's tokens back at their places on the grid, as the block's output."""
+        windows = block.windows
+        skip = self.nodes[windows.mlp_input_node]
+        add = self.nodes[block.output_node]
         merge = self._add_hook(f"unwindows{block.index}", WindowMerge(order, windows.count))
         with self.graph.inserting_before(add):
             joined = restored[0]
@@ -82,13 +120,13 @@ class WindowRewrites:
 
     def _reduce_window_groups(
         self, block: Block, target: str, restore: str, given: fx.Node
-    ) -> tuple[list[fx.Node], tuple[int, ...]]:
+    ) -> tuple[list[fx.Node], tuple[int, ...], fx.Node]:
         """After the attention: the MLP's input in windows, each group of windows alike
         (``Windows.groups``: one group unless the windows are padded, then one per token count,
         so that no padding is kept, scored or fused), reduced by what the attention gave for
         those slots, through the MLP, restored. Returns the restored tokens of each group (one
-        tensor as the windows, or (B, tokens, C) per group where several) and their tokens'
-        order."""
+        tensor as the windows, or (B, tokens, C) per group where several), their tokens' order,
+        and the last group's trace (the only one where the windows are not padded)."""
         windows = block.windows
         groups = windows.groups()
         total = windows.count * windows.tokens
@@ -117,13 +155,17 @@ class WindowRewrites:
                     back = self.graph.call_method("flatten", (back, 1, 2))
             restored.append(back)
             order += tokens
-        return restored, order
+        return restored, order, trace
 
-    def _reduce_window_attention(self, block: Block, target: str) -> fx.Node:
-        """A predictor's reduction of the windows entering a windowed block's attention: the
-        attention runs on the kept tokens of each window (its position tables gathered by them,
-        the removed keys masked while training) and its output comes back to every token by
-        the rule that reads only the output (host, else zero). Returns the trace."""
+    def _reduce_window_attention(
+        self, block: Block, target: str | None, carried: fx.Node | None = None
+    ) -> fx.Node:
+        """A predictor's reduction of the windows entering a windowed block's attention (the
+        reducer ``target``), or the choice a location made carried to this block (its trace,
+        ``carried``): the attention runs on the kept tokens of each window (its position tables
+        gathered by them, the removed keys masked while training) and its output comes back to
+        every token by the rule that reads only the output (host, else zero). Returns the
+        trace."""
         windows = block.windows
         if windows.attention_blocker is not None:
             raise RewriteError(
@@ -139,9 +181,20 @@ class WindowRewrites:
             with self.graph.inserting_after(entering):
                 flat = self.graph.call_method("flatten", (entering, 1, -2))
         with self.graph.inserting_after(flat):
-            reducer = self.graph.call_module(target, (flat, None, None, ()))
+            if carried is None:
+                reducer = self.graph.call_module(target, (flat, None, None, ()))
+            else:
+                carry = self._add_hook(
+                    f"carry{block.index}", WindowCarry(method.local_restore_rule)
+                )
+                reducer = self.graph.call_module(carry, (flat, carried))
         tokens, keep_mask, positions, trace = getitems(self.graph, reducer, 4)
-        replace_uses(entering, tokens, {reducer, flat})
+        handed = tokens
+        if windows.spatial_product:  # it reads B, H, W, C off its input: K x 1 "windows"
+            spatial = (-1,) + (1,) * (len(ops.shape(entering)) - 3)
+            with self.graph.inserting_after(tokens):
+                handed = self.graph.call_method("unflatten", (tokens, 1, spatial))
+        replace_uses(entering, handed, {reducer, flat})
         # The tables first: one may meet the core itself (MaxViT's SDPA mask), which the hook
         # replaces.
         for number, use in enumerate(windows.tables):
@@ -159,7 +212,9 @@ class WindowRewrites:
             if whole is not table:  # the table built at the reduced size must not run
                 erase_unused(self.graph, table)
         sizes = None
-        if method.window_sizes:  # each kept key weighed by the tokens squeezed into it
+        # Each kept key weighed by the tokens squeezed into it: dTPS's window_sizes, and ToMe's
+        # proportional attention over the tokens a location merged, carried.
+        if method.window_sizes or (carried is not None and method.tracks_sizes):
             counter = self._add_hook(f"windowsizes{block.index}", WindowSizes())
             with self.graph.inserting_after(trace):
                 sizes = self.graph.call_module(counter, (trace,))

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from vitcompress.method import replay
-from vitcompress.method.restore import Removal
+from vitcompress.method.restore import MaskedRemoval, Removal
 
 
 class WindowPartition(nn.Module):
@@ -110,6 +110,33 @@ class WindowReplay(nn.Module):
             return windows, trace
         tokens, record = replay(windows, trace[-1], self.rule)
         return tokens, (record,)
+
+
+class WindowCarry(nn.Module):
+    """A windowed block after a location, in the same windows (a method's ``carry_windows``):
+    the windows entering its attention, (B * windows, N, C), reduced by the location's choice
+    (the last record of ``trace``), the kept tokens gathered and nothing fused. Returns
+    ``(tokens, keep_mask, positions, trace)`` as a reducer does: while a predictor trains,
+    every token stays and ``keep_mask`` (B * windows, N) masks the removed keys; at inference,
+    ``positions`` are the kept slots, for the position tables."""
+
+    def __init__(self, rule: str) -> None:
+        super().__init__()
+        self.rule = rule
+
+    def extra_repr(self) -> str:
+        return f"rule={self.rule!r}"
+
+    def forward(
+        self, windows: Tensor, trace: tuple
+    ) -> tuple[Tensor, Tensor | None, Tensor | None, tuple]:
+        if not trace:
+            return windows, None, None, trace
+        record = trace[-1]
+        tokens, carried = replay(windows, record, self.rule)
+        if isinstance(record, MaskedRemoval):
+            return tokens, 1.0 - record.removed, None, (carried,)
+        return tokens, None, record.keep_index, (carried,)
 
 
 class WindowTableGather(nn.Module):

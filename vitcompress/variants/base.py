@@ -77,6 +77,10 @@ class Variant:
     # Within a windowed block's reduced attention, each kept key weighted by the tokens it
     # stands for (dTPS's ``window_sizes`` setting): ``log(size)`` added to its logits.
     window_sizes: bool = False
+    # Windowed blocks after a location, within the same windows, take its choice of tokens
+    # instead of restoring them all and reducing nothing (the ``carry_windows`` setting every
+    # method takes: ``registry.COMMON_SETTINGS``; docs/windowed.md, "Restoring every block").
+    carry_windows: bool = False
 
     def __post_init__(self) -> None:
         if self.restore is not None and self.restore not in self.fuse.restore_rules:

@@ -72,15 +72,28 @@ def get_variant(name: str, args: Mapping[str, Any] | None = None) -> Variant:
             f"{', '.join(map(str, unknown))}: {name} has no such setting; {offered}",
             "variant_args",
         )
-    made = _FACTORIES[name](**args)
-    return dataclasses.replace(made, args=tuple(sorted(args.items())))
+    own = {key: value for key, value in args.items() if key not in COMMON_SETTINGS}
+    common = {key: value for key, value in args.items() if key in COMMON_SETTINGS}
+    for key, value in common.items():
+        if not isinstance(value, bool):
+            raise VariantRefusal(f"{key}: must be true or false, got {value!r}", "variant_args")
+    made = _FACTORIES[name](**own)
+    return dataclasses.replace(made, args=tuple(sorted(args.items())), **common)
+
+
+# Settings every method takes, beside its factory's own: they concern where any method's
+# reduction acts, not how it scores or fuses. ``carry_windows``: a windowed block after a
+# location, in the same windows, reduces by the location's choice (docs/windowed.md).
+COMMON_SETTINGS: dict[str, Any] = {"carry_windows": False}
 
 
 def variant_settings(name: str) -> dict[str, Any]:
-    """A registered method's settings and their defaults (its factory's keyword parameters)."""
+    """A registered method's settings and their defaults: its factory's keyword parameters,
+    then :data:`COMMON_SETTINGS`."""
     get_variant(name)  # unknown names are refused with the choices
     parameters = inspect.signature(_FACTORIES[name]).parameters.values()
-    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+    own = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+    return {**own, **COMMON_SETTINGS}
 
 
 def variant_names() -> list[str]:
