@@ -63,6 +63,7 @@ from vitcompress.loading import LoadedModel, load_base_model
 from vitcompress.measure import count_macs, count_params, measure_throughput
 from vitcompress.training.evaluate import evaluate
 from vitcompress.training.optim import build_optimizer, build_scheduler
+from vitcompress.variants.registry import COMMON_SETTINGS
 from vitcompress.workflows.finetune import FinetuneConfig, finetune
 
 SPEC = "vit_small_patch16_224"
@@ -275,13 +276,22 @@ def run_settings(args: argparse.Namespace, method: str, seed: int) -> dict[str, 
     return settings
 
 
-def matched_r(base_path: Path, keep: float, methods: list[str], locs: list[int]) -> dict[str, Any]:
+def matched_r(
+    base_path: Path,
+    keep: float,
+    methods: list[str],
+    locs: list[int],
+    variant_args: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """ToMe's r whose MMACs (before training) come nearest to the mean of ``methods``' at
-    ``keep``, with both counts."""
+    ``keep``, with both counts; every method made with ``variant_args`` (ToMe with the ones
+    every method takes, ``COMMON_SETTINGS``: ``carry_windows``)."""
     others = [m for m in methods if m != MATCHED] or [m for m in METHODS if m != MATCHED]
     target = statistics.mean(
         count_macs(
-            compress_loaded(load_base(base_path), variant=m, keep=keep, locs=locs).model,
+            compress_loaded(
+                load_base(base_path), variant=m, keep=keep, locs=locs, variant_args=variant_args
+            ).model,
             INPUT_SIZE,
         )
         for m in others
@@ -290,7 +300,10 @@ def matched_r(base_path: Path, keep: float, methods: list[str], locs: list[int])
 
     def macs_at(r: int) -> int:
         model = compress_loaded(
-            load_base(base_path), variant=MATCHED, variant_args={"r": r}, locs=locs
+            load_base(base_path),
+            variant=MATCHED,
+            variant_args={**common_settings(variant_args), "r": r},
+            locs=locs,
         ).model
         return count_macs(model, INPUT_SIZE)
 
@@ -306,6 +319,11 @@ def matched_r(base_path: Path, keep: float, methods: list[str], locs: list[int])
     candidates = [(r, macs_at(r)) for r in sorted({max(low - 1, 0), low})]
     best = min(candidates, key=lambda item: (abs(item[1] - target), item[0]))
     return {"tome_r": best[0], "macs": best[1], "macs_target": target, "macs_of": others}
+
+
+def common_settings(variant_args: dict[str, Any] | None) -> dict[str, Any]:
+    """The settings in ``variant_args`` that every method takes (ToMe runs with these only)."""
+    return {k: v for k, v in (variant_args or {}).items() if k in COMMON_SETTINGS}
 
 
 def _base_record(path: Path) -> dict[str, Any]:
@@ -377,7 +395,7 @@ def run_one(
         settings["variant_args"] = variant_args  # the cache's key, only where given
     if matched is not None:
         settings["tome_r"] = matched["tome_r"]  # the cache's key, as earlier runs wrote it
-        how, variant_args = None, {"r": matched["tome_r"]}
+        how, variant_args = None, {**common_settings(variant_args), "r": matched["tome_r"]}
     if result_path.is_file():
         cached = json.loads(result_path.read_text())
         if cached.get("base_sha256") == base_sha256 and cached.get("settings") == settings:
@@ -737,7 +755,10 @@ def main(argv: list[str] | None = None) -> int:
     locs = (
         [int(v) for v in args.locs.split(",")]
         if args.locs
-        else default_locs(map_model(base.model, INPUT_SIZE))
+        else default_locs(
+            map_model(base.model, INPUT_SIZE),
+            bool(args.variant_args.get("carry_windows")),  # a run's first block only
+        )
     )
     args.locs = locs
     base_row = {
@@ -758,7 +779,9 @@ def main(argv: list[str] | None = None) -> int:
                 matched = None
                 if method == MATCHED:
                     if keep not in matches:
-                        matches[keep] = matched_r(base_path, keep, methods, locs)
+                        matches[keep] = matched_r(
+                            base_path, keep, methods, locs, dict(args.variant_args) or None
+                        )
                     matched = matches[keep]
                 result, model = run_one(
                     method,

@@ -139,7 +139,7 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], int, tuple[str, ...]]] = {
     "davit": (_davit, 128, METHODS),
     "gcvit": (_gcvit, 64, ("etps", "evit", "tome")),  # a predictor is refused: see below
     "sam_vit": (_sam_vit, 64, ("etps", "evit", "tome")),  # as is a predictor here
-    "nest": (_nest, 64, ("etps", "evit", "tome")),  # and here
+    "nest": (_nest, 64, METHODS),
     "sam2_hiera": (_sam2_hiera, 64, METHODS),  # its query-pooling blocks left whole
     "hf_swin": (_hf_swin(False), 56, METHODS),
     "hf_swinv2": (_hf_swin(True), 56, METHODS),
@@ -398,12 +398,12 @@ def test_sam_vit_windows_are_found_and_a_predictor_is_refused_in_one_line():
         assert "a term made from blocks.0.attn.rel_pos_h" in message, message
 
 
-def test_nest_windows_on_their_own_axis_are_found_and_a_predictor_is_refused():
+def test_nest_windows_on_their_own_axis_are_found_and_a_predictor_keeps_that_axis():
     """NesT attends within windows laid on an axis of their own, (B, heads, windows, N, D); the
     capture folds the windows into the batch, so its blocks map as windowed blocks (16, 4 and 1
-    windows of 4 x 4 at 64 pixels). A
-    predictor, which would hand the attention (B x windows, K, C), is refused in one line: the
-    attention reads its windows as (B, windows, N, C)."""
+    windows of 4 x 4 at 64 pixels). Its attention reads its input as (B, windows, N, C)
+    (``B, T, N, C = x.shape``): a predictor hands it (B, windows, K, C), never (B x windows, K,
+    C) nor K x 1 windows, and its attention attends over the K kept tokens of each window."""
     model, size = _build("nest")
     blocks = map_model(model, size).blocks
     assert [(b.windows.count, b.windows.tokens) for b in blocks] == [(16, 16)] * 2 + [
@@ -413,11 +413,19 @@ def test_nest_windows_on_their_own_axis_are_found_and_a_predictor_is_refused():
     # block's token s.
     assert list(blocks[0].windows.order) == list(range(256))
     assert list(blocks[2].windows.order) == list(range(64))
-    for method in PREDICTORS:
-        with pytest.raises(UserError) as refused:
-            compress(model, method, keep=[0.7], input_size=size)
-        message = str(refused.value)
-        assert "\n" not in message and "on an axis of their own" in message, message
+    assert all(b.windows.window_axis and not b.windows.spatial_product for b in blocks)
+    compressed = compress(model, "dtps", keep=[0.7], input_size=size)
+    seen = {}
+    modules = dict(compressed.named_modules())
+    for index in (0, 2, 4):  # each level's first block: its qkv projection's input
+        path = blocks[index].path + ".attn.qkv"
+        modules[path].register_forward_hook(
+            lambda m, i, o, path=path: seen.__setitem__(path, tuple(i[0].shape))
+        )
+    with torch.no_grad():
+        compressed(_images(size))
+    kept = int(0.7 * 16)
+    assert list(seen.values()) == [(2, 16, kept, 96), (2, 4, kept, 192), (2, 1, kept, 384)]
 
 
 # --- Cost at the real widths -----------------------------------------------------------------

@@ -167,6 +167,9 @@ class Windows:
     # The attention reads the windows' spatial sizes, only as their product (``B, H, W, C =
     # x.shape`` then ``reshape(B, H * W, ...)``): a predictor hands it (B * count, K, 1, C).
     spatial_product: bool = False
+    # The windows enter the attention on an axis of their own, (B, count, tokens, C) (NesT's):
+    # a predictor hands it (B, count, K, C).
+    window_axis: bool = False
 
     @property
     def padded(self) -> bool:
@@ -199,6 +202,7 @@ class Windows:
             "tables": [use.to_json() for use in self.tables],
             "attention_blocker": self.attention_blocker,
             "spatial_product": self.spatial_product,
+            "window_axis": self.window_axis,
         }
 
     @classmethod
@@ -211,6 +215,7 @@ class Windows:
             tables=[PositionUse.from_json(use) for use in data.get("tables", [])],
             attention_blocker=data.get("attention_blocker"),
             spatial_product=bool(data.get("spatial_product")),
+            window_axis=bool(data.get("window_axis")),
         )
 
 

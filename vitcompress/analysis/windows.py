@@ -145,6 +145,14 @@ def _is_window_shaped(shape: tuple | None, batch: int, tokens: int) -> bool:
     )
 
 
+def window_axis(node: fx.Node, batch: int, tokens: int) -> bool:
+    """Whether ``node`` holds windows on an axis of their own, (B, windows, N, C), the images
+    times the windows being the attention's ``batch`` (NesT's): a predictor hands the attention
+    (B, windows, K, C), which an attention written for that layout reads as it reads N."""
+    shape = ops.shape(node) or ()
+    return len(shape) == 4 and shape[0] * shape[1] == batch and shape[2] == tokens
+
+
 def _window_axis_blocker(windows_in: fx.Node, batch: int) -> str | None:
     """Why a predictor cannot hand the attention fewer tokens per window, or ``None``: windows
     laid out on an axis of their own, (B, windows, N, C), are read by the attention as such (its
@@ -408,6 +416,10 @@ def find_windowed_blocks(
             gm, image, {"attention": inside}, core, core.query_tokens, 0, anc.is_ancestor, False
         )
         entering = _attention_input(gm, windows_in, attn)
+        core_node = by_name[core.node]
+        axis = all(
+            window_axis(n, core.batch, core.query_tokens) for n in (windows_in, entering, back)
+        )
         blocks.append(
             WindowedBlock(
                 core=core,
@@ -423,11 +435,12 @@ def find_windowed_blocks(
                     tables=tables,
                     attention_blocker=query_blockers.get(core.node)
                     or _padded_blocker(order)
-                    or _window_axis_blocker(windows_in, core.batch)
-                    or _spatial_shape_blocker(entering, by_name[core.node], anc)
+                    or (None if axis else _window_axis_blocker(windows_in, core.batch))
+                    or (None if axis else _spatial_shape_blocker(entering, core_node, anc))
                     or _tables_blocker(tables, by_name, core.batch, count)
-                    or _unexplained_mask_blocker(by_name[core.node], tables, by_name),
-                    spatial_product=bool(spatial_reads(entering)),
+                    or _unexplained_mask_blocker(core_node, tables, by_name),
+                    spatial_product=not axis and bool(spatial_reads(entering)),
+                    window_axis=axis,
                 ),
             )
         )

@@ -188,14 +188,16 @@ def same_windows(first: Block, then: Block) -> bool:
 
 
 def window_runs(model_map: ModelMap, blocks: list[int]) -> list[list[int]]:
-    """``blocks`` (windowed, in order) cut into runs of consecutive ones in one stage and the
-    same windows: Swin's alternating shifts give runs of one, SAM2-Hiera's global stage one run."""
+    """``blocks`` (windowed, in order) cut into runs of consecutive ones in the same windows:
+    Swin's alternating shifts give runs of one, SAM2-Hiera's global stage one run. A choice is
+    of window slots, so it holds whatever runs between two blocks of a run (DaViT's channel
+    attention, which is not mapped and starts a stage of the map)."""
     runs: list[list[int]] = []
     for index in blocks:
         block = model_map.blocks[index]
         if runs:
             last = model_map.blocks[runs[-1][-1]]
-            if last.stage == block.stage and index == last.index + 1 and same_windows(last, block):
+            if index == last.index + 1 and same_windows(last, block):
                 runs[-1].append(index)
                 continue
         runs.append([index])

@@ -177,9 +177,12 @@ class WindowRewrites:
         leaving = self.nodes[windows.attention_output_node]
         window_shape = ops.shape(leaving)
         flat = entering
-        if len(ops.shape(entering)) > 3:  # MaxViT's (B * windows, h, w, C): as (.., N, C)
+        # NesT's (B, windows, N, C): the windows as a batch; MaxViT's (B * windows, h, w, C):
+        # the window's tokens as one axis. Either way (B * windows, N, C).
+        flattened = (0, 1) if windows.window_axis else (1, -2)
+        if len(ops.shape(entering)) > 3:
             with self.graph.inserting_after(entering):
-                flat = self.graph.call_method("flatten", (entering, 1, -2))
+                flat = self.graph.call_method("flatten", (entering, *flattened))
         with self.graph.inserting_after(flat):
             if carried is None:
                 reducer = self.graph.call_module(target, (flat, None, None, ()))
@@ -190,7 +193,10 @@ class WindowRewrites:
                 reducer = self.graph.call_module(carry, (flat, carried))
         tokens, keep_mask, positions, trace = getitems(self.graph, reducer, 4)
         handed = tokens
-        if windows.spatial_product:  # it reads B, H, W, C off its input: K x 1 "windows"
+        if windows.window_axis:  # back to (B, windows, K, C)
+            with self.graph.inserting_after(tokens):
+                handed = self.graph.call_method("unflatten", (tokens, 0, (-1, windows.count)))
+        elif windows.spatial_product:  # it reads B, H, W, C off its input: K x 1 "windows"
             spatial = (-1,) + (1,) * (len(ops.shape(entering)) - 3)
             with self.graph.inserting_after(tokens):
                 handed = self.graph.call_method("unflatten", (tokens, 1, spatial))
@@ -228,7 +234,7 @@ class WindowRewrites:
         # The attention kept the tokens flat (it reads its output's layout off its input); in
         # MaxViT's layout the restored windows are laid out as they were.
         with self.graph.inserting_after(leaving):
-            out = self.graph.call_method("flatten", (leaving, 1, -2))
+            out = self.graph.call_method("flatten", (leaving, *flattened))
         with self.graph.inserting_after(out):
             restored = self.graph.call_module(restore, (out, trace))
         with self.graph.inserting_after(restored):
