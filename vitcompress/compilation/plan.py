@@ -113,11 +113,13 @@ def variant_from_json(data: dict[str, Any]) -> Variant:
 
 def _location_json(location: Location) -> dict[str, Any]:
     data = asdict(location)
-    for optional in ("merge_tokens", "windows", "carried"):  # said only where they apply
-        if not data[optional]:
+    for optional in ("merge_tokens", "windows"):  # said only where they apply
+        if data[optional] is None:
             del data[optional]
-    if "carried" in data:
+    if data["carried"]:
         data["carried"] = list(data["carried"])
+    else:
+        del data["carried"]
     return data
 
 
