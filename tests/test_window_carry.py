@@ -226,3 +226,14 @@ def test_a_saved_model_rebuilds_the_same_carry(model, tmp_path):
     assert "carry3" in dict(loaded.named_modules())["tps_hooks"]._modules
     with torch.no_grad():
         assert torch.equal(loaded(images()), compressed(images()))
+
+
+@pytest.mark.slow  # about 20 s a method
+@pytest.mark.parametrize("method", ["dtps", "etps", "tome"])
+def test_a_carrying_model_exports_to_onnx(model, method, tmp_path):
+    from vitcompress.workflows.export import export_model
+
+    torch.manual_seed(0)
+    compressed = compress(model, method, keep=[0.7], input_size=SIZE, variant_args=CARRY)
+    result = export_model(compressed, SIZE, "onnx", tmp_path / f"{method}.onnx")
+    assert result["max_abs_diff"] < 1e-3

@@ -1,9 +1,10 @@
 """Windowed families beyond timm's Swin: MaxViT (block and grid attention), TinyViT and DaViT
 (a conv between the attention and the MLP; DaViT's channel attention left whole), GCViT (a
-global query: reduced after its attention only), HuggingFace Swin and Swinv2; Hiera and the
-SAM ViT encoder refused in one line. Each working family: windows found as its config lays
-them out, keep 1 exact on sharpened weights, keep 0.7 reduces every window alike, a training
-step is finite, the ONNX export matches."""
+global query: reduced after its attention only), HuggingFace Swin and Swinv2, the SAM ViT
+encoder (a predictor refused in one line), NesT (windows on an axis of their own) and
+SAM2-Hiera (its query-pooling blocks left whole). Each working family: windows found as its
+config lays them out, keep 1 exact on sharpened weights, keep 0.7 reduces every window alike,
+a training step is finite, the ONNX export matches."""
 
 from __future__ import annotations
 
