@@ -237,3 +237,31 @@ def test_a_carrying_model_exports_to_onnx(model, method, tmp_path):
     compressed = compress(model, method, keep=[0.7], input_size=SIZE, variant_args=CARRY)
     result = export_model(compressed, SIZE, "onnx", tmp_path / f"{method}.onnx")
     assert result["max_abs_diff"] < 1e-3
+
+
+def test_apply_reports_which_blocks_carry_a_choice():
+    import json
+
+    from click.testing import CliRunner
+
+    from vitcompress.cli.main import cli
+    from vitcompress.cli.model_commands import window_text
+
+    args = [
+        "apply",
+        *("--model", "sam2_hiera_tiny", "--input-size", "3,64,64"),
+        *(
+            arg
+            for key in ("embed_dim", "stages", "window_spec", "global_att_blocks")
+            for arg in ("--model-arg", f"{key}={HIERA[key]}".replace(" ", ""))
+        ),
+        *("--variant", "etps", "--keep", "0.7", "--variant-arg", "carry_windows=True"),
+        *("--batch-size", "2", "--runs", "1", "--bench-seconds", "1", "--json"),
+    ]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output[result.output.index("{") :])
+    assert [entry.get("carried", []) for entry in data["window_tokens"]] == [[], [], [3, 4], []]
+    assert "block 2: 1 x 16→12 (blocks 3-4 carry block 2's choice)" in window_text(
+        data["window_tokens"]
+    )

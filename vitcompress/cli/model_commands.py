@@ -248,16 +248,28 @@ def _print_apply(report: ApplyReport) -> None:
 def window_text(window_tokens: list[dict[str, int]]) -> str:
     """``within windows: blocks 0, 1: 64 x 49→35; blocks 2, 3: 16 x 49→35``: each windowed
     block's windows per image and the tokens its MLP (and a predictor's attention) keeps of each
-    window's, blocks alike grouped; every block gives all its tokens back before its output."""
+    window's, blocks alike grouped; every block gives all its tokens back before its output. A
+    location whose choice later blocks carry says so: ``block 2: 1 x 196→138 (blocks 3-7 carry
+    block 2's choice)``."""
     groups: dict[tuple[int, int, int], list[int]] = {}
+    carried: dict[int, list[int]] = {}
     for entry in window_tokens:
         key = (entry["windows"], entry["tokens"], entry["kept"])
         groups.setdefault(key, []).append(entry["block"])
-    parts = [
-        f"block{'s' if len(blocks) > 1 else ''} {', '.join(map(str, blocks))}: "
-        f"{windows} x {tokens}→{kept}"
-        for (windows, tokens, kept), blocks in groups.items()
-    ]
+        carried[entry["block"]] = entry.get("carried", [])
+    parts = []
+    for (windows, tokens, kept), blocks in groups.items():
+        # A run's carried blocks are consecutive: "blocks 3-7".
+        carrying = [
+            (f"blocks {by[0]}-{by[-1]} carry" if len(by) > 1 else f"block {by[0]} carries")
+            + f" block {block}'s choice"
+            for block in blocks
+            if (by := carried[block])
+        ]
+        parts.append(
+            f"block{'s' if len(blocks) > 1 else ''} {', '.join(map(str, blocks))}: "
+            f"{windows} x {tokens}→{kept}" + (f" ({', '.join(carrying)})" if carrying else "")
+        )
     return "within windows: " + "; ".join(parts)
 
 

@@ -118,6 +118,8 @@ def _compress_and_measure(
                 "windows": loc.windows,
                 "tokens": loc.patch_tokens,
                 "kept": info.plan.method.tokens_after(loc.patch_tokens, loc),
+                # the blocks after it that reduce by its choice (carry_windows)
+                **({"carried": list(loc.carried)} if loc.carried else {}),
             }
             for loc in info.plan.locations
             if loc.windows
