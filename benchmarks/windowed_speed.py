@@ -39,6 +39,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="default: chosen for the load")
     p.add_argument("--json-out", type=Path)
+    p.add_argument(
+        "--carry-windows",
+        action="store_true",
+        help="also time each method with carry_windows=True (its own default locations)",
+    )
     return p.parse_args(argv)
 
 
@@ -51,9 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     macs = {"base": count_macs(base, size)}
     for keep in (float(k) for k in args.keeps.split(",")):
         for method in args.methods.split(","):
-            name = f"{method}@{keep:g}"
-            models[name] = compress(base, method, keep=[keep], input_size=size).eval()
-            macs[name] = count_macs(models[name], size)
+            for carry in (False, True) if args.carry_windows else (False,):
+                name = f"{method}@{keep:g}" + ("+carry" if carry else "")
+                models[name] = compress(
+                    base,
+                    method,
+                    keep=[keep],
+                    input_size=size,
+                    variant_args={"carry_windows": True} if carry else None,
+                ).eval()
+                macs[name] = count_macs(models[name], size)
     report = measure_throughput(
         models,
         size,
@@ -65,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: list[dict[str, Any]] = []
     print(f"{args.model} at {args.size}px, batch {args.batch_size}, {args.device}")
-    print(f"{'model':<16} {'GMACs':>7} {'ratio':>6} {'img/s':>8}  paired speed-up")
+    print(f"{'model':<20} {'GMACs':>7} {'ratio':>6} {'img/s':>8}  paired speed-up")
     for name in models:
         paired = report.paired(name, "base") if name != "base" else None
         row = {
@@ -77,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows.append(row)
         print(
-            f"{name:<16} {row['gmacs']:>7.3f} {row['macs_ratio']:>6.3f} "
+            f"{name:<20} {row['gmacs']:>7.3f} {row['macs_ratio']:>6.3f} "
             f"{row['img_per_s']:>8.2f}  {paired.text() if paired else '-'}"
         )
     for warning in report.warnings:
