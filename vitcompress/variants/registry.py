@@ -23,6 +23,12 @@ _FACTORIES: dict[str, Callable[..., Variant]] = {}
 Factory = TypeVar("Factory", bound=Callable[..., Variant])
 
 
+# Settings every method takes, beside its factory's own: they concern where any method's
+# reduction acts, not how it scores or fuses. ``carry_windows``: a windowed block after a
+# location, in the same windows, reduces by the location's choice (docs/windowed.md).
+COMMON_SETTINGS: dict[str, Any] = {"carry_windows": False}
+
+
 class UnknownVariantError(KeyError, UserError):
     """No variant of that name is registered."""
 
@@ -79,12 +85,6 @@ def get_variant(name: str, args: Mapping[str, Any] | None = None) -> Variant:
             raise VariantRefusal(f"{key}: must be true or false, got {value!r}", "variant_args")
     made = _FACTORIES[name](**own)
     return dataclasses.replace(made, args=tuple(sorted(args.items())), **common)
-
-
-# Settings every method takes, beside its factory's own: they concern where any method's
-# reduction acts, not how it scores or fuses. ``carry_windows``: a windowed block after a
-# location, in the same windows, reduces by the location's choice (docs/windowed.md).
-COMMON_SETTINGS: dict[str, Any] = {"carry_windows": False}
 
 
 def variant_settings(name: str) -> dict[str, Any]:
