@@ -78,16 +78,17 @@ def _davit() -> nn.Module:
 
 
 def _sam_vit(img_size: int = 64) -> nn.Module:
-    """64 x 64 in 8 x 8 patches: an 8 x 8 grid, block 0 in 4 windows of 4 x 4, block 1 global."""
+    """64 x 64 in 8 x 8 patches: an 8 x 8 grid, blocks 0 and 1 in 4 windows of 4 x 4 (the same
+    windows: block 1 can carry block 0's choice), block 2 global."""
     return timm.create_model(
         "samvit_base_patch16",
         img_size=img_size,
         patch_size=8,
         window_size=4,
-        depth=2,
+        depth=3,
         embed_dim=64,
         num_heads=2,
-        global_attn_indexes=(1,),
+        global_attn_indexes=(2,),
         num_classes=10,
     )
 
@@ -139,7 +140,7 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], int, tuple[str, ...]]] = {
     "tiny_vit": (_tiny_vit, 64, METHODS),
     "davit": (_davit, 128, METHODS),
     "gcvit": (_gcvit, 64, ("etps", "evit", "tome")),  # a predictor is refused: see below
-    "sam_vit": (_sam_vit, 64, ("etps", "evit", "tome")),  # as is a predictor here
+    "sam_vit": (_sam_vit, 64, METHODS),
     "nest": (_nest, 64, METHODS),
     "sam2_hiera": (_sam2_hiera, 64, METHODS),  # its query-pooling blocks left whole
     "hf_swin": (_hf_swin(False), 56, METHODS),
@@ -380,23 +381,94 @@ def test_a_model_of_query_pooling_blocks_only_is_refused_in_one_line():
     assert message.startswith("windowed attention at blocks.1.attn: its queries are pooled")
 
 
-def test_sam_vit_windows_are_found_and_a_predictor_is_refused_in_one_line():
+def test_sam_vit_windows_are_found_and_a_predictor_hands_its_attention_the_kept_tokens():
     """SAM's attention folds its heads into the batch, (B * windows * heads, N, D); the capture
-    gives it its heads axis back, so the windowed block (4 windows of 4 x 4) and the global
-    block (one window of the 8 x 8 grid) map. Its decomposed relative position is a bias made
-    from the queries and tables indexed by row and column offsets, which no gathered table
-    follows: a predictor is refused in one line naming the table."""
+    gives it its heads axis back, so the windowed blocks (4 windows of 4 x 4) and the global
+    block (one window of the 8 x 8 grid) map. Its decomposed relative position is a term made
+    row by row from the queries and tables indexed by row and column offsets: it is found as
+    such (``Windows.query_bias``), and a predictor hands the attention each window's kept
+    tokens as K x 1 "windows", the term made at the full window."""
     model, size = _build("sam_vit")
     blocks = map_model(model, size).blocks
-    assert [(b.windows.count, b.windows.tokens) for b in blocks] == [(4, 16), (1, 64)]
+    assert [(b.windows.count, b.windows.tokens) for b in blocks] == [(4, 16), (4, 16), (1, 64)]
     assert list(blocks[0].windows.order) == window_order(8, 8, 4)
-    assert [b.attention.heads for b in blocks] == [2, 2]
+    assert [b.attention.heads for b in blocks] == [2, 2, 2]
+    assert [b.windows.query_bias.tables for b in blocks] == [
+        (f"blocks.{i}.attn.rel_pos_h", f"blocks.{i}.attn.rel_pos_w") for i in range(3)
+    ]
+    assert all(b.windows.spatial_product for b in blocks)
+    assert all(b.windows.attention_blocker is None for b in blocks)
     for method in PREDICTORS:
-        with pytest.raises(UserError) as refused:
-            compress(model, method, keep=[0.7], input_size=size)
-        message = str(refused.value)
-        assert "\n" not in message
-        assert "a term made from blocks.0.attn.rel_pos_h" in message, message
+        compressed = compress(model, method, keep=[0.7], input_size=size)
+        kept = dict(compressed.named_modules())["tps.0"].keep_tokens
+        seen = []
+        qkv = dict(compressed.named_modules())["blocks.0.attn.qkv"]
+        qkv.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
+        with torch.no_grad():
+            assert torch.isfinite(compressed(_images(size))).all()
+        assert seen == [(2 * 4, kept, 64)]
+
+
+@pytest.mark.parametrize("carry", (False, True))
+@pytest.mark.parametrize("method", PREDICTORS)
+def test_sam_vit_trains_on_the_bias_it_infers_with(method, carry, monkeypatch):
+    """The term made from the queries: while a predictor trains, every query makes it and the
+    removed keys are masked; at inference, the kept queries are put back in their slots, the
+    term made at the full window and its kept rows' kept columns gathered. With the Gumbel draw
+    replaced by inference's own top-k, both give the same logits (block 1 carrying block 0's
+    choice too); a query put in a wrong slot would not, the tables being drawn from N(0, 1)."""
+    from vitcompress.modules import reducers
+
+    model, size = _build("sam_vit")
+    settings = {"carry_windows": True} if carry else None
+    torch.manual_seed(0)
+    compressed = compress(model, method, keep=[0.7], input_size=size, variant_args=settings)
+    compressed.eval()
+    reducers_kept = {m.keep_tokens for m in compressed.modules() if hasattr(m, "keep_tokens")}
+    kept = dict(zip((16, 64), sorted(reducers_kept)))  # the windows' tokens, the global block's
+
+    def choice(largest: bool):
+        def draw(log_probs: torch.Tensor, hard: bool = True) -> torch.Tensor:
+            keep = log_probs[..., 0]
+            top = keep.topk(kept[keep.shape[1]], dim=1, largest=largest).indices
+            chosen = torch.zeros_like(keep).scatter(1, top, 1.0)
+            return torch.stack([chosen, 1.0 - chosen], dim=-1)
+
+        return draw
+
+    images = _images(size)
+    with torch.no_grad():
+        inferred = compressed(images)
+        compressed.train()
+        monkeypatch.setattr(reducers.F, "gumbel_softmax", choice(largest=True))
+        trained = compressed(images)
+        monkeypatch.setattr(reducers.F, "gumbel_softmax", choice(largest=False))
+        other = compressed(images)
+    torch.testing.assert_close(trained, inferred, atol=1e-5, rtol=1e-5)
+    assert (other - inferred).abs().max() > 1e-3
+
+
+def test_a_query_made_term_that_mixes_tokens_is_refused_in_one_line(monkeypatch):
+    """A term made from the queries where a row reads another token's query (here each row from
+    the previous token's) cannot be made from the kept queries alone: the probe that changes
+    half the rows catches it, and a predictor is refused in one line; eTPS, which reduces after
+    the attention, still compresses."""
+    from timm.models import vision_transformer_sam as sam
+
+    made = sam.get_decomposed_rel_pos_bias
+    monkeypatch.setattr(
+        sam,
+        "get_decomposed_rel_pos_bias",
+        lambda q, *args: made(q.roll(1, dims=1), *args),
+    )
+    model, size = _build("sam_vit")
+    assert map_model(model, size).blocks[0].windows.query_bias is None
+    with pytest.raises(UserError) as refused:
+        compress(model, "dtps", keep=[0.7], input_size=size)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "a term made from its queries that mixes queries of different tokens" in message
+    compress(model, "etps", keep=[0.7], input_size=size)
 
 
 def test_nest_windows_on_their_own_axis_are_found_and_a_predictor_keeps_that_axis():

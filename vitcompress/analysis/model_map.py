@@ -144,6 +144,26 @@ class AttentionCore:
 
 
 @dataclass
+class QueryBias:
+    """A term a window attention adds to its logits, made row by row from its queries and tables
+    indexed by where each query and key sits in the window (SAM's decomposed relative position;
+    ``query_bias.py``): with fewer tokens per window it is made at the full window, from the
+    kept queries put back in their slots, and gathered by the kept positions."""
+
+    tables: tuple[str, ...]  # the parameters it is made from
+    query_node: str  # the queries it is made from, (B * windows [* heads], N, D)
+    mask_node: str  # the term as it meets the attention
+    nodes: tuple[str, ...]  # the ops that make it
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tables": list(self.tables)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> QueryBias:
+        return cls(tuple(data["tables"]), "", "", ())
+
+
+@dataclass
 class Windows:
     """A block whose attention runs within windows (``windows.py``): a reduction keeps the same
     number of tokens in each window, and the block gives every token back before its output."""
@@ -170,6 +190,11 @@ class Windows:
     # The windows enter the attention on an axis of their own, (B, count, tokens, C) (NesT's):
     # a predictor hands it (B, count, K, C).
     window_axis: bool = False
+    # A term made from the queries by window position (``QueryBias``), and the ops that read
+    # the windows' sizes that must read them at the full window when the windows enter reduced
+    # (what makes that term, guards on the sizes, a layout of the restored output).
+    query_bias: QueryBias | None = None
+    full_window_reads: tuple[str, ...] = ()
 
     @property
     def padded(self) -> bool:
@@ -203,6 +228,7 @@ class Windows:
             "attention_blocker": self.attention_blocker,
             "spatial_product": self.spatial_product,
             "window_axis": self.window_axis,
+            "query_bias": self.query_bias.to_json() if self.query_bias else None,
         }
 
     @classmethod
@@ -216,6 +242,7 @@ class Windows:
             attention_blocker=data.get("attention_blocker"),
             spatial_product=bool(data.get("spatial_product")),
             window_axis=bool(data.get("window_axis")),
+            query_bias=QueryBias.from_json(data["query_bias"]) if data.get("query_bias") else None,
         )
 
 

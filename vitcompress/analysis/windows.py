@@ -28,8 +28,9 @@ from torch import Tensor, nn
 from vitcompress.analysis import ops
 from vitcompress.analysis.cores import Ancestry, Residual
 from vitcompress.analysis.index_run import IndexRun, grid_index, run_indices
-from vitcompress.analysis.model_map import AttentionCore, PositionUse, Windows
+from vitcompress.analysis.model_map import AttentionCore, PositionUse, QueryBias, Windows
 from vitcompress.analysis.positions import find_position_uses, gather_layout
+from vitcompress.analysis.query_bias import find_query_bias
 from vitcompress.errors import UserError
 
 
@@ -420,6 +421,10 @@ def find_windowed_blocks(
         axis = all(
             window_axis(n, core.batch, core.query_tokens) for n in (windows_in, entering, back)
         )
+        bias = find_query_bias(gm, core_node, entering, core.query_tokens, image_batch)
+        query_bias = bias if isinstance(bias, QueryBias) else None
+        made = {by_name[name] for name in query_bias.nodes} if query_bias else set()
+        full = _full_window_reads(spatial_reads(entering), made, back, anc)
         blocks.append(
             WindowedBlock(
                 core=core,
@@ -436,11 +441,14 @@ def find_windowed_blocks(
                     attention_blocker=query_blockers.get(core.node)
                     or _padded_blocker(order)
                     or (None if axis else _window_axis_blocker(windows_in, core.batch))
-                    or (None if axis else _spatial_shape_blocker(entering, core_node, anc))
+                    or (None if axis else _spatial_shape_blocker(entering, core_node, anc, full))
                     or _tables_blocker(tables, by_name, core.batch, count)
-                    or _unexplained_mask_blocker(core_node, tables, by_name),
+                    or (bias if isinstance(bias, str) else None)
+                    or _unexplained_mask_blocker(core_node, tables, by_name, made),
                     spatial_product=not axis and bool(spatial_reads(entering)),
                     window_axis=axis,
+                    query_bias=query_bias,
+                    full_window_reads=tuple(sorted(n.name for n in full)),
                 ),
             )
         )
@@ -465,7 +473,62 @@ def _attention_input(gm: fx.GraphModule, windows_in: fx.Node, attn: Residual) ->
     but never on the residual stream itself (a one-window block that norms the stream, VOLO's):
     the stream also feeds the residual add, which keeps every token."""
     entering = _before_norms(gm, windows_in)
-    return windows_in if entering is attn.skip else entering
+    entering = windows_in if entering is attn.skip else entering
+    # SAM's ``x.reshape(B, H * W, C)`` of (B * windows, h, w, C) with the sizes read off x:
+    # reduced there, the sizes it reads would not follow the kept tokens.
+    spatial = _flattened_from(entering)
+    if spatial is not None and spatial is not attn.skip and spatial_reads(spatial):
+        return spatial
+    return entering
+
+
+def _flattened_from(node: fx.Node) -> fx.Node | None:
+    """The (B, h, w, C) tensor ``node`` flattens to (B, h * w, C) by a reshape, or ``None``."""
+    if not (node.op == "call_method" and node.target in ("reshape", "view") and node.args):
+        return None
+    source = node.args[0]
+    shape = ops.shape(node) or ()
+    before = ops.shape(source) if isinstance(source, fx.Node) else None
+    if before is None or len(before) < 4 or len(shape) != 3:
+        return None
+    if shape != (before[0], math.prod(before[1:-1]), before[-1]):
+        return None
+    return source
+
+
+def _full_window_reads(
+    reads: list[fx.Node], made: set[fx.Node], back: fx.Node, anc: Ancestry
+) -> set[fx.Node]:
+    """The uses of the windows' spatial sizes that read them at the full window when the
+    windows enter the attention reduced: the ops making a term from the queries by window
+    position (``made``), guards on the sizes (the capture's checks that the input is the size
+    it was captured at), and anything after the attention's output ``back``, which sees every
+    token again."""
+    return {
+        user
+        for read in reads
+        for user in read.users
+        if user in made or _only_guards(user) or anc.is_ancestor(back, user)
+    }
+
+
+def _only_guards(node: fx.Node) -> bool:
+    """Whether ``node`` leads to nothing but ``torch._assert`` calls, through no tensor."""
+    seen: set[fx.Node] = set()
+    frontier = [node]
+    while frontier:
+        current = frontier.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.meta.get("is_tensor"):
+            return False
+        if not current.users and not (
+            current.op == "call_function" and current.target is torch._assert
+        ):
+            return False
+        frontier.extend(current.users)
+    return True
 
 
 def spatial_reads(entering: fx.Node) -> list[fx.Node]:
@@ -485,21 +548,24 @@ def spatial_reads(entering: fx.Node) -> list[fx.Node]:
     return [reads[axis] for axis in sorted(reads)]
 
 
-def _spatial_shape_blocker(entering: fx.Node, core: fx.Node, anc: Ancestry) -> str | None:
+def _spatial_shape_blocker(
+    entering: fx.Node, core: fx.Node, anc: Ancestry, full: set[fx.Node]
+) -> str | None:
     """Why the windows entering the attention cannot be handed over with fewer tokens, or
     ``None``. An attention that reads their spatial sizes (``B, H, W, C = x.shape``) takes the
     kept tokens as (B * windows, K, 1, C) instead. That is exact where it uses the sizes only as
     their product (``reshape(B, H * W, ...)``), and, after its softmax, to lay its output back
     out as its input was (``reshape(B, H, W, C)``). Any other use would treat K kept tokens as
     a K x 1 grid and is refused: a row read alone, or NesT's (B, T, N, C) read as windows T and
-    tokens N, which a reshape before its softmax keeps apart."""
+    tokens N, which a reshape before its softmax keeps apart. The uses in ``full`` read the
+    sizes at the full window (``_full_window_reads``)."""
     shape = ops.shape(entering) or ()
     reads = spatial_reads(entering)
     if not reads:
         return None
     axes = set(range(1, len(shape) - 1))
     if len(reads) == len(axes) and all(
-        _only_product_or_layout(read, reads, len(shape), core, anc) for read in reads
+        _only_product_or_layout(read, reads, len(shape), core, anc, full) for read in reads
     ):
         return None
     return (
@@ -523,12 +589,19 @@ def _product_factors(node: object, reads: list[fx.Node]) -> list[fx.Node] | None
 
 
 def _only_product_or_layout(
-    read: fx.Node, reads: list[fx.Node], rank: int, core: fx.Node, anc: Ancestry
+    read: fx.Node,
+    reads: list[fx.Node],
+    rank: int,
+    core: fx.Node,
+    anc: Ancestry,
+    full: set[fx.Node],
 ) -> bool:
     """Whether every use of one spatial read is the product of all of them, or a reshape after
     the attention core that lays a tensor out as the windows came in: ``rank`` axes, the
-    spatial ones in their order."""
+    spatial ones in their order; the uses in ``full`` aside."""
     for user in read.users:
+        if user in full:
+            continue
         if user.op == "call_method" and user.target in ("reshape", "view"):
             args = list(user.args[1:])
             if len(args) == 1 and isinstance(args[0], (list, tuple)):
@@ -550,20 +623,21 @@ def _only_product_or_layout(
 
 
 def _unexplained_mask_blocker(
-    core: fx.Node, tables: list[PositionUse], by_name: dict[str, fx.Node]
+    core: fx.Node, tables: list[PositionUse], by_name: dict[str, fx.Node], made: set[fx.Node]
 ) -> str | None:
     """Why the attention cannot run on fewer or reordered tokens per window because of a term it
     adds to its logits that no table found by position explains, or ``None``. SAM's decomposed
     relative position is such a term: a bias made from the queries and two tables indexed by
     row and column offsets, laid out by where each query and key sits in its window, which a
     reduction would silently shuffle. Any parameter or buffer the mask is built from, other than
-    through the queries, keys and values, must be one the found tables are built from."""
+    through the queries, keys and values, must be one the found tables are built from, or make a
+    term from the queries by window position (``made``: see ``query_bias.py``)."""
     if not ops.is_sdpa(core):
         return None
     mask = core.args[3] if len(core.args) > 3 else core.kwargs.get("attn_mask")
     if not isinstance(mask, fx.Node):
         return None
-    explained: set[fx.Node] = set()
+    explained = set(made)
     for use in tables:
         table = by_name.get(use.table_node)
         if table is not None:

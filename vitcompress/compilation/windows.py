@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from vitcompress.analysis import ops
 from vitcompress.analysis.model_map import Block, Windows
+from vitcompress.analysis.query_bias import shape_read
 from vitcompress.compilation.graph_edits import copy_between, erase_unused, getitems, replace_uses
 from vitcompress.compilation.naming import REDUCER_PREFIX, RewriteError
 from vitcompress.modules.restore import TokenRestore
@@ -23,6 +24,7 @@ from vitcompress.modules.windows import (
     WindowCarry,
     WindowMerge,
     WindowPartition,
+    WindowQueryScatter,
     WindowReplay,
     WindowSizes,
     WindowSlots,
@@ -201,6 +203,9 @@ class WindowRewrites:
             with self.graph.inserting_after(tokens):
                 handed = self.graph.call_method("unflatten", (tokens, 1, spatial))
         replace_uses(entering, handed, {reducer, flat})
+        self._read_full_window(windows, entering, handed)
+        if windows.query_bias is not None:
+            self._query_bias_at_full_window(block, positions)
         # The tables first: one may meet the core itself (MaxViT's SDPA mask), which the hook
         # replaces.
         for number, use in enumerate(windows.tables):
@@ -241,6 +246,50 @@ class WindowRewrites:
             back = self.graph.call_method("reshape", (restored, -1, *window_shape[1:]))
         replace_uses(leaving, back, {out})
         return trace
+
+    def _read_full_window(self, windows: Windows, entering: fx.Node, handed: fx.Node) -> None:
+        """The ops that must see the full window's sizes (``Windows.full_window_reads``: what
+        makes a term from the queries, guards, what follows the restored output) read them off
+        the windows as they came, not off the reduced windows handed to the attention."""
+        if not windows.full_window_reads:
+            return
+        with self.graph.inserting_after(entering):
+            shape = self.graph.call_function(getattr, (entering, "shape"))
+        full: dict[int, fx.Node] = {}
+        for name in windows.full_window_reads:
+            user = self.nodes[name]
+            for read in list(user.all_input_nodes):
+                axis = shape_read(read, handed)
+                if axis is None:
+                    continue
+                if axis not in full:
+                    with self.graph.inserting_after(shape):
+                        full[axis] = self.graph.call_function(operator.getitem, (shape, axis))
+                user.replace_input_with(read, full[axis])
+
+    def _query_bias_at_full_window(self, block: Block, positions: fx.Node) -> None:
+        """A term made from the queries by window position (``QueryBias``) made at the full
+        window, from the kept queries put back in their slots, and its kept rows' kept columns
+        handed to the attention."""
+        windows = block.windows
+        bias = windows.query_bias
+        query = self.nodes[bias.query_node]
+        made = {self.nodes[name] for name in bias.nodes}
+        scatter = self._add_hook(
+            f"windowqueries{block.index}", WindowQueryScatter(windows.tokens)
+        )
+        with self.graph.inserting_after(query):
+            queries = self.graph.call_module(scatter, (query, positions))
+        for user in list(query.users):
+            if user in made:
+                user.replace_input_with(query, queries)
+        mask, core = self.nodes[bias.mask_node], self.nodes[block.attention.node]
+        gather = self._add_hook(
+            f"windowbias{block.index}", WindowTableGather(windows.count, len(ops.shape(mask)))
+        )
+        with self.graph.inserting_before(core):
+            gathered = self.graph.call_module(gather, (mask, positions))
+        core.replace_input_with(mask, gathered)
 
 
 def group_tokens(windows: Windows, slots: tuple[int, ...]) -> int:

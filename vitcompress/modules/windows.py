@@ -165,3 +165,28 @@ class WindowTableGather(nn.Module):
         index = positions.reshape(*lead, 1, kept)
         picked = table.gather(-2, index.unsqueeze(-1).expand(*lead, heads, kept, n))
         return picked.gather(-1, index.unsqueeze(-2).expand(*lead, heads, kept, kept))
+
+
+class WindowQueryScatter(nn.Module):
+    """The kept queries of each window, (B * windows [* heads], K, D), put back in their slots
+    of a full window of ``tokens`` (zeros elsewhere), for a term made row by row from the
+    queries by window position (SAM's decomposed relative position; ``analysis/query_bias.py``):
+    its kept rows come out as at the full window, and ``WindowTableGather`` then takes the kept
+    rows' kept columns."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__()
+        self.tokens = tokens
+
+    def extra_repr(self) -> str:
+        return f"tokens={self.tokens}"
+
+    def forward(self, queries: Tensor, positions: Tensor | None = None) -> Tensor:
+        if positions is None:  # nothing reduced (a predictor trains with masks)
+            return queries
+        rows, kept = positions.shape
+        *lead, _, dim = queries.shape
+        grouped = queries.reshape(rows, -1, kept, dim)  # windows first, then heads
+        index = positions[:, None, :, None].expand_as(grouped)
+        full = grouped.new_zeros(rows, grouped.shape[1], self.tokens, dim)
+        return full.scatter(2, index, grouped).reshape(*lead, self.tokens, dim)
