@@ -403,7 +403,7 @@ def test_sam_vit_windows_are_found_and_a_predictor_hands_its_attention_the_kept_
         kept = dict(compressed.named_modules())["tps.0"].keep_tokens
         seen = []
         qkv = dict(compressed.named_modules())["blocks.0.attn.qkv"]
-        qkv.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
+        qkv.register_forward_hook(lambda m, i, o, seen=seen: seen.append(tuple(i[0].shape)))
         with torch.no_grad():
             assert torch.isfinite(compressed(_images(size))).all()
         assert seen == [(2 * 4, kept, 64)]
@@ -425,7 +425,8 @@ def test_sam_vit_trains_on_the_bias_it_infers_with(method, carry, monkeypatch):
     compressed = compress(model, method, keep=[0.7], input_size=size, variant_args=settings)
     compressed.eval()
     reducers_kept = {m.keep_tokens for m in compressed.modules() if hasattr(m, "keep_tokens")}
-    kept = dict(zip((16, 64), sorted(reducers_kept)))  # the windows' tokens, the global block's
+    # the windows' tokens, the global block's
+    kept = dict(zip((16, 64), sorted(reducers_kept), strict=True))
 
     def choice(largest: bool):
         def draw(log_probs: torch.Tensor, hard: bool = True) -> torch.Tensor:

@@ -275,9 +275,7 @@ class WindowRewrites:
         bias = windows.query_bias
         query = self.nodes[bias.query_node]
         made = {self.nodes[name] for name in bias.nodes}
-        scatter = self._add_hook(
-            f"windowqueries{block.index}", WindowQueryScatter(windows.tokens)
-        )
+        scatter = self._add_hook(f"windowqueries{block.index}", WindowQueryScatter(windows.tokens))
         with self.graph.inserting_after(query):
             queries = self.graph.call_module(scatter, (query, positions))
         for user in list(query.users):
