@@ -17,7 +17,7 @@ from torch import nn
 
 from vitcompress import compress, map_model
 from vitcompress.analysis.analyse import MappingError
-from vitcompress.compilation.rewrite import RewriteError
+from vitcompress.compilation.metadata import compression_info
 from vitcompress.errors import UserError
 from vitcompress.measure import count_macs
 from vitcompress.workflows.export import export_model
@@ -139,7 +139,7 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], int, tuple[str, ...]]] = {
     "maxvit": (_maxvit, 64, METHODS),
     "tiny_vit": (_tiny_vit, 64, METHODS),
     "davit": (_davit, 128, METHODS),
-    "gcvit": (_gcvit, 64, ("etps", "evit", "tome")),  # a predictor is refused: see below
+    "gcvit": (_gcvit, 64, METHODS),
     "sam_vit": (_sam_vit, 64, METHODS),
     "nest": (_nest, 64, METHODS),
     "sam2_hiera": (_sam2_hiera, 64, METHODS),  # its query-pooling blocks left whole
@@ -228,16 +228,26 @@ def test_davit_windows_are_found_and_its_channel_attention_is_left_whole():
     assert all(b.path.endswith(".0") for b in model_map.blocks)
 
 
-def test_gcvit_windows_are_found_and_a_predictor_is_refused_in_one_line():
+def test_gcvit_windows_are_found_and_its_global_query_follows_the_kept_slots():
+    """GCViT's every other block takes its queries from a global token generator, the keys and
+    values from the window tokens: the windows are read from the key input, and the global
+    query, made without the window tokens and laid out by window slot, is gathered by each
+    window's kept slots when a predictor reduces the windows."""
     model, size = _build("gcvit")
     blocks = map_model(model, size).blocks
     assert list(blocks[0].windows.order) == window_order(16, 16, 2)
-    # Global query blocks (every other one) say why their windows cannot be reduced.
-    blockers = [b.windows.attention_blocker for b in blocks]
-    assert blockers[0] is None and "global query" in blockers[1]
-    with pytest.raises(RewriteError) as refused:
-        compress(model, "dtps", keep=[0.7], input_size=size)
-    assert "\n" not in str(refused.value) and "global query" in str(refused.value)
+    # At 64 pixels stages 2 and 3 are one window each, where the global query blocks do not map.
+    assert [b.windows.global_query is not None for b in blocks] == [False, True] * 2 + [False] * 4
+    assert all(b.windows.attention_blocker is None for b in blocks)
+    compressed = compress(model, "dtps", keep=[0.7], input_size=size)
+    seen = []
+    gathers = [m for n, m in compressed.named_modules() if type(m).__name__ == "WindowQueryGather"]
+    assert len(gathers) == 2
+    gathers[0].register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    with torch.no_grad():
+        compressed(_images(size))
+    kept = dict(compressed.named_modules())["tps.1"].keep_tokens
+    assert kept < 4 and seen == [(2 * 64, 2, kept, 32)]
 
 
 @pytest.mark.parametrize("name", ["hf_swin", "hf_swinv2"])
@@ -411,22 +421,29 @@ def test_sam_vit_windows_are_found_and_a_predictor_hands_its_attention_the_kept_
 
 @pytest.mark.parametrize("carry", (False, True))
 @pytest.mark.parametrize("method", PREDICTORS)
-def test_sam_vit_trains_on_the_bias_it_infers_with(method, carry, monkeypatch):
-    """The term made from the queries: while a predictor trains, every query makes it and the
-    removed keys are masked; at inference, the kept queries are put back in their slots, the
-    term made at the full window and its kept rows' kept columns gathered. With the Gumbel draw
-    replaced by inference's own top-k, both give the same logits (block 1 carrying block 0's
-    choice too); a query put in a wrong slot would not, the tables being drawn from N(0, 1)."""
+@pytest.mark.parametrize("name", ("sam_vit", "gcvit"))
+def test_a_predictor_trains_on_the_attention_it_infers_with(name, method, carry, monkeypatch):
+    """SAM's term made from the queries, GCViT's global query: while a predictor trains, every
+    query makes the term (every global query row is used) and the removed keys are masked; at
+    inference, SAM's kept queries are put back in their slots, the term made at the full window
+    and its kept rows' kept columns gathered, and GCViT's global query rows gathered by the kept
+    slots. With the Gumbel draw replaced by inference's own top-k, both give the same logits
+    (with a block carrying another's choice too); a row put in a wrong slot would not, the
+    tables being drawn from N(0, 1)."""
     from vitcompress.modules import reducers
 
-    model, size = _build("sam_vit")
+    model, size = _build(name)
+    blocks = map_model(model, size).blocks
     settings = {"carry_windows": True} if carry else None
     torch.manual_seed(0)
     compressed = compress(model, method, keep=[0.7], input_size=size, variant_args=settings)
     compressed.eval()
-    reducers_kept = {m.keep_tokens for m in compressed.modules() if hasattr(m, "keep_tokens")}
-    # the windows' tokens, the global block's
-    kept = dict(zip((16, 64), sorted(reducers_kept), strict=True))
+    locations = compression_info(compressed).plan.locations
+    kept = {
+        blocks[locations[int(path.split(".")[-1])].block].windows.tokens: module.keep_tokens
+        for path, module in compressed.named_modules()
+        if getattr(module, "keep_tokens", None)
+    }
 
     def choice(largest: bool):
         def draw(log_probs: torch.Tensor, hard: bool = True) -> torch.Tensor:

@@ -195,6 +195,9 @@ class Windows:
     # (what makes that term, guards on the sizes, a layout of the restored output).
     query_bias: QueryBias | None = None
     full_window_reads: tuple[str, ...] = ()
+    # GCViT's global query, (B * windows, heads, N, D) as its logits take it: made without the
+    # window tokens, its rows are gathered by each window's kept slots.
+    global_query: str | None = None
 
     @property
     def padded(self) -> bool:

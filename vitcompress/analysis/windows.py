@@ -424,7 +424,13 @@ def find_windowed_blocks(
         bias = find_query_bias(gm, core_node, entering, core.query_tokens, image_batch)
         query_bias = bias if isinstance(bias, QueryBias) else None
         made = {by_name[name] for name in query_bias.nodes} if query_bias else set()
-        full = _full_window_reads(spatial_reads(entering), made, back, anc)
+        global_query = None
+        if core.node in query_blockers:
+            global_query = _global_query(core, by_name, entering)
+            if global_query is not None:
+                del query_blockers[core.node]
+                made |= _query_path(global_query, core, by_name)
+        full = _full_window_reads(_size_reads(entering), made, back, anc)
         blocks.append(
             WindowedBlock(
                 core=core,
@@ -448,6 +454,7 @@ def find_windowed_blocks(
                     spatial_product=not axis and bool(spatial_reads(entering)),
                     window_axis=axis,
                     query_bias=query_bias,
+                    global_query=global_query.name if global_query is not None else None,
                     full_window_reads=tuple(sorted(n.name for n in full)),
                 ),
             )
@@ -494,6 +501,68 @@ def _flattened_from(node: fx.Node) -> fx.Node | None:
     if shape != (before[0], math.prod(before[1:-1]), before[-1]):
         return None
     return source
+
+
+def _global_query(
+    core: AttentionCore, by_name: dict[str, fx.Node], entering: fx.Node
+) -> fx.Node | None:
+    """GCViT's global query as its attention's logits take it, (B * windows, heads, N, D), or
+    ``None`` where it is not one: made without the window tokens, its rows by window slot (the
+    attention's output rows, which go back to the slots: ``_check_return``). With fewer tokens
+    per window its rows are gathered by the kept slots; the ops making it read the window's
+    token count at the full window."""
+    node = by_name[core.node]
+    logits = by_name.get(core.logits_node or "") if not ops.is_sdpa(node) else node
+    if logits is None or not logits.args or not isinstance(logits.args[0], fx.Node):
+        return None
+    query = logits.args[0]
+    shape = ops.shape(query) or ()
+    if _reads_values_of(query, entering) or len(shape) != 4:
+        return None
+    if shape[0] != core.batch or shape[2] != core.query_tokens:
+        return None
+    return query
+
+
+def _reads_values_of(node: fx.Node, source: fx.Node) -> bool:
+    """Whether ``node`` depends on ``source``'s values, not on its shape alone."""
+    seen, frontier = {node}, [node]
+    while frontier:
+        current = frontier.pop()
+        if current is source:
+            return True
+        if current.op == "call_function" and current.target is getattr:
+            continue  # x.shape: the sizes, not the values
+        for parent in current.all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                frontier.append(parent)
+    return False
+
+
+def _query_path(query: fx.Node, core: AttentionCore, by_name: dict[str, fx.Node]) -> set[fx.Node]:
+    """The ops that make a global query and not the keys."""
+    node = by_name[core.node]
+    logits = node if ops.is_sdpa(node) else by_name[core.logits_node]
+    keys = logits.args[1]
+    return ops.ancestors(query) - (ops.ancestors(keys) if isinstance(keys, fx.Node) else set())
+
+
+def _size_reads(entering: fx.Node) -> list[fx.Node]:
+    """The reads of the windows' spatial sizes, or of their token count where they enter as
+    (B * windows, N, C)."""
+    reads = spatial_reads(entering)
+    if reads or len(ops.shape(entering) or ()) != 3:
+        return reads
+    return [
+        read
+        for shape in entering.users
+        if shape.op == "call_function" and shape.target is getattr and shape.args[1:] == ("shape",)
+        for read in shape.users
+        if read.op == "call_function"
+        and read.target is operator.getitem
+        and read.args[1] in (1, -2)
+    ]
 
 
 def _full_window_reads(

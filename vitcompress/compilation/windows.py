@@ -24,6 +24,7 @@ from vitcompress.modules.windows import (
     WindowCarry,
     WindowMerge,
     WindowPartition,
+    WindowQueryGather,
     WindowQueryScatter,
     WindowReplay,
     WindowSizes,
@@ -206,6 +207,12 @@ class WindowRewrites:
         self._read_full_window(windows, entering, handed)
         if windows.query_bias is not None:
             self._query_bias_at_full_window(block, positions)
+        if windows.global_query is not None:  # GCViT's: its rows by the kept slots
+            query = self.nodes[windows.global_query]
+            gather = self._add_hook(f"windowquery{block.index}", WindowQueryGather())
+            with self.graph.inserting_after(query):
+                gathered = self.graph.call_module(gather, (query, positions))
+            replace_uses(query, gathered, {gathered})
         # The tables first: one may meet the core itself (MaxViT's SDPA mask), which the hook
         # replaces.
         for number, use in enumerate(windows.tables):

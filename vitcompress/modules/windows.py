@@ -190,3 +190,18 @@ class WindowQueryScatter(nn.Module):
         index = positions[:, None, :, None].expand_as(grouped)
         full = grouped.new_zeros(rows, grouped.shape[1], self.tokens, dim)
         return full.scatter(2, index, grouped).reshape(*lead, self.tokens, dim)
+
+
+class WindowQueryGather(nn.Module):
+    """Queries made without the window tokens (GCViT's global query), (B * windows, heads, N,
+    D) with their rows by window slot: the rows of each window's kept slots, (B * windows,
+    heads, K, D)."""
+
+    def forward(self, queries: Tensor, positions: Tensor | None = None) -> Tensor:
+        if positions is None:  # nothing reduced (a predictor trains with masks)
+            return queries
+        rows, kept = positions.shape
+        *lead, tokens, dim = queries.shape
+        grouped = queries.reshape(rows, -1, tokens, dim)
+        index = positions[:, None, :, None].expand(rows, grouped.shape[1], kept, dim)
+        return grouped.gather(2, index).reshape(*lead, kept, dim)
