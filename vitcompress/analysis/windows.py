@@ -447,9 +447,9 @@ def find_windowed_blocks(
                     attention_blocker=query_blockers.get(core.node)
                     or _padded_blocker(order)
                     or (None if axis else _window_axis_blocker(windows_in, core.batch))
+                    or (bias if isinstance(bias, str) else None)
                     or (None if axis else _spatial_shape_blocker(entering, core_node, anc, full))
                     or _tables_blocker(tables, by_name, core.batch, count)
-                    or (bias if isinstance(bias, str) else None)
                     or _unexplained_mask_blocker(core_node, tables, by_name, made),
                     spatial_product=not axis and bool(spatial_reads(entering)),
                     window_axis=axis,
