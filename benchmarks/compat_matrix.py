@@ -96,6 +96,15 @@ FAMILY_TRIES: dict[str, list[tuple[dict[str, Any], int]]] = {
             112,
         )
     ],
+    # Windows that divide their grid: a padded window refuses a predictor (docs/windowed.md,
+    # "Padded windows"); DaViT's and TinyViT's own windows pad at 64 pixels.
+    "davit": [(dict(window_size=4), 128)],
+    "tiny_vit": [(dict(window_sizes=(4, 4, 4, 2)), 64)],
+    # Windows of 16 tokens: at 64 pixels their partitions hold 4, where EViT, whose fused token
+    # replaces the pruned ones, removes none at keep 0.7.
+    "maxvit": [(dict(img_size=128), 128)],
+    "swinv2_cr": [(dict(img_size=128), 128)],
+    "hiera": [(dict(img_size=128), 128)],
     "cait": [(dict(SMALL_VIT, depth_token_only=1), 32)],
     "pvt_v2": [(dict(depths=(1, 1, 1, 1)), 64)],
 }

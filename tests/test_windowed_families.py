@@ -224,8 +224,31 @@ def test_davit_windows_are_found_and_its_channel_attention_is_left_whole():
     assert list(spatial[4].windows.order) == list(range(16))
     assert list(spatial[0].windows.order) == window_order(32, 32, 4)
     assert list(spatial[1].windows.order) == window_order(16, 16, 4)
-    # Blocks (spatial, channel) pair up as stages.i.blocks.j.0 and .1: no channel block maps.
+    # Blocks (spatial, channel) pair up as stages.i.blocks.j.0 and .1: no channel block maps,
+    # and each is listed as left whole, with why.
     assert all(b.path.endswith(".0") for b in model_map.blocks)
+    channel = [f"stages.{i}.blocks.{j}.1.attn" for i, j in ((0, 0), (1, 0), (2, 0), (2, 1), (3, 0))]
+    assert [line.split(":")[0] for line in model_map.left_whole] == channel
+    assert all("channels per head" in line for line in model_map.left_whole)
+
+
+def test_every_attention_no_block_maps_is_listed_as_left_whole_with_why():
+    """timm's Hiera attends within mask units laid out on an axis of their own, (B, heads,
+    windows, N, D), cut from tokens that interleave them: no block is mapped from those (they run
+    whole), and the model map says so for each, as it does for a block that pools its queries,
+    rather than leaving them out silently."""
+    torch.manual_seed(0)
+    model = timm.create_model("hiera_tiny_224", num_classes=10, img_size=64).eval()
+    model_map = map_model(model, (3, 64, 64))
+    mapped = [b.path for b in model_map.blocks]
+    assert mapped == [f"blocks.{i}" for i in (4, 5, 6, 7, 8, 9, 11)]
+    listed = {line.split(":")[0]: line for line in model_map.left_whole}
+    assert sorted(listed) == sorted(f"blocks.{i}.attn" for i in (0, 1, 2, 3, 10))
+    assert (
+        "4 windows of 64 tokens per image laid out on an axis of their own"
+        in listed["blocks.0.attn"]
+    )
+    assert "its queries are pooled" in listed["blocks.10.attn"]
 
 
 def test_gcvit_windows_are_found_and_its_global_query_follows_the_kept_slots():
@@ -234,15 +257,18 @@ def test_gcvit_windows_are_found_and_its_global_query_follows_the_kept_slots():
     query, made without the window tokens and laid out by window slot, is gathered by each
     window's kept slots when a predictor reduces the windows."""
     model, size = _build("gcvit")
-    blocks = map_model(model, size).blocks
+    model_map = map_model(model, size)
+    blocks = model_map.blocks
     assert list(blocks[0].windows.order) == window_order(16, 16, 2)
-    # At 64 pixels stages 2 and 3 are one window each, where the global query blocks do not map.
-    assert [b.windows.global_query is not None for b in blocks] == [False, True] * 2 + [False] * 4
+    # At 64 pixels stages 2 and 3 are one window each: their global query blocks map too.
+    assert [b.windows.count for b in blocks] == [64, 64, 16, 16] + [1] * 8
+    assert [b.windows.global_query is not None for b in blocks] == [False, True] * 6
+    assert model_map.left_whole == []
     assert all(b.windows.attention_blocker is None for b in blocks)
     compressed = compress(model, "dtps", keep=[0.7], input_size=size)
     seen = []
     gathers = [m for n, m in compressed.named_modules() if type(m).__name__ == "WindowQueryGather"]
-    assert len(gathers) == 2
+    assert len(gathers) == 6
     gathers[0].register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
     with torch.no_grad():
         compressed(_images(size))
@@ -365,7 +391,7 @@ def test_sam2_hiera_pooled_query_blocks_are_left_whole_and_the_rest_map():
     assert model_map.left_whole == [
         f"blocks.{i}.attn: its queries are pooled (4 queries against 16 keys per window), so "
         "the block changes the token count and its windows cannot be reduced alike"
-        for i in (1, 3)
+        for i in (1, 3, 5)
     ]
     assert model_map.to_json()["left_whole"] == model_map.left_whole
 

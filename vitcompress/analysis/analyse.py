@@ -277,7 +277,9 @@ def analyse(captured: CapturedGraph) -> ModelMap:
     gm = captured.module
     anc = Ancestry(gm.graph)
     cores = find_attention_cores(gm)
+    found_cores = list(cores)
     residuals = find_residuals(gm, anc)
+    all_residuals = list(residuals)
     core_nodes = {c.node: c for c in cores}
     image_batch = ops.shape(_placeholder(gm))[0]
     windowed_3d = _windowed_batched_attention(gm, image_batch)
@@ -516,6 +518,11 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                         prefix_tokens=prefix,
                     )
                 )
+    left_whole.update(
+        (node, reason)
+        for node, reason in _unmapped(gm, found_cores, blocks, all_residuals, image_batch).items()
+        if node not in left_whole
+    )
     cls_token = stages[-1].prefix_tokens > 0 and _reads_first_token(last, anc)
     return ModelMap(
         capture=captured.method,
@@ -538,29 +545,77 @@ def _channel_attention(
     another. There is no token attention to score nor a token axis for it to reduce."""
     by_name = {n.name: n for n in gm.graph.nodes}
     for core in cores:
-        node = by_name[core.node]
-        if core.kind == "sdpa":
-            query = node.args[0]
-        elif core.kind == "matmul_softmax" and core.logits_node is not None:
-            query = by_name[core.logits_node].args[0]
-        else:
-            continue
-        q_shape = ops.shape(query) if isinstance(query, fx.Node) else None
-        if q_shape is None or len(q_shape) < 3:
-            continue
-        for residual in residuals:
-            tokens = ops.shape(residual.skip)[1]
-            if node not in residual.nodes or core.query_tokens == tokens:
-                continue
-            # The product contracts the tokens: (.., C/h, N) @ (.., N, C/h).
-            if q_shape[-1] == tokens and q_shape[-2] == core.query_tokens:
-                return (
-                    f"cross-covariance attention over channels at {core.path or core.node}: "
-                    f"its softmax weighs {core.query_tokens} x {core.key_tokens} channels per "
-                    f"head over all {tokens} tokens, so there is no token attention to score "
-                    "or reduce"
-                )
+        reason = _over_channels(core, by_name, residuals)
+        if reason is not None:
+            return f"cross-covariance attention over channels at {core.path or core.node}: {reason}"
     return None
+
+
+def _over_channels(
+    core: AttentionCore, by_name: dict[str, fx.Node], residuals: list[Residual]
+) -> str | None:
+    """Why ``core`` attends over channels, not tokens, or ``None``."""
+    node = by_name[core.node]
+    if core.kind == "sdpa":
+        query = node.args[0]
+    elif core.kind == "matmul_softmax" and core.logits_node is not None:
+        query = by_name[core.logits_node].args[0]
+    else:
+        return None
+    q_shape = ops.shape(query) if isinstance(query, fx.Node) else None
+    if q_shape is None or len(q_shape) < 3:
+        return None
+    for residual in residuals:
+        tokens = ops.shape(residual.skip)[1]
+        if node not in residual.nodes or core.query_tokens == tokens:
+            continue
+        # The product contracts the tokens: (.., C/h, N) @ (.., N, C/h).
+        if q_shape[-1] == tokens and q_shape[-2] == core.query_tokens:
+            return (
+                f"its softmax weighs {core.query_tokens} x {core.key_tokens} channels per "
+                f"head over all {tokens} tokens, so there is no token attention to score "
+                "or reduce"
+            )
+    return None
+
+
+def _unmapped(
+    gm: fx.GraphModule,
+    found: list[AttentionCore],
+    blocks: list[Block],
+    residuals: list[Residual],
+    image_batch: int,
+) -> dict[str, str]:
+    """Every attention core no block maps, with why: each runs whole, and the model map says so
+    (``left_whole``, printed by ``vitcompress inspect``) rather than leaving it out silently."""
+    mapped = {b.attention.node for b in blocks} | {c.node for b in blocks for c in b.parallel_cores}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    on_axis = {w.node.name: w for w in find_window_axis_attention(gm, image_batch)}
+    reasons: dict[str, str] = {}
+    for core in found:
+        if core.node in mapped:
+            continue
+        reason = pooled_query_blocker(core) or _over_channels(core, by_name, residuals)
+        if reason is None and core.node in on_axis:
+            axis = on_axis[core.node]
+            reason = (
+                f"it attends within {axis.windows} windows of {axis.tokens} tokens per image "
+                "laid out on an axis of their own, which no block is mapped from"
+            )
+        if reason is None:
+            reason = (
+                "no block is mapped around it (no attention residual followed by an MLP "
+                "residual on its tokens)"
+            )
+        reasons[core.node] = f"{core.path or core.node}: {reason}"
+    for name, axis in on_axis.items():  # 5-D attention no core was found for (Hiera's)
+        if name not in mapped and name not in reasons:
+            reasons[name] = (
+                f"{axis.path or name}: it attends within {axis.windows} windows of "
+                f"{axis.tokens} tokens per image laid out on an axis of their own, which no "
+                "block is mapped from"
+            )
+    return reasons
 
 
 def _check_windowed_block(block: Block) -> None:

@@ -74,10 +74,15 @@ def _closed_windows(
     """The tokens entering ``core``'s query projection, laid out as its windows, and the
     residual add closing it (``_residual_after``); ``None`` where either is not found."""
     node = next(n for n in gm.graph.nodes if n.name == core.node)
-    windows_in = _window_tokens(gm, node)
-    if windows_in is None or core.batch is None or core.query_tokens is None:
+    if core.batch is None or core.query_tokens is None:
         return None
-    if not _is_window_shaped(ops.shape(windows_in), core.batch, core.query_tokens):
+    windows_in = None
+    for operand in (0, 1):  # the keys' where the queries are global (GCViT's)
+        found = _window_tokens(gm, node, operand)
+        if found is not None and _is_window_shaped(ops.shape(found), core.batch, core.query_tokens):
+            windows_in = found
+            break
+    if windows_in is None:
         return None
     closing = _residual_after(node, windows_in, anc)
     return (windows_in, closing) if closing is not None else None
