@@ -27,3 +27,29 @@ def test_sam_windowed_attention_on_3d_tensors_gets_the_windowed_line():
         "windowed attention: tokens cannot be dropped without breaking the windows "
         "(blocks.0.attn attends within 4 windows of 16 tokens per image)"
     )
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, where, rows",
+    [
+        # TNT's inner attention over each patch's pixels, (B x patches, pixels, C).
+        ("tnt_s_patch16_224", {"img_size": 64}, "blocks.0.attn_in", "32 rows of 16 tokens"),
+        # MobileViT's transformer over the unfolded patches, (B x patch area, patches, C).
+        ("mobilevit_xxs", {}, "stages.2.1.transformer.0.attn", "8 rows of 16 tokens"),
+    ],
+)
+def test_a_stream_cut_into_windows_between_blocks_is_refused_with_that_line(
+    name, kwargs, where, rows
+):
+    """Where the blocks' residual stream is itself batched as windows (no per-image tokens to
+    put back between blocks), the line says so, naming the attention."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=10, **kwargs).eval()
+    with pytest.raises(MappingError) as refused:
+        map_model(model, (3, 64, 64))
+    assert str(refused.value) == (
+        f"windowed attention at {where}: its block's tokens are themselves cut into windows "
+        f"({rows} for 2 images, between blocks too), which is not supported"
+    )

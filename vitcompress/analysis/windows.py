@@ -377,6 +377,15 @@ def find_windowed_blocks(
         if closing is None:
             raise WindowError(f"windowed attention at {where}: no residual add closes it")
         add, skip, branch = closing
+        stream = ops.shape(skip) or ()
+        if stream and stream[0] != image_batch:
+            # TNT's pixel tokens, MobileViT's unfolded patches: the residual stream itself is
+            # batched as windows, so there are no per-image tokens to put back.
+            raise WindowError(
+                f"windowed attention at {where}: its block's tokens are themselves cut into "
+                f"windows ({stream[0]} rows of {math.prod(stream[1:-1])} tokens for "
+                f"{image_batch} images, between blocks too), which is not supported"
+            )
         attn = Residual(add, skip, branch, anc.between(skip, add))
         mlp = next(
             (
