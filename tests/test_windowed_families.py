@@ -115,6 +115,15 @@ def _sam2_hiera() -> nn.Module:
     return model
 
 
+def _hiera() -> nn.Module:
+    """64 x 64: a 16 x 16 grid unrolled into 4 mask units; blocks 0 (4 units of 64 tokens) and 2
+    (4 of 16) attend within them, blocks 1, 3 and 10 pool their queries (left whole), blocks
+    4-9 and 11 attend globally. The head drawn, as for SAM2-Hiera."""
+    model = timm.create_model("hiera_tiny_224", num_classes=10, img_size=64)
+    nn.init.normal_(model.head.fc.weight, std=0.2)
+    return model
+
+
 def _gcvit() -> nn.Module:
     return timm.create_model("gcvit_xxtiny", img_size=64, num_classes=10)
 
@@ -143,6 +152,7 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], int, tuple[str, ...]]] = {
     "sam_vit": (_sam_vit, 64, METHODS),
     "nest": (_nest, 64, METHODS),
     "sam2_hiera": (_sam2_hiera, 64, METHODS),  # its query-pooling blocks left whole
+    "hiera": (_hiera, 64, METHODS),  # likewise
     "hf_swin": (_hf_swin(False), 56, METHODS),
     "hf_swinv2": (_hf_swin(True), 56, METHODS),
 }
@@ -232,23 +242,24 @@ def test_davit_windows_are_found_and_its_channel_attention_is_left_whole():
     assert all("channels per head" in line for line in model_map.left_whole)
 
 
-def test_every_attention_no_block_maps_is_listed_as_left_whole_with_why():
-    """timm's Hiera attends within mask units laid out on an axis of their own, (B, heads,
-    windows, N, D), cut from tokens that interleave them: no block is mapped from those (they run
-    whole), and the model map says so for each, as it does for a block that pools its queries,
-    rather than leaving them out silently."""
-    torch.manual_seed(0)
-    model = timm.create_model("hiera_tiny_224", num_classes=10, img_size=64).eval()
-    model_map = map_model(model, (3, 64, 64))
+def test_hiera_mask_units_map_and_the_blocks_left_whole_are_listed_with_why():
+    """timm's Hiera cuts its mask units from the (B, L, C) tokens after the projection,
+    interleaved (token i * windows + w in window w). The capture cuts them before the projection
+    instead (the same numbers), so those blocks map as windowed blocks whose windows are on an
+    axis of their own, in the order written out here by hand. The blocks that pool their queries
+    run whole and the model map lists each with why, rather than leaving them out silently."""
+    model, size = _build("hiera")
+    model_map = map_model(model, size)
     mapped = [b.path for b in model_map.blocks]
-    assert mapped == [f"blocks.{i}" for i in (4, 5, 6, 7, 8, 9, 11)]
+    assert mapped == [f"blocks.{i}" for i in (0, 2, 4, 5, 6, 7, 8, 9, 11)]
+    first, second = model_map.blocks[0].windows, model_map.blocks[1].windows
+    assert (first.count, first.tokens, second.count, second.tokens) == (4, 64, 4, 16)
+    assert first.window_axis and second.window_axis
+    assert list(first.order) == [i * 4 + w for w in range(4) for i in range(64)]
+    assert list(second.order) == [i * 4 + w for w in range(4) for i in range(16)]
     listed = {line.split(":")[0]: line for line in model_map.left_whole}
-    assert sorted(listed) == sorted(f"blocks.{i}.attn" for i in (0, 1, 2, 3, 10))
-    assert (
-        "4 windows of 64 tokens per image laid out on an axis of their own"
-        in listed["blocks.0.attn"]
-    )
-    assert "its queries are pooled" in listed["blocks.10.attn"]
+    assert sorted(listed) == ["blocks.1.attn", "blocks.10.attn", "blocks.3.attn"]
+    assert all("its queries are pooled" in line for line in listed.values())
 
 
 def test_gcvit_windows_are_found_and_its_global_query_follows_the_kept_slots():

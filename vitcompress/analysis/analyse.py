@@ -608,13 +608,22 @@ def _unmapped(
                 "residual on its tokens)"
             )
         reasons[core.node] = f"{core.path or core.node}: {reason}"
-    for name, axis in on_axis.items():  # 5-D attention no core was found for (Hiera's)
-        if name not in mapped and name not in reasons:
-            reasons[name] = (
-                f"{axis.path or name}: it attends within {axis.windows} windows of "
-                f"{axis.tokens} tokens per image laid out on an axis of their own, which no "
-                "block is mapped from"
+    for name, axis in on_axis.items():  # 5-D attention no core was found for
+        if name in mapped or name in reasons:
+            continue
+        keys = ops.shape(axis.node.args[1]) if ops.is_sdpa(axis.node) else None
+        if keys is not None and len(keys) == 5 and keys[3] != axis.tokens:  # Hiera's
+            reason = (
+                f"its queries are pooled ({axis.tokens} queries against {keys[3]} keys per "
+                "window), so the block changes the token count and its windows cannot be "
+                "reduced alike"
             )
+        else:
+            reason = (
+                f"it attends within {axis.windows} windows of {axis.tokens} tokens per image "
+                "laid out on an axis of their own, which no block is mapped from"
+            )
+        reasons[name] = f"{axis.path or name}: {reason}"
     return reasons
 
 

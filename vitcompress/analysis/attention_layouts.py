@@ -1,6 +1,7 @@
 """Attention written in other layouts, rewritten to the (B x windows, heads, N, D) one every later
 step reads: SAM's heads folded into the batch (``heads_apart``), NesT's windows on an axis of
-their own (``windows_into_batch``).
+their own (``windows_into_batch``), Hiera's mask units cut after the projection
+(``mask_units_before_projection``, which makes them NesT's layout first).
 
 SAM's encoder folds the heads into the batch before ``scaled_dot_product_attention``:
 ``qkv.reshape(3, B * heads, N, D)``. Every later step (finding the attention core, scoring
@@ -14,6 +15,8 @@ graph is left as it was.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -69,6 +72,99 @@ def _unflatten(graph: fx.Graph, value: object, heads: int, folded: int) -> objec
     if shape is not None and len(shape) == 3 and shape[0] == folded:
         return graph.call_method("unflatten", (value, 0, (-1, heads)))
     return value
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _shape_args(node: fx.Node) -> list:
+    args = list(node.args[1:])
+    return list(args[0]) if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+
+
+def mask_units_before_projection(gm: fx.GraphModule) -> int:
+    """Hiera's mask-unit attention cuts its windows from the (B, L, C) tokens after the
+    projection, interleaved: ``qkv(x).reshape(B, n, W, 3, heads, D).permute(3, 0, 4, 2, 1, 5)``
+    puts token ``i * W + w`` in window ``w``, and the output goes back by ``transpose(1, 3)
+    .reshape(B, L, C)``. The projection works on each token alone, so cutting the windows
+    before it, ``x.reshape(B, n, W, C).transpose(1, 2)`` (B, W, n, C), and giving the output its
+    (B, W, n, C) layout before putting it back, gives the same numbers, in the layout NesT's
+    windows come in (``windows_into_batch`` then folds them). The window's token count is left
+    to the reshapes (``-1``), so that a predictor can hand the projection fewer tokens per
+    window. Returns how many were rewritten."""
+    rewritten = 0
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if not ops.is_sdpa(node) or len(node.args) != 3 or set(node.kwargs) - {"dropout_p"}:
+            continue
+        shape = ops.shape(node.args[0])
+        projection = ops.projection_of(gm, node.args[0])
+        if shape is None or len(shape) != 5 or projection is None or projection.op != "call_module":
+            continue
+        tokens = projection.args[0] if projection.args else None
+        cut = _only_user(projection)
+        order = _only_user(cut) if cut is not None else None
+        if not isinstance(tokens, fx.Node) or cut is None or order is None:
+            continue
+        layout, cut_shape = ops.shape(tokens), ops.shape(cut)
+        if (
+            layout is None
+            or len(layout) != 3
+            or cut_shape is None
+            or len(cut_shape) != 6
+            or cut.op != "call_method"
+            or cut.target not in ("reshape", "view")
+            or order.op != "call_method"
+            or order.target != "permute"
+            or tuple(_shape_args(order)) != (3, 0, 4, 2, 1, 5)
+        ):
+            continue
+        batch, inner, windows, three, heads, dim = cut_shape
+        if (batch, inner * windows) != tuple(layout[:2]) or three != 3 or windows < 2:
+            continue
+        leaving = _only_user(node)
+        back = _only_user(leaving) if leaving is not None else None
+        if (
+            leaving is None
+            or back is None
+            or leaving.op != "call_method"
+            or leaving.target != "transpose"
+            or sorted(_shape_args(leaving)) != [1, 3]
+            or back.op != "call_method"
+            or back.target not in ("reshape", "view")
+            or ops.shape(back) != (batch, inner * windows, heads * dim)
+        ):
+            continue
+        channels = layout[-1]
+        with graph.inserting_before(projection):
+            sizes = graph.call_function(getattr, (tokens, "shape"))
+            images = graph.call_function(operator.getitem, (sizes, 0))
+            split = graph.call_method("reshape", (tokens, images, -1, windows, channels))
+            in_windows = graph.call_method("transpose", (split, 1, 2))
+            projected = graph.node_copy(
+                projection, lambda arg: in_windows if arg is tokens else arg
+            )
+            recut = graph.call_method(
+                "reshape", (projected, images, windows, -1, 3, heads, dim)
+            )
+            reordered = graph.call_method("permute", (recut, 3, 0, 4, 1, 2, 5))
+        order.replace_all_uses_with(reordered)
+        with graph.inserting_before(leaving):
+            moved = graph.call_method("permute", (node, 0, 2, 3, 1, 4))
+            out_windows = graph.call_method("reshape", (moved, images, windows, -1, heads * dim))
+            interleaved = graph.call_method("transpose", (out_windows, 1, 2))
+            flat = graph.call_method("reshape", (interleaved, images, -1, heads * dim))
+        back.replace_all_uses_with(flat)
+        for dead in (back, leaving, order, cut, projection):
+            if not dead.users:
+                graph.erase_node(dead)
+        rewritten += 1
+    if rewritten:
+        graph.lint()
+        gm.recompile()
+    return rewritten
 
 
 def windows_into_batch(gm: fx.GraphModule) -> int:

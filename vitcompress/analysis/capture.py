@@ -24,7 +24,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from vitcompress.analysis.attention_layouts import heads_apart, windows_into_batch
+from vitcompress.analysis.attention_layouts import (
+    heads_apart,
+    mask_units_before_projection,
+    windows_into_batch,
+)
 from vitcompress.errors import UserError
 from vitcompress.model_copy import copy_model
 
@@ -589,6 +593,8 @@ def capture(model: nn.Module, example: torch.Tensor) -> CapturedGraph:
         annotate_shapes(gm, example)
     if method != "export":  # an exported graph is never rewritten
         split_tokens_by_slices(gm)
+        if mask_units_before_projection(gm):
+            annotate_shapes(gm, example)
         if heads_apart(gm, example) + windows_into_batch(gm):
             annotate_shapes(gm, example)
     return CapturedGraph(
