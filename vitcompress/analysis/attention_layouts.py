@@ -144,11 +144,10 @@ def mask_units_before_projection(gm: fx.GraphModule) -> int:
             split = graph.call_method("reshape", (tokens, images, -1, windows, channels))
             in_windows = graph.call_method("transpose", (split, 1, 2))
             projected = graph.node_copy(
-                projection, lambda arg: in_windows if arg is tokens else arg
+                projection,
+                lambda arg, old=tokens, new=in_windows: new if arg is old else arg,
             )
-            recut = graph.call_method(
-                "reshape", (projected, images, windows, -1, 3, heads, dim)
-            )
+            recut = graph.call_method("reshape", (projected, images, windows, -1, 3, heads, dim))
             reordered = graph.call_method("permute", (recut, 3, 0, 4, 1, 2, 5))
         order.replace_all_uses_with(reordered)
         with graph.inserting_before(leaving):
