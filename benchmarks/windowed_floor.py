@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
         "--models",
-        default="swin,maxvit,tiny_vit,davit,gcvit,nest,samvit448,sam2_hiera,volo",
+        default="swin,maxvit,tiny_vit,davit,gcvit,nest,samvit448,sam2_hiera,volo,hiera",
         help="comma-separated, of: " + ",".join(MODELS),
     )
     p.add_argument("--json-out", type=Path)

@@ -37,6 +37,7 @@ MODELS: dict[str, tuple[str, int, dict]] = {
     "samvit1024": ("samvit_base_patch16", 1024, {}),
     "sam2_hiera": ("sam2_hiera_tiny", 224, {}),
     "volo": ("volo_d1_224", 224, {}),
+    "hiera": ("hiera_tiny_224", 224, {}),
 }
 METHODS = ("dtps", "etps", "evit", "tome")
 
