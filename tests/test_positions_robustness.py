@@ -18,6 +18,7 @@ from vitcompress import map_model
 from vitcompress.analysis.analyse import MappingError
 from vitcompress.compilation.plan import PlanError, default_locs
 from vitcompress.loading import default_input_size
+from vitcompress.measure import count_macs
 from vitcompress.modules.restore import TokenRestore
 
 VARIANTS = ["dtps", "etps", "dynamicvit", "evit"]
@@ -147,22 +148,39 @@ def test_importing_vitcompress_registers_the_zoo():
     assert out.split() == ["True", "True"]
 
 
-def test_tokens_pooled_by_their_order_between_stages_are_refused():
-    """Hiera pools its unrolled tokens with a view over their order where a stage ends: reduced
-    (or merely re-sorted) tokens would be pooled with the wrong neighbours, or crash."""
-    hiera = timm.create_model("hiera_tiny_224", num_classes=10, img_size=(64, 64))
-    model_map = map_model(hiera, (3, 64, 64))
-    first_stage = model_map.stages[0]
-    assert first_stage.exit_bypass == "blocks.10.attn.qkv"
-    for variant in ("dtps", "evit"):
-        with pytest.raises(
-            PlanError,
-            match=r"stage 0's tokens reach the next stage at "
-            r"blocks\.10\.attn\.qkv",
-        ):
-            vitcompress.compress(
-                hiera, variant, keep=1.0, locs=[first_stage.blocks[0]], input_size=(3, 64, 64)
-            )
+def test_tokens_pooled_by_their_order_between_stages_are_restored_before_the_pooling():
+    """Hiera pools its unrolled tokens with a view over their order where a stage ends, in a
+    block left whole: reduced (or merely re-sorted: dTPS sorts by score even at keep 1) tokens
+    would be pooled with the wrong neighbours. Every op taking them there reads them restored,
+    in their order, so the stage can be reduced: exact at keep 1 (float64, sharpened weights),
+    fewer MACs at keep 0.7."""
+    from tests.test_windowed_families import sharpen
+
+    torch.manual_seed(0)
+    hiera = sharpen(timm.create_model("hiera_tiny_224", num_classes=10, img_size=(64, 64)))
+    torch.nn.init.normal_(hiera.head.fc.weight, std=0.2)
+    hiera = hiera.double()
+    size = (3, 64, 64)
+    images = torch.randn(2, *size, generator=torch.Generator().manual_seed(1)).double()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model_map = map_model(hiera, size)
+        stage = next(s for s in model_map.stages if len(s.blocks) > 1)  # blocks 4-9
+        last = model_map.blocks[stage.blocks[-1]]
+        assert stage.exit_bypass is None and stage.exit_grid_node is None
+        assert [reader.path for reader in last.readers] == ["blocks.10.norm1"]
+        with torch.no_grad():
+            base = hiera(images)
+            for variant in ("dtps", "evit"):
+                locs = [stage.blocks[0]]
+                same = vitcompress.compress(hiera, variant, keep=1.0, locs=locs, input_size=size)
+                assert (same(images) - base).abs().max() <= 1e-9 * base.abs().max(), variant
+                reduced = vitcompress.compress(hiera, variant, keep=0.7, locs=locs, input_size=size)
+                assert torch.isfinite(reduced(images)).all()
+                assert count_macs(reduced, size) < count_macs(same, size)
+    finally:
+        torch.set_default_dtype(default)
 
 
 @pytest.mark.parametrize(

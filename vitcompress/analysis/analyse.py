@@ -472,6 +472,7 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         )
         if window is not None:
             _check_windowed_block(blocks[-1])
+    inside_blocks = {n for attn, mlp, _ in pairs for n in _block_nodes(attn, mlp)}
     for stage, following in zip(stages, stages[1:] + [None], strict=True):
         end = by_name[following.entry_node] if following is not None else None
         out = by_name[blocks[stage.blocks[-1]].output_node]
@@ -480,6 +481,25 @@ def analyse(captured: CapturedGraph) -> ModelMap:
             _find_prefix_join(gm, stage, out, end, image, anc)
         if end is not None:
             stage.exit_bypass = _exit_bypass(out, end, by_name.get(stage.exit_grid_node or ""), anc)
+            if stage.exit_bypass is not None and blocks[stage.blocks[-1]].windows is None:
+                # The tokens reach the next stage other than through a grid (Hiera's stage ends
+                # in a block left whole, which pools them by their order): every op that takes
+                # them there reads them whole, in order, restored; that is the stage's exit.
+                readers = [user for user in out.users if anc.is_ancestor(user, end) or user is end]
+                if readers and all(user not in inside_blocks for user in readers):
+                    stage.exit_tokens_node = stage.exit_grid_node = None
+                    blocks[stage.blocks[-1]].readers.extend(
+                        TokenReader(
+                            what="the way into the next stage, which reads the tokens in order",
+                            path=ops.module_path(user) or user.name,
+                            node=user.name,
+                            tokens_node=out.name,
+                            axis=1,
+                            prefix_tokens=stage.prefix_tokens,
+                        )
+                        for user in readers
+                    )
+                    stage.exit_bypass = None
     input_shape = ops.shape(image)
     last = by_name[blocks[-1].output_node]
     # Every block's tokens, not only a stage's last's, may reach the output (intermediate

@@ -158,13 +158,27 @@ def default_locs(model_map: ModelMap, carry_windows: bool = False) -> list[int]:
 
     A model of windowed blocks: every windowed block, since each restores its own tokens and
     only its own reduction saves; with ``carry_windows``, the first block of every run of blocks
-    in the same windows (:func:`window_runs`), the rest of the run carrying its choice."""
+    in the same windows (:func:`window_runs`), the rest of the run carrying its choice. Where
+    windowed stages and stages of plain blocks mix (Hiera), the first block of each plain stage
+    too."""
     stages = token_stages(model_map)
     windowed = [i for blocks in stages for i in blocks if model_map.blocks[i].windows is not None]
-    if windowed and carry_windows:
-        return [run[0] for run in window_runs(model_map, windowed)]
-    if windowed:  # each windowed block restores its own tokens: only its own reduction saves
-        return windowed
+    if windowed:
+        # Each windowed block restores its own tokens: only its own reduction saves (or, with
+        # carry_windows, its run's). A stage of plain blocks among them (Hiera's global stages)
+        # is reduced from its first block on, as a pyramid's stages are, where its tokens reach
+        # the next stage through its exit grid (Hiera's third stage does not: its pooling
+        # reads their order).
+        plain = [
+            blocks[0]
+            for blocks in stages
+            if blocks
+            and all(model_map.blocks[i].windows is None for i in blocks)
+            and model_map.stages[model_map.blocks[blocks[0]].stage].exit_bypass is None
+        ]
+        if carry_windows:
+            windowed = [run[0] for run in window_runs(model_map, windowed)]
+        return sorted(windowed + plain)
     if dominant_last_stage(stages):
         blocks = stages[-1]
         step = math.ceil(len(blocks) / 4)
