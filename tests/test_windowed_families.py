@@ -579,8 +579,9 @@ def test_nest_windows_on_their_own_axis_are_found_and_a_predictor_keeps_that_axi
         ("hiera_tiny_224", 224, {}, {"dtps": 0.85, "etps": 0.85}),
         # SAM's encoder takes a predictor, its query-made term made at the full window (0.801).
         ("samvit_base_patch16", 448, {"img_size": 448}, {"dtps": 0.82}),
-        # GCViT: every block maps, its global query gathered by the kept slots.
-        ("gcvit_xxtiny", 224, {}, {"dtps": 0.85}),
+        # GCViT: every block maps, its global query gathered by the kept slots (0.858, 0.882;
+        # carrying, 0.800).
+        ("gcvit_xxtiny", 224, {}, {"dtps": 0.87, "etps": 0.89, "etps carried": 0.82}),
     ],
 )
 def test_keep_07_costs_less_at_the_real_width(name, side, extra, limits):
