@@ -37,7 +37,11 @@ KEEP = 0.7
 
 def attention_products(per_module: dict[str, int], model: nn.Module, path: str) -> int:
     """The MACs an attention module spends outside its linear layers: q k^T and the weighted
-    sum of the values (with any small ops its children do not count)."""
+    sum of the values (with any small ops its children do not count). ``path`` is the core's
+    (Swin's is its ``softmax`` module, which counts nothing): the first module up from it that
+    counts anything is the attention."""
+    while per_module.get(path, 0) == 0 and "." in path:
+        path = path.rsplit(".", 1)[0]
     attention = model.get_submodule(path)
     inside = sum(
         per_module.get(f"{path}.{name}", 0)
