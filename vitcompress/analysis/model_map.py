@@ -232,6 +232,7 @@ class Windows:
             "spatial_product": self.spatial_product,
             "window_axis": self.window_axis,
             "query_bias": self.query_bias.to_json() if self.query_bias else None,
+            "global_query": self.global_query is not None,
         }
 
     @classmethod
