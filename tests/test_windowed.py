@@ -13,14 +13,13 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from tests.test_windowed_families import window_order
+from tests.test_windowed_families import one_choice_both_ways, window_order
 from vitcompress import compress, map_model
 from vitcompress.compilation.metadata import compression_info
 from vitcompress.compilation.plan import Plan
 from vitcompress.errors import UserError
 from vitcompress.loading import LoadedModel, ModelSource
 from vitcompress.measure import count_macs
-from vitcompress.modules import reducers
 from vitcompress.modules.windows import WindowTableGather
 from vitcompress.search.driver import Budget, SearchConfig, SearchError, search
 from vitcompress.workflows.export import export_model
@@ -160,22 +159,9 @@ def test_training_masks_give_what_inference_gathers_for_the_same_choice(
     keep_tokens = {m.keep_tokens for m in compressed.modules() if hasattr(m, "keep_tokens")}
     assert keep_tokens == {34}
 
-    def choice(largest: bool):
-        def draw(log_probs: torch.Tensor, hard: bool = True) -> torch.Tensor:
-            keep = log_probs[..., 0]
-            top = keep.topk(34, dim=1, largest=largest).indices
-            chosen = torch.zeros_like(keep).scatter(1, top, 1.0)
-            return torch.stack([chosen, 1.0 - chosen], dim=-1)
-
-        return draw
-
-    with torch.no_grad():
-        inferred = compressed(images)
-        compressed.train()
-        monkeypatch.setattr(reducers.F, "gumbel_softmax", choice(largest=True))
-        trained = compressed(images)
-        monkeypatch.setattr(reducers.F, "gumbel_softmax", choice(largest=False))
-        other = compressed(images)  # another choice: the comparison can tell them apart
+    inferred, trained, other = one_choice_both_ways(
+        compressed, images, monkeypatch, lambda tokens: 34
+    )
     torch.testing.assert_close(trained, inferred, atol=1e-6, rtol=1e-5)
     assert (other - inferred).abs().max() > 1e-3
 

@@ -174,6 +174,36 @@ def _images(size: tuple[int, int, int], dtype=torch.float32) -> torch.Tensor:
     return torch.randn(2, *size, generator=torch.Generator().manual_seed(1)).to(dtype)
 
 
+def one_choice_both_ways(
+    compressed: nn.Module,
+    images: torch.Tensor,
+    monkeypatch: pytest.MonkeyPatch,
+    kept_for: Callable[[int], int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits at inference; in training with the Gumbel draw replaced by inference's own
+    top-k (``kept_for(tokens)`` of each row's tokens), which must equal them; and in training
+    with the opposite choice, which tells the two apart."""
+    from vitcompress.modules import reducers
+
+    def choice(largest: bool):
+        def draw(log_probs: torch.Tensor, hard: bool = True) -> torch.Tensor:
+            keep = log_probs[..., 0]
+            top = keep.topk(kept_for(keep.shape[1]), dim=1, largest=largest).indices
+            chosen = torch.zeros_like(keep).scatter(1, top, 1.0)
+            return torch.stack([chosen, 1.0 - chosen], dim=-1)
+
+        return draw
+
+    with torch.no_grad():
+        inferred = compressed(images)
+        compressed.train()
+        monkeypatch.setattr(reducers.F, "gumbel_softmax", choice(largest=True))
+        trained = compressed(images)
+        monkeypatch.setattr(reducers.F, "gumbel_softmax", choice(largest=False))
+        other = compressed(images)
+    return inferred, trained, other
+
+
 # --- Window orders written out by hand from each config ------------------------------------
 def window_order(height: int, width: int, window: int, shift: int = 0) -> list[int]:
     """Roll the grid by ``-shift``, cut it into ``window`` x ``window`` tiles, row-major within
@@ -467,8 +497,6 @@ def test_a_predictor_trains_on_the_attention_it_infers_with(name, method, carry,
     slots. With the Gumbel draw replaced by inference's own top-k, both give the same logits
     (with a block carrying another's choice too); a row put in a wrong slot would not, the
     tables being drawn from N(0, 1)."""
-    from vitcompress.modules import reducers
-
     model, size = _build(name)
     blocks = map_model(model, size).blocks
     settings = {"carry_windows": True} if carry else None
@@ -482,23 +510,9 @@ def test_a_predictor_trains_on_the_attention_it_infers_with(name, method, carry,
         if getattr(module, "keep_tokens", None)
     }
 
-    def choice(largest: bool):
-        def draw(log_probs: torch.Tensor, hard: bool = True) -> torch.Tensor:
-            keep = log_probs[..., 0]
-            top = keep.topk(kept[keep.shape[1]], dim=1, largest=largest).indices
-            chosen = torch.zeros_like(keep).scatter(1, top, 1.0)
-            return torch.stack([chosen, 1.0 - chosen], dim=-1)
-
-        return draw
-
-    images = _images(size)
-    with torch.no_grad():
-        inferred = compressed(images)
-        compressed.train()
-        monkeypatch.setattr(reducers.F, "gumbel_softmax", choice(largest=True))
-        trained = compressed(images)
-        monkeypatch.setattr(reducers.F, "gumbel_softmax", choice(largest=False))
-        other = compressed(images)
+    inferred, trained, other = one_choice_both_ways(
+        compressed, _images(size), monkeypatch, kept.__getitem__
+    )
     torch.testing.assert_close(trained, inferred, atol=1e-5, rtol=1e-5)
     assert (other - inferred).abs().max() > 1e-3
 
