@@ -517,19 +517,25 @@ def test_a_predictor_trains_on_the_attention_it_infers_with(name, method, carry,
     assert (other - inferred).abs().max() > 1e-3
 
 
-def test_a_query_made_term_that_mixes_tokens_is_refused_in_one_line(monkeypatch):
-    """A term made from the queries where a row reads another token's query (here each row from
-    the previous token's) cannot be made from the kept queries alone: the probe that changes
-    half the rows catches it, and a predictor is refused in one line; eTPS, which reduces after
-    the attention, still compresses."""
+def _previous_token(q: torch.Tensor) -> torch.Tensor:
+    return q.roll(1, dims=1)
+
+
+def _first_row_from_the_mean(q: torch.Tensor) -> torch.Tensor:
+    return torch.cat((q.mean(1, keepdim=True), q[:, 1:]), 1)
+
+
+@pytest.mark.parametrize("mix", (_previous_token, _first_row_from_the_mean))
+def test_a_query_made_term_that_mixes_tokens_is_refused_in_one_line(mix, monkeypatch):
+    """A term made from the queries where a row reads another token's query (each row from the
+    previous token's; or only the first row, from the mean of the window's queries) cannot be
+    made from the kept queries alone: the probe, which changes each half of the rows in turn,
+    catches it, and a predictor is refused in one line; eTPS, which reduces after the
+    attention, still compresses."""
     from timm.models import vision_transformer_sam as sam
 
     made = sam.get_decomposed_rel_pos_bias
-    monkeypatch.setattr(
-        sam,
-        "get_decomposed_rel_pos_bias",
-        lambda q, *args: made(q.roll(1, dims=1), *args),
-    )
+    monkeypatch.setattr(sam, "get_decomposed_rel_pos_bias", lambda q, *args: made(mix(q), *args))
     model, size = _build("sam_vit")
     assert map_model(model, size).blocks[0].windows.query_bias is None
     with pytest.raises(UserError) as refused:
@@ -712,3 +718,14 @@ def test_sam_vit_padded_windows_are_exact_at_keep_one(method):
         torch.set_default_dtype(default)
     assert (same - base).abs().max() <= 1e-9 * base.abs().max()
     assert torch.isfinite(reduced).all() and not torch.allclose(reduced, base)
+
+
+@pytest.mark.parametrize("name", ("sam_vit", "gcvit", "hiera", "davit"))
+def test_a_windowed_model_map_reads_back_what_it_wrote(name):
+    """The windows' JSON (a query-made term's tables, a global query, the blocks left whole)
+    reads back to the same JSON."""
+    from vitcompress.analysis.model_map import ModelMap
+
+    model, size = _build(name)
+    written = map_model(model, size).to_json()
+    assert ModelMap.from_json(written).to_json() == written

@@ -247,6 +247,7 @@ class Windows:
             spatial_product=bool(data.get("spatial_product")),
             window_axis=bool(data.get("window_axis")),
             query_bias=QueryBias.from_json(data["query_bias"]) if data.get("query_bias") else None,
+            global_query="" if data.get("global_query") else None,
         )
 
 

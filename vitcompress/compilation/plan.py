@@ -166,9 +166,8 @@ def default_locs(model_map: ModelMap, carry_windows: bool = False) -> list[int]:
     if windowed:
         # Each windowed block restores its own tokens: only its own reduction saves (or, with
         # carry_windows, its run's). A stage of plain blocks among them (Hiera's global stages)
-        # is reduced from its first block on, as a pyramid's stages are, where its tokens reach
-        # the next stage through its exit grid (Hiera's third stage does not: its pooling
-        # reads their order).
+        # is reduced from its first block on, as a pyramid's stages are, where its tokens can
+        # get their full set back on the way out (not where the map found an exit bypass).
         plain = [
             blocks[0]
             for blocks in stages
