@@ -550,7 +550,7 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         stages=stages,
         blocks=blocks,
         leaves=list(captured.leaves),
-        left_whole=list(left_whole.values()),
+        left_whole=[left_whole[n] for n in sorted(left_whole, key=lambda n: anc.index[by_name[n]])],
         cls_token=cls_token,
         final_norm=find_final_norm(gm, last),
     )
