@@ -472,7 +472,8 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         )
         if window is not None:
             _check_windowed_block(blocks[-1])
-    inside_blocks = {n for attn, mlp, _ in pairs for n in _block_nodes(attn, mlp)}
+    # Every block's own nodes: what follows a block outside them is its readers' and exits'.
+    inside = {n for attn, mlp, _ in pairs for n in _block_nodes(attn, mlp)}
     for stage, following in zip(stages, stages[1:] + [None], strict=True):
         end = by_name[following.entry_node] if following is not None else None
         out = by_name[blocks[stage.blocks[-1]].output_node]
@@ -486,7 +487,7 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 # in a block left whole, which pools them by their order): every op that takes
                 # them there reads them whole, in order, restored; that is the stage's exit.
                 readers = [user for user in out.users if anc.is_ancestor(user, end) or user is end]
-                if readers and all(user not in inside_blocks for user in readers):
+                if readers and all(user not in inside for user in readers):
                     stage.exit_tokens_node = stage.exit_grid_node = None
                     blocks[stage.blocks[-1]].readers.extend(
                         TokenReader(
@@ -505,7 +506,6 @@ def analyse(captured: CapturedGraph) -> ModelMap:
     # Every block's tokens, not only a stage's last's, may reach the output (intermediate
     # features, hidden states) or a head; the blocks after it and the way into the next stage
     # are theirs (exit grid, exit bypass).
-    inside = {n for attn, mlp, _ in pairs for n in _block_nodes(attn, mlp)}
     for stage, following in zip(stages, stages[1:] + [None], strict=True):
         end = by_name[following.entry_node] if following is not None else None
 
