@@ -292,6 +292,32 @@ def test_hiera_mask_units_map_and_the_blocks_left_whole_are_listed_with_why():
     assert all("its queries are pooled" in line for line in listed.values())
 
 
+def test_hiera_with_as_many_mask_units_as_tokens_in_each_maps_and_is_exact():
+    """At 128 pixels Hiera's second stage has 16 mask units of 16 tokens: its output laid out
+    (B, units, N, C) and put back as (B, N, units, C) have one shape, and only the first is the
+    windows' (a transpose between them is not the windows' layout). Exact at keep 1 in float64
+    on sharpened weights, dTPS (which re-sorts) and eTPS."""
+    torch.manual_seed(0)
+    model = sharpen(timm.create_model("hiera_tiny_224", num_classes=10, img_size=128))
+    nn.init.normal_(model.head.fc.weight, std=0.2)
+    model = model.double()
+    size = (3, 128, 128)
+    images = _images(size, torch.float64)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        windows = map_model(model, size).blocks[1].windows
+        assert (windows.count, windows.tokens) == (16, 16)
+        assert list(windows.order) == [i * 16 + w for w in range(16) for i in range(16)]
+        with torch.no_grad():
+            base = model(images)
+            for method in ("dtps", "etps"):
+                same = compress(model, method, keep=[1.0], input_size=size)(images)
+                assert (same - base).abs().max() <= 1e-9 * base.abs().max(), method
+    finally:
+        torch.set_default_dtype(default)
+
+
 def test_gcvit_windows_are_found_and_its_global_query_follows_the_kept_slots():
     """GCViT's every other block takes its queries from a global token generator, the keys and
     values from the window tokens: the windows are read from the key input, and the global

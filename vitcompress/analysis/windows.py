@@ -226,9 +226,21 @@ def _window_output(branch: fx.Node, core: fx.Node, layout: tuple) -> fx.Node | N
     if first is None:
         return None
     last = first
-    while last + 1 < len(chain) and ops.shape(chain[last + 1]) == layout:
+    while (
+        last + 1 < len(chain)
+        and ops.shape(chain[last + 1]) == layout
+        and not _moves_axes(chain[last + 1])
+    ):
         last += 1
     return chain[last]
+
+
+def _moves_axes(node: fx.Node) -> bool:
+    """A transpose or permute: it lays a tensor out anew even where the shape stays (Hiera's
+    (B, windows, N, C) put back as (B, N, windows, C) when there are as many windows as tokens
+    in each)."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name in ("transpose", "permute", "swapaxes", "movedim")
 
 
 def through_layout(node: fx.Node, start: fx.Node) -> bool:
