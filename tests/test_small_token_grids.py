@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.models import timm_small
-from vitcompress import compress
+from vitcompress import compress, map_model
 from vitcompress.compilation.metadata import compression_info
 from vitcompress.compilation.plan import PlanError
 from vitcompress.measure import count_macs
@@ -52,6 +52,13 @@ def _hiera(side: int = 64) -> nn.Module:
                 if module.bias is not None:
                     module.bias.normal_(0.0, 0.5)
     return model
+
+
+def _last_stage(model: nn.Module, size: tuple[int, int, int]) -> list[int]:
+    """Hiera's last stage (its 2x2 one at 64 px), as ``locs``: the default locations also take
+    its mask-unit block and its third stage."""
+    (last,) = [b.index for b in map_model(model, size).blocks if b.path == "blocks.5"]
+    return [last]
 
 
 def _image(size: tuple[int, int, int]) -> torch.Tensor:
@@ -130,7 +137,8 @@ def test_hiera_at_keep_07_is_the_base_run_on_the_reducers_tokens(variant):
     the kept positions."""
     model = _hiera()
     x = _image(HIERA_SIZE)
-    compressed = compress(model, variant, keep=0.7, input_size=HIERA_SIZE).eval()
+    locs = _last_stage(model, HIERA_SIZE)
+    compressed = compress(model, variant, keep=0.7, locs=locs, input_size=HIERA_SIZE).eval()
     (reducer,) = [m for m in compressed.modules() if isinstance(m, PredictorReducer)]
     seen = {}
     handle = reducer.register_forward_hook(
@@ -168,7 +176,8 @@ def test_hiera_etps_at_keep_07_is_the_base_block_with_the_reducer_after_its_atte
     compressed model's reducer (with the score it was given), then its MLP residual."""
     model = _hiera()
     x = _image(HIERA_SIZE)
-    compressed = compress(model, "etps", keep=0.7, input_size=HIERA_SIZE).eval()
+    locs = _last_stage(model, HIERA_SIZE)
+    compressed = compress(model, "etps", keep=0.7, locs=locs, input_size=HIERA_SIZE).eval()
     (reducer,) = [m for m in compressed.modules() if isinstance(m, AttentionReducer)]
     seen = {}
     handle = reducer.register_forward_pre_hook(lambda _m, args: seen.update(score=args[1]))
@@ -193,10 +202,13 @@ def test_hiera_etps_at_keep_07_is_the_base_block_with_the_reducer_after_its_atte
 
 
 def test_hiera_evit_is_refused_on_a_2x2_stage_and_cuts_macs_on_a_4x4_one():
+    model = _hiera()
+    locs = _last_stage(model, HIERA_SIZE)
     with pytest.raises(PlanError) as refused:
-        compress(_hiera(), "evit", keep=0.7, input_size=HIERA_SIZE)
-    assert "removes no token: evit's patch tokens go 4 -> 4 at block 1" in str(refused.value)
+        compress(model, "evit", keep=0.7, locs=locs, input_size=HIERA_SIZE)
+    expected = f"removes no token: evit's patch tokens go 4 -> 4 at block {locs[0]}"
+    assert expected in str(refused.value)
     larger = _hiera(128)
     size = (3, 128, 128)
-    reduced = compress(larger, "evit", keep=0.7, input_size=size)
+    reduced = compress(larger, "evit", keep=0.7, locs=_last_stage(larger, size), input_size=size)
     assert count_macs(reduced, size) < count_macs(larger, size)
