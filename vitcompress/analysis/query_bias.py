@@ -84,7 +84,7 @@ def find_query_bias(
         return None  # not made from the queries: a table, or nothing
     shape = ops.shape(entering) or ()
     sizes: dict[fx.Node, int] = {}
-    for node in inputs - set(source):
+    for node in sorted(inputs - set(source), key=lambda n: n.name):  # one line, every run
         axis = shape_read(node, entering)
         if axis is not None and -len(shape) <= axis < len(shape):
             sizes[node] = int(shape[axis])
