@@ -30,7 +30,7 @@ from vitcompress.analysis.cores import Ancestry, Residual
 from vitcompress.analysis.index_run import IndexRun, grid_index, run_indices
 from vitcompress.analysis.model_map import AttentionCore, PositionUse, QueryBias, Windows
 from vitcompress.analysis.positions import find_position_uses, gather_layout
-from vitcompress.analysis.query_bias import find_query_bias
+from vitcompress.analysis.query_bias import find_query_bias, shape_read
 from vitcompress.errors import UserError
 
 
@@ -583,11 +583,8 @@ def _size_reads(entering: fx.Node) -> list[fx.Node]:
     return [
         read
         for shape in entering.users
-        if shape.op == "call_function" and shape.target is getattr and shape.args[1:] == ("shape",)
         for read in shape.users
-        if read.op == "call_function"
-        and read.target is operator.getitem
-        and read.args[1] in (1, -2)
+        if shape_read(read, entering) in (1, -2)
     ]
 
 
