@@ -42,6 +42,7 @@ from vitcompress.analysis.model_map import (
     TokenReader,
 )
 from vitcompress.analysis.parallel import Combination, block_end, combine_cores
+from vitcompress.analysis.per_token import find_per_token_branches
 from vitcompress.analysis.positions import find_position_uses, find_token_readers
 from vitcompress.analysis.windows import (
     WindowError,
@@ -538,6 +539,15 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                         prefix_tokens=prefix,
                     )
                 )
+    if windowed:
+        find_per_token_branches(
+            gm,
+            captured.example,
+            blocks,
+            all_residuals,
+            {c.node for c in found_cores} | {c.logits_node for c in found_cores if c.logits_node},
+            anc,
+        )
     left_whole.update(
         (node, reason)
         for node, reason in _unmapped(gm, found_cores, blocks, all_residuals, image_batch).items()

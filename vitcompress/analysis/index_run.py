@@ -30,6 +30,7 @@ class IndexRun(fx.Interpreter):
         seeds: dict[fx.Node, Tensor],
         wanted: set[fx.Node],
         in_place: set[fx.Node] = frozenset(),
+        through_skip: dict[fx.Node, fx.Node] | None = None,
     ):
         super().__init__(gm)
         self.seeds = seeds
@@ -38,6 +39,9 @@ class IndexRun(fx.Interpreter):
         # conv over the grid that gives it back at its size (DaViT's and TinyViT's between
         # the attention and the MLP), and a sum of tensors that hold the same token everywhere.
         self.in_place = in_place
+        # Residual adds whose index is their skip's: the branch runs on every token, whatever
+        # it mixes (a channel attention between a windowed block and what follows it).
+        self.through_skip = through_skip or {}
         self.found: dict[fx.Node, Tensor] = {}
         self.indexed: set[fx.Node] = set()  # nodes whose value is made of indices
         self.mixing: dict[fx.Node, str] = {}  # first op after a seed that is not per-token
@@ -48,7 +52,11 @@ class IndexRun(fx.Interpreter):
             self.indexed.add(n)
         else:
             indexed = [a for a in n.all_input_nodes if a in self.indexed]
-            if indexed and n in self.in_place and not ops.is_layout(n):
+            skip = self.through_skip.get(n)
+            if skip is not None and skip in self.indexed:
+                value = self.env[skip].clone()
+                self.indexed.add(n)
+            elif indexed and n in self.in_place and not ops.is_layout(n):
                 values = [self.env[a] for a in indexed]
                 same = ops.shape(n) == ops.shape(indexed[0]) and all(
                     torch.equal(v, values[0]) for v in values[1:]
@@ -106,9 +114,9 @@ class _Done(Exception):
 
 
 def run_indices(
-    gm: fx.GraphModule, example: Tensor, seeds, wanted, in_place=frozenset()
+    gm: fx.GraphModule, example: Tensor, seeds, wanted, in_place=frozenset(), through_skip=None
 ) -> IndexRun:
-    run = IndexRun(gm, seeds, set(wanted), set(in_place))
+    run = IndexRun(gm, seeds, set(wanted), set(in_place), through_skip)
     with torch.no_grad():
         try:
             run.run(example)

@@ -252,6 +252,20 @@ class Windows:
 
 
 @dataclass
+class PerTokenBranch:
+    """A residual branch after a windowed block, before the next mapped block, that works on
+    each of its tokens alone, in the block's order (DaViT's channel blocks' MLPs;
+    ``per_token.py``): a choice carried from the block (``carry_windows``) reduces it too."""
+
+    path: str
+    input_node: str  # the (B, L, C) tokens entering the residual
+    output_node: str  # the residual add
+
+    def to_json(self) -> str:
+        return self.path
+
+
+@dataclass
 class Block:
     index: int
     path: str
@@ -283,9 +297,10 @@ class Block:
     # What reads this block's output tokens by position outside the blocks (dense outputs).
     readers: list[TokenReader] = field(default_factory=list)
     windows: Windows | None = None  # where the block attends within windows
+    per_token_after: list[PerTokenBranch] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "index": self.index,
             "path": self.path,
             "tokens": self.tokens,
@@ -310,6 +325,9 @@ class Block:
             "readers": [reader.to_json() for reader in self.readers],
             "windows": self.windows.to_json() if self.windows is not None else None,
         }
+        if self.per_token_after:  # said only where there are any
+            data["per_token_after"] = [branch.to_json() for branch in self.per_token_after]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Block:
@@ -346,6 +364,7 @@ class Block:
             score_blocker=data.get("score_blocker"),
             readers=[TokenReader.from_json(r) for r in data.get("readers", [])],
             windows=Windows.from_json(data["windows"]) if data.get("windows") else None,
+            per_token_after=[PerTokenBranch(p, "", "") for p in data.get("per_token_after", [])],
         )
 
 

@@ -250,13 +250,16 @@ def window_text(window_tokens: list[dict[str, int]]) -> str:
     block's windows per image and the tokens its MLP (and a predictor's attention) keeps of each
     window's, blocks alike grouped; every block gives all its tokens back before its output. A
     location whose choice later blocks carry says so: ``block 2: 1 x 196→138 (blocks 3-7 carry
-    block 2's choice)``."""
+    block 2's choice)``, and so do the per-token branches after them that take it
+    (``stages.0.blocks.0.1 takes block 0's choice``)."""
     groups: dict[tuple[int, int, int], list[int]] = {}
     carried: dict[int, list[int]] = {}
+    branches: dict[int, list[str]] = {}
     for entry in window_tokens:
         key = (entry["windows"], entry["tokens"], entry["kept"])
         groups.setdefault(key, []).append(entry["block"])
         carried[entry["block"]] = entry.get("carried", [])
+        branches[entry["block"]] = entry.get("carried_branches", [])
     parts = []
     for (windows, tokens, kept), blocks in groups.items():
         # A run's carried blocks are consecutive: "blocks 3-7".
@@ -265,6 +268,10 @@ def window_text(window_tokens: list[dict[str, int]]) -> str:
             + f" block {block}'s choice"
             for block in blocks
             if (by := carried[block])
+        ] + [
+            f"{', '.join(paths)} take{'s' if len(paths) == 1 else ''} block {block}'s choice"
+            for block in blocks
+            if (paths := branches[block])
         ]
         parts.append(
             f"block{'s' if len(blocks) > 1 else ''} {', '.join(map(str, blocks))}: "

@@ -57,6 +57,9 @@ class Location:
     # The windowed blocks after this one that reduce by its choice (the method's
     # ``carry_windows``): each in the same windows, with no other location between.
     carried: tuple[int, ...] = ()
+    # The per-token branches after this block and those it carries to that reduce by its
+    # choice too (``Block.per_token_after``: DaViT's channel blocks' MLPs), by module path.
+    carried_branches: tuple[str, ...] = ()
 
 
 @dataclass
@@ -97,7 +100,13 @@ class Plan:
             method=variant_from_json(data),
             policy=data["policy"],
             locations=[
-                Location(**{**loc, "carried": tuple(loc.get("carried", ()))})
+                Location(
+                    **{
+                        **loc,
+                        "carried": tuple(loc.get("carried", ())),
+                        "carried_branches": tuple(loc.get("carried_branches", ())),
+                    }
+                )
                 for loc in data["locations"]
             ],
         )
@@ -116,10 +125,11 @@ def _location_json(location: Location) -> dict[str, Any]:
     for optional in ("merge_tokens", "windows"):  # said only where they apply
         if data[optional] is None:
             del data[optional]
-    if data["carried"]:
-        data["carried"] = list(data["carried"])
-    else:
-        del data["carried"]
+    for carried in ("carried", "carried_branches"):  # said only where there are any
+        if data[carried]:
+            data[carried] = list(data[carried])
+        else:
+            del data[carried]
     return data
 
 
@@ -357,7 +367,8 @@ def make_plan(
 
 def _carry_windows(model_map: ModelMap, locations: list[Location]) -> list[Location]:
     """Each windowed location with the blocks after it that carry its choice: the rest of its
-    run (:func:`window_runs`) up to the next location."""
+    run (:func:`window_runs`) up to the next location; and the per-token branches after any of
+    them (``Block.per_token_after``), which take the choice too."""
     located = {loc.block for loc in locations}
     windowed = [b.index for b in model_map.blocks if b.windows is not None and reduces_tokens(b)]
     carried: dict[int, tuple[int, ...]] = {}
@@ -369,10 +380,16 @@ def _carry_windows(model_map: ModelMap, locations: list[Location]) -> list[Locat
                 carried[owner] = ()
             elif owner is not None:
                 carried[owner] += (index,)
-    return [
-        replace(loc, carried=carried.get(loc.block, ())) if loc.windows else loc
-        for loc in locations
-    ]
+    located_windows = []
+    for loc in locations:
+        if loc.windows:
+            run = (loc.block, *carried.get(loc.block, ()))
+            branches = tuple(
+                branch.path for index in run for branch in model_map.blocks[index].per_token_after
+            )
+            loc = replace(loc, carried=carried.get(loc.block, ()), carried_branches=branches)
+        located_windows.append(loc)
+    return located_windows
 
 
 _MEETS = {

@@ -88,10 +88,17 @@ class _Rewriter(WindowRewrites):
                 state = _Stream(restores=self._stage_restores(stage))
             located = by_block.get(block.index)
             if block.windows is not None:  # reduced and restored within the block
+                owner = None
                 if located is not None:
                     window_traces[block.index] = self._reduce_in_windows(block, *located)
+                    owner = located[1]
                 elif block.index in carrier:
-                    self._carry_in_windows(block, window_traces[carrier[block.index]])
+                    owner = by_block[carrier[block.index]][1]
+                    self._carry_in_windows(block, window_traces[owner.block])
+                if owner is not None and owner.carried_branches:
+                    self._carry_per_token_after(
+                        block, window_traces[owner.block], owner.carried_branches
+                    )
                 continue
             state.node = self.nodes[block.input_node]
             if located is not None and placement == BEFORE_BLOCK:

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from vitcompress.analysis import ops
-from vitcompress.analysis.model_map import Block, Windows
+from vitcompress.analysis.model_map import Block, PerTokenBranch, Windows
 from vitcompress.analysis.query_bias import shape_read
 from vitcompress.compilation.graph_edits import copy_between, erase_unused, getitems, replace_uses
 from vitcompress.compilation.naming import REDUCER_PREFIX, RewriteError
@@ -85,19 +85,17 @@ class WindowRewrites:
         )
 
     def _replay_window_mlp(
-        self, block: Block, trace: fx.Node, restore: str
+        self, block: Block, trace: fx.Node, restore: str, branch: PerTokenBranch | None = None
     ) -> tuple[list[fx.Node], fx.Node]:
-        """The MLP's input put in the windows and reduced by the choice ``trace`` records
-        (``WindowReplay``), the MLP run on the kept tokens, restored. Returns the restored
-        windows (one tensor) and the replay's trace."""
+        """The MLP's input (or that of ``branch``, a per-token branch after the block) put in
+        the windows and reduced by the choice ``trace`` records (``WindowReplay``), the MLP run
+        on the kept tokens, restored. Returns the restored windows (one tensor) and the
+        replay's trace."""
         windows = block.windows
-        skip = self.nodes[windows.mlp_input_node]
-        add = self.nodes[block.output_node]
+        skip, add, name = self._residual_of(block, branch)
         rule = self.plan.method.restore_rule
-        partition = self._add_hook(
-            f"windows{block.index}", WindowPartition(windows.order, windows.count)
-        )
-        replay = self._add_hook(f"replay{block.index}", WindowReplay(rule))
+        partition = self._add_hook(f"windows{name}", WindowPartition(windows.order, windows.count))
+        replay = self._add_hook(f"replay{name}", WindowReplay(rule))
         with self.graph.inserting_before(add):
             in_windows = self.graph.call_module(partition, (skip,))
             replayed = self.graph.call_module(replay, (in_windows, trace))
@@ -107,12 +105,18 @@ class WindowRewrites:
             restored = [self.graph.call_module(restore, (out, trace))]
         return restored, trace
 
-    def _merge_windows(self, block: Block, restored: list[fx.Node], order: tuple[int, ...]) -> None:
-        """Every window's tokens back at their places on the grid, as the block's output."""
+    def _merge_windows(
+        self,
+        block: Block,
+        restored: list[fx.Node],
+        order: tuple[int, ...],
+        branch: PerTokenBranch | None = None,
+    ) -> None:
+        """Every window's tokens back at their places on the grid, as the block's output (or
+        as ``branch``'s)."""
         windows = block.windows
-        skip = self.nodes[windows.mlp_input_node]
-        add = self.nodes[block.output_node]
-        merge = self._add_hook(f"unwindows{block.index}", WindowMerge(order, windows.count))
+        skip, add, name = self._residual_of(block, branch)
+        merge = self._add_hook(f"unwindows{name}", WindowMerge(order, windows.count))
         with self.graph.inserting_before(add):
             joined = restored[0]
             if len(restored) > 1:  # padded windows, reduced by groups: (B, L, C) again
@@ -120,6 +124,39 @@ class WindowRewrites:
             merged = self.graph.call_module(merge, (joined, skip))
         add.replace_all_uses_with(merged)
         erase_unused(self.graph, add)
+        self.nodes[add.name] = merged  # what the map names by the add is now the merge
+
+    def _residual_of(
+        self, block: Block, branch: PerTokenBranch | None
+    ) -> tuple[fx.Node, fx.Node, str]:
+        """The skip and the add of the block's MLP residual, or of ``branch``, and a name for
+        their hooks."""
+        if branch is None:
+            names = (block.windows.mlp_input_node, block.output_node, f"{block.index}")
+        else:
+            number = block.per_token_after.index(branch)
+            names = (branch.input_node, branch.output_node, f"{block.index}_after{number}")
+        return self.nodes[names[0]], self.nodes[names[1]], names[2]
+
+    def _carry_per_token_after(self, block: Block, trace: fx.Node, paths: tuple[str, ...]) -> None:
+        """The per-token branches after a block that reduces by a choice it makes or carries
+        (``Block.per_token_after``: DaViT's channel blocks' MLPs), those the plan names
+        (``Location.carried_branches``), reduced by that choice as a carried block's MLP is,
+        and restored."""
+        for number, branch in enumerate(block.per_token_after):
+            if branch.path not in paths:
+                continue
+            restore = self._add_hook(
+                f"restore{block.index}_after{number}",
+                TokenRestore(
+                    self.plan.method.restore_rule,
+                    0,
+                    1,
+                    where=f"{branch.path}, after block {block.index}",
+                ),
+            )
+            restored, _ = self._replay_window_mlp(block, trace, restore, branch)
+            self._merge_windows(block, restored, block.windows.order, branch)
 
     def _reduce_window_groups(
         self, block: Block, target: str, restore: str, given: fx.Node

@@ -120,6 +120,10 @@ def _compress_and_measure(
                 "kept": info.plan.method.tokens_after(loc.patch_tokens, loc),
                 # the blocks after it that reduce by its choice (carry_windows)
                 **({"carried": list(loc.carried)} if loc.carried else {}),
+                # the per-token branches after them that do too (DaViT's channel MLPs)
+                **(
+                    {"carried_branches": list(loc.carried_branches)} if loc.carried_branches else {}
+                ),
             }
             for loc in info.plan.locations
             if loc.windows
