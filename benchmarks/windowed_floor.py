@@ -8,7 +8,9 @@ the MACs of the mapped blocks and of their attention's token-by-token products, 
 ratio to the base if every mapped block ran entirely on 0.7 of its tokens: 0.7 of its linear
 MACs and 0.49 of its attention products. No method reaches it (eTPS, EViT and ToMe run the
 attention of a location whole; a predictor runs its own MACs), so a family whose floor is above
-0.85 cannot get under 0.85 by reducing its windowed blocks alone.
+0.85 cannot get under 0.85 by reducing its windowed blocks alone. With ``carry_windows`` the
+per-token branches after those blocks (``Block.per_token_after``: DaViT's channel blocks' MLPs)
+run on 0.7 of their tokens too: ``floor_at_keep_0.7_carrying``.
 
 Example (the run in docs/windowed.md)::
 
@@ -51,6 +53,14 @@ def attention_products(per_module: dict[str, int], model: nn.Module, path: str) 
     return per_module.get(path, 0) - inside
 
 
+def branch_modules(path: str) -> list[str]:
+    """``a.b.{c,d}`` -> ``[a.b.c, a.b.d]`` (how the model map names a per-token branch)."""
+    if not path.endswith("}") or "{" not in path:
+        return [path]
+    common, names = path[:-1].split("{")
+    return [common + name for name in names.split(",")]
+
+
 def floor(name: str) -> dict:
     spec, side, kwargs = MODELS[name]
     torch.manual_seed(0)
@@ -60,6 +70,13 @@ def floor(name: str) -> dict:
     total = per_module[""]
     blocks = map_model(model, size).blocks
     in_blocks = sum(per_module.get(block.path, 0) for block in blocks)
+    # The per-token branches a carried choice reduces too (DaViT's channel blocks' MLPs).
+    branches = sum(
+        per_module.get(path, 0)
+        for block in blocks
+        for branch in block.per_token_after
+        for path in branch_modules(branch.path)
+    )
     products = sum(attention_products(per_module, model, block.attention.path) for block in blocks)
     linear = in_blocks - products
     row = {
@@ -70,6 +87,11 @@ def floor(name: str) -> dict:
         "mapped_share": in_blocks / total,
         "attention_products_share": products / total,
         "floor_at_keep_0.7": (total - (1 - KEEP) * linear - (1 - KEEP**2) * products) / total,
+        "per_token_branches_share": branches / total,
+        "floor_at_keep_0.7_carrying": (
+            total - (1 - KEEP) * (linear + branches) - (1 - KEEP**2) * products
+        )
+        / total,
     }
     print(json.dumps(row), flush=True)
     return row

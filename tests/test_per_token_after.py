@@ -96,10 +96,10 @@ def _sharpened(model: nn.Module) -> nn.Module:
 @pytest.mark.parametrize(
     "tails, found",
     [
-        (("mlp",), ["tails.0"]),
-        (("token_mix", "mlp"), ["tails.1"]),
-        (("flipped", "mlp"), ["tails.1"]),
-        (("conv", "mlp", "mlp"), ["tails.1", "tails.2"]),
+        (("mlp",), ["tails.0.{norm,mlp}"]),
+        (("token_mix", "mlp"), ["tails.1.{norm,mlp}"]),
+        (("flipped", "mlp"), ["tails.1.{norm,mlp}"]),
+        (("conv", "mlp", "mlp"), ["tails.1.{norm,mlp}", "tails.2.{norm,mlp}"]),
     ],
     ids=["mlp", "token_mix", "flipped", "conv"],
 )
@@ -120,7 +120,10 @@ def test_the_map_lists_davits_channel_mlps_after_each_spatial_block():
     model, size = _build("davit")
     model_map = map_model(model, size)
     after = [[b.path for b in block.per_token_after] for block in model_map.blocks]
-    channel = [f"stages.{i}.blocks.{j}.1" for i, j in ((0, 0), (1, 0), (2, 0), (2, 1), (3, 0))]
+    channel = [
+        f"stages.{i}.blocks.{j}.1.{{norm2,mlp,drop_path2}}"
+        for i, j in ((0, 0), (1, 0), (2, 0), (2, 1), (3, 0))
+    ]
     assert after == [[path] for path in channel]
     data = model_map.to_json()
     assert [block["per_token_after"] for block in data["blocks"]] == [[p] for p in channel]
@@ -138,7 +141,9 @@ def test_carrying_is_exact_at_keep_one_with_the_branches_reduced(method):
         carrying = compress(
             model, method, keep=[1.0], locs=[0], input_size=SIZE, variant_args=CARRY
         )
-        assert compression_info(carrying).plan.locations[0].carried_branches == ("tails.1",)
+        assert compression_info(carrying).plan.locations[0].carried_branches == (
+            "tails.1.{norm,mlp}",
+        )
         assert compression_info(compressed).plan.locations[0].carried_branches == ()
         with torch.no_grad():
             base = model(x)
@@ -203,10 +208,35 @@ def test_carrying_saves_the_hand_counted_mlp_macs_of_the_branch():
     carrying = compress(model, "dtps", keep=[0.7], locs=[0], input_size=SIZE, variant_args=CARRY)
     plan = compression_info(carrying).plan
     data = plan.to_json()
-    assert data["locations"][0]["carried_branches"] == ["tails.0"]
+    assert data["locations"][0]["carried_branches"] == ["tails.0.{norm,mlp}"]
     del data["locations"][0]["carried_branches"]
     captured, model_map = capture_and_map(model, SIZE)
     whole = rewrite(captured.module, model_map, Plan.from_json(data))
     width, dropped = 16, 4 * (16 - int(0.7 * 16))
     saved = dropped * (2 * width * 2 * width + 5 * width)
     assert count_macs(whole, SIZE) - count_macs(carrying, SIZE) == saved
+
+
+def test_apply_says_which_branches_take_a_choice():
+    from vitcompress.cli.model_commands import window_text
+
+    text = window_text(
+        [
+            {"block": 0, "windows": 4, "tokens": 16, "kept": 11, "carried": [1]},
+            {"block": 2, "windows": 4, "tokens": 16, "kept": 11, "carried_branches": ["t.{a,b}"]},
+        ]
+    )
+    assert text == (
+        "within windows: blocks 0, 2: 4 x 16→11 (block 1 carries block 0's choice, "
+        "t.{a,b} takes block 2's choice)"
+    )
+
+
+def test_a_davit_carrying_into_its_channel_mlps_exports_to_onnx(tmp_path):
+    from vitcompress.workflows.export import export_model
+
+    model, size = _build("davit")
+    compressed = compress(model, "etps", keep=0.7, input_size=size, variant_args=CARRY)
+    assert any(loc.carried_branches for loc in compression_info(compressed).plan.locations)
+    result = export_model(compressed, size, "onnx", tmp_path / "davit.onnx")
+    assert result["max_abs_diff"] < 1e-3

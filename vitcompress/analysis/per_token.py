@@ -72,8 +72,7 @@ def find_per_token_branches(
         in_order = _in_order(gm, example, start, candidates, within, anc, dtype)
         block.per_token_after = [
             PerTokenBranch(
-                path=ops.common_path([p for n in r.nodes if (p := ops.module_path(n))])
-                or r.add.name,
+                path=_branch_path(r),
                 input_node=r.skip.name,
                 output_node=r.add.name,
             )
@@ -159,6 +158,21 @@ def _works_per_token(gm: fx.GraphModule, residual: Residual, windows: int) -> bo
         return False
     scale = whole.abs().amax().clamp_min(1e-30)
     return bool(((part - whole[subset]).abs() <= 1e-5 * scale).all())
+
+
+def _branch_path(residual: Residual) -> str:
+    """The modules the branch calls, by their common path and what differs below it:
+    ``stages.0.blocks.0.1.{norm2,mlp}`` (the block's path alone would name its attention too)."""
+    paths = [p for n in residual.nodes if (p := ops.module_path(n))]
+    if not paths:
+        return residual.add.name
+    common = ops.common_path(paths)
+    below = list(dict.fromkeys(p[len(common) :].lstrip(".").split(".")[0] for p in paths))
+    below = [name for name in below if name]
+    if not below:
+        return common
+    named = below[0] if len(below) == 1 else "{" + ",".join(below) + "}"
+    return f"{common}.{named}" if common else named
 
 
 _MOVERS = {"flip", "fliplr", "flipud", "roll", "index_select", "gather", "take_along_dim"}

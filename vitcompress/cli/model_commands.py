@@ -84,6 +84,18 @@ def inspect(model: ModelRequest, as_json: bool) -> None:
             soft_wrap=not on_terminal,
             highlight=False,
         )
+    branches = [
+        f"{path} (after block {block['index']})"
+        for block in model_map["blocks"]
+        for path in block.get("per_token_after", [])
+    ]
+    if branches:
+        console.print(
+            "per-token branches a carried choice reduces too (carry_windows): "
+            + "; ".join(branches),
+            soft_wrap=not on_terminal,
+            highlight=False,
+        )
     if model_map.get("left_whole"):
         console.print(
             "left whole (no method reduces them): " + "; ".join(model_map["left_whole"]),
