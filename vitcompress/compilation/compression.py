@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +25,7 @@ from vitcompress.analysis.capture import (
 from vitcompress.analysis.model_map import ModelMap
 from vitcompress.compilation.keep_lists import plan_from_cumulative
 from vitcompress.compilation.metadata import attach, compression_info
+from vitcompress.compilation.naming import RewriteError
 from vitcompress.compilation.plan import PlanError, default_keep, make_plan, resolve_variant
 from vitcompress.compilation.rewrite import rewrite
 from vitcompress.compilation.weight_decay import (
@@ -106,6 +109,20 @@ def _run_problem(model: nn.Module, example: torch.Tensor) -> str | None:
     return None
 
 
+def _rewritten_problem(compressed: nn.Module, example: torch.Tensor) -> str | None:
+    """Why the rewritten graph fails on one image of the example (an attention that lays out
+    its windows with a fixed token count, reduced by a predictor), or ``None``: a raw error at
+    the user's first call becomes a one-line refusal here."""
+    compressed.eval()
+    try:
+        # fx prints the generated code around a failure to stderr: the one line is ours.
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+            compressed(example[:1])
+    except Exception as e:  # noqa: BLE001 - any failure refuses the model
+        return one_line(e)
+    return None
+
+
 def map_model(model: nn.Module, input_size: tuple[int, ...] | None = None) -> ModelMap:
     """Capture ``model`` and return its model map (blocks, attention, prefix tokens, grid ops)."""
     return capture_and_map(model, resolve_input_size(model, input_size))[1]
@@ -172,6 +189,12 @@ def compress_mapped(
     # Found before the rewrite, which changes the graph they are read from.
     no_decay = no_weight_decay_parameters(model, captured.module, EXAMPLE_BATCH)
     compressed = rewrite(captured.module, model_map, plan)
+    problem = _rewritten_problem(compressed, captured.example)
+    if problem is not None:
+        raise RewriteError(
+            f"the model compressed by {method.name} does not run on one example image "
+            f"({problem}), so it is refused"
+        )
     metadata = dict(
         vitcompress_plan=plan.to_json(),
         vitcompress_map=model_map.to_json(),
