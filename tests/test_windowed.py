@@ -225,11 +225,12 @@ def test_padded_windows_are_mapped_with_their_padding_and_grouped_by_token_count
         assert sum(len(tokens) for _, tokens in block.windows.groups()) == len(real)
 
 
-@pytest.mark.parametrize("method", ("etps", "evit", "tome"))
+@pytest.mark.parametrize("method", ("etps", "evit", "tome", "dtps", "dynamicvit"))
 def test_padded_windows_reduce_by_groups_exact_at_keep_one(method):
     """In double precision, on sharpened weights: keep 1 equals the base; keep 0.7 reduces the
     windows of each token count alike and never keeps a padded slot (each group's reducer sees
-    only its real tokens)."""
+    only its real tokens). A predictor chooses there on the MLP's input, as the others do after
+    the attention."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
@@ -266,18 +267,55 @@ def test_padded_windows_reduce_by_groups_exact_at_keep_one(method):
         "etps": [math.ceil(0.7 * n) for n in (49, 35, 25)],
         "evit": [math.ceil(0.7 * n) + 1 for n in (49, 35, 25)],
         "tome": [n - round(n * (1 - 0.7)) for n in (49, 35, 25)],
+        # A predictor keeps floor(0.7 n) of each group's, as floor(0.7 x 49) of a full window.
+        "dtps": [int(0.7 * n) for n in (49, 35, 25)],
+        "dynamicvit": [int(0.7 * n) for n in (49, 35, 25)],
     }
     assert kept[:3] == share[method], kept
 
 
-def test_padded_windows_refuse_a_predictor_in_one_line():
+@pytest.mark.parametrize("method", ("dtps", "dynamicvit"))
+def test_padded_windows_take_a_predictor_on_the_mlp_only(method):
+    """Padded windows enter the attention with different numbers of real tokens, so no one
+    count kept per window leaves the windows' batch whole: the attention runs on every window
+    whole (its projection gets all 49 slots of each), and the predictor chooses on the MLP's
+    input, group by group. A training step is finite."""
     model = _padded_swin()
-    for method in ("dtps", "dynamicvit"):
-        with pytest.raises(UserError) as refused:
-            compress(model, method, keep=[0.7], input_size=(3, 48, 48))
-        message = str(refused.value)
-        assert "\n" not in message
-        assert "its windows are padded" in message and "different numbers of tokens" in message
+    size = (3, 48, 48)
+    compressed = compress(model, method, keep=[0.7], input_size=size)
+    seen: list[tuple[int, ...]] = []
+    qkv = dict(compressed.named_modules())["layers.0.blocks.0.attn.qkv"]
+    qkv.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
+    with torch.no_grad():
+        compressed.eval()(torch.randn(2, *size))
+    assert seen == [(2 * 4, 49, 32)], seen
+    compressed.train()
+    loss = compressed(torch.randn(2, *size)).logsumexp(-1).mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in compressed.parameters() if p.grad is not None)
+
+
+def test_apply_says_where_a_predictor_runs_the_attention_whole():
+    from click.testing import CliRunner
+
+    from vitcompress.cli.main import cli
+
+    args = [
+        "apply",
+        *("--model", "swin_tiny_patch4_window7_224", "--input-size", "3,48,48"),
+        *("--model-arg", "img_size=48", "--model-arg", "embed_dim=32"),
+        *("--model-arg", "depths=(2,2)", "--model-arg", "num_heads=(2,4)"),
+        *("--variant", "dtps", "--keep", "0.7"),
+        *("--batch-size", "2", "--runs", "1", "--bench-seconds", "1"),
+    ]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert (
+        "within windows: blocks 0, 1: 4 x 49→34; blocks 2, 3: 1 x 36→25 attention run on every "
+        "token (the choice made on the MLP's input) at blocks 0, 1: its windows are padded" in text
+    ), text
 
 
 def test_a_windowed_block_refuses_restoring_zeros_and_restores_by_value():

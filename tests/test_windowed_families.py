@@ -18,7 +18,6 @@ from torch import nn
 from vitcompress import compress, map_model
 from vitcompress.analysis.analyse import MappingError
 from vitcompress.compilation.metadata import compression_info
-from vitcompress.errors import UserError
 from vitcompress.measure import count_macs
 from vitcompress.workflows.export import export_model
 
@@ -552,23 +551,34 @@ def _first_row_from_the_mean(q: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("mix", (_previous_token, _first_row_from_the_mean))
-def test_a_query_made_term_that_mixes_tokens_is_refused_in_one_line(mix, monkeypatch):
+def test_a_query_made_term_that_mixes_tokens_keeps_the_attention_whole(mix, monkeypatch):
     """A term made from the queries where a row reads another token's query (each row from the
     previous token's; or only the first row, from the mean of the window's queries) cannot be
     made from the kept queries alone: the probe, which changes each half of the rows in turn,
-    catches it, and a predictor is refused in one line; eTPS, which reduces after the
-    attention, still compresses."""
+    catches it, and the model map says why in one line. A predictor then runs that attention
+    on every token (its projection gets the full windows) and chooses on the MLP's input; keep
+    1 is exact."""
     from timm.models import vision_transformer_sam as sam
 
     made = sam.get_decomposed_rel_pos_bias
     monkeypatch.setattr(sam, "get_decomposed_rel_pos_bias", lambda q, *args: made(mix(q), *args))
     model, size = _build("sam_vit")
-    assert map_model(model, size).blocks[0].windows.query_bias is None
-    with pytest.raises(UserError) as refused:
-        compress(model, "dtps", keep=[0.7], input_size=size)
-    message = str(refused.value)
-    assert "\n" not in message
-    assert "a term made from its queries that mixes queries of different tokens" in message
+    windows = map_model(model, size).blocks[0].windows
+    assert windows.query_bias is None
+    assert "\n" not in windows.attention_blocker
+    assert "a term made from its queries that mixes queries of different tokens" in (
+        windows.attention_blocker
+    )
+    images = _images(size)
+    compressed = compress(model, "dtps", keep=[0.7], input_size=size)
+    seen: list[tuple[int, ...]] = []
+    qkv = dict(compressed.named_modules())["blocks.0.attn.qkv"]
+    qkv.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
+    with torch.no_grad():
+        compressed(images)
+        assert seen[0][:-1] == (2 * 4, 16)  # every token of its 4 windows of 4 x 4
+        same = compress(model, "dtps", keep=[1.0], input_size=size)(images)
+        assert torch.allclose(same, model(images), atol=1e-5)
     compress(model, "etps", keep=[0.7], input_size=size)
 
 
@@ -688,24 +698,29 @@ class _RowScaledAttention(nn.Module):
         return self.attention(x) * (1 + rows)
 
 
-def test_an_attention_that_reads_a_windows_row_alone_refuses_a_predictor():
+def test_an_attention_that_reads_a_windows_row_alone_runs_whole_under_a_predictor():
+    """An attention that reads its window's rows alone cannot take a K x 1 stand-in: the model
+    map says so in one line, and a predictor runs it on every token, choosing on the MLP's
+    input instead; keep 1 is exact."""
     torch.manual_seed(0)
     volo = timm.create_model("volo_d1_224", img_size=64, num_classes=10).eval()
     for block in volo.network[2]:
         block.attn = _RowScaledAttention(block.attn)
     size = (3, 64, 64)
-    with pytest.raises(UserError) as refused:
-        compress(volo, "dtps", keep=[0.7], input_size=size)
-    message = str(refused.value)
-    assert "\n" not in message
-    assert (
-        "reads the windows' spatial size off" in message
-        and "other than as their product" in message
+    blockers = [b.windows.attention_blocker for b in map_model(volo, size).blocks]
+    assert blockers and all(blocker and "\n" not in blocker for blocker in blockers)
+    assert all(
+        "reads the windows' spatial size off" in blocker
+        and "other than as their product" in blocker
+        for blocker in blockers
     )
     images = torch.randn(2, *size)
     with torch.no_grad():
-        same = compress(volo, "etps", keep=[1.0], input_size=size)(images)
-        assert torch.allclose(same, volo(images), atol=1e-5)
+        for method in ("dtps", "etps"):
+            same = compress(volo, method, keep=[1.0], input_size=size)(images)
+            assert torch.allclose(same, volo(images), atol=1e-5), method
+        reduced = compress(volo, "dtps", keep=[0.7], input_size=size)(images)
+    assert torch.isfinite(reduced).all() and not torch.allclose(reduced, volo(images), atol=1e-5)
 
 
 def test_a_model_that_cached_tensors_with_gradients_still_compresses():
@@ -722,7 +737,7 @@ def test_a_model_that_cached_tensors_with_gradients_still_compresses():
     assert all(m.attention_bias_cache for m in cached)
 
 
-@pytest.mark.parametrize("method", ("etps", "evit", "tome"))
+@pytest.mark.parametrize("method", ("etps", "evit", "tome", "dtps", "dynamicvit"))
 def test_sam_vit_padded_windows_are_exact_at_keep_one(method):
     """SAM pads its grid after its first norm, inside the window partition (a 10 x 10 grid in
     windows of 4: 4 full windows, 4 of 8 tokens, 1 of 4): the padded slots are read off, and the
@@ -755,3 +770,64 @@ def test_a_windowed_model_map_reads_back_what_it_wrote(name):
     model, size = _build(name)
     written = map_model(model, size).to_json()
     assert ModelMap.from_json(written).to_json() == written
+
+
+class _HFSamEncoder(nn.Module):
+    """transformers' SAM vision encoder (windows of 4 on an 8 x 8 grid, blocks 1 and 3 global),
+    returning its feature map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import SamVisionConfig
+        from transformers.models.sam.modeling_sam import SamVisionEncoder
+
+        config = SamVisionConfig(
+            hidden_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            image_size=64,
+            patch_size=8,
+            window_size=4,
+            global_attn_indexes=[1, 3],
+            output_channels=32,
+            mlp_dim=128,
+        )
+        self.encoder = SamVisionEncoder(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x).last_hidden_state
+
+
+def test_hf_sam_encoder_takes_every_method_its_attention_whole_under_a_predictor():
+    """HF's SAM encoder builds its relative position from each window's height and width, which
+    fewer tokens per window do not have: the model map says so, a predictor runs that attention
+    on every token and chooses on the MLP's input, and every method is exact at keep 1 in
+    float64 with the position tables drawn from N(0, 1)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = _HFSamEncoder().eval()
+        with torch.no_grad():
+            # transformers initialises this encoder near zero (its outputs ~1e-20): drawn anew.
+            for name, parameter in model.named_parameters():
+                if "rel_pos" in name:
+                    parameter.normal_()
+                elif parameter.dim() > 1:
+                    parameter.normal_(
+                        0.0, (3.0 if "qkv" in name else 1.0) / parameter.shape[1] ** 0.5
+                    )
+        size = (3, 64, 64)
+        blocks = map_model(model, size).blocks
+        assert [b.windows.count for b in blocks] == [4, 1, 4, 1]
+        assert all("spatial size" in b.windows.attention_blocker for b in blocks)
+        images = _images(size, torch.float64)
+        with torch.no_grad():
+            base = model(images)
+            for method in METHODS:
+                out = compress(model, method, keep=[1.0], input_size=size)(images)
+                assert (out - base).abs().max() <= 1e-9 * base.abs().max(), method
+            reduced = compress(model, "dtps", keep=[0.7], input_size=size)(images)
+    finally:
+        torch.set_default_dtype(default)
+    assert reduced.shape == base.shape and not torch.allclose(reduced, base)

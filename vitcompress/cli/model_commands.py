@@ -250,6 +250,9 @@ def _print_apply(report: ApplyReport) -> None:
         )
     if data.get("window_tokens"):
         console.print(window_text(data["window_tokens"]), highlight=False)
+        whole = whole_attention_text(data["window_tokens"])
+        if whole:
+            console.print(whole, highlight=False)
     if data["restored"]:
         console.print(restored_text(data["restored"]), highlight=False)
     print_environment(data["environment"])
@@ -290,6 +293,21 @@ def window_text(window_tokens: list[dict[str, int]]) -> str:
             f"{windows} x {tokens}→{kept}" + (f" ({', '.join(carrying)})" if carrying else "")
         )
     return "within windows: " + "; ".join(parts)
+
+
+def whole_attention_text(window_tokens: list[dict[str, Any]]) -> str:
+    """``attention run on every token (the choice made on the MLP's input) at blocks 0, 1: its
+    windows are padded ...``: where a predictor cannot reduce a window's attention, grouped by
+    why; empty where there is none."""
+    reasons: dict[str, list[int]] = {}
+    for entry in window_tokens:
+        if entry.get("attention_whole"):
+            reasons.setdefault(entry["attention_whole"], []).append(entry["block"])
+    return "; ".join(
+        f"attention run on every token (the choice made on the MLP's input) at "
+        f"block{'s' if len(blocks) > 1 else ''} {', '.join(map(str, blocks))}: {reason}"
+        for reason, blocks in reasons.items()
+    )
 
 
 def restored_text(restored: list[dict[str, str]]) -> str:

@@ -44,8 +44,10 @@ class WindowRewrites:
 
         A method scored by the attention (or matching on its keys) reduces after it: the MLP
         runs on the kept tokens. A predictor reduces the windows entering the attention; the
-        MLP's input is then reduced by the same choice (``WindowReplay``). Returns the trace of
-        the choice, for the blocks that carry it (:meth:`_carry_in_windows`)."""
+        MLP's input is then reduced by the same choice (``WindowReplay``). Where the attention
+        cannot run on fewer tokens (``Windows.attention_blocker``), a predictor chooses on the
+        MLP's input instead and the attention runs whole. Returns the trace of the choice, for
+        the blocks that carry it (:meth:`_carry_in_windows`)."""
         method = self.plan.method
         windows = block.windows
         module = method.build_reducer(block, loc, self.plan)
@@ -53,11 +55,16 @@ class WindowRewrites:
         self.reducers.add_module(str(index), module)
         target = f"{REDUCER_PREFIX}.{index}"
         restore = self._window_restore(block)
-        if method.placement == BEFORE_BLOCK:
+        if method.placement == BEFORE_BLOCK and windows.attention_blocker is None:
             module.also_restores = method.local_restore_rule  # the window attention's restore
             trace = self._reduce_window_attention(block, target)
             restored, trace = self._replay_window_mlp(block, trace, restore)
             order = windows.order
+        elif method.placement == BEFORE_BLOCK:
+            # The attention cannot run on fewer tokens per window (padded windows, a table
+            # that cannot follow them): it runs whole, and the predictor chooses on the MLP's
+            # input, as an attention-scored method does after the attention.
+            restored, order, trace = self._reduce_window_groups(block, target, restore, None)
         else:
             given = self._hook_block_attention(block, None, True, None, None)
             restored, order, trace = self._reduce_window_groups(block, target, restore, given)
@@ -159,12 +166,13 @@ class WindowRewrites:
             self._merge_windows(block, restored, block.windows.order, branch)
 
     def _reduce_window_groups(
-        self, block: Block, target: str, restore: str, given: fx.Node
+        self, block: Block, target: str, restore: str, given: fx.Node | None
     ) -> tuple[list[fx.Node], tuple[int, ...], fx.Node]:
         """After the attention: the MLP's input in windows, each group of windows alike
         (``Windows.groups``: one group unless the windows are padded, then one per token count,
         so that no padding is kept, scored or fused), reduced by what the attention gave for
-        those slots, through the MLP, restored. Returns the restored tokens of each group (one
+        those slots (a predictor, ``given`` ``None``, scores them itself), through the MLP,
+        restored. Returns the restored tokens of each group (one
         tensor as the windows, or (B, tokens, C) per group where several), their tokens' order,
         and the last group's trace (the only one where the windows are not padded)."""
         windows = block.windows
@@ -180,10 +188,15 @@ class WindowRewrites:
             partition = self._add_hook(f"windows{suffix}", WindowPartition(tokens, count))
             with self.graph.inserting_before(add):
                 scores = given
-                if windows.padded:  # only the group's real slots: no padding scored or kept
+                if windows.padded and given is not None:  # only the group's real slots
                     pick = self._add_hook(f"slots{suffix}", WindowSlots(slots, total, count))
                     scores = self.graph.call_module(pick, (given,))
-                args = (scores, None, None, None) if tracks_sizes else (scores, None, None)
+                if given is None:  # a predictor: (tokens, keep_mask, positions, trace)
+                    args = (None, None)
+                elif tracks_sizes:
+                    args = (scores, None, None, None)
+                else:
+                    args = (scores, None, None)
                 in_windows = self.graph.call_module(partition, (skip,))
                 reducer = self.graph.call_module(target, (in_windows, *args, ()))
                 kept = self.graph.call_function(operator.getitem, (reducer, 0))

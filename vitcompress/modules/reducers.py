@@ -214,13 +214,27 @@ class PredictorReducer(FusingReducer):
         keep_ratio: float,
         fuse: TokenFuse,
         policy: str = "score",
+        window_share: float | None = None,
     ) -> None:
         super().__init__(prefix_tokens, keep_ratio, fuse, policy)
         self.keep_tokens = keep_tokens
         self.predictor = ScorePredictor(dim)
+        # Given, the windows of a group with fewer tokens (padded windows at the grid's edges,
+        # reduced group by group) keep this share of theirs, floor(n * share), as the full
+        # windows keep keep_tokens of theirs.
+        self.window_share = window_share
 
     def extra_repr(self) -> str:
-        return f"keep_tokens={self.keep_tokens}, {super().extra_repr()}"
+        share = f", window_share={self.window_share:g}" if self.window_share is not None else ""
+        return f"keep_tokens={self.keep_tokens}{share}, {super().extra_repr()}"
+
+    def kept(self, patches: int) -> int:
+        """Patch tokens kept at inference out of ``patches`` arriving."""
+        kept = min(self.keep_tokens, patches)
+        if self.window_share is not None:
+            # A group's token count is fixed by the model: read as the constant it is.
+            kept = min(kept, keep_count(int(patches), self.window_share, "floor"))
+        return kept
 
     def forward(
         self,
@@ -238,7 +252,7 @@ class PredictorReducer(FusingReducer):
         else:
             scores = self.predictor.keep_score(patches)
         return self._select_and_fuse(
-            x, scores, scores, min(self.keep_tokens, patches.shape[1]), positions, trace
+            x, scores, scores, self.kept(patches.shape[1]), positions, trace
         )
 
     def _train(
@@ -256,7 +270,7 @@ class PredictorReducer(FusingReducer):
         if self.policy == "random":
             # Exactly keep_tokens of the tokens still kept, chosen uniformly.
             noise = torch.rand(b, n, device=patches.device) + previous
-            keep_index, _ = split_by_score(noise, min(self.keep_tokens, n))
+            keep_index, _ = split_by_score(noise, self.kept(n))
             hard = torch.zeros_like(previous).scatter(1, keep_index, 1.0) * previous
         else:
             log_probs = self.predictor(patches, previous)

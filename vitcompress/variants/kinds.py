@@ -27,7 +27,12 @@ class PredictorVariant(Variant):
     def build_reducer(self, block: Block, location: Location, plan: Plan) -> nn.Module:
         # The static count kept, and the cumulative fraction of N0 the ratio loss aims at.
         counts = (location.keep_tokens, location.cumulative_keep)
-        return PredictorReducer(block.dim, block.prefix_tokens, *counts, self.fuse, plan.policy)
+        # Padded windows are reduced group by group, each keeping its share of its tokens.
+        padded = block.windows is not None and block.windows.padded
+        share = location.keep if padded else None
+        return PredictorReducer(
+            block.dim, block.prefix_tokens, *counts, self.fuse, plan.policy, window_share=share
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

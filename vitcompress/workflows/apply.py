@@ -29,6 +29,7 @@ from vitcompress.measure.models import (
 )
 from vitcompress.modules.restore import TokenRestore
 from vitcompress.status import step
+from vitcompress.variants import BEFORE_BLOCK
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, GateResult, check_gates, require
 from vitcompress.workflows.identity import artifact_identity, model_identity, unsaved_identity
 from vitcompress.workflows.inputs import ModelRequest, PlanRequest
@@ -120,6 +121,13 @@ def _compress_and_measure(
                 "kept": info.plan.method.tokens_after(loc.patch_tokens, loc),
                 # the blocks after it that reduce by its choice (carry_windows)
                 **({"carried": list(loc.carried)} if loc.carried else {}),
+                # why a predictor runs this block's attention whole (it chooses on the MLP's
+                # input there instead): padded windows, a table that cannot follow the tokens
+                **(
+                    {"attention_whole": blocker}
+                    if (blocker := _attention_whole(info, loc.block)) is not None
+                    else {}
+                ),
                 # the per-token branches after them that do too (DaViT's channel MLPs)
                 **(
                     {"carried_branches": list(loc.carried_branches)} if loc.carried_branches else {}
@@ -130,6 +138,15 @@ def _compress_and_measure(
         ],
     )
     return result, model
+
+
+def _attention_whole(info, block: int) -> str | None:
+    """Why a method that reduces a window's tokens before its attention (a predictor) runs
+    block ``block``'s attention on every token, or ``None``."""
+    windows = info.model_map.blocks[block].windows
+    if info.plan.method.placement != BEFORE_BLOCK or windows is None:
+        return None
+    return windows.attention_blocker
 
 
 def restore_points(model: nn.Module) -> list[dict[str, str]]:
