@@ -279,7 +279,7 @@ def test_padded_windows_take_a_predictor_on_the_mlp_only(method):
     """Padded windows enter the attention with different numbers of real tokens, so no one
     count kept per window leaves the windows' batch whole: the attention runs on every window
     whole (its projection gets all 49 slots of each), and the predictor chooses on the MLP's
-    input, group by group. A training step is finite."""
+    input, group by group. A training step is finite, its ratio loss over every group."""
     model = _padded_swin()
     size = (3, 48, 48)
     compressed = compress(model, method, keep=[0.7], input_size=size)
@@ -289,11 +289,26 @@ def test_padded_windows_take_a_predictor_on_the_mlp_only(method):
     with torch.no_grad():
         compressed.eval()(torch.randn(2, *size))
     assert seen == [(2 * 4, 49, 32)], seen
+    from vitcompress.training.losses import DistillationTaps, ratio_loss
+
     compressed.train()
+    taps = DistillationTaps(compressed, None, token_distill=False)
     loss = compressed(torch.randn(2, *size)).logsumexp(-1).mean()
+    # The ratio loss sees every group's keep mask at block 0 (4 windows: 49, 2 x 35, 25 real
+    # tokens), not only the last group's; block 2's one window is one group.
+    first = taps.captured.masks[0]
+    assert [tuple(mask.shape) for mask in first] == [(2, 49), (4, 35), (2, 25)]
+    shares = torch.cat([mask.float().mean(1) for mask in first])
+    expected = ((shares - 0.7) ** 2).mean()
+    assert torch.allclose(ratio_loss([first], [0.7], [0]), expected)
+    loss = loss + ratio_loss(taps.captured.masks, [0.7] * 4, [0] * 4)
     loss.backward()
     assert torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in compressed.parameters() if p.grad is not None)
+    with torch.no_grad():  # the next pass starts its masks anew
+        compressed(torch.randn(2, *size))
+    assert [tuple(mask.shape) for mask in taps.captured.masks[0]] == [(2, 49), (4, 35), (2, 25)]
+    taps.remove()
 
 
 def test_apply_says_where_a_predictor_runs_the_attention_whole():

@@ -35,11 +35,16 @@ class LossWeights:
     token_distill: float = 0.5
 
 
-def ratio_loss(masks: list[Tensor], keep_ratios: list[float], prefix_tokens: list[int]) -> Tensor:
-    """Mean over locations s of mean over the batch of (mean over N0 of D_s - rho_s)^2."""
+def ratio_loss(
+    masks: list[Tensor | list[Tensor]], keep_ratios: list[float], prefix_tokens: list[int]
+) -> Tensor:
+    """Mean over locations s of mean over the batch of (mean over N0 of D_s - rho_s)^2. A
+    location whose reducer ran on several groups of rows (padded windows, grouped by their token
+    counts) gives a list of masks: the mean is then over every row of every group."""
     terms = []
     for mask, rho, prefix in zip(masks, keep_ratios, prefix_tokens, strict=True):
-        kept_share = mask[:, prefix:].float().mean(dim=1)
+        groups = mask if isinstance(mask, list) else [mask]
+        kept_share = torch.cat([group[:, prefix:].float().mean(dim=1) for group in groups])
         terms.append(((kept_share - rho) ** 2).mean())
     return torch.stack(terms).mean()
 
@@ -83,7 +88,7 @@ def token_distillation(
 
 @dataclass
 class _Captured:
-    masks: list[Tensor | None] = field(default_factory=list)
+    masks: list[Tensor | list[Tensor] | None] = field(default_factory=list)
     student_tokens: Tensor | None = None
     teacher_tokens: Tensor | None = None
     positions: Tensor | None = None  # grid positions of the tokens after the last location
@@ -128,7 +133,15 @@ class DistillationTaps:
 
     def _mask_hook(self, i: int):
         def hook(module: nn.Module, inputs: tuple, output: tuple) -> None:
-            self.captured.masks[i] = output[1]
+            # Called once per group where a windowed block's padded windows are reduced group
+            # by group (each group's windows hold another token count): every group's mask
+            # counts. A mask of a count already held starts a new forward pass.
+            mask, previous = output[1], self.captured.masks[i]
+            groups = previous if isinstance(previous, list) else [previous]
+            if mask is None or previous is None or any(g.shape[1] == mask.shape[1] for g in groups):
+                self.captured.masks[i] = mask
+            else:
+                self.captured.masks[i] = [*groups, mask]
 
         return hook
 
@@ -285,9 +298,10 @@ class FinetuneLoss:
             if student.shape == teacher.shape:  # nothing dropped (masks), or restored on the grid
                 # The last keep mask describes these tokens only if it has one column per token:
                 # a hybrid's later stage has a grid of its own.
+                last = masks[-1] if masks and isinstance(masks[-1], Tensor) else None
                 keep = (
-                    masks[-1][:, prefix:] > 0.5
-                    if masks and masks[-1].shape[1] == student.shape[1]
+                    last[:, prefix:] > 0.5
+                    if last is not None and last.shape[1] == student.shape[1]
                     else None
                 )
                 return token_distillation(student[:, prefix:], teacher[:, prefix:].detach(), keep)
