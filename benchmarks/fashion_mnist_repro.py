@@ -96,6 +96,20 @@ BASE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             mlp_ratio=4.0,
         ),
     ),
+    # A small DaViT: its 4 x 4 stem makes a 7 x 7 grid, attended as one 7 x 7 window by its
+    # spatial blocks, each followed by a channel-attention block (whose MLP takes a carried
+    # choice under carry_windows).
+    "davit": (
+        "davit_tiny",
+        dict(
+            in_chans=1,
+            num_classes=10,
+            embed_dims=(48,),
+            depths=(4,),
+            num_heads=(3,),
+            window_size=7,
+        ),
+    ),
 }
 METHODS = ("dynamicvit", "evit", "dtps", "etps", "tome")
 MATCHED = "tome"  # compressed at the MMACs of the other methods' rows, by its own r

@@ -55,6 +55,7 @@ class Tail(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
         self.mix = nn.Linear(tokens, tokens)
         self.conv = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self.mix_channels = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "token_mix":
@@ -62,6 +63,10 @@ class Tail(nn.Module):
         if self.kind == "flipped":
             x = x.flip(1)
             return (x + self.mlp(self.norm(x))).flip(1)
+        if self.kind == "nested":  # a per-token residual inside a per-token residual
+            h = self.norm(x)
+            h = h + self.mlp(h)
+            return x + self.mix_channels(h)
         if self.kind == "conv":
             grid = self.norm(x).transpose(1, 2).reshape(x.shape[0], -1, 8, 8)
             return x + self.conv(grid).flatten(2).transpose(1, 2)
@@ -100,13 +105,16 @@ def _sharpened(model: nn.Module) -> nn.Module:
         (("token_mix", "mlp"), ["tails.1.{norm,mlp}"]),
         (("flipped", "mlp"), ["tails.1.{norm,mlp}"]),
         (("conv", "mlp", "mlp"), ["tails.1.{norm,mlp}", "tails.2.{norm,mlp}"]),
+        # Only the outer residual: the inner one is reduced with it.
+        (("nested",), ["tails.0.{norm,mlp,mix_channels}"]),
     ],
-    ids=["mlp", "token_mix", "flipped", "conv"],
+    ids=["mlp", "token_mix", "flipped", "conv", "nested"],
 )
 def test_only_branches_on_the_blocks_tokens_in_order_that_work_per_token_are_found(tails, found):
     """A branch that mixes tokens (over the token axis, or neighbours on the grid) is not one;
     neither is one whose tokens arrive in another order (flipped), though it works per token.
-    An MLP after any of them is: a residual on the way passes its skip's tokens on."""
+    An MLP after any of them is: a residual on the way passes its skip's tokens on. A residual
+    inside another's branch is not listed apart."""
     torch.manual_seed(0)
     model_map = map_model(WithTails(tails).eval(), SIZE)
     first, second = model_map.blocks
@@ -129,21 +137,24 @@ def test_the_map_lists_davits_channel_mlps_after_each_spatial_block():
     assert [block["per_token_after"] for block in data["blocks"]] == [[p] for p in channel]
 
 
+@pytest.mark.parametrize("tails", [("token_mix", "mlp"), ("nested",)], ids=["mlp", "nested"])
 @pytest.mark.parametrize("method", ["etps", "dtps", "evit", "tome", "dynamicvit"])
-def test_carrying_is_exact_at_keep_one_with_the_branches_reduced(method):
+def test_carrying_is_exact_at_keep_one_with_the_branches_reduced(method, tails):
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        model = _sharpened(WithTails(("token_mix", "mlp")).double())
+        model = _sharpened(WithTails(tails).double())
         x = torch.randn(2, *SIZE)
         compressed = compress(model, method, keep=[1.0], locs=[0], input_size=SIZE)
         carrying = compress(
             model, method, keep=[1.0], locs=[0], input_size=SIZE, variant_args=CARRY
         )
-        assert compression_info(carrying).plan.locations[0].carried_branches == (
-            "tails.1.{norm,mlp}",
-        )
+        expected = {
+            "token_mix": ("tails.1.{norm,mlp}",),
+            "nested": ("tails.0.{norm,mlp,mix_channels}",),
+        }
+        assert compression_info(carrying).plan.locations[0].carried_branches == expected[tails[0]]
         assert compression_info(compressed).plan.locations[0].carried_branches == ()
         with torch.no_grad():
             base = model(x)
@@ -159,6 +170,23 @@ def _mlp_inputs(model: nn.Module, names: list[str], images: torch.Tensor) -> dic
     handles = [
         modules[name].register_forward_hook(
             lambda m, i, o, name=name: seen.__setitem__(name, (i[0], o))
+        )
+        for name in names
+    ]
+    with torch.no_grad():
+        model(images)
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+def _records(model: nn.Module, names: list[str], images: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each named replay's record of the kept slots, (B x windows, K), in one pass."""
+    seen: dict[str, torch.Tensor] = {}
+    modules = dict(model.named_modules())
+    handles = [
+        modules[name].register_forward_hook(
+            lambda m, i, o, name=name: seen.__setitem__(name, o[1][-1].keep_index)
         )
         for name in names
     ]
@@ -189,6 +217,10 @@ def test_a_carried_choice_runs_davits_channel_mlps_on_each_windows_kept_tokens()
     with torch.no_grad():
         normed = model.stages[1].blocks[0][1].norm2(seen[partition][0])
     order = torch.tensor(window_order(16, 16, 4)).reshape(16, 16)
+    # The same choice as the spatial block's own MLP: its replay and the branch's keep the same
+    # slots of each window.
+    replays = _records(carrying, ["tps_hooks.replay1", "tps_hooks.replay1_after0"], images)
+    assert torch.equal(replays["tps_hooks.replay1"], replays["tps_hooks.replay1_after0"])
     for image in range(2):
         for window in range(16):
             tokens = normed[image, order[window]]  # the window's 16 tokens
@@ -215,6 +247,50 @@ def test_carrying_saves_the_hand_counted_mlp_macs_of_the_branch():
     width, dropped = 16, 4 * (16 - int(0.7 * 16))
     saved = dropped * (2 * width * 2 * width + 5 * width)
     assert count_macs(whole, SIZE) - count_macs(carrying, SIZE) == saved
+
+
+DAVIT_ARGS = [
+    *("--model", "davit_tiny", "--input-size", "3,128,128"),
+    *("--model-arg", "embed_dims=(32,64,128,256)", "--model-arg", "num_heads=(1,2,4,8)"),
+    *("--model-arg", "depths=(1,1,2,1)", "--model-arg", "window_size=4"),
+]
+
+
+def test_inspect_and_apply_name_davits_channel_mlps():
+    import json
+
+    from click.testing import CliRunner
+
+    from vitcompress.cli.main import cli
+
+    shown = CliRunner().invoke(cli, ["inspect", *DAVIT_ARGS])
+    assert shown.exit_code == 0, shown.output
+    text = " ".join(shown.output.split())
+    assert (
+        "per-token branches a carried choice reduces too (carry_windows): "
+        "stages.0.blocks.0.1.{norm2,mlp,drop_path2} (after block 0);" in text
+    )
+    applied = CliRunner().invoke(
+        cli,
+        [
+            "apply",
+            *DAVIT_ARGS,
+            *("--variant", "etps", "--keep", "0.7", "--variant-arg", "carry_windows=True"),
+            *("--batch-size", "2", "--runs", "1", "--bench-seconds", "1", "--json"),
+        ],
+    )
+    assert applied.exit_code == 0, applied.output
+    data = json.loads(applied.output[applied.output.index("{") :])
+    branches = [entry.get("carried_branches", []) for entry in data["window_tokens"]]
+    # Stage 2's two spatial blocks are one run: block 2 carries to block 3, and both blocks'
+    # channel MLPs take block 2's choice.
+    mlp = "stages.{}.blocks.{}.1.{{norm2,mlp,drop_path2}}"
+    assert branches == [
+        [mlp.format(0, 0)],
+        [mlp.format(1, 0)],
+        [mlp.format(2, 0), mlp.format(2, 1)],
+        [mlp.format(3, 0)],
+    ]
 
 
 def test_apply_says_which_branches_take_a_choice():

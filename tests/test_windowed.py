@@ -478,4 +478,28 @@ def test_window_sizes_is_refused_where_no_block_is_windowed():
             input_size=(3, 32, 32),
             variant_args={"window_sizes": True},
         )
-    assert "no location of this plan is a windowed block" in str(refused.value)
+    assert "no block of this plan runs its window attention on fewer tokens" in str(refused.value)
+
+
+def test_window_sizes_is_refused_where_every_location_runs_its_attention_whole():
+    """Padded windows run their attention on every token under a predictor: weighing the kept
+    keys there would change nothing."""
+    with pytest.raises(UserError) as refused:
+        compress(
+            _padded_swin(),
+            "dtps",
+            keep=[0.7],
+            locs=[0, 1],
+            input_size=(3, 48, 48),
+            variant_args={"window_sizes": True},
+        )
+    assert "no block of this plan runs its window attention on fewer tokens" in str(refused.value)
+    # Block 2's one window is not padded: there the setting weighs the kept keys.
+    compress(
+        _padded_swin(),
+        "dtps",
+        keep=[0.7],
+        locs=[0, 2],
+        input_size=(3, 48, 48),
+        variant_args={"window_sizes": True},
+    )

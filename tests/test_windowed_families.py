@@ -723,6 +723,34 @@ def test_an_attention_that_reads_a_windows_row_alone_runs_whole_under_a_predicto
     assert torch.isfinite(reduced).all() and not torch.allclose(reduced, volo(images), atol=1e-5)
 
 
+@pytest.mark.parametrize("restore", ("delta", "value"))
+def test_a_carried_block_after_a_whole_attention_location_reduces_its_own(restore):
+    """VOLO's first attention block reads its window's rows alone (its attention runs whole
+    under a predictor, which chooses on its MLP's input); the 13 blocks after it in the same
+    window carry that choice and run their attention on the kept tokens, restored by the host
+    rule whatever the method's own rule: the location records the hosts for them. Keep 1 is
+    exact."""
+    torch.manual_seed(0)
+    volo = timm.create_model("volo_d1_224", img_size=64, num_classes=10).eval()
+    volo.network[2][0].attn = _RowScaledAttention(volo.network[2][0].attn)
+    size = (3, 64, 64)
+    args = {"carry_windows": True, "restore": restore}
+    compressed = compress(volo, "dtps", keep=[0.7], input_size=size, variant_args=args)
+    location = compression_info(compressed).plan.locations[0]
+    assert (location.block, location.carried) == (0, tuple(range(1, 14)))
+    seen: list[tuple[int, ...]] = []
+    modules = dict(compressed.named_modules())
+    for path in ("network.2.0.attn.attention.qkv", "network.2.1.attn.qkv"):
+        modules[path].register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
+    images = torch.randn(2, *size)
+    with torch.no_grad():
+        compressed(images)
+        same = compress(volo, "dtps", keep=[1.0], input_size=size, variant_args=args)(images)
+        assert torch.allclose(same, volo(images), atol=1e-5)
+    # Block 0's attention on the whole 4 x 4 window, block 1's on int(0.7 x 16) = 11 tokens.
+    assert seen[0][1:3] == (4, 4) and seen[1][1:-1] in ((11,), (11, 1)), seen
+
+
 def test_a_model_that_cached_tensors_with_gradients_still_compresses():
     """TinyViT caches its attention bias in eval mode once it has run; run with gradients on,
     the cache is a tensor made by an op, which ``copy.deepcopy`` refuses. The tool copies the

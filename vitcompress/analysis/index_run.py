@@ -135,3 +135,21 @@ def grid_index(
     tokens = math.prod(shape[1:-1])
     index = torch.arange(batch * tokens, dtype=dtype) + offset
     return index.reshape(batch, *shape[1:-1], 1).expand(*shape).clone()
+
+
+def holds_seed_tokens(values: Tensor | None, seed: Tensor) -> bool:
+    """Whether ``values`` (any layout, channels last) hold ``seed``'s tokens, made by
+    :func:`grid_index`, in ``seed``'s order: the same index at every token's place."""
+    if values is None:
+        return False
+    expected = seed.reshape(seed.shape[0], -1, seed.shape[-1])[..., :1]
+    if values.numel() // values.shape[-1] != expected.numel():
+        return False
+    return torch.equal(values.reshape(expected.shape[0], -1, values.shape[-1])[..., :1], expected)
+
+
+def in_place_candidates(nodes) -> set[fx.Node]:
+    """Of ``nodes``, those an index run may read as keeping every token at its place when they
+    give back their input's shape (a conv over the grid, an activation on a (B, C, H, W) grid,
+    a sum): not the layout ops, which run on the indices, nor the ops that move elements."""
+    return {n for n in nodes if not ops.is_layout(n) and not ops.moves_elements(n)}

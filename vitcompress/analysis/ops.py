@@ -209,6 +209,32 @@ _LAYOUT_FUNCS = (
 )
 
 
+_MOVER_NAMES = (
+    "flip",
+    "fliplr",
+    "flipud",
+    "roll",
+    "rot90",
+    "index_select",
+    "gather",
+    "take_along_dim",
+    "scatter",
+    "sort",
+)
+_MOVER_FUNCS = (
+    {getattr(torch, name) for name in _MOVER_NAMES if hasattr(torch, name)}
+    | {operator.getitem}
+    | {f for name in _MOVER_NAMES for f in _aten(name)}
+    | _aten("index")
+)
+
+
+def moves_elements(node: fx.Node) -> bool:
+    """An op that may put an element elsewhere in a tensor of the same shape (a flip, a roll, an
+    indexing): an index run must run it on the indices, never pass them through as in place."""
+    return _is_call(node, _MOVER_FUNCS, {*_MOVER_NAMES, "__getitem__"})
+
+
 def is_layout(node: fx.Node) -> bool:
     """An op that only rearranges elements (transpose, permute, reshape, flatten ...)."""
     return _is_call(node, _LAYOUT_FUNCS, _LAYOUT_METHODS)

@@ -26,7 +26,12 @@ from torch import Tensor
 
 from vitcompress.analysis import ops
 from vitcompress.analysis.cores import Ancestry, Residual
-from vitcompress.analysis.index_run import grid_index, run_indices
+from vitcompress.analysis.index_run import (
+    grid_index,
+    holds_seed_tokens,
+    in_place_candidates,
+    run_indices,
+)
 from vitcompress.analysis.model_map import Block, PerTokenBranch
 
 
@@ -63,9 +68,15 @@ def find_per_token_branches(
         candidates = [
             r
             for r in within
-            if math.prod((ops.shape(r.skip) or (0, 0))[1:-1]) == tokens
-            and ops.shape(r.skip)[-1] == shape[-1]
+            if (skip_shape := ops.shape(r.skip)) is not None
+            and math.prod(skip_shape[1:-1]) == tokens
+            and skip_shape[-1] == shape[-1]
             and not any(n.name in attention_nodes for n in r.nodes)
+        ]
+        # A residual inside another one's branch (``h + inner(h)`` within ``x + outer(...)``)
+        # is reduced with it: only the outermost are candidates.
+        candidates = [
+            r for r in candidates if not any(r.add in other.nodes for other in candidates)
         ]
         if not candidates:
             continue
@@ -98,21 +109,9 @@ def _in_order(
     skips = {r.add: r.skip for r in within}
     branches = {n for r in within for n in r.nodes}
     on_way = {n for r in candidates for n in anc.between(start, r.skip) + [r.skip]} - branches
-    # An op that gives back its input's shape passes the index on as it is (a conv over the
-    # grid, an activation on a (B, C, H, W) grid, a sum), unless it moves elements: those and
-    # the layout ops run on the indices (a flip reverses them).
-    in_place = {n for n in on_way if not ops.is_layout(n) and not _moves_elements(n)}
+    in_place = in_place_candidates(on_way)
     run = run_indices(gm, example, {start: seed}, [r.skip for r in candidates], in_place, skips)
-    expected = seed.reshape(seed.shape[0], -1, seed.shape[-1])[..., :1]
-    found = set()
-    for residual in candidates:
-        values = run.found.get(residual.skip)
-        if values is None:
-            continue
-        values = values.reshape(expected.shape[0], -1, values.shape[-1])[..., :1]
-        if values.shape == expected.shape and torch.equal(values, expected):
-            found.add(residual.add)
-    return found
+    return {r.add for r in candidates if holds_seed_tokens(run.found.get(r.skip), seed)}
 
 
 def _works_per_token(gm: fx.GraphModule, residual: Residual, windows: int) -> bool:
@@ -173,18 +172,6 @@ def _branch_path(residual: Residual) -> str:
         return common
     named = below[0] if len(below) == 1 else "{" + ",".join(below) + "}"
     return f"{common}.{named}" if common else named
-
-
-_MOVERS = {"flip", "fliplr", "flipud", "roll", "index_select", "gather", "take_along_dim"}
-_MOVERS |= {"scatter", "sort", "getitem", "rot90", "__getitem__"}
-
-
-def _moves_elements(node: fx.Node) -> bool:
-    """An op that may put an element elsewhere in a tensor of the same shape."""
-    if node.op not in ("call_function", "call_method"):
-        return False
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name in _MOVERS
 
 
 def _reads_shape_of(node: fx.Node, residual: Residual) -> bool:

@@ -27,7 +27,13 @@ from torch import Tensor, nn
 
 from vitcompress.analysis import ops
 from vitcompress.analysis.cores import Ancestry, Residual
-from vitcompress.analysis.index_run import IndexRun, grid_index, run_indices
+from vitcompress.analysis.index_run import (
+    IndexRun,
+    grid_index,
+    holds_seed_tokens,
+    in_place_candidates,
+    run_indices,
+)
 from vitcompress.analysis.model_map import AttentionCore, PositionUse, QueryBias, Windows
 from vitcompress.analysis.positions import find_position_uses, gather_layout
 from vitcompress.analysis.query_bias import find_query_bias, shape_read
@@ -324,20 +330,14 @@ def _check_mlp_order(
     if not checks:
         return
     seeds = {attn.add: grid_index(ops.shape(attn.add), dtype=dtype) for _, attn, _ in checks}
-    in_place = {n for _, attn, mlp in checks for n in anc.between(attn.add, mlp.skip) + [mlp.skip]}
+    in_place = in_place_candidates(
+        n for _, attn, mlp in checks for n in anc.between(attn.add, mlp.skip) + [mlp.skip]
+    )
     run = run_indices(gm, example, seeds, [mlp.skip for _, _, mlp in checks], in_place)
     for core, attn, mlp in checks:
         where = core.path or core.node
-        values = run.found.get(mlp.skip)
-        tokens = math.prod(ops.shape(attn.add)[1:-1])
-        expected = seeds[attn.add].reshape(-1, tokens, ops.shape(attn.add)[-1])[..., :1]
         mixing = [p for n, p in run.mixing.items() if n in in_place]
-        if (
-            values is None
-            or mixing
-            or values.numel() // values.shape[-1] != expected.numel()
-            or not torch.equal(values.reshape(expected.shape[0], tokens, -1)[..., :1], expected)
-        ):
+        if mixing or not holds_seed_tokens(run.found.get(mlp.skip), seeds[attn.add]):
             blocker = f" ({mixing[0]} moves them)" if mixing else ""
             raise WindowError(
                 f"windowed attention at {where}: the MLP after it does not read its tokens in "

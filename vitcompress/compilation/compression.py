@@ -6,8 +6,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
+import logging
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +44,8 @@ from vitcompress.method import CumulativeKeep
 from vitcompress.model_args import readable_timm_args
 from vitcompress.model_copy import copy_model
 from vitcompress.variants import Variant
+
+log = logging.getLogger(__name__)
 
 EXAMPLE_BATCH = 2  # batch 1 would hide which dimension is the batch
 
@@ -115,10 +116,12 @@ def _rewritten_problem(compressed: nn.Module, example: torch.Tensor) -> str | No
     the user's first call becomes a one-line refusal here."""
     compressed.eval()
     try:
-        # fx prints the generated code around a failure to stderr: the one line is ours.
-        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-            compressed(example[:1])
+        # ``forward`` itself: fx's call wrapper prints the generated code around a failure to
+        # stderr, and the one line is ours (the traceback goes to the debug log).
+        with torch.no_grad():
+            compressed.forward(example[:1])
     except Exception as e:  # noqa: BLE001 - any failure refuses the model
+        log.debug("the rewritten model failed on one example image", exc_info=True)
         return one_line(e)
     return None
 
@@ -192,8 +195,8 @@ def compress_mapped(
     problem = _rewritten_problem(compressed, captured.example)
     if problem is not None:
         raise RewriteError(
-            f"the model compressed by {method.name} does not run on one example image "
-            f"({problem}), so it is refused"
+            f"the rewritten model fails on one example image ({problem}), so {method.name} "
+            "is refused here"
         )
     metadata = dict(
         vitcompress_plan=plan.to_json(),

@@ -18,7 +18,7 @@ from vitcompress.analysis import ops
 from vitcompress.analysis.model_map import Block, PerTokenBranch, Windows
 from vitcompress.analysis.query_bias import shape_read
 from vitcompress.compilation.graph_edits import copy_between, erase_unused, getitems, replace_uses
-from vitcompress.compilation.naming import REDUCER_PREFIX, RewriteError
+from vitcompress.compilation.naming import REDUCER_PREFIX
 from vitcompress.modules.restore import TokenRestore
 from vitcompress.modules.windows import (
     WindowCarry,
@@ -63,7 +63,9 @@ class WindowRewrites:
         elif method.placement == BEFORE_BLOCK:
             # The attention cannot run on fewer tokens per window (padded windows, a table
             # that cannot follow them): it runs whole, and the predictor chooses on the MLP's
-            # input, as an attention-scored method does after the attention.
+            # input, as an attention-scored method does after the attention. A carried block
+            # after it may still reduce its attention: the choice records what that restores.
+            module.also_restores = method.local_restore_rule
             restored, order, trace = self._reduce_window_groups(block, target, restore, None)
         else:
             given = self._hook_block_attention(block, None, True, None, None)
@@ -220,11 +222,6 @@ class WindowRewrites:
         every token by the rule that reads only the output (host, else zero). Returns the
         trace."""
         windows = block.windows
-        if windows.attention_blocker is not None:
-            raise RewriteError(
-                f"block {block.index} ({block.path}): {windows.attention_blocker}; "
-                f"{self.plan.variant} reduces the windows before the attention, so it is refused"
-            )
         method = self.plan.method
         entering = self.nodes[windows.attention_input_node]
         leaving = self.nodes[windows.attention_output_node]

@@ -223,17 +223,29 @@ class Variant:
         return (
             self.scorer.refusal(model_map, plan)
             or self._restore_refusal(plan)
-            or self._window_sizes_refusal(plan)
+            or self._window_sizes_refusal(model_map, plan)
         )
 
-    def _window_sizes_refusal(self, plan: Plan) -> str | None:
+    def _window_sizes_refusal(self, model_map: ModelMap, plan: Plan) -> str | None:
         """``window_sizes`` weighs keys within windowed blocks' reduced attention only: a plan
-        without one would record a setting that changes nothing."""
-        if not self.window_sizes or any(loc.windows for loc in plan.locations):
+        without one (no windowed location, or only ones whose attention runs whole, as padded
+        windows' does, with no carried block after them that reduces its own) would record a
+        setting that changes nothing."""
+        if not self.window_sizes:
+            return None
+        blocks = model_map.blocks
+        reduced = [
+            index
+            for loc in plan.locations
+            if loc.windows
+            for index in (loc.block, *loc.carried)
+            if blocks[index].windows is not None and blocks[index].windows.attention_blocker is None
+        ]
+        if reduced:
             return None
         return (
-            "window_sizes=True weighs the keys of windowed blocks' reduced attention; no location "
-            "of this plan is a windowed block"
+            "window_sizes=True weighs the keys of windowed blocks' reduced attention; no block "
+            "of this plan runs its window attention on fewer tokens"
         )
 
     def _restore_refusal(self, plan: Plan) -> str | None:

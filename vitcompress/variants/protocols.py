@@ -21,6 +21,7 @@ class Block(Protocol):
     grid: tuple[int, ...]
     attention: Any  # AttentionCore: kind, key_tokens, path
     parallel_cores: Sequence[Any]  # further attention cores of a parallel block (AttentionCore)
+    windows: Any  # Windows where it attends within windows (count, padded, attention_blocker)
 
 
 class Location(Protocol):
@@ -31,6 +32,8 @@ class Location(Protocol):
     patch_tokens: int
     keep_tokens: int | None
     merge_tokens: int | None
+    windows: int | None
+    carried: Sequence[int]  # the windowed blocks that carry its choice
 
 
 class Plan(Protocol):
