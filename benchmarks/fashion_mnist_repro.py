@@ -310,7 +310,10 @@ def matched_r(
         )
         for m in others
     )
-    patches = (MODEL_ARGS["img_size"] // MODEL_ARGS["patch_size"]) ** 2
+    # The most tokens a block sees (the grid's, or a window's): r merges at most half of them.
+    patches = max(
+        block.tokens for block in map_model(load_base(base_path).model, INPUT_SIZE).blocks
+    )
 
     def macs_at(r: int) -> int:
         model = compress_loaded(

@@ -70,6 +70,8 @@ class _Rewriter(WindowRewrites):
         gm.add_module(HOOK_PREFIX, self.hooks)
 
     def _add_hook(self, name: str, module: nn.Module) -> str:
+        if name in self.hooks._modules:  # add_module would replace it silently
+            raise RuntimeError(f"the rewrite made two modules named {name}")
         self.hooks.add_module(name, module)
         return f"{HOOK_PREFIX}.{name}"
 
