@@ -164,12 +164,13 @@ def test_carrying_is_exact_at_keep_one_with_the_branches_reduced(method, tails):
         torch.set_default_dtype(default)
 
 
-def _mlp_inputs(model: nn.Module, names: list[str], images: torch.Tensor) -> dict[str, tuple]:
-    seen: dict[str, tuple] = {}
+def _seen(model: nn.Module, names: list[str], images: torch.Tensor, pick) -> dict[str, object]:
+    """``pick(inputs, output)`` of each named module in one pass."""
+    seen: dict[str, object] = {}
     modules = dict(model.named_modules())
     handles = [
         modules[name].register_forward_hook(
-            lambda m, i, o, name=name: seen.__setitem__(name, (i[0], o))
+            lambda m, i, o, name=name: seen.__setitem__(name, pick(i, o))
         )
         for name in names
     ]
@@ -180,21 +181,13 @@ def _mlp_inputs(model: nn.Module, names: list[str], images: torch.Tensor) -> dic
     return seen
 
 
-def _records(model: nn.Module, names: list[str], images: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each named replay's record of the kept slots, (B x windows, K), in one pass."""
-    seen: dict[str, torch.Tensor] = {}
-    modules = dict(model.named_modules())
-    handles = [
-        modules[name].register_forward_hook(
-            lambda m, i, o, name=name: seen.__setitem__(name, o[1][-1].keep_index)
-        )
-        for name in names
-    ]
-    with torch.no_grad():
-        model(images)
-    for handle in handles:
-        handle.remove()
-    return seen
+def _mlp_inputs(model: nn.Module, names: list[str], images: torch.Tensor) -> dict[str, object]:
+    return _seen(model, names, images, lambda inputs, output: (inputs[0], output))
+
+
+def _records(model: nn.Module, names: list[str], images: torch.Tensor) -> dict[str, object]:
+    """Each named replay's record of the kept slots, (B x windows, K)."""
+    return _seen(model, names, images, lambda inputs, output: output[1][-1].keep_index)
 
 
 def test_a_carried_choice_runs_davits_channel_mlps_on_each_windows_kept_tokens():

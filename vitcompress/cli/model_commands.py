@@ -77,31 +77,20 @@ def inspect(model: ModelRequest, as_json: bool) -> None:
         for block in model_map["blocks"]
         for reader in block["readers"]
     ]
-    if readers:
-        console.print(
-            "read by position (a compressed model restores its tokens there): "
-            + "; ".join(readers),
-            soft_wrap=not on_terminal,
-            highlight=False,
-        )
     branches = [
         f"{path} (after block {block['index']})"
         for block in model_map["blocks"]
         for path in block.get("per_token_after", [])
     ]
-    if branches:
-        console.print(
-            "per-token branches a carried choice reduces too (carry_windows): "
-            + "; ".join(branches),
-            soft_wrap=not on_terminal,
-            highlight=False,
-        )
-    if model_map.get("left_whole"):
-        console.print(
-            "left whole (no method reduces them): " + "; ".join(model_map["left_whole"]),
-            soft_wrap=not on_terminal,
-            highlight=False,
-        )
+    for title, items in (
+        ("read by position (a compressed model restores its tokens there)", readers),
+        ("per-token branches a carried choice reduces too (carry_windows)", branches),
+        ("left whole (no method reduces them)", model_map.get("left_whole", [])),
+    ):
+        if items:
+            console.print(
+                f"{title}: " + "; ".join(items), soft_wrap=not on_terminal, highlight=False
+            )
     if model_map["leaves"]:
         console.print(
             f"kept whole by the tracer: {', '.join(model_map['leaves'])}", soft_wrap=not on_terminal
