@@ -24,7 +24,7 @@ from vitcompress.analysis.capture import (
 from vitcompress.analysis.model_map import ModelMap
 from vitcompress.compilation.keep_lists import plan_from_cumulative
 from vitcompress.compilation.metadata import attach, compression_info
-from vitcompress.compilation.naming import RewriteError
+from vitcompress.compilation.naming import HOOK_PREFIX, REDUCER_PREFIX, RewriteError
 from vitcompress.compilation.plan import PlanError, default_keep, make_plan, resolve_variant
 from vitcompress.compilation.rewrite import rewrite
 from vitcompress.compilation.weight_decay import (
@@ -192,6 +192,10 @@ def compress_mapped(
     # Found before the rewrite, which changes the graph they are read from.
     no_decay = no_weight_decay_parameters(model, captured.module, EXAMPLE_BATCH)
     compressed = rewrite(captured.module, model_map, plan)
+    # The modules the rewrite adds (reducers, predictors, restores) in the model's own dtype: a
+    # float64 model gets float64 predictors, not the default float32's.
+    for added in (REDUCER_PREFIX, HOOK_PREFIX):
+        getattr(compressed, added).to(captured.example.dtype)
     problem = _rewritten_problem(compressed, captured.example)
     if problem is not None:
         raise RewriteError(
