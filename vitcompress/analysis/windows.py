@@ -689,8 +689,11 @@ def _only_product_or_layout(
     full: set[fx.Node],
 ) -> bool:
     """Whether every use of one spatial read is the product of all of them, or a reshape after
-    the attention core that lays a tensor out as the windows came in: ``rank`` axes, the
-    spatial ones in their order; the uses in ``full`` aside."""
+    the attention core that lays a token axis out as the window's grid: the spatial sizes side
+    by side in their order (``reshape(B, H, W, C)`` as the windows came in, HF SAM's
+    ``view(B, heads, H, W, -1)``), so that K kept tokens are laid out K x 1; the uses in
+    ``full`` aside. ``rank`` is the windows' as they enter (unused: any rank lays out)."""
+    del rank
     for user in read.users:
         if user in full:
             continue
@@ -698,7 +701,12 @@ def _only_product_or_layout(
             args = list(user.args[1:])
             if len(args) == 1 and isinstance(args[0], (list, tuple)):
                 args = list(args[0])
-            if len(args) != rank or args[1:-1] != reads or not anc.is_ancestor(core, user):
+            at = args.index(reads[0]) if reads[0] in args else -1
+            side_by_side = at >= 0 and args[at : at + len(reads)] == reads
+            others = [a for i, a in enumerate(args) if not at <= i < at + len(reads)]
+            if not side_by_side or any(a in reads for a in others):
+                return False
+            if not anc.is_ancestor(core, user):
                 return False
             continue
         product = user

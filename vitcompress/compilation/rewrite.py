@@ -70,8 +70,12 @@ class _Rewriter(WindowRewrites):
         gm.add_module(HOOK_PREFIX, self.hooks)
 
     def _add_hook(self, name: str, module: nn.Module) -> str:
-        if name in self.hooks._modules:  # add_module would replace it silently
-            raise RuntimeError(f"the rewrite made two modules named {name}")
+        # A name taken already (two readers of one block at one node) gets a number: add_module
+        # would replace the first module, and its call would run the second's.
+        taken, number = name, 1
+        while taken in self.hooks._modules:
+            taken, number = f"{name}_{number}", number + 1
+        name = taken
         self.hooks.add_module(name, module)
         return f"{HOOK_PREFIX}.{name}"
 
