@@ -42,6 +42,7 @@ from torch import nn
 import vitcompress
 from vitcompress.cli.app import USER_ERRORS
 from vitcompress.compilation.metadata import compression_info
+from vitcompress.compilation.naming import RewrittenModelError
 from vitcompress.measure import count_macs
 from vitcompress.search.cost import profile, relative_error
 from vitcompress.workflows.export import export_model
@@ -533,6 +534,8 @@ def variant_cell(
     def compressed(keep: float) -> nn.Module | None:
         try:
             return vitcompress.compress(model, variant, keep=keep, input_size=input_size)
+        except RewrittenModelError as e:  # the rewrite's bug as much as the model's: an error
+            errors.append(f"compress keep {keep:g}: {one_line(e)}")
         except USER_ERRORS as e:
             cell.update(status="refused", line=one_line(e))
         except Exception as e:  # noqa: BLE001 - a raw error is a bug: recorded, never hidden

@@ -20,12 +20,36 @@ from pathlib import Path
 
 import timm
 import torch
+from torch import nn
 
 from vitcompress import compress
 from vitcompress.errors import UserError
 from vitcompress.measure import count_macs
 
-# name -> (timm model, input side, timm kwargs)
+HF_SAM = "transformers SamVisionEncoder"
+
+
+class _FeatureMap(nn.Module):
+    """transformers' SAM vision encoder, returning its feature map."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        from transformers import SamVisionConfig
+        from transformers.models.sam.modeling_sam import SamVisionEncoder
+
+        self.encoder = SamVisionEncoder(SamVisionConfig(**config))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x).last_hidden_state
+
+
+def build(spec: str, kwargs: dict) -> nn.Module:
+    if spec == HF_SAM:
+        return _FeatureMap(kwargs)
+    return timm.create_model(spec, pretrained=False, **kwargs)
+
+
+# name -> (timm model, or HF_SAM, input side, its kwargs)
 MODELS: dict[str, tuple[str, int, dict]] = {
     "swin": ("swin_tiny_patch4_window7_224", 224, {}),
     "maxvit": ("maxvit_pico_rw_256", 256, {}),
@@ -38,6 +62,9 @@ MODELS: dict[str, tuple[str, int, dict]] = {
     "sam2_hiera": ("sam2_hiera_tiny", 224, {}),
     "volo": ("volo_d1_224", 224, {}),
     "hiera": ("hiera_tiny_224", 224, {}),
+    # transformers' SAM vision encoder (ViT-B: SamVisionConfig's defaults) at 448 px, as timm's
+    # samvit448: a 28 x 28 grid in 2 x 2 windows of 14, and 4 global blocks.
+    "hf_sam448": (HF_SAM, 448, {"image_size": 448}),
 }
 METHODS = ("dtps", "etps", "evit", "tome")
 
@@ -45,7 +72,7 @@ METHODS = ("dtps", "etps", "evit", "tome")
 def measure(name: str, methods: list[str], carry_windows: bool = False) -> dict:
     spec, side, kwargs = MODELS[name]
     torch.manual_seed(0)
-    model = timm.create_model(spec, pretrained=False, **kwargs).eval()
+    model = build(spec, kwargs).eval()
     size = (3, side, side)
     base = count_macs(model, size)
     row: dict = {

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from tests.test_per_token_after import SIZE, WindowBlock, WithTails
 from vitcompress import compress
-from vitcompress.compilation.naming import RewriteError
+from vitcompress.compilation.naming import RewrittenModelError
 
 
 class FixedTokens(WindowBlock):
@@ -38,7 +38,7 @@ def fixed_tokens_model() -> WithTails:
 
 def test_a_predictor_on_an_attention_with_a_fixed_token_count_is_refused_in_one_line(capfd):
     model = fixed_tokens_model()
-    with pytest.raises(RewriteError) as refused:
+    with pytest.raises(RewrittenModelError) as refused:
         compress(model, "dtps", keep=[0.7], locs=[0], input_size=SIZE)
     message = str(refused.value)
     assert "\n" not in message

@@ -24,7 +24,11 @@ from vitcompress.analysis.capture import (
 from vitcompress.analysis.model_map import ModelMap
 from vitcompress.compilation.keep_lists import plan_from_cumulative
 from vitcompress.compilation.metadata import attach, compression_info
-from vitcompress.compilation.naming import HOOK_PREFIX, REDUCER_PREFIX, RewriteError
+from vitcompress.compilation.naming import (
+    HOOK_PREFIX,
+    REDUCER_PREFIX,
+    RewrittenModelError,
+)
 from vitcompress.compilation.plan import PlanError, default_keep, make_plan, resolve_variant
 from vitcompress.compilation.rewrite import rewrite
 from vitcompress.compilation.weight_decay import (
@@ -198,7 +202,7 @@ def compress_mapped(
         getattr(compressed, added).to(captured.example.dtype)
     problem = _rewritten_problem(compressed, captured.example)
     if problem is not None:
-        raise RewriteError(
+        raise RewrittenModelError(
             f"the rewritten model fails on one example image ({problem}), so {method.name} "
             "is refused here"
         )

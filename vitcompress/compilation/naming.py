@@ -12,3 +12,8 @@ HOOK_PREFIX = "tps_hooks"  # the attention hooks, restores and window modules
 
 class RewriteError(UserError):
     """The plan cannot be carried out on this graph."""
+
+
+class RewrittenModelError(RewriteError):
+    """The rewritten graph fails on one example image: refused in one line, though the cause may
+    be the rewrite's as much as the model's (the compatibility matrix counts it as an error)."""
