@@ -923,7 +923,9 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "model too (the family does not export; its line is below);",
         "- **refused**: the tool refuses in one line (the line is below);",
         "- **WRONG**: keep 1 changes the logits without an error (a silently wrong model);",
-        "- **error (step)**: a raw error in that step: a bug (listed below);",
+        "- **error (step)**: a raw error in that step, or a compressed model that fails on one "
+        "example image when it is made (the tool refuses it, but the cause may be the rewrite's): "
+        "a bug (listed below);",
         f"- **timeout**: the cell ran past {meta['cell_seconds']:g} s.",
         "",
         "## Summary",
