@@ -137,6 +137,7 @@ def _works_per_token(gm: fx.GraphModule, residual: Residual, windows: int) -> bo
 
     parameter = next(iter(gm.parameters()), None)
     dtype = parameter.dtype if parameter is not None else torch.float32
+    device = parameter.device if parameter is not None else None  # a model on a GPU too
     generator = torch.Generator().manual_seed(0)
     try:
         graph.output(copy(residual.branch))
@@ -145,8 +146,8 @@ def _works_per_token(gm: fx.GraphModule, residual: Residual, windows: int) -> bo
         per_window = max(1, tokens // windows // 2)
         if per_window * windows >= tokens:
             return False
-        every = torch.randn((1, tokens, channels), generator=generator, dtype=dtype)
-        subset = torch.randperm(tokens, generator=generator)[: per_window * windows]
+        every = torch.randn((1, tokens, channels), generator=generator, dtype=dtype).to(device)
+        subset = torch.randperm(tokens, generator=generator)[: per_window * windows].to(device)
         with torch.no_grad():
             whole = branch(every).reshape(tokens, -1)
             part = branch(every[0, subset].reshape(windows, per_window, channels))
