@@ -65,6 +65,7 @@ MODELS: dict[str, tuple[str, int, dict]] = {
     # transformers' SAM vision encoder (ViT-B: SamVisionConfig's defaults) at 448 px, as timm's
     # samvit448: a 28 x 28 grid in 2 x 2 windows of 14, and 4 global blocks.
     "hf_sam448": (HF_SAM, 448, {"image_size": 448}),
+    "hf_sam1024": (HF_SAM, 1024, {}),  # its native size: windows of 14 padded to 70 x 70
 }
 METHODS = ("dtps", "etps", "evit", "tome")
 
