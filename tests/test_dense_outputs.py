@@ -605,3 +605,17 @@ def test_the_masked_form_agrees_on_a_chain(rule):
         restore_masked(grid_now, [masked_first, masked_second], rule),
         restore_tokens(v["z"], [first, second], rule),
     )
+
+
+def test_two_readers_of_one_block_at_one_node_each_get_their_own_restore():
+    """HF DINOv2's hidden states: the model's output reads block 5's tokens twice (its last
+    hidden state after the final norm, and the hidden state itself). Each reading gets its own
+    restore module; a second of the same name used to replace the first, whose call then ran
+    the second's."""
+    spec = MODELS["hf-dinov2-hidden"]
+    compressed = compress(spec.build().eval(), "dtps", keep=[0.7], input_size=spec.input_size)
+    hooks = dict(compressed.named_modules())
+    restores = [name for name in hooks if name.startswith("tps_hooks.restore5_output")]
+    assert restores == ["tps_hooks.restore5_output", "tps_hooks.restore5_output_1"]
+    assert hooks[restores[0]] is not hooks[restores[1]]
+    assert all(isinstance(hooks[name], TokenRestore) for name in restores)
