@@ -309,3 +309,36 @@ def test_a_davit_carrying_into_its_channel_mlps_exports_to_onnx(tmp_path):
     assert any(loc.carried_branches for loc in compression_info(compressed).plan.locations)
     result = export_model(compressed, size, "onnx", tmp_path / "davit.onnx")
     assert result["max_abs_diff"] < 1e-3
+
+
+class FlippedMLP(WindowBlock):
+    """The window attention, then the MLP on the tokens in reverse order (put back after)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, _, dim = x.shape
+        side, w, cut = self.side, self.window, self.side // self.window
+        h = self.norm1(x).reshape(batch, cut, w, cut, w, dim).permute(0, 1, 3, 2, 4, 5)
+        h = h.reshape(-1, w * w, dim)
+        count, tokens = h.shape[0], h.shape[1]
+        q, k, v = self.qkv(h).reshape(count, tokens, 3, 2, dim // 2).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(count, tokens, dim)
+        a = self.proj(a).reshape(batch, cut, cut, w, w, dim).permute(0, 1, 3, 2, 4, 5)
+        x = (x + a.reshape(batch, side * side, dim)).flip(1)
+        return (x + self.mlp(self.norm2(x))).flip(1)
+
+
+def test_an_mlp_that_reads_the_windows_tokens_in_another_order_is_refused():
+    """Between the window attention and its MLP the tokens are reversed: reducing the MLP's
+    input in the attention's windows would take the wrong tokens. The order check runs the flip
+    on the token indices (it used to pass any same-shape op there as keeping each token in
+    place) and refuses the model in one line."""
+    from vitcompress.errors import UserError
+
+    torch.manual_seed(0)
+    model = WithTails(("mlp",))
+    model.block0 = FlippedMLP()
+    with pytest.raises(UserError) as refused:
+        map_model(model.eval(), SIZE)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "the MLP after it does not read its tokens in their order" in message
