@@ -657,7 +657,7 @@ def _spatial_shape_blocker(
         return None
     axes = set(range(1, len(shape) - 1))
     if len(reads) == len(axes) and all(
-        _only_product_or_layout(read, reads, len(shape), core, anc, full) for read in reads
+        _only_product_or_layout(read, reads, core, anc, full) for read in reads
     ):
         return None
     return (
@@ -683,7 +683,6 @@ def _product_factors(node: object, reads: list[fx.Node]) -> list[fx.Node] | None
 def _only_product_or_layout(
     read: fx.Node,
     reads: list[fx.Node],
-    rank: int,
     core: fx.Node,
     anc: Ancestry,
     full: set[fx.Node],
@@ -692,8 +691,7 @@ def _only_product_or_layout(
     the attention core that lays a token axis out as the window's grid: the spatial sizes side
     by side in their order (``reshape(B, H, W, C)`` as the windows came in, HF SAM's
     ``view(B, heads, H, W, -1)``), so that K kept tokens are laid out K x 1; the uses in
-    ``full`` aside. ``rank`` is the windows' as they enter (unused: any rank lays out)."""
-    del rank
+    ``full`` aside."""
     for user in read.users:
         if user in full:
             continue

@@ -249,7 +249,7 @@ def _print_apply(report: ApplyReport) -> None:
         console.print(f"saved to {data['out']}")
 
 
-def window_text(window_tokens: list[dict[str, int]]) -> str:
+def window_text(window_tokens: list[dict[str, Any]]) -> str:
     """``within windows: blocks 0, 1: 64 x 49→35; blocks 2, 3: 16 x 49→35``: each windowed
     block's windows per image and the tokens its MLP (and a predictor's attention) keeps of each
     window's, blocks alike grouped; every block gives all its tokens back before its output. A

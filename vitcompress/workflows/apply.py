@@ -17,7 +17,7 @@ from vitcompress.artifacts.artifact import (
     load_artifact_base,
     save_artifact,
 )
-from vitcompress.compilation.metadata import compression_info
+from vitcompress.compilation.metadata import CompressionInfo, compression_info
 from vitcompress.loading import LoadedModel, ModelLoadError
 from vitcompress.measure import PairedRatio
 from vitcompress.measure.models import (
@@ -140,7 +140,7 @@ def _compress_and_measure(
     return result, model
 
 
-def _attention_whole(info, block: int) -> str | None:
+def _attention_whole(info: CompressionInfo, block: int) -> str | None:
     """Why a method that reduces a window's tokens before its attention (a predictor) runs
     block ``block``'s attention on every token, or ``None``."""
     windows = info.model_map.blocks[block].windows
