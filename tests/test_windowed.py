@@ -311,6 +311,28 @@ def test_padded_windows_take_a_predictor_on_the_mlp_only(method):
     taps.remove()
 
 
+@pytest.mark.parametrize("method", ("dtps", "dynamicvit"))
+def test_a_predictor_on_the_mlp_only_counts_like_a_hand_count(method):
+    """Block 0 alone (width 32, a 12 x 12 grid in 4 padded windows: 49, 2 x 35 and 25 real
+    tokens): the attention runs whole, so against the base the model saves only the MLP and its
+    norm (8 C^2 + 5 C) of the tokens each group drops, floor(0.7 n) kept: 15, 2 x 11 and 8; it
+    pays the predictor on the 144 real tokens (its norm, C^2, the local half (C/2)^2 per token,
+    one global row (C/2)^2 per window, then C/2 x C/4 and C/4 x 2) and, for dTPS, the cosine
+    of each window's donors against its hosts."""
+    model = _padded_swin()
+    size = (3, 48, 48)
+    compressed = compress(model, method, keep=[0.7], locs=[0], input_size=size)
+    width, half = 32, 16
+    dropped = 15 + 2 * 11 + 8
+    saved = dropped * (8 * width * width + 5 * width)
+    predictor = (
+        144 * (5 * width + width * width + half * half + half * (width // 4) + (width // 4) * 2)
+        + 4 * half * half
+    )
+    squeeze = (15 * 34 + 2 * 11 * 24 + 8 * 17) * width if method == "dtps" else 0
+    assert count_macs(model, size) - count_macs(compressed, size) == saved - predictor - squeeze
+
+
 def test_apply_says_where_a_predictor_runs_the_attention_whole():
     from click.testing import CliRunner
 
