@@ -247,6 +247,8 @@ HF_CLASSES = {
     "hf_pvt": "PvtForImageClassification",
     "hf_pvt_v2": "PvtV2ForImageClassification",
     "hf_cvt": "CvtForImageClassification",
+    "hf_swin": "SwinForImageClassification",
+    "hf_swinv2": "Swinv2ForImageClassification",
 }
 # Models whose output is the token grid itself (tokens, or per-pixel logits) and video token
 # grids (tests/fixtures/dense_models.py): their cells compare whole outputs, not logits. The
@@ -258,8 +260,10 @@ DENSE = {
     "dense_segmenter": "segmenter_tiny_fmnist",
     "video_conv3d": "VideoViT",
     "video_hf_videomae": "VideoMAEModel",
+    "dense_hf_sam": "SamVisionEncoder",
+    "video_hf_timesformer": "TimesformerModel",
 }
-DENSE_HF = ("dense_hf_dinov2", "video_hf_videomae")
+DENSE_HF = ("dense_hf_dinov2", "video_hf_videomae", "dense_hf_sam", "video_hf_timesformer")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""HuggingFace transformers models (ViT, DeiT, Dinov2, PVT, PVTv2, CvT from their configs): they
+"""HuggingFace transformers models (ViT, DeiT, Dinov2, PVT, PVTv2, CvT, Swin, Swinv2 from their
+configs): they
 map, compress with every variant, are exact at keep 1 with sharpened weights, cost fewer MACs at
 keep 0.7 and train; a save_pretrained directory works as --model, through save and load."""
 
@@ -31,8 +32,19 @@ FAST = {
     ("hf_pvt", "evit"),
     ("hf_pvt_v2", "dtps"),
     ("hf_cvt", "etps"),
+    ("hf_swin", "dtps"),
+    ("hf_swinv2", "evit"),
 }
-BLOCKS = {"hf_vit": 4, "hf_deit": 4, "hf_dinov2": 4, "hf_pvt": 4, "hf_pvt_v2": 4, "hf_cvt": 6}
+BLOCKS = {
+    "hf_vit": 4,
+    "hf_deit": 4,
+    "hf_dinov2": 4,
+    "hf_pvt": 4,
+    "hf_pvt_v2": 4,
+    "hf_cvt": 6,
+    "hf_swin": 4,
+    "hf_swinv2": 4,
+}
 CASES = [
     pytest.param(name, variant, marks=() if (name, variant) in FAST else pytest.mark.slow)
     for name in hf_models.BUILDERS

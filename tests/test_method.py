@@ -191,6 +191,20 @@ def test_masked_softmax_ignores_a_dropped_outlier_key():
     assert soft_keep.grad[0, 4] != 0
 
 
+def test_masked_softmax_keeps_the_masks_gradient_finite_under_a_large_upstream_gradient():
+    """A dropped key ~100 above the kept ones (a sharpened query-made position term, transformers'
+    SAM) under an upstream gradient of 1e5: the mask's gradient is the key's capped weight times
+    it, which overflowed float32 at a cap of e^80 (inf, then inf x 0 = NaN off the diagonal).
+    """
+    torch.manual_seed(8)
+    logits = torch.randn(1, 2, 5, 5)
+    logits[..., 4] += 100.0
+    soft_keep = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]], requires_grad=True)
+    upstream = 1e5 * torch.randn(1, 2, 5, 5, generator=torch.Generator().manual_seed(0))
+    (masked_softmax(logits, soft_keep) * upstream).sum().backward()
+    assert torch.isfinite(soft_keep.grad).all() and soft_keep.grad[0, 4] != 0
+
+
 def test_evit_fuse_is_the_attention_weighted_sum():
     donors = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])
     scores = torch.tensor([[0.25, 0.5]])

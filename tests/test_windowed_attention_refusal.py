@@ -53,3 +53,21 @@ def test_a_stream_cut_into_windows_between_blocks_is_refused_with_that_line(
         f"windowed attention at {where}: its block's tokens are themselves cut into windows "
         f"({rows} for 2 images, between blocks too), which is not supported"
     )
+
+
+def test_factorised_space_time_attention_is_refused_with_that_line():
+    """transformers' TimeSformer: its time attention's windows (each patch position's frames)
+    leave the class token out and add back to ``x[:, 1:]`` inside the block, so no block of the
+    residual stream closes it; the line says so, naming the attention and the slice."""
+    pytest.importorskip("transformers")
+    from tests.fixtures import dense_models
+
+    model, size = dense_models.build("video_hf_timesformer")
+    with pytest.raises(MappingError) as refused:
+        map_model(model, size)
+    assert str(refused.value) == (
+        "windowed attention at model.encoder.layer.0.temporal_attention.attention: its residual "
+        "add (add_2) is on 64 of its block's 65 tokens (x[:, 1:]), the prefix tokens left out "
+        "of its windows, so it is no block of the residual stream (factorised space-time "
+        "attention, as TimeSformer's time attention, is not supported)"
+    )

@@ -15,6 +15,7 @@ import timm
 import torch
 from torch import nn
 
+from tests.fixtures import dense_models, hf_models
 from vitcompress import compress, map_model
 from vitcompress.analysis.analyse import MappingError
 from vitcompress.compilation.metadata import compression_info
@@ -40,17 +41,6 @@ def sharpen(model: nn.Module) -> nn.Module:
             elif name.endswith(("q_proj.weight", "k_proj.weight")):
                 param *= 3.0
     return model.eval()
-
-
-class Logits(nn.Module):
-    """Images in, logits out, around a transformers classifier."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.model(pixel_values=pixel_values).logits
 
 
 def _maxvit() -> nn.Module:
@@ -127,61 +117,12 @@ def _gcvit() -> nn.Module:
     return timm.create_model("gcvit_xxtiny", img_size=64, num_classes=10)
 
 
-def _hf_swin(v2: bool) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import transformers as hf
-
-        config_class = hf.Swinv2Config if v2 else hf.SwinConfig
-        model_class = hf.Swinv2ForImageClassification if v2 else hf.SwinForImageClassification
-        config = config_class(
-            image_size=56, embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=7
-        )
-        config.num_labels = 10
-        return Logits(model_class(config))
-
-    return build
+def _hf(name: str) -> Callable[[], nn.Module]:
+    """A transformers classifier of ``tests/fixtures/hf_models.py``, images in, logits out."""
+    return lambda: hf_models.Logits(hf_models.build(name)[0])
 
 
 # name: (builder, input side, methods that reduce it)
-class _HFSamEncoder(nn.Module):
-    """transformers' SAM vision encoder (windows of 4 on an 8 x 8 grid, blocks 1 and 3 global),
-    returning its feature map."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from transformers import SamVisionConfig
-        from transformers.models.sam.modeling_sam import SamVisionEncoder
-
-        config = SamVisionConfig(
-            hidden_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            image_size=64,
-            patch_size=8,
-            window_size=4,
-            global_attn_indexes=[1, 3],
-            output_channels=32,
-            mlp_dim=128,
-        )
-        self.encoder = SamVisionEncoder(config)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.encoder(x).last_hidden_state
-
-
-def _hf_sam() -> nn.Module:
-    """transformers initialises this encoder near zero (its outputs ~1e-20): its weights drawn
-    anew (the tables and the queries' and keys' rows then sharpened like every family's)."""
-    model = _HFSamEncoder()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                fan_in = parameter[0].numel()
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) / fan_in**0.5)
-    return model
-
-
 FAMILIES: dict[str, tuple[Callable[[], nn.Module], int, tuple[str, ...]]] = {
     "maxvit": (_maxvit, 64, METHODS),
     "tiny_vit": (_tiny_vit, 64, METHODS),
@@ -191,9 +132,10 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], int, tuple[str, ...]]] = {
     "nest": (_nest, 64, METHODS),
     "sam2_hiera": (_sam2_hiera, 64, METHODS),  # its query-pooling blocks left whole
     "hiera": (_hiera, 64, METHODS),  # likewise
-    "hf_swin": (_hf_swin(False), 56, METHODS),
-    "hf_swinv2": (_hf_swin(True), 56, METHODS),
-    "hf_sam": (_hf_sam, 64, METHODS),  # transformers' SAM vision encoder
+    "hf_swin": (_hf("hf_swin"), 56, METHODS),
+    "hf_swinv2": (_hf("hf_swinv2"), 56, METHODS),
+    # transformers' SAM vision encoder
+    "hf_sam": (lambda: dense_models.hf_sam_encoder(), 64, METHODS),
 }
 
 

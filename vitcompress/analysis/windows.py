@@ -197,6 +197,37 @@ def _residual_after(
     return None
 
 
+def _partial_residual(core: fx.Node, anc: Ancestry) -> str | None:
+    """Why no residual add closes ``core`` where its add is on a slice of the token axis of
+    (B, N, C) tokens, ``x[:, 1:]`` (TimeSformer's time attention, whose windows leave the class
+    token out and add back to the patch tokens alone, inside its block), or ``None``."""
+    for node in anc.nodes[anc.index[core] + 1 :]:
+        if not ops.is_add(node) or not anc.is_ancestor(core, node):
+            continue
+        for skip in node.args[:2]:
+            if (
+                isinstance(skip, fx.Node)
+                and skip.target is operator.getitem
+                and not anc.is_ancestor(core, skip)
+                and isinstance(skip.args[1], tuple)
+                and len(skip.args[1]) > 1
+                and isinstance(skip.args[1][1], slice)
+            ):
+                whole = ops.shape(skip.args[0]) or ()
+                part = ops.shape(skip) or ()
+                if len(whole) == 3 and len(part) == 3 and part[1] < whole[1]:
+                    token_slice = skip.args[1][1]
+                    return (
+                        f"its residual add ({node.name}) is on {part[1]} of its block's "
+                        f"{whole[1]} tokens (x[:, {token_slice.start or ''}:"
+                        f"{token_slice.stop or ''}]), the prefix tokens left out of its windows, "
+                        "so it is no block of the residual stream (factorised space-time "
+                        "attention, as TimeSformer's time attention, is not supported)"
+                    )
+        return None  # only the first add after the core
+    return None
+
+
 def _before_norms(gm: fx.GraphModule, windows_in: fx.Node) -> fx.Node:
     """The window tokens before the norms the attention applies itself (TinyViT normalises
     inside its attention, after reading the token count off its input): a predictor reduces
@@ -387,7 +418,10 @@ def find_windowed_blocks(
             )
         closing = _residual_after(node, windows_in, anc)
         if closing is None:
-            raise WindowError(f"windowed attention at {where}: no residual add closes it")
+            raise WindowError(
+                f"windowed attention at {where}: "
+                + (_partial_residual(node, anc) or "no residual add closes it")
+            )
         add, skip, branch = closing
         stream = ops.shape(skip) or ()
         if stream and stream[0] != image_batch:

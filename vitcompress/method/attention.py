@@ -8,7 +8,10 @@ import math
 import torch
 from torch import Tensor
 
-_MAX_EXPONENT = 80.0  # exp(80) ~ 5.5e34, finite in float32 (up to ~3.4e38)
+# exp(30) ~ 1.1e13: a dropped key's weight and its gradient to the mask (that weight times the
+# upstream gradient) stay finite in float32 (up to ~3.4e38) for upstream gradients up to ~1e25;
+# at e^80 an upstream gradient of 1e4 already overflowed (a sharpened SAM's position term).
+_MAX_EXPONENT = 30.0
 
 
 def masked_softmax(logits: Tensor, keep_mask: Tensor, eps: float = 1e-6) -> Tensor:
@@ -33,8 +36,9 @@ def masked_softmax(logits: Tensor, keep_mask: Tensor, eps: float = 1e-6) -> Tens
     row_max = logits.masked_fill(allowed == 0, float("-inf")).amax(dim=-1, keepdim=True)
     # A row whose allowed keys are all -inf (a boolean attn_mask) has no finite max to shift by.
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    # A dropped key may now stand far above the shift; capping its exponent at e^80 keeps its
-    # weight finite (so ``0 * weight`` is 0, not NaN) and its gradient to the mask finite.
+    # A dropped key may now stand far above the shift; capping its exponent keeps its weight
+    # finite (so ``0 * weight`` is 0, not NaN) and its gradient to the mask finite. Only dropped
+    # keys reach the cap (the allowed ones are at most 0), and their weight is multiplied by 0.
     shifted = (logits - row_max.detach()).clamp(max=_MAX_EXPONENT)
     weights = shifted.exp() * allowed
     probs = (weights + eps / n_k) / (weights.sum(dim=-1, keepdim=True) + eps)
