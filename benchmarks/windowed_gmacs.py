@@ -70,7 +70,9 @@ MODELS: dict[str, tuple[str, int, dict]] = {
 METHODS = ("dtps", "etps", "evit", "tome")
 
 
-def measure(name: str, methods: list[str], carry_windows: bool = False) -> dict:
+def measure(
+    name: str, methods: list[str], carry_windows: bool = False, carry_branches: bool = False
+) -> dict:
     spec, side, kwargs = MODELS[name]
     torch.manual_seed(0)
     model = build(spec, kwargs).eval()
@@ -81,6 +83,12 @@ def measure(name: str, methods: list[str], carry_windows: bool = False) -> dict:
         "side": side,
         "base_gmacs": base / 1e9,
         "carry_windows": carry_windows,
+        "carry_branches": carry_branches,
+    }
+    settings = {
+        key: True
+        for key, on in (("carry_windows", carry_windows), ("carry_branches", carry_branches))
+        if on
     }
     for method in methods:
         started = time.perf_counter()
@@ -90,7 +98,7 @@ def measure(name: str, methods: list[str], carry_windows: bool = False) -> dict:
                 method,
                 keep=[0.7],
                 input_size=size,
-                variant_args={"carry_windows": True} if carry_windows else None,
+                variant_args=settings or None,
             )
         except UserError as refusal:
             row[method] = {"refused": str(refusal)}
@@ -114,13 +122,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="every method with carry_windows=True (the default locations then change too)",
     )
+    p.add_argument(
+        "--carry-branches",
+        action="store_true",
+        help="every method with carry_branches=True (the per-token branches after a windowed "
+        "location, DaViT's channel MLPs, take its choice)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
     rows = {
-        name: measure(name, args.methods.split(","), args.carry_windows)
+        name: measure(name, args.methods.split(","), args.carry_windows, args.carry_branches)
         for name in args.models.split(",")
     }
     print("| model | px | base GMACs | " + " | ".join(args.methods.split(",")) + " |")

@@ -18,6 +18,7 @@ from vitcompress.compilation.rewrite import rewrite
 from vitcompress.measure import count_macs
 
 CARRY = {"carry_windows": True}
+BRANCHES = {"carry_branches": True}  # the branches only, every windowed block its own location
 
 
 class WindowBlock(nn.Module):
@@ -150,15 +151,20 @@ def test_carrying_is_exact_at_keep_one_with_the_branches_reduced(method, tails):
         carrying = compress(
             model, method, keep=[1.0], locs=[0], input_size=SIZE, variant_args=CARRY
         )
+        branches = compress(
+            model, method, keep=[1.0], locs=[0], input_size=SIZE, variant_args=BRANCHES
+        )
         expected = {
             "token_mix": ("tails.1.{norm,mlp}",),
             "nested": ("tails.0.{norm,mlp,mix_channels}",),
         }
-        assert compression_info(carrying).plan.locations[0].carried_branches == expected[tails[0]]
+        for reducing in (carrying, branches):
+            location = compression_info(reducing).plan.locations[0]
+            assert location.carried_branches == expected[tails[0]]
         assert compression_info(compressed).plan.locations[0].carried_branches == ()
         with torch.no_grad():
             base = model(x)
-            for candidate in (compressed, carrying):
+            for candidate in (compressed, carrying, branches):
                 assert (candidate(x) - base).abs().max() <= 1e-12 * base.abs().max()
     finally:
         torch.set_default_dtype(default)
@@ -240,6 +246,39 @@ def test_carrying_saves_the_hand_counted_mlp_macs_of_the_branch():
     width, dropped = 16, 4 * (16 - int(0.7 * 16))
     saved = dropped * (2 * width * 2 * width + 5 * width)
     assert count_macs(whole, SIZE) - count_macs(carrying, SIZE) == saved
+
+
+def test_carrying_the_branches_alone_saves_their_hand_counted_macs_against_the_default():
+    """``carry_branches``: against the default (nothing carried), the location's branch saves its
+    MLP and norm for the N - K tokens it no longer runs, as under ``carry_windows``."""
+    torch.manual_seed(0)
+    model = WithTails(("mlp",)).eval()
+    default = compress(model, "dtps", keep=[0.7], locs=[0], input_size=SIZE)
+    branches = compress(model, "dtps", keep=[0.7], locs=[0], input_size=SIZE, variant_args=BRANCHES)
+    width, dropped = 16, 4 * (16 - int(0.7 * 16))
+    saved = dropped * (2 * width * 2 * width + 5 * width)
+    assert count_macs(default, SIZE) - count_macs(branches, SIZE) == saved
+
+
+def test_davits_channel_mlps_take_each_spatial_locations_choice_without_carrying_windows():
+    """DaViT with ``carry_branches``: every spatial block stays a location of its own (nothing
+    carried from one to another), and the channel block after it runs its MLP on the slots the
+    spatial block's own MLP kept, 0.7 of each window's."""
+    model, size = _build("davit")
+    images = _images(size)
+    default = compress(model, "dynamicvit", keep=0.7, input_size=size)
+    branches = compress(model, "dynamicvit", keep=0.7, input_size=size, variant_args=BRANCHES)
+    default_plan = compression_info(default).plan
+    plan = compression_info(branches).plan
+    assert [loc.block for loc in plan.locations] == [loc.block for loc in default_plan.locations]
+    assert all(loc.carried == () for loc in plan.locations)
+    assert plan.locations[1].carried_branches == ("stages.1.blocks.0.1.{norm2,mlp,drop_path2}",)
+    fc1 = "stages.1.blocks.0.1.mlp.fc1"
+    reduced = _mlp_inputs(branches.eval(), [fc1], images)[fc1][0]
+    assert reduced.shape == (2 * 16, int(0.7 * 16), 64)
+    replays = _records(branches, ["tps_hooks.replay1", "tps_hooks.replay1_after0"], images)
+    assert torch.equal(replays["tps_hooks.replay1"], replays["tps_hooks.replay1_after0"])
+    assert count_macs(branches, size) < count_macs(default, size)
 
 
 DAVIT_ARGS = [

@@ -354,6 +354,8 @@ def make_plan(
         raise PlanError(e.detail, e.parameter) from None
     if method.carry_windows:
         locations = _carry_windows(model_map, locations)
+    elif method.carry_branches:
+        locations = _carry_branches(model_map, locations)
     plan = Plan(method=method, policy=policy, locations=locations)
     refusal = (
         method.refusal(model_map, plan)
@@ -390,6 +392,20 @@ def _carry_windows(model_map: ModelMap, locations: list[Location]) -> list[Locat
             loc = replace(loc, carried=carried.get(loc.block, ()), carried_branches=branches)
         located_windows.append(loc)
     return located_windows
+
+
+def _carry_branches(model_map: ModelMap, locations: list[Location]) -> list[Location]:
+    """Each windowed location with the per-token branches after its block
+    (``Block.per_token_after``), which take its choice; no block carries it."""
+    return [
+        replace(
+            loc,
+            carried_branches=tuple(b.path for b in model_map.blocks[loc.block].per_token_after),
+        )
+        if loc.windows
+        else loc
+        for loc in locations
+    ]
 
 
 _MEETS = {
