@@ -309,7 +309,8 @@ def family_models() -> list[tuple[str, str | None]]:
 
 def build_hf(family: str) -> tuple[nn.Module, tuple[int, int, int], dict[str, Any]]:
     """A transformers class's tiny model, wrapped to return logits, with its own sharpening
-    (transformers' query/key names, Dinov2's LayerScale) applied."""
+    (transformers' query/key names, Dinov2's LayerScale, Swin's relative-position tables)
+    applied."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from tests.fixtures import hf_models
@@ -909,8 +910,9 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "that a position table matters: relative-position tables from N(0, 1), query/key "
         "weights x3, LayerScale 1. The `hf_*` rows are HuggingFace transformers classes "
         "built from tiny configs (`tests/fixtures/hf_models.py`: 32x32 or 64x64 images, 4 "
-        "blocks or CvT's 1+2+3) and wrapped to return `.logits`, sharpened the same way by "
-        "transformers' parameter names. Per variant:",
+        "blocks or CvT's 1+2+3; Swin and Swinv2 56x56, 2+2 blocks in windows of 7) and wrapped "
+        "to return `.logits`, sharpened the same way by transformers' parameter names. Per "
+        "variant:",
         "",
         f"- **ok r**: compresses at keep 1 with logits within {EXACT_TOLERANCE:g} of the base "
         "(relative to the largest base logit, eval mode, a seeded batch of 2), keep "
@@ -988,8 +990,10 @@ def render_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "sharpened as above, width 64 and 4 blocks): a timm ViT without head or pooling, "
             "timm DINOv2's `forward_features`, transformers' `Dinov2Model` (`last_hidden_state`), "
             "the zoo's Segmenter (per-pixel logits, (B, classes, H, W)), and video token grids: "
-            "an in-house Conv3d tubelet ViT returning its tokens and transformers' "
-            "`VideoMAEModel` (`last_hidden_state`, input (T, C, H, W)). Here a cell compares "
+            "an in-house Conv3d tubelet ViT returning its tokens, transformers' "
+            "`VideoMAEModel` and `TimesformerModel` (`last_hidden_state`, input (T, C, H, W)); "
+            "and transformers' SAM vision encoder (its neck's (B, 32, 8, 8) feature map, its "
+            "weights drawn anew: transformers initialises it near zero). Here a cell compares "
             "whole outputs, not logits: keep 1 must match every output tensor within "
             f"{EXACT_TOLERANCE:g} of its scale; at keep {REDUCED_KEEP} the output must have the "
             "base's shape (else an error), and **ok r cos c** gives the GMAC ratio r and the "

@@ -71,7 +71,7 @@ METHODS = ("dtps", "etps", "evit", "tome")
 
 
 def measure(
-    name: str, methods: list[str], carry_windows: bool = False, carry_branches: bool = False
+    name: str, methods: list[str], carry_windows: bool = False, carry_branches: bool = True
 ) -> dict:
     spec, side, kwargs = MODELS[name]
     torch.manual_seed(0)
@@ -86,9 +86,8 @@ def measure(
         "carry_branches": carry_branches,
     }
     settings = {
-        key: True
-        for key, on in (("carry_windows", carry_windows), ("carry_branches", carry_branches))
-        if on
+        **({"carry_windows": True} if carry_windows else {}),
+        **({} if carry_branches else {"carry_branches": False}),
     }
     for method in methods:
         started = time.perf_counter()
@@ -123,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         help="every method with carry_windows=True (the default locations then change too)",
     )
     p.add_argument(
-        "--carry-branches",
+        "--no-carry-branches",
         action="store_true",
-        help="every method with carry_branches=True (the per-token branches after a windowed "
-        "location, DaViT's channel MLPs, take its choice)",
+        help="every method with carry_branches=False (the per-token branches after a windowed "
+        "location, DaViT's channel MLPs, run on every token)",
     )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -134,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
     rows = {
-        name: measure(name, args.methods.split(","), args.carry_windows, args.carry_branches)
+        name: measure(name, args.methods.split(","), args.carry_windows, not args.no_carry_branches)
         for name in args.models.split(",")
     }
     print("| model | px | base GMACs | " + " | ".join(args.methods.split(",")) + " |")

@@ -1,7 +1,7 @@
-"""HuggingFace transformers models (ViT, DeiT, Dinov2, PVT, PVTv2, CvT, Swin, Swinv2 from their
-configs): they
-map, compress with every variant, are exact at keep 1 with sharpened weights, cost fewer MACs at
-keep 0.7 and train; a save_pretrained directory works as --model, through save and load."""
+"""HuggingFace transformers models (ViT, DeiT, Dinov2, PVT, PVTv2, CvT, Swin, Swinv2 from
+their configs): they map, compress with every variant, are exact at keep 1 with sharpened
+weights, cost fewer MACs at keep 0.7 and train; a save_pretrained directory works as --model,
+through save and load."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ from vitcompress.compilation.rewrite import rewrite
 from vitcompress.measure import count_macs
 
 CARRY = {"carry_windows": True}
-BRANCHES = {"carry_branches": True}  # the branches only, every windowed block its own location
+BRANCHES = {"carry_branches": True}  # the default: the branches only, no block carried
+NO_BRANCHES = {"carry_branches": False}
 
 
 class WindowBlock(nn.Module):
@@ -147,7 +148,17 @@ def test_carrying_is_exact_at_keep_one_with_the_branches_reduced(method, tails):
     try:
         model = _sharpened(WithTails(tails).double())
         x = torch.randn(2, *SIZE)
-        compressed = compress(model, method, keep=[1.0], locs=[0], input_size=SIZE)
+        compressed = compress(
+            model, method, keep=[1.0], locs=[0], input_size=SIZE, variant_args=NO_BRANCHES
+        )
+        windows_only = compress(
+            model,
+            method,
+            keep=[1.0],
+            locs=[0],
+            input_size=SIZE,
+            variant_args={**CARRY, **NO_BRANCHES},
+        )
         carrying = compress(
             model, method, keep=[1.0], locs=[0], input_size=SIZE, variant_args=CARRY
         )
@@ -161,10 +172,11 @@ def test_carrying_is_exact_at_keep_one_with_the_branches_reduced(method, tails):
         for reducing in (carrying, branches):
             location = compression_info(reducing).plan.locations[0]
             assert location.carried_branches == expected[tails[0]]
-        assert compression_info(compressed).plan.locations[0].carried_branches == ()
+        for whole in (compressed, windows_only):
+            assert compression_info(whole).plan.locations[0].carried_branches == ()
         with torch.no_grad():
             base = model(x)
-            for candidate in (compressed, carrying, branches):
+            for candidate in (compressed, windows_only, carrying, branches):
                 assert (candidate(x) - base).abs().max() <= 1e-12 * base.abs().max()
     finally:
         torch.set_default_dtype(default)
@@ -206,7 +218,7 @@ def test_a_carried_choice_runs_davits_channel_mlps_on_each_windows_kept_tokens()
     channel = "stages.1.blocks.0.1"  # a 16 x 16 grid in 16 windows of 4 x 4 at 128 pixels
     fc1 = f"{channel}.mlp.fc1"
     carrying = compress(model, "dynamicvit", keep=0.7, input_size=size, variant_args=CARRY)
-    whole = compress(model, "dynamicvit", keep=0.7, input_size=size)
+    whole = compress(model, "dynamicvit", keep=0.7, input_size=size, variant_args=NO_BRANCHES)
     assert _mlp_inputs(whole.eval(), [fc1], images)[fc1][0].shape == (2, 256, 64)
     partition = "tps_hooks.windows1_after0"  # takes the residual's (B, 256, C) input
     seen = _mlp_inputs(carrying.eval(), [fc1, partition], images)
@@ -248,29 +260,31 @@ def test_carrying_saves_the_hand_counted_mlp_macs_of_the_branch():
     assert count_macs(whole, SIZE) - count_macs(carrying, SIZE) == saved
 
 
-def test_carrying_the_branches_alone_saves_their_hand_counted_macs_against_the_default():
-    """``carry_branches``: against the default (nothing carried), the location's branch saves its
+def test_carrying_the_branches_alone_saves_their_hand_counted_macs():
+    """``carry_branches`` (the default): against it turned off, the location's branch saves its
     MLP and norm for the N - K tokens it no longer runs, as under ``carry_windows``."""
     torch.manual_seed(0)
     model = WithTails(("mlp",)).eval()
-    default = compress(model, "dtps", keep=[0.7], locs=[0], input_size=SIZE)
-    branches = compress(model, "dtps", keep=[0.7], locs=[0], input_size=SIZE, variant_args=BRANCHES)
+    whole = compress(model, "dtps", keep=[0.7], locs=[0], input_size=SIZE, variant_args=NO_BRANCHES)
+    branches = compress(model, "dtps", keep=[0.7], locs=[0], input_size=SIZE)
     width, dropped = 16, 4 * (16 - int(0.7 * 16))
     saved = dropped * (2 * width * 2 * width + 5 * width)
-    assert count_macs(default, SIZE) - count_macs(branches, SIZE) == saved
+    assert count_macs(whole, SIZE) - count_macs(branches, SIZE) == saved
 
 
-def test_davits_channel_mlps_take_each_spatial_locations_choice_without_carrying_windows():
-    """DaViT with ``carry_branches``: every spatial block stays a location of its own (nothing
-    carried from one to another), and the channel block after it runs its MLP on the slots the
-    spatial block's own MLP kept, 0.7 of each window's."""
+def test_davits_channel_mlps_take_each_spatial_locations_choice_by_default():
+    """DaViT by default (``carry_branches``): every spatial block stays a location of its own
+    (nothing carried from one to another, the locations as with the setting off), and the
+    channel block after it runs its MLP on the slots the spatial block's own MLP kept, 0.7 of
+    each window's."""
     model, size = _build("davit")
     images = _images(size)
-    default = compress(model, "dynamicvit", keep=0.7, input_size=size)
-    branches = compress(model, "dynamicvit", keep=0.7, input_size=size, variant_args=BRANCHES)
-    default_plan = compression_info(default).plan
+    whole = compress(model, "dynamicvit", keep=0.7, input_size=size, variant_args=NO_BRANCHES)
+    branches = compress(model, "dynamicvit", keep=0.7, input_size=size)
+    whole_plan = compression_info(whole).plan
     plan = compression_info(branches).plan
-    assert [loc.block for loc in plan.locations] == [loc.block for loc in default_plan.locations]
+    assert [loc.block for loc in plan.locations] == [loc.block for loc in whole_plan.locations]
+    assert all(loc.carried_branches == () for loc in whole_plan.locations)
     assert all(loc.carried == () for loc in plan.locations)
     assert plan.locations[1].carried_branches == ("stages.1.blocks.0.1.{norm2,mlp,drop_path2}",)
     fc1 = "stages.1.blocks.0.1.mlp.fc1"
@@ -278,7 +292,33 @@ def test_davits_channel_mlps_take_each_spatial_locations_choice_without_carrying
     assert reduced.shape == (2 * 16, int(0.7 * 16), 64)
     replays = _records(branches, ["tps_hooks.replay1", "tps_hooks.replay1_after0"], images)
     assert torch.equal(replays["tps_hooks.replay1"], replays["tps_hooks.replay1_after0"])
-    assert count_macs(branches, size) < count_macs(default, size)
+    assert count_macs(branches, size) < count_macs(whole, size)
+
+
+def test_a_saved_davit_rebuilds_the_branches_choice_and_the_setting_off(tmp_path):
+    """Saved and loaded back, a DaViT keeps its plan: the channel MLPs' choice by default, none
+    with ``carry_branches=False`` (the setting is recorded, not taken from today's default)."""
+    from vitcompress.api import load, save
+    from vitcompress.loading import ModelSource
+
+    args = {
+        "embed_dims": (32, 64, 128, 256),
+        "num_heads": (1, 2, 4, 8),
+        "depths": (1, 1, 2, 1),
+        "window_size": 4,
+        "num_classes": 10,
+    }
+    model, size = _build("davit")
+    images = _images(size)
+    for name, settings in (("branches", None), ("whole", NO_BRANCHES)):
+        compressed = compress(model, "etps", keep=0.7, input_size=size, variant_args=settings)
+        save(compressed.eval(), tmp_path / name, source=ModelSource("davit_tiny", model_args=args))
+        loaded = load(tmp_path / name)
+        plan = compression_info(loaded).plan
+        assert plan.locations == compression_info(compressed).plan.locations
+        assert any(loc.carried_branches for loc in plan.locations) == (settings is None)
+        with torch.no_grad():
+            assert torch.equal(loaded(images), compressed(images))
 
 
 DAVIT_ARGS = [
@@ -299,7 +339,7 @@ def test_inspect_and_apply_name_davits_channel_mlps():
     assert shown.exit_code == 0, shown.output
     text = " ".join(shown.output.split())
     assert (
-        "per-token branches a carried choice reduces too (carry_windows): "
+        "per-token branches a carried choice reduces too (carry_windows, carry_branches): "
         "stages.0.blocks.0.1.{norm2,mlp,drop_path2} (after block 0);" in text
     )
     applied = CliRunner().invoke(

@@ -176,11 +176,17 @@ def test_the_built_in_variants_are_registered_objects() -> None:
     assert dtps.keeps_grid_positions and not evit.keeps_grid_positions
     assert all(v.searchable for v in (dtps, evit, tome))
     assert tome.settings == {} and get_variant("tome", {"r": 4}).settings == {"r": 4}
-    assert variant_settings("tome") == {"r": None, "restore": "delta", "carry_windows": False}
+    assert variant_settings("tome") == {
+        "r": None,
+        "restore": "delta",
+        "carry_windows": False,
+        "carry_branches": True,
+    }
     assert variant_settings("dtps") == {
         "restore": "delta",
         "window_sizes": False,
         "carry_windows": False,
+        "carry_branches": True,
     }
     assert "ratio" in dtps.losses and "ratio" not in evit.losses
     assert dtps.keep_tokens(196, 0.49) == 96 and evit.keep_tokens(196, 0.49) is None
@@ -291,7 +297,12 @@ def test_adding_a_method_is_one_file(one_file_method, tmp_path) -> None:
     rows = {row["name"]: row for row in json.loads(listed.stdout)["variants"]}
     assert rows["normpool"]["scorer"] == "token norm" and rows["normpool"]["searchable"]
     assert rows["normpool"]["fuse"] == "averaged into the nearest kept token"
-    assert rows["tome"]["settings"] == {"r": None, "restore": "delta", "carry_windows": False}
+    assert rows["tome"]["settings"] == {
+        "r": None,
+        "restore": "delta",
+        "carry_windows": False,
+        "carry_branches": True,
+    }
     assert rows["dtps"]["fused_kernel"]
 
     # report and export.

@@ -119,7 +119,7 @@ def _gcvit() -> nn.Module:
 
 def _hf(name: str) -> Callable[[], nn.Module]:
     """A transformers classifier of ``tests/fixtures/hf_models.py``, images in, logits out."""
-    return lambda: hf_models.Logits(hf_models.build(name)[0])
+    return lambda: hf_models.sharpen(hf_models.Logits(hf_models.build(name)[0]))
 
 
 # name: (builder, input side, methods that reduce it)
@@ -135,7 +135,7 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], int, tuple[str, ...]]] = {
     "hf_swin": (_hf("hf_swin"), 56, METHODS),
     "hf_swinv2": (_hf("hf_swinv2"), 56, METHODS),
     # transformers' SAM vision encoder
-    "hf_sam": (lambda: dense_models.hf_sam_encoder(), 64, METHODS),
+    "hf_sam": (dense_models.hf_sam_encoder, 64, METHODS),
 }
 
 
@@ -636,9 +636,15 @@ def test_nest_windows_on_their_own_axis_are_found_and_a_predictor_keeps_that_axi
         # GCViT: every block maps, its global query gathered by the kept slots (0.858, 0.882;
         # carrying, 0.800).
         ("gcvit_xxtiny", 224, {}, {"dtps": 0.87, "etps": 0.89, "etps carried": 0.82}),
-        # DaViT: carrying, its channel blocks' MLPs take the spatial block's choice (0.810 and
-        # 0.795 measured; 0.898 and 0.889 while they ran whole, above its 0.853 floor).
-        ("davit_tiny", 224, {}, {"etps carried": 0.82, "dtps carried": 0.81}),
+        # DaViT: its channel blocks' MLPs take the spatial block's choice (by default: 0.827 and
+        # 0.813 measured, 0.914 and 0.907 while they ran whole; carrying, 0.810 and 0.795,
+        # 0.898 and 0.889 while they ran whole, above its 0.853 floor).
+        (
+            "davit_tiny",
+            224,
+            {},
+            {"etps": 0.835, "dtps": 0.82, "etps carried": 0.82, "dtps carried": 0.81},
+        ),
     ],
 )
 def test_keep_07_costs_less_at_the_real_width(name, side, extra, limits):

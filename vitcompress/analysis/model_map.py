@@ -255,7 +255,8 @@ class Windows:
 class PerTokenBranch:
     """A residual branch after a windowed block, before the next mapped block, that works on
     each of its tokens alone, in the block's order (DaViT's channel blocks' MLPs;
-    ``per_token.py``): a choice carried from the block (``carry_windows``) reduces it too."""
+    ``per_token.py``): the block's choice, made there or carried to it, reduces it too (a
+    method's ``carry_branches`` setting, on by default)."""
 
     path: str
     input_node: str  # the (B, L, C) tokens entering the residual

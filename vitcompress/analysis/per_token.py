@@ -2,8 +2,8 @@
 mapped block: DaViT's channel-attention blocks close with an MLP on the tokens the spatial
 block before them gave back, in the same order.
 
-A choice of window slots carried from that block (``carry_windows``) can reduce such a branch
-as it reduces the next windowed block's MLP: the branch's input put in the block's windows, the
+The block's choice of window slots, made there or carried to it (a method's ``carry_branches``
+setting, on by default), can reduce such a branch as it reduces a carried block's MLP: the branch's input put in the block's windows, the
 kept tokens run through it, restored. Two things are checked, not assumed:
 
 - the branch's input holds the block's tokens in the block's order: the graph runs on token

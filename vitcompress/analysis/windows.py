@@ -198,9 +198,11 @@ def _residual_after(
 
 
 def _partial_residual(core: fx.Node, anc: Ancestry) -> str | None:
-    """Why no residual add closes ``core`` where its add is on a slice of the token axis of
-    (B, N, C) tokens, ``x[:, 1:]`` (TimeSformer's time attention, whose windows leave the class
-    token out and add back to the patch tokens alone, inside its block), or ``None``."""
+    """Why no residual add closes ``core`` where the first add after it is on a slice of the
+    token axis of (B, N, C) tokens, ``x[:, 1:]`` (TimeSformer's time attention, whose windows
+    leave the class token out and add back to the patch tokens alone, inside its block), or
+    ``None``. Only asked once no residual closes the core: it names the failure, nothing maps
+    differently."""
     for node in anc.nodes[anc.index[core] + 1 :]:
         if not ops.is_add(node) or not anc.is_ancestor(core, node):
             continue
@@ -216,16 +218,21 @@ def _partial_residual(core: fx.Node, anc: Ancestry) -> str | None:
                 whole = ops.shape(skip.args[0]) or ()
                 part = ops.shape(skip) or ()
                 if len(whole) == 3 and len(part) == 3 and part[1] < whole[1]:
-                    token_slice = skip.args[1][1]
+                    cut = skip.args[1][1]
+                    step = f":{cut.step}" if cut.step is not None else ""
+                    where = f"x[:, {_bound(cut.start)}:{_bound(cut.stop)}{step}]"
                     return (
                         f"its residual add ({node.name}) is on {part[1]} of its block's "
-                        f"{whole[1]} tokens (x[:, {token_slice.start or ''}:"
-                        f"{token_slice.stop or ''}]), the prefix tokens left out of its windows, "
-                        "so it is no block of the residual stream (factorised space-time "
-                        "attention, as TimeSformer's time attention, is not supported)"
+                        f"{whole[1]} tokens ({where}), so it closes no block of the residual "
+                        "stream (a factorised attention, e.g. TimeSformer's time attention, "
+                        "is not supported)"
                     )
         return None  # only the first add after the core
     return None
+
+
+def _bound(value: object) -> str:
+    return "" if value is None else str(value)
 
 
 def _before_norms(gm: fx.GraphModule, windows_in: fx.Node) -> fx.Node:

@@ -84,7 +84,10 @@ def inspect(model: ModelRequest, as_json: bool) -> None:
     ]
     for title, items in (
         ("read by position (a compressed model restores its tokens there)", readers),
-        ("per-token branches a carried choice reduces too (carry_windows)", branches),
+        (
+            "per-token branches a carried choice reduces too (carry_windows, carry_branches)",
+            branches,
+        ),
         ("left whole (no method reduces them)", model_map.get("left_whole", [])),
     ):
         if items:

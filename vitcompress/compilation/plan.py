@@ -353,7 +353,7 @@ def make_plan(
     except VariantRefusal as e:
         raise PlanError(e.detail, e.parameter) from None
     if method.carry_windows:
-        locations = _carry_windows(model_map, locations)
+        locations = _carry_windows(model_map, locations, method.carry_branches)
     elif method.carry_branches:
         locations = _carry_branches(model_map, locations)
     plan = Plan(method=method, policy=policy, locations=locations)
@@ -367,10 +367,12 @@ def make_plan(
     return plan
 
 
-def _carry_windows(model_map: ModelMap, locations: list[Location]) -> list[Location]:
+def _carry_windows(
+    model_map: ModelMap, locations: list[Location], branches_too: bool
+) -> list[Location]:
     """Each windowed location with the blocks after it that carry its choice: the rest of its
-    run (:func:`window_runs`) up to the next location; and the per-token branches after any of
-    them (``Block.per_token_after``), which take the choice too."""
+    run (:func:`window_runs`) up to the next location; and, ``branches_too``, the per-token
+    branches after any of them (``Block.per_token_after``), which take the choice too."""
     located = {loc.block for loc in locations}
     windowed = [b.index for b in model_map.blocks if b.windows is not None and reduces_tokens(b)]
     carried: dict[int, tuple[int, ...]] = {}
@@ -387,7 +389,10 @@ def _carry_windows(model_map: ModelMap, locations: list[Location]) -> list[Locat
         if loc.windows:
             run = (loc.block, *carried.get(loc.block, ()))
             branches = tuple(
-                branch.path for index in run for branch in model_map.blocks[index].per_token_after
+                branch.path
+                for index in run
+                for branch in model_map.blocks[index].per_token_after
+                if branches_too
             )
             loc = replace(loc, carried=carried.get(loc.block, ()), carried_branches=branches)
         located_windows.append(loc)

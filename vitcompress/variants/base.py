@@ -81,10 +81,10 @@ class Variant:
     # instead of restoring them all and reducing nothing (the ``carry_windows`` setting every
     # method takes: ``registry.COMMON_SETTINGS``; docs/windowed.md, "Restoring every block").
     carry_windows: bool = False
-    # The per-token residual branches after a windowed location (``Block.per_token_after``:
-    # DaViT's channel blocks' MLPs) take its choice, the windowed blocks left as they are (the
-    # ``carry_branches`` setting; ``carry_windows`` carries them too).
-    carry_branches: bool = False
+    # The per-token residual branches after a windowed location, or after a block carrying its
+    # choice (``Block.per_token_after``: DaViT's channel blocks' MLPs), take that choice (the
+    # ``carry_branches`` setting, on by default; off, they run on every token).
+    carry_branches: bool = True
 
     def __post_init__(self) -> None:
         if self.restore is not None and self.restore not in self.fuse.restore_rules:
