@@ -44,6 +44,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also time each method with carry_windows=True (its own default locations)",
     )
+    p.add_argument(
+        "--without-branches",
+        action="store_true",
+        help="also time each method with carry_branches=False (DaViT's channel MLPs on every "
+        "token)",
+    )
     return p.parse_args(argv)
 
 
@@ -56,14 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     macs = {"base": count_macs(base, size)}
     for keep in (float(k) for k in args.keeps.split(",")):
         for method in args.methods.split(","):
-            for carry in (False, True) if args.carry_windows else (False,):
-                name = f"{method}@{keep:g}" + ("+carry" if carry else "")
+            settings = {"": None}
+            if args.carry_windows:
+                settings["+carry"] = {"carry_windows": True}
+            if args.without_branches:
+                settings["-branches"] = {"carry_branches": False}
+            for suffix, variant_args in settings.items():
+                name = f"{method}@{keep:g}{suffix}"
                 models[name] = compress(
-                    base,
-                    method,
-                    keep=[keep],
-                    input_size=size,
-                    variant_args={"carry_windows": True} if carry else None,
+                    base, method, keep=[keep], input_size=size, variant_args=variant_args
                 ).eval()
                 macs[name] = count_macs(models[name], size)
     report = measure_throughput(

@@ -500,14 +500,16 @@ def test_sam_vit_windows_are_found_and_a_predictor_hands_its_attention_the_kept_
 
 @pytest.mark.parametrize("carry", (False, True))
 @pytest.mark.parametrize("method", PREDICTORS)
-@pytest.mark.parametrize("name", ("sam_vit", "gcvit", "hf_sam"))
+@pytest.mark.parametrize("name", ("sam_vit", "gcvit", "hf_sam", "davit"))
 def test_a_predictor_trains_on_the_attention_it_infers_with(name, method, carry, monkeypatch):
     """SAM's term made from the queries (timm's and HF's), GCViT's global query: while a
     predictor trains, every
     query makes the term (every global query row is used) and the removed keys are masked; at
     inference, SAM's kept queries are put back in their slots, the term made at the full window
     and its kept rows' kept columns gathered, and GCViT's global query rows gathered by the kept
-    slots. With the Gumbel draw replaced by inference's own top-k, both give the same logits
+    slots; DaViT's channel blocks' MLPs take the spatial location's choice (by its keep mask
+    while training, its kept tokens gathered at inference). With the Gumbel draw replaced by
+    inference's own top-k, both give the same logits
     (with a block carrying another's choice too); a row put in a wrong slot would not, the
     tables being drawn from N(0, 1)."""
     model, size = _build(name)
