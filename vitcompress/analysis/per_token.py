@@ -3,8 +3,9 @@ mapped block: DaViT's channel-attention blocks close with an MLP on the tokens t
 block before them gave back, in the same order.
 
 The block's choice of window slots, made there or carried to it (a method's ``carry_branches``
-setting, on by default), can reduce such a branch as it reduces a carried block's MLP: the branch's input put in the block's windows, the
-kept tokens run through it, restored. Two things are checked, not assumed:
+setting, on by default), can reduce such a branch as it reduces a carried block's MLP: the
+branch's input put in the block's windows, the kept tokens run through it, restored. Two things
+are checked, not assumed:
 
 - the branch's input holds the block's tokens in the block's order: the graph runs on token
   indices from the block's output (``IndexRun``), through ops that keep every token in place (a
