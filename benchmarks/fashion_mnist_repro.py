@@ -97,8 +97,8 @@ BASE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     # A small DaViT: its 4 x 4 stem makes a 7 x 7 grid, attended as one 7 x 7 window by its
-    # spatial blocks, each followed by a channel-attention block (whose MLP takes a carried
-    # choice under carry_windows).
+    # spatial blocks, each followed by a channel-attention block (whose MLP takes the spatial
+    # block's choice: carry_branches, on by default).
     "davit": (
         "davit_tiny",
         dict(

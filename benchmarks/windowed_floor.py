@@ -8,9 +8,10 @@ the MACs of the mapped blocks and of their attention's token-by-token products, 
 ratio to the base if every mapped block ran entirely on 0.7 of its tokens: 0.7 of its linear
 MACs and 0.49 of its attention products. No method reaches it (eTPS, EViT and ToMe run the
 attention of a location whole; a predictor runs its own MACs), so a family whose floor is above
-0.85 cannot get under 0.85 by reducing its windowed blocks alone. With ``carry_windows`` the
-per-token branches after those blocks (``Block.per_token_after``: DaViT's channel blocks' MLPs)
-run on 0.7 of their tokens too: ``floor_at_keep_0.7_carrying``.
+0.85 cannot get under 0.85 by reducing its windowed blocks alone. With the per-token branches
+after those blocks (``Block.per_token_after``: DaViT's channel blocks' MLPs, which take the
+blocks' choice by default, ``carry_branches``) on 0.7 of their tokens too:
+``floor_at_keep_0.7_carrying``.
 
 Example (the run in docs/windowed.md)::
 

@@ -339,7 +339,7 @@ def test_inspect_and_apply_name_davits_channel_mlps():
     assert shown.exit_code == 0, shown.output
     text = " ".join(shown.output.split())
     assert (
-        "per-token branches a carried choice reduces too (carry_windows, carry_branches): "
+        "per-token branches a location's choice reduces too (carry_branches, on by default): "
         "stages.0.blocks.0.1.{norm2,mlp,drop_path2} (after block 0);" in text
     )
     applied = CliRunner().invoke(

@@ -85,7 +85,7 @@ def inspect(model: ModelRequest, as_json: bool) -> None:
     for title, items in (
         ("read by position (a compressed model restores its tokens there)", readers),
         (
-            "per-token branches a carried choice reduces too (carry_windows, carry_branches)",
+            "per-token branches a location's choice reduces too (carry_branches, on by default)",
             branches,
         ),
         ("left whole (no method reduces them)", model_map.get("left_whole", [])),

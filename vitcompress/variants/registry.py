@@ -27,9 +27,9 @@ Factory = TypeVar("Factory", bound=Callable[..., Variant])
 # reduction acts, not how it scores or fuses. ``carry_windows``: a windowed block after a
 # location, in the same windows, reduces by the location's choice (docs/windowed.md);
 # ``carry_branches``: the per-token residual branches after a windowed location or a block
-# carrying its choice (DaViT's channel blocks' MLPs, the second half of its (spatial, channel)
-# pair) reduce by it too; on by default (0.15-0.4 points for eTPS, EViT and ToMe on the one
-# DaViT measured, for 8-10% fewer MACs: docs/windowed.md).
+# carrying its choice (the MLPs of DaViT's channel blocks, each the second half of a (spatial,
+# channel) pair) reduce by it too; on by default (0.15-0.42 points for eTPS, EViT and ToMe on
+# the one DaViT measured, for 8-10% fewer MACs: docs/windowed.md).
 COMMON_SETTINGS: dict[str, Any] = {"carry_windows": False, "carry_branches": True}
 
 
