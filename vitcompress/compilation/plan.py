@@ -388,12 +388,7 @@ def _carry_windows(
     for loc in locations:
         if loc.windows:
             run = (loc.block, *carried.get(loc.block, ()))
-            branches = tuple(
-                branch.path
-                for index in run
-                for branch in model_map.blocks[index].per_token_after
-                if branches_too
-            )
+            branches = _branches_after(model_map, run) if branches_too else ()
             loc = replace(loc, carried=carried.get(loc.block, ()), carried_branches=branches)
         located_windows.append(loc)
     return located_windows
@@ -403,14 +398,16 @@ def _carry_branches(model_map: ModelMap, locations: list[Location]) -> list[Loca
     """Each windowed location with the per-token branches after its block
     (``Block.per_token_after``), which take its choice; no block carries it."""
     return [
-        replace(
-            loc,
-            carried_branches=tuple(b.path for b in model_map.blocks[loc.block].per_token_after),
-        )
+        replace(loc, carried_branches=_branches_after(model_map, (loc.block,)))
         if loc.windows
         else loc
         for loc in locations
     ]
+
+
+def _branches_after(model_map: ModelMap, blocks: tuple[int, ...]) -> tuple[str, ...]:
+    """The module paths of the per-token branches after ``blocks``, in their order."""
+    return tuple(b.path for index in blocks for b in model_map.blocks[index].per_token_after)
 
 
 _MEETS = {
