@@ -21,6 +21,7 @@ from vitcompress.cli.app import (
 )
 from vitcompress.cli.options import gate_options, model_options, output_option, timing_options
 from vitcompress.cli.plan_options import plan_options
+from vitcompress.compilation.keep_fit import KeepFit
 from vitcompress.measure.models import TimingOptions
 from vitcompress.measure.paired import MIN_PAIRS_FOR_INTERVAL
 from vitcompress.workflows.apply import ApplyReport, apply_model
@@ -206,6 +207,8 @@ def _print_apply(report: ApplyReport) -> None:
         f"[bold]{report.spec}[/] + {plan['variant']} at blocks {plan['locs']} {amount} "
         f"(policy {plan['policy']})"
     )
+    if data["keep_fit"]:
+        console.print(keep_fit_text(data["keep_fit"]), highlight=False)
     table = Table(show_edge=False)
     for column in ("", "params (M)", "GMACs", "throughput (img/s)"):
         table.add_column(column)
@@ -250,6 +253,12 @@ def _print_apply(report: ApplyReport) -> None:
     print_environment(data["environment"])
     if data["out"]:
         console.print(f"saved to {data['out']}")
+
+
+def keep_fit_text(fit: dict[str, Any]) -> str:
+    """``keep 0.62: the largest (in steps of 0.01) within 0.85 of the base's GMACs (0.846; 0.63
+    costs 0.852), 8 keeps counted``."""
+    return f"{KeepFit(**fit).text()}, {fit['tries']} keeps counted"
 
 
 def window_text(window_tokens: list[dict[str, Any]]) -> str:

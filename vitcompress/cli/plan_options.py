@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import click
 
+from vitcompress.compilation.keep_fit import GmacsRatio
 from vitcompress.compilation.plan import PlanError, resolve_variant
 from vitcompress.loading import is_artifact_directory
 from vitcompress.method import CumulativeKeep
@@ -26,6 +27,7 @@ PLAN_OPTIONS = {
     "variant": "--variant",
     "policy": "--policy",
     "keep_cumulative": "--keep-cumulative",
+    "keep_for_gmacs_ratio": "--keep-for-gmacs-ratio",
     "variant_args": "--variant-arg",
 }
 
@@ -47,11 +49,12 @@ class VariantChoice(click.Choice):
 
 
 def parse_keep(
-    text: str | CumulativeKeep | None,
-) -> list[float] | CumulativeKeep | None:
+    text: str | CumulativeKeep | GmacsRatio | None,
+) -> list[float] | CumulativeKeep | GmacsRatio | None:
     """``"0.7"`` or ``"0.7,0.6,0.5"`` -> keep ratios; ``None`` (option not given) -> ``None``.
-    A ``--keep-cumulative`` list (see :func:`keep_cumulative_option`) passes through."""
-    if text is None or isinstance(text, CumulativeKeep):
+    A ``--keep-cumulative`` list (see :func:`keep_cumulative_option`) and a
+    ``--keep-for-gmacs-ratio`` budget (:func:`keep_for_gmacs_option`) pass through."""
+    if text is None or isinstance(text, CumulativeKeep | GmacsRatio):
         return text
     try:
         return [float(part) for part in str(text).split(",") if part.strip()]
@@ -110,6 +113,46 @@ def keep_cumulative_option(command: Callable) -> Callable:
     return wrapper
 
 
+def keep_for_gmacs_option(command: Callable) -> Callable:
+    """``--keep-for-gmacs-ratio R`` next to a command's ``--keep``: the largest keep, the same at
+    every location, whose compressed model costs at most R of the base's GMACs (found by
+    counting: :mod:`vitcompress.compilation.keep_fit`). Given, it reaches the command as its
+    ``keep`` (a :class:`GmacsRatio`). It excludes ``--keep`` and ``--keep-cumulative`` as they
+    exclude each other: one from a recipe or plan file yields to the other typed on the command
+    line. Apply it below :func:`keep_cumulative_option`."""
+    command = click.option(
+        "--keep-for-gmacs-ratio",
+        "keep_for_gmacs_ratio",
+        default=None,
+        metavar="R",
+        help="Instead of --keep: the largest keep (in steps of 0.01, the same at every "
+        "location) whose compressed model needs at most R times the base's GMACs, found by "
+        "compressing and counting (0.85: 85%).",
+    )(command)
+
+    @functools.wraps(command)
+    def wrapper(*args, keep, keep_for_gmacs_ratio, **kwargs):
+        if keep_for_gmacs_ratio is not None:
+            if keep is not None:
+                conflict = "--keep-for-gmacs-ratio excludes --keep and --keep-cumulative; give one"
+                if _first_wins(("keep_for_gmacs_ratio",), ("keep", "keep_cumulative"), conflict):
+                    keep = None
+                else:
+                    keep_for_gmacs_ratio = None
+            if keep_for_gmacs_ratio is not None:
+                keep = GmacsRatio(_parse_ratio(keep_for_gmacs_ratio))
+        return command(*args, keep=keep, **kwargs)
+
+    return wrapper
+
+
+def _parse_ratio(text: str | float) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise PlanError(f"must be a number, got {text!r}", "keep_for_gmacs_ratio") from None
+
+
 def _first_wins(first: tuple[str, ...], second: tuple[str, ...], conflict: str) -> bool:
     """Two forms of the keep ratios both set: the one typed on the command line wins over one
     from a recipe or plan file (click's default map); both from the same place is a conflict,
@@ -157,15 +200,20 @@ def variant_args_option(command: Callable) -> Callable:
         )  # None: a plan file cleared it
         method = resolve_variant(variant, settings) if variant is not None else None
         if method is not None and method.keep_setting is not None:
-            other = keep if keep is not None else kwargs.get("keep_cumulative")
-            if other is not None:
-                conflict = (
-                    f"--keep and --variant-arg {method.keep_setting} exclude each other; give one"
+            forms = ("keep", "keep_cumulative", "keep_for_gmacs_ratio")
+            given = {"keep": keep, **{form: kwargs.get(form) for form in forms[1:]}}
+            if any(value is not None for value in given.values()):
+                named = ", ".join(
+                    PLAN_OPTIONS[form] for form, value in given.items() if value is not None
                 )
-                if _first_wins(("variant_args",), ("keep", "keep_cumulative"), conflict):
+                conflict = (
+                    f"{named} and --variant-arg {method.keep_setting} exclude each other; give one"
+                )
+                if _first_wins(("variant_args",), forms, conflict):
                     keep = None
-                    if "keep_cumulative" in kwargs:
-                        kwargs["keep_cumulative"] = None
+                    for form in forms[1:]:
+                        if form in kwargs:
+                            kwargs[form] = None
                 else:  # the command line's keep wins over the recipe's setting
                     method = resolve_variant(variant)
         return command(*args, variant=method, keep=keep, **kwargs)
@@ -190,7 +238,15 @@ def plan_error_line(error: PlanError) -> str:
 
 
 # What a plan file (``search``'s plan.yaml) may set: the plan's options, nothing else.
-PLAN_FILE_KEYS = ("variant", "locs", "keep", "keep_cumulative", "policy", "variant_args")
+PLAN_FILE_KEYS = (
+    "variant",
+    "locs",
+    "keep",
+    "keep_cumulative",
+    "keep_for_gmacs_ratio",
+    "policy",
+    "variant_args",
+)
 
 
 def read_plan_file(path: str, accepted: Sequence[str]) -> dict[str, str | tuple[str, ...]]:
@@ -233,7 +289,7 @@ def read_plan_file(path: str, accepted: Sequence[str]) -> dict[str, str | tuple[
 
 
 # The forms of the keep ratios, one of which a plan gives (a method's settings may replace them).
-_KEEP_FORMS = ("keep", "keep_cumulative", "variant_args")
+_KEEP_FORMS = ("keep", "keep_cumulative", "keep_for_gmacs_ratio", "variant_args")
 
 
 def one_line_error(error: BaseException) -> str:
@@ -308,8 +364,8 @@ DEFAULT_VARIANT = "etps"
 def plan_options(
     command: Callable | None = None, *, compressed_model_keeps_plan: bool = False
 ) -> Callable:
-    """``--variant``, ``--keep``, ``--plan``, ``--variant-arg``, ``--keep-cumulative``, ``--locs``,
-    ``--policy``: the plan's options in every command that makes a plan, folded into ``plan:
+    """``--variant``, ``--keep``, ``--plan``, ``--variant-arg``, ``--keep-cumulative``,
+    ``--keep-for-gmacs-ratio``, ``--locs``, ``--policy``: the plan's options in every command that makes a plan, folded into ``plan:
     PlanRequest``: ``variant`` (the method object, with its settings), ``keep`` (parsed:
     :func:`parse_keep`), ``locs`` (parsed), ``policy``, and whether any of them was given.
     ``compressed_model_keeps_plan``: see :func:`plan_file_option`."""
@@ -337,6 +393,7 @@ def plan_options(
         plan_file_option(compressed_model_keeps_plan=compressed_model_keeps_plan),
         variant_args_option,
         keep_cumulative_option,
+        keep_for_gmacs_option,
         click.option(
             "--locs",
             default=None,

@@ -46,7 +46,7 @@ class KeepFit:
     the cost of the next keep on the grid, ``step`` above (``None`` when ``keep`` is 1);
     ``tries``: the keeps compressed and counted."""
 
-    budget: float
+    gmacs_ratio: float
     step: float
     keep: float
     cost: float
@@ -55,7 +55,7 @@ class KeepFit:
 
     def to_json(self) -> dict[str, float | int | None]:
         return {
-            "gmacs_ratio": self.budget,
+            "gmacs_ratio": self.gmacs_ratio,
             "step": self.step,
             "keep": self.keep,
             "cost": self.cost,
@@ -72,7 +72,7 @@ class KeepFit:
             else ""
         )
         return (
-            f"keep {self.keep:g}: the largest (in steps of {self.step:g}) within {self.budget:g} of "
+            f"keep {self.keep:g}: the largest (in steps of {self.step:g}) within {self.gmacs_ratio:g} of "
             f"the base's GMACs ({self.cost:.3f}{after})"
         )
 
@@ -97,9 +97,9 @@ def fit_keep(cost: Callable[[float], float], target: GmacsRatio) -> KeepFit:
         return KeepFit(target.ratio, target.step, 1.0, at(steps), None, len(counted))
     if at(1) > target.ratio:
         raise PlanError(
-            f"no keep reaches {target.ratio:g} of the base's GMACs: the smallest, "
-            f"{1 / steps:g}, costs {at(1):.3f} of them (what runs outside the locations, and "
-            "the method's own work, cost more than that)",
+            f"{target.ratio:g} is out of reach: the smallest keep, {1 / steps:g}, costs "
+            f"{at(1):.3f} of the base's GMACs (what runs outside the locations, and the "
+            "method's own work, cost more than that)",
             PARAMETER,
         )
     within, over = 1, steps  # at(within) <= ratio < at(over)

@@ -50,6 +50,8 @@ class ApplyResult:
     restored: list[dict[str, str]] = field(default_factory=list)
     # Windowed blocks: the windows per image and the tokens kept of each window's.
     window_tokens: list[dict[str, int]] = field(default_factory=list)
+    # How --keep-for-gmacs-ratio found the keep (KeepFit.to_json), when it was given.
+    keep_fit: dict[str, Any] | None = None
 
     @property
     def speedup(self) -> float | None:
@@ -70,6 +72,7 @@ class ApplyResult:
             "out": str(self.out) if self.out is not None else None,
             "restored": self.restored,
             "window_tokens": self.window_tokens,
+            "keep_fit": self.keep_fit,
         }
 
 
@@ -113,6 +116,7 @@ def _compress_and_measure(
         environment=environment,
         out=None,
         restored=restore_points(model),
+        keep_fit=getattr(model, "vitcompress_keep_fit", None),
         window_tokens=[
             {
                 "block": loc.block,

@@ -1,0 +1,166 @@
+"""``--keep-for-gmacs-ratio`` / ``keep_for_gmacs_ratio=``: the largest keep whose compressed model
+costs at most a share of the base's MACs, checked against the counts of the keeps around it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import click
+import pytest
+import torch
+from click.testing import CliRunner
+
+import vitcompress
+from tests.models import FIXTURES
+from tests.test_windowed import SIZE, swin
+from vitcompress.cli.main import cli
+from vitcompress.cli.plan_options import keep_cumulative_option, keep_for_gmacs_option
+from vitcompress.compilation.keep_fit import GmacsRatio, fit_keep
+from vitcompress.compilation.metadata import compression_info
+from vitcompress.compilation.plan import PlanError
+from vitcompress.measure import count_macs
+
+MHA = f"{FIXTURES}:mha_vit"  # 8 x 8 patch tokens and a cls token, 4 blocks
+
+
+def _staircase(keep: float) -> float:
+    """A cost that grows with keep in steps, as per-window token counts make it: 0.4 of the
+    work fixed, the rest in 49-token windows keeping floor(49 * keep)."""
+    return 0.4 + 0.6 * math.floor(49 * keep) / 49
+
+
+@pytest.mark.parametrize("budget", [0.45, 0.6, 0.7375, 0.85, 0.999])
+def test_the_fit_is_the_largest_keep_of_the_grid_within_the_budget(budget):
+    tried: list[float] = []
+
+    def cost(keep: float) -> float:
+        tried.append(keep)
+        return _staircase(keep)
+
+    fit = fit_keep(cost, GmacsRatio(budget))
+    within = [i / 100 for i in range(1, 101) if _staircase(i / 100) <= budget]
+    assert fit.keep == max(within)
+    assert fit.cost == _staircase(fit.keep) <= budget
+    assert fit.next_cost == _staircase(round(fit.keep + 0.01, 2)) > budget
+    # Bisection: both ends and at most seven halvings of the hundred steps between them.
+    assert fit.tries == len(set(tried)) <= 9
+
+
+def test_a_budget_the_whole_model_meets_keeps_everything():
+    fit = fit_keep(_staircase, GmacsRatio(1.0))
+    assert (fit.keep, fit.next_cost, fit.tries) == (1.0, None, 1)
+
+
+def test_a_budget_out_of_reach_is_one_line_naming_the_smallest_cost():
+    with pytest.raises(PlanError, match=r"0.3 is out of reach: the smallest keep, 0.01, costs 0.4"):
+        fit_keep(_staircase, GmacsRatio(0.3))
+
+
+@pytest.mark.parametrize("ratio", [0, -0.5, math.nan, math.inf, True, "0.8"])
+def test_a_budget_must_be_a_positive_number(ratio):
+    with pytest.raises(PlanError):
+        GmacsRatio(ratio)
+
+
+@pytest.fixture(scope="module")
+def windowed() -> torch.nn.Module:
+    return swin()
+
+
+@pytest.mark.parametrize("variant", ["etps", "dtps", "tome"])
+def test_the_keep_found_on_a_swin_is_counted_within_and_the_next_over(windowed, variant):
+    # The 56-pixel Swin of test_windowed: every windowed block a location, its windows of 49.
+    budget = 0.9
+    model = vitcompress.compress(windowed, variant, input_size=SIZE, keep_for_gmacs_ratio=budget)
+    fit = model.vitcompress_keep_fit
+    base = count_macs(windowed, SIZE)
+    assert compression_info(model).plan.keep == [fit["keep"]] * 4
+    cost = count_macs(model, SIZE) / base
+    assert cost == pytest.approx(fit["cost"]) and cost <= budget
+    above = vitcompress.compress(
+        windowed, variant, keep=round(fit["keep"] + 0.01, 2), input_size=SIZE
+    )
+    next_cost = count_macs(above, SIZE) / base
+    assert next_cost == pytest.approx(fit["next_cost"]) and next_cost > budget
+
+
+def test_the_api_refuses_two_keep_forms():
+    with pytest.raises(PlanError, match="exclude each other"):
+        vitcompress.compress(swin(), "etps", keep=0.7, input_size=SIZE, keep_for_gmacs_ratio=0.8)
+
+
+def apply(*args: str) -> click.testing.Result:
+    return CliRunner().invoke(cli, ["apply", "--model", MHA, *args, "--no-throughput", "--json"])
+
+
+def test_apply_reports_the_keep_it_found_and_its_gmacs():
+    result = apply("--variant", "etps", "--keep-for-gmacs-ratio", "0.8")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    fit = data["keep_fit"]
+    assert data["plan"]["keep"] == [fit["keep"]] * 3
+    assert data["macs_ratio"] == pytest.approx(fit["cost"]) and fit["cost"] <= 0.8
+    assert fit["next_cost"] > 0.8
+    plain = json.loads(apply("--variant", "etps", "--keep", str(fit["keep"])).output)
+    assert plain["compressed"]["macs"] == data["compressed"]["macs"] and plain["keep_fit"] is None
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--keep", "0.7", "--keep-for-gmacs-ratio", "0.8"],
+            "--keep-for-gmacs-ratio excludes --keep and --keep-cumulative",
+        ),
+        (["--keep-for-gmacs-ratio", "most"], "--keep-for-gmacs-ratio must be a number"),
+        (["--keep-for-gmacs-ratio", "0"], "--keep-for-gmacs-ratio must be above 0"),
+        (["--keep-for-gmacs-ratio", "0.05"], "--keep-for-gmacs-ratio 0.05 is out of reach"),
+        (
+            ["--variant", "tome", "--variant-arg", "r=4", "--keep-for-gmacs-ratio", "0.8"],
+            "--keep-for-gmacs-ratio and --variant-arg r exclude each other",
+        ),
+    ],
+)
+def test_bad_budgets_are_one_line_and_exit_2(args, message):
+    result = CliRunner().invoke(cli, ["apply", "--model", MHA, *args, "--no-throughput"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert message in lines[0]
+
+
+def test_a_plan_file_may_give_the_budget(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("variant: etps\nkeep-for-gmacs-ratio: 0.8\n")
+    data = json.loads(apply("--plan", str(plan)).output)
+    assert data["keep_fit"]["gmacs_ratio"] == 0.8
+    # A keep typed on the command line replaces the file's budget.
+    typed = json.loads(apply("--plan", str(plan), "--keep", "0.5").output)
+    assert typed["keep_fit"] is None and typed["plan"]["keep"] == [0.5] * 3
+
+
+@click.command()
+@click.option("--keep", default=None)
+@keep_cumulative_option
+@keep_for_gmacs_option
+def _show_keep(keep) -> None:
+    click.echo(repr(keep))
+
+
+@pytest.mark.parametrize(
+    "args, recipe, shown",
+    [
+        (["--keep", "0.5"], {"keep_for_gmacs_ratio": "0.8"}, "'0.5'"),
+        (["--keep-for-gmacs-ratio", "0.8"], {"keep": "0.5"}, "GmacsRatio(ratio=0.8, step=0.01)"),
+        (
+            ["--keep-for-gmacs-ratio", "0.8"],
+            {"keep_cumulative": "0.7,0.49"},
+            "GmacsRatio(ratio=0.8, step=0.01)",
+        ),
+    ],
+)
+def test_the_command_line_wins_over_a_recipe(args, recipe, shown):
+    result = CliRunner().invoke(_show_keep, args, default_map=recipe)
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == shown
