@@ -5,6 +5,10 @@ size)`` at its default locations (every windowed block), randomly initialised (t
 not depend on the weights). A method the tool refuses on the model is reported with its one-line
 reason. One process, one thread; the largest (SAM-B at 1024 px) needs about 8 GB.
 
+With ``--keep-for-gmacs-ratio R`` it reports instead, per method, the largest keep (in steps of
+0.01) whose compressed model costs at most R of the base's GMACs, and that cost
+(``compress(..., keep_for_gmacs_ratio=R)``).
+
 Example (the run in docs/windowed.md)::
 
     python benchmarks/windowed_gmacs.py --json-out benchmarks/results/windowed/gmacs.json
@@ -71,7 +75,11 @@ METHODS = ("dtps", "etps", "evit", "tome")
 
 
 def measure(
-    name: str, methods: list[str], carry_windows: bool = False, carry_branches: bool = True
+    name: str,
+    methods: list[str],
+    carry_windows: bool = False,
+    carry_branches: bool = True,
+    gmacs_ratio: float | None = None,
 ) -> dict:
     spec, side, kwargs = MODELS[name]
     torch.manual_seed(0)
@@ -84,6 +92,7 @@ def measure(
         "base_gmacs": base / 1e9,
         "carry_windows": carry_windows,
         "carry_branches": carry_branches,
+        **({"keep_for_gmacs_ratio": gmacs_ratio} if gmacs_ratio is not None else {}),
     }
     settings = {
         **({"carry_windows": True} if carry_windows else {}),
@@ -95,14 +104,19 @@ def measure(
             compressed = compress(
                 model,
                 method,
-                keep=[0.7],
+                keep=[0.7] if gmacs_ratio is None else None,
                 input_size=size,
                 variant_args=settings or None,
+                keep_for_gmacs_ratio=gmacs_ratio,
             )
         except UserError as refusal:
             row[method] = {"refused": str(refusal)}
         else:
             row[method] = {"ratio": count_macs(compressed, size) / base}
+            fit = getattr(compressed, "vitcompress_keep_fit", None)
+            if fit is not None:
+                row[method]["keep"] = fit["keep"]
+                row[method]["next_ratio"] = fit["next_cost"]
             del compressed
         row[method]["seconds"] = time.perf_counter() - started
         print(name, method, row[method], flush=True)
@@ -127,20 +141,39 @@ def main(argv: list[str] | None = None) -> int:
         help="every method with carry_branches=False (the per-token branches after a windowed "
         "location, DaViT's channel MLPs, run on every token)",
     )
+    p.add_argument(
+        "--keep-for-gmacs-ratio",
+        type=float,
+        default=None,
+        metavar="R",
+        help="report the largest keep within R of the base's GMACs instead of keep 0.7's cost",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
     rows = {
-        name: measure(name, args.methods.split(","), args.carry_windows, not args.no_carry_branches)
+        name: measure(
+            name,
+            args.methods.split(","),
+            args.carry_windows,
+            not args.no_carry_branches,
+            args.keep_for_gmacs_ratio,
+        )
         for name in args.models.split(",")
     }
     print("| model | px | base GMACs | " + " | ".join(args.methods.split(",")) + " |")
     print("|---|---|---|" + "---|" * len(args.methods.split(",")))
     for row in rows.values():
         cells = [
-            f"{row[m]['ratio']:.3f}" if "ratio" in row[m] else "refused"
+            (
+                "refused"
+                if "ratio" not in row[m]
+                else f"keep {row[m]['keep']:g}: {row[m]['ratio']:.3f}"
+                if "keep" in row[m]
+                else f"{row[m]['ratio']:.3f}"
+            )
             for m in args.methods.split(",")
         ]
         print(
