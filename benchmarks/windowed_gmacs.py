@@ -7,7 +7,7 @@ reason. One process, one thread; the largest (SAM-B at 1024 px) needs about 8 GB
 
 With ``--keep-for-gmacs-ratio R`` it reports instead, per method, the largest keep (in steps of
 0.01) whose compressed model costs at most R of the base's GMACs, and that cost
-(``compress(..., keep_for_gmacs_ratio=R)``).
+(``vitcompress.measure.keep_fit.compress_within_gmacs``).
 
 Example (the run in docs/windowed.md)::
 
@@ -29,6 +29,7 @@ from torch import nn
 from vitcompress import compress
 from vitcompress.errors import UserError
 from vitcompress.measure import count_macs
+from vitcompress.measure.keep_fit import compress_within_gmacs
 
 HF_SAM = "transformers SamVisionEncoder"
 
@@ -101,13 +102,12 @@ def measure(
     for method in methods:
         started = time.perf_counter()
         try:
-            compressed = compress(
-                model,
-                method,
-                keep=[0.7] if gmacs_ratio is None else None,
-                input_size=size,
-                variant_args=settings or None,
-                keep_for_gmacs_ratio=gmacs_ratio,
+            compressed = (
+                compress(model, method, keep=[0.7], input_size=size, variant_args=settings or None)
+                if gmacs_ratio is None
+                else compress_within_gmacs(
+                    model, method, gmacs_ratio, input_size=size, variant_args=settings or None
+                )
             )
         except UserError as refusal:
             row[method] = {"refused": str(refusal)}

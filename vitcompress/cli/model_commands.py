@@ -21,7 +21,7 @@ from vitcompress.cli.app import (
 )
 from vitcompress.cli.options import gate_options, model_options, output_option, timing_options
 from vitcompress.cli.plan_options import plan_options
-from vitcompress.compilation.keep_fit import KeepFit
+from vitcompress.measure.keep_fit import KeepFit
 from vitcompress.measure.models import TimingOptions
 from vitcompress.measure.paired import MIN_PAIRS_FOR_INTERVAL
 from vitcompress.workflows.apply import ApplyReport, apply_model
@@ -256,9 +256,9 @@ def _print_apply(report: ApplyReport) -> None:
 
 
 def keep_fit_text(fit: dict[str, Any]) -> str:
-    """``keep 0.62: the largest (in steps of 0.01) within 0.85 of the base's GMACs (0.846; 0.63
-    costs 0.852), 8 keeps counted``."""
-    return f"{KeepFit(**fit).text()}, {fit['tries']} keeps counted"
+    """``keep 0.62: the largest (in steps of 0.01) within 0.85 of the base's GMACs (0.8480; 0.63
+    costs 0.8502), 8 keeps tried``: how ``--keep-for-gmacs-ratio`` found the keep."""
+    return KeepFit(**fit).text()
 
 
 def window_text(window_tokens: list[dict[str, Any]]) -> str:

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 
 import click
 
-from vitcompress.compilation.keep_fit import GmacsRatio
 from vitcompress.compilation.plan import PlanError, resolve_variant
 from vitcompress.loading import is_artifact_directory
+from vitcompress.measure.keep_fit import GmacsRatio
 from vitcompress.method import CumulativeKeep
 from vitcompress.variants import variant_names
 from vitcompress.workflows.inputs import PlanRequest

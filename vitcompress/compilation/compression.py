@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import numbers
 from collections.abc import Sequence
@@ -23,7 +22,6 @@ from vitcompress.analysis.capture import (
     check_rewritable,
 )
 from vitcompress.analysis.model_map import ModelMap
-from vitcompress.compilation.keep_fit import GmacsRatio, KeepFit, fit_keep
 from vitcompress.compilation.keep_lists import plan_from_cumulative
 from vitcompress.compilation.metadata import attach, compression_info
 from vitcompress.compilation.naming import (
@@ -46,11 +44,9 @@ from vitcompress.loading import (
     default_input_size,
     one_line,
 )
-from vitcompress.measure.macs import count_macs
 from vitcompress.method import CumulativeKeep
 from vitcompress.model_args import readable_timm_args
 from vitcompress.model_copy import copy_model
-from vitcompress.status import step
 from vitcompress.variants import Variant
 
 log = logging.getLogger(__name__)
@@ -139,7 +135,7 @@ def map_model(model: nn.Module, input_size: tuple[int, ...] | None = None) -> Mo
     return capture_and_map(model, resolve_input_size(model, input_size))[1]
 
 
-Keep = float | list[float] | CumulativeKeep | GmacsRatio | None
+Keep = float | list[float] | CumulativeKeep | None
 
 
 def compress(
@@ -151,7 +147,6 @@ def compress(
     policy: str = "score",
     keep_cumulative: Sequence[float] | None = None,
     variant_args: dict[str, Any] | None = None,
-    keep_for_gmacs_ratio: float | None = None,
 ) -> nn.Module:
     """Return a compressed copy of ``model`` (left unchanged): an ordinary ``nn.Module`` whose
     ``.eval()`` drops tokens physically and whose ``.train()`` runs its variant's training path.
@@ -163,10 +158,6 @@ def compress(
     (:func:`vitcompress.variants.variant_names`) or is a variant object; ``variant_args`` are the
     method's own settings (:func:`vitcompress.variants.variant_settings`), e.g. ToMe's
     ``{"r": 8}``, the tokens merged in every block, which replaces ``keep``.
-    ``keep_for_gmacs_ratio`` replaces ``keep`` by a budget: the largest keep (in steps of 0.01,
-    the same at every location) whose compressed model costs at most that share of the base's
-    MACs, found by compressing and counting (:mod:`vitcompress.compilation.keep_fit`); what was
-    found is attached as ``vitcompress_keep_fit``.
 
     The result carries its plan and model map (read them with
     :func:`vitcompress.compilation.metadata.compression_info`).
@@ -177,10 +168,6 @@ def compress(
         if keep is not None:
             raise PlanError("keep and keep_cumulative exclude each other; give one")
         keep = CumulativeKeep(tuple(keep_cumulative))
-    if keep_for_gmacs_ratio is not None:
-        if keep is not None:
-            raise PlanError("keep and keep_for_gmacs_ratio exclude each other; give one")
-        keep = GmacsRatio(keep_for_gmacs_ratio)
     method = resolve_variant(variant, variant_args)
     size = resolve_input_size(model, input_size)
     captured, model_map = capture_and_map(model, size)
@@ -202,13 +189,6 @@ def compress_mapped(
     setting = method.keep_setting
     if setting is not None and keep is not None:
         raise PlanError(f"keep and {method.name}'s {setting} exclude each other; give one")
-    if isinstance(keep, GmacsRatio):
-        fit = _fit_keep(model, captured, model_map, size, method, keep, locs, policy)
-        compressed = compress_mapped(
-            model, captured, model_map, size, method, [fit.keep], locs, policy
-        )
-        attach(compressed, vitcompress_keep_fit=fit.to_json())
-        return compressed
     if isinstance(keep, CumulativeKeep):
         plan = plan_from_cumulative(model_map, method, keep, locs, policy)
     else:
@@ -252,38 +232,6 @@ def compress_mapped(
     attach(compressed, **metadata)
     compressed.train(model.training)
     return compressed
-
-
-def _fit_keep(
-    model: nn.Module,
-    captured: CapturedGraph,
-    model_map: ModelMap,
-    size: tuple[int, ...],
-    method: Variant,
-    target: GmacsRatio,
-    locs: list[int] | None,
-    policy: str,
-) -> KeepFit:
-    """The keep for ``target``: each keep tried is compressed from a copy of the capture (which
-    compressing consumes) and counted at batch 1, as the report counts."""
-    device = captured.example.device
-    base_macs = count_macs(model, size, device)
-
-    def cost(keep: float) -> float:
-        with step(f"counting the MACs at keep {keep:g}"):
-            compressed = compress_mapped(
-                model,
-                copy.deepcopy(captured),
-                copy.deepcopy(model_map),
-                size,
-                method,
-                [keep],
-                locs,
-                policy,
-            )
-            return count_macs(compressed, size, device) / base_macs
-
-    return fit_keep(cost, target)
 
 
 def _keep_ratios(keep: float | Sequence[float] | None, model_map: ModelMap) -> list[float]:

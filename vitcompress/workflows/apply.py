@@ -10,7 +10,6 @@ from typing import Any
 
 from torch import nn
 
-from vitcompress.api import compress_loaded
 from vitcompress.artifacts.artifact import (
     ArtifactError,
     describe_source,
@@ -20,6 +19,7 @@ from vitcompress.artifacts.artifact import (
 from vitcompress.compilation.metadata import CompressionInfo, compression_info
 from vitcompress.loading import LoadedModel, ModelLoadError
 from vitcompress.measure import PairedRatio
+from vitcompress.measure.keep_fit import compress_planned
 from vitcompress.measure.models import (
     Measurement,
     TimingOptions,
@@ -100,13 +100,13 @@ def _compress_and_measure(
     policy: str,
     timing: TimingOptions | None,
 ) -> tuple[ApplyResult, nn.Module]:
-    compressed = compress_loaded(loaded, variant=variant, keep=keep, locs=locs, policy=policy)
+    compressed = compress_planned(loaded, variant, keep, locs, policy)
     model = compressed.model.eval()
     measured, environment = measure_models(
         {"base": loaded.model.eval(), "compressed": model}, loaded.input_size, timing
     )
     info = compression_info(model)
-    assert info is not None  # compress_loaded attached it
+    assert info is not None  # the compression attached it
     result = ApplyResult(
         base=measured["base"],
         compressed=measured["compressed"],

@@ -105,13 +105,13 @@ def student_and_teacher(
     is rebuilt from the base source the artifact records, with the base weights it names.
     Returns ``(student, teacher, from_artifact)``.
     """
-    from vitcompress.api import compress_loaded
     from vitcompress.compilation.metadata import compression_info
+    from vitcompress.measure.keep_fit import compress_planned
 
     info = compression_info(loaded.model)
     artifact = info.artifact if info is not None else None
     if artifact is None:
-        student = compress_loaded(loaded, variant=variant, keep=keep, locs=locs, policy=policy)
+        student = compress_planned(loaded, variant, keep, locs, policy)
         return student, loaded.model, False
     from vitcompress.artifacts.artifact import base_source, base_weights_problem, read_meta
     from vitcompress.loading import load_base_model
@@ -177,7 +177,7 @@ def finetune_model(
     if from_artifact and plan.given:
         warn(
             "--model is a compressed model: its own plan is used, "
-            "--variant/--keep/--locs/--policy are ignored"
+            "--variant/--keep/--keep-for-gmacs-ratio/--locs/--policy are ignored"
         )
     preset = AUGMENT_PRESETS[augment]() if augment else None  # None: the data's own
     data_config = resolve_data_config(student.model, student.input_size[0], data.overrides)
