@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import click
 
@@ -99,15 +100,10 @@ def keep_cumulative_option(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def wrapper(*args, keep, keep_cumulative, **kwargs):
-        if keep_cumulative is not None:
-            if keep is not None:
-                conflict = "--keep and --keep-cumulative exclude each other; give one"
-                if _first_wins(("keep_cumulative",), ("keep",), conflict):
-                    keep = None
-                else:
-                    keep_cumulative = None
-            if keep_cumulative is not None:
-                keep = parse_keep_cumulative(keep_cumulative)
+        conflict = "--keep and --keep-cumulative exclude each other; give one"
+        keep = _fold_keep_form(
+            keep, keep_cumulative, "keep_cumulative", ("keep",), conflict, parse_keep_cumulative
+        )
         return command(*args, keep=keep, **kwargs)
 
     return wrapper
@@ -116,7 +112,7 @@ def keep_cumulative_option(command: Callable) -> Callable:
 def keep_for_gmacs_option(command: Callable) -> Callable:
     """``--keep-for-gmacs-ratio R`` next to a command's ``--keep``: the largest keep, the same at
     every location, whose compressed model costs at most R of the base's GMACs (found by
-    counting: :mod:`vitcompress.compilation.keep_fit`). Given, it reaches the command as its
+    counting: :mod:`vitcompress.measure.keep_fit`). Given, it reaches the command as its
     ``keep`` (a :class:`GmacsRatio`). It excludes ``--keep`` and ``--keep-cumulative`` as they
     exclude each other: one from a recipe or plan file yields to the other typed on the command
     line. Apply it below :func:`keep_cumulative_option`."""
@@ -132,15 +128,15 @@ def keep_for_gmacs_option(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def wrapper(*args, keep, keep_for_gmacs_ratio, **kwargs):
-        if keep_for_gmacs_ratio is not None:
-            if keep is not None:
-                conflict = "--keep-for-gmacs-ratio excludes --keep and --keep-cumulative; give one"
-                if _first_wins(("keep_for_gmacs_ratio",), ("keep", "keep_cumulative"), conflict):
-                    keep = None
-                else:
-                    keep_for_gmacs_ratio = None
-            if keep_for_gmacs_ratio is not None:
-                keep = GmacsRatio(_parse_ratio(keep_for_gmacs_ratio))
+        conflict = "--keep-for-gmacs-ratio excludes --keep and --keep-cumulative; give one"
+        keep = _fold_keep_form(
+            keep,
+            keep_for_gmacs_ratio,
+            "keep_for_gmacs_ratio",
+            ("keep", "keep_cumulative"),
+            conflict,
+            lambda text: GmacsRatio(_parse_ratio(text)),
+        )
         return command(*args, keep=keep, **kwargs)
 
     return wrapper
@@ -151,6 +147,24 @@ def _parse_ratio(text: str | float) -> float:
         return float(text)
     except ValueError:
         raise PlanError(f"must be a number, got {text!r}", "keep_for_gmacs_ratio") from None
+
+
+def _fold_keep_form(
+    keep: Any,
+    value: str | None,
+    name: str,
+    others: tuple[str, ...],
+    conflict: str,
+    parse: Callable[[str], Any],
+) -> Any:
+    """Another form of the keep ratios, option ``name`` given as ``value``, folded into ``keep``:
+    parsed when given alone; beside a ``keep`` from ``others``, the one typed on the command line
+    wins over a recipe's or plan file's, and both from one place are ``conflict``."""
+    if value is None:
+        return keep
+    if keep is not None and not _first_wins((name,), others, conflict):
+        return keep
+    return parse(value)
 
 
 def _first_wins(first: tuple[str, ...], second: tuple[str, ...], conflict: str) -> bool:
