@@ -11,17 +11,14 @@ import pytest
 import timm
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 from tests.test_windowed_families import one_choice_both_ways, window_order
 from vitcompress import compress, map_model
 from vitcompress.compilation.metadata import compression_info
 from vitcompress.compilation.plan import Plan
 from vitcompress.errors import UserError
-from vitcompress.loading import LoadedModel, ModelSource
 from vitcompress.measure import count_macs
 from vitcompress.modules.windows import WindowTableGather
-from vitcompress.search.driver import Budget, SearchConfig, SearchError, search
 from vitcompress.workflows.export import export_model
 
 METHODS = ("dtps", "etps", "dynamicvit", "evit", "tome")
@@ -404,26 +401,6 @@ def test_window_tables_are_gathered_by_each_windows_positions(lead):
         pos = positions[row]
         assert torch.equal(flat[row], source[:, pos][:, :, pos])
     assert WindowTableGather(windows, 4)(table, None) is table
-
-
-def test_search_refuses_windowed_attention_in_one_line(model, tmp_path):
-    """The search's cost model counts a block's tokens, not a window's: it refuses rather than
-    rank candidates by wrong costs."""
-    loaded = LoadedModel(model=model, source=ModelSource(spec="swin"), input_size=SIZE)
-    calibration = TensorDataset(torch.randn(8, *SIZE), torch.randint(0, 10, (8,)))
-    config = SearchConfig(
-        budget=Budget(max_gmacs_ratio=0.8),
-        variants=["etps"],
-        out=tmp_path,
-        calib_images=8,
-        batch_size=4,
-        max_candidates=2,
-        identity={"model": "swin"},
-    )
-    with pytest.raises(SearchError) as refused:
-        search(loaded, calibration, config)
-    assert "\n" not in str(refused.value)
-    assert "windowed attention" in str(refused.value) and "layers.0.blocks.0" in str(refused.value)
 
 
 def test_apply_says_what_each_window_keeps_and_saves_a_model_that_loads_back(tmp_path):

@@ -188,12 +188,20 @@ def _print_table(data: dict) -> None:
         )
     for name, why in data["space"]["left_out"].items():
         console.print(f"left out: {name} ({why})", highlight=False)
+    for name, why in data["space"].get("out_of_reach", {}).items():
+        console.print(f"out of reach: {name} ({why})", highlight=False)
     check = data["macs_check"]
-    console.print(
-        f"analytic vs counted MACs on {len(check['sample'])} candidates: largest error "
-        f"{check['max_relative_error']:.3%}",
-        highlight=False,
-    )
+    if check.get("counted"):
+        console.print(
+            "MACs counted on every candidate (windowed attention has no analytic count)",
+            highlight=False,
+        )
+    else:
+        console.print(
+            f"analytic vs counted MACs on {len(check['sample'])} candidates: largest error "
+            f"{check['max_relative_error']:.3%}",
+            highlight=False,
+        )
     if data.get("speedup"):
         console.print(f"speed-up measured for the chosen plan: {best['speedup']:.2f}x")
     console.print(f"chosen: {best['variant']} at {best['locs']} keep {best['keep']}")

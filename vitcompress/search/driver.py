@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ from vitcompress.search.warmup import (
     predictor_state,
     warm_predictors,
 )
+from vitcompress.search.windowed import STRATEGY, windowed_candidates
 from vitcompress.status import detail, step, warn
 from vitcompress.variants import get_variant, variant_names
 
@@ -151,34 +152,58 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
     with step("capturing and profiling the base"):
         builder = CandidateBuilder(model, size)
         model_map = builder.model_map
-        windowed = [b for b in model_map.blocks if b.windows is not None]
-        if windowed:  # its cost model counts a block's tokens, not a window's
-            raise SearchError(
-                f"search does not cover windowed attention yet (block {windowed[0].index}, "
-                f"{windowed[0].path}, attends within {windowed[0].windows.count} windows): "
-                "compress with `apply --keep` instead"
-            )
-        cost_model = profile(model, model_map)
-    base_macs = cost_model.base_macs
+        # The analytic cost model counts a block's tokens, not a window's: windowed models'
+        # candidates are counted instead (search/windowed.py).
+        windowed = any(b.windows is not None for b in model_map.blocks)
+        cost_model = None if windowed else profile(model, model_map)
+    base_macs = count_macs(model, size) if cost_model is None else cost_model.base_macs
     budget = config.budget.macs(base_macs)
-    variants, left_out = _searchable(config.variants, config.variants_named)
-    space = build_space(
-        model_map,
-        variants,
-        config.keep_grid,
-        single_location=[v for v in variants if get_variant(v).single_location],
-    )
-    cost = _cost_function(cost_model, model_map)
+    if cost_model is None:
+        variants, left_out = _known(config.variants), {}
+        with step("fitting each method's keep to the budget, counted"):
+            fitted = windowed_candidates(builder, variants, budget, base_macs)
+        left_out = fitted.left_out
+        if config.variants_named:
+            for name, why in left_out.items():
+                warn(f"{name}: {why}; left out of the search")
+        if not fitted.candidates:
+            reasons = {**fitted.left_out, **fitted.out_of_reach}
+            raise SearchError(
+                "no method fits the budget on this windowed model: "
+                + "; ".join(f"{name}: {why}" for name, why in reasons.items())
+            )
+        variants = [c.variant for c in fitted.candidates]
+        matched = fitted.candidates
+        space_info = {
+            "locations": f"every windowed block (the default): {list(fitted.locs)}",
+            "keep_grid": "steps of 0.01, fitted to the budget",
+            "out_of_reach": fitted.out_of_reach,
+        }
+        space_size = len(matched)
 
-    with step("enumerating the candidate space"):
-        matched, smallest, space_size = _enumerate(space, variants, cost, budget)
-    if not matched:
-        if smallest is None:
-            raise SearchError("no candidate of the space can be applied to this model")
-        raise SearchError(
-            f"no candidate reaches {_budget_text(config.budget, budget, base_macs)}; the "
-            f"smallest is {smallest / 1e9:.3g} GMACs ({smallest / base_macs:.2f} of the base)"
+        def cost(candidate: Candidate) -> float | None:
+            return fitted.macs.get(candidate)
+    else:
+        variants, left_out_names = _searchable(config.variants, config.variants_named)
+        left_out = {name: LEFT_OUT_WHY for name in left_out_names}
+        space = build_space(
+            model_map,
+            variants,
+            config.keep_grid,
+            single_location=[v for v in variants if get_variant(v).single_location],
         )
+        cost = _cost_function(cost_model, model_map)
+
+        with step("enumerating the candidate space"):
+            matched, smallest, space_size = _enumerate(space, variants, cost, budget)
+        if not matched:
+            if smallest is None:
+                raise SearchError("no candidate of the space can be applied to this model")
+            raise SearchError(
+                f"no candidate reaches {_budget_text(config.budget, budget, base_macs)}; the "
+                f"smallest is {smallest / 1e9:.3g} GMACs ({smallest / base_macs:.2f} of the base)"
+            )
+        space_info = {"locations": space.describe(), "keep_grid": list(space.keep_grid)}
 
     with step(f"reading {config.calib_images} calibration images"):
         images, labels = calibration_images(calibration_set, config.calib_images, config.seed)
@@ -201,20 +226,24 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
         calibration = Calibration(images, labels, logits_of(model, images, config.batch_size))
     timings["base_pass"] = time.perf_counter() - clock
 
-    default = _paper_default(model_map, space, variants, cost, budget)
-    seeds = [c for c in default.values() if c is not None]
-    for variant in variants:
-        for locs in evenly_spaced(space, variant):
-            candidate = match_budget(variant, locs, space, cost, budget)
-            if candidate is not None:
-                seeds.append(candidate)
-    proposals = Proposals(matched, seeds, space, variants, cost, budget, config.max_candidates)
-    for row in cache.entries.values():  # a resumed (or earlier) search's scores count
-        candidate = Candidate.from_json(row)
-        macs = cost(candidate)
-        allowed = space.allows(candidate.locs, candidate.variant) or candidate in seeds
-        if macs is not None and macs <= budget and allowed:
-            proposals.scored(candidate, row["score"])
+    if cost_model is None:  # one candidate per method: every one is scored
+        default: dict[str, Candidate | None] = {}
+        proposals: Proposals | FixedProposals = FixedProposals(matched)
+    else:
+        default = _paper_default(model_map, space, variants, cost, budget)
+        seeds = [c for c in default.values() if c is not None]
+        for variant in variants:
+            for locs in evenly_spaced(space, variant):
+                candidate = match_budget(variant, locs, space, cost, budget)
+                if candidate is not None:
+                    seeds.append(candidate)
+        proposals = Proposals(matched, seeds, space, variants, cost, budget, config.max_candidates)
+        for row in cache.entries.values():  # a resumed (or earlier) search's scores count
+            candidate = Candidate.from_json(row)
+            macs = cost(candidate)
+            allowed = space.allows(candidate.locs, candidate.variant) or candidate in seeds
+            if macs is not None and macs <= budget and allowed:
+                proposals.scored(candidate, row["score"])
 
     signals: dict[int, BlockSignals] | None = None
     scored_now = 0
@@ -251,8 +280,12 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
         raise SearchError("no scored candidate fits the budget")
 
     clock = time.perf_counter()
-    with step("cross-checking analytic MACs against counted MACs"):
-        check = _cross_check(builder, rows, best_row, base_macs)
+    if cost_model is None:  # every candidate's MACs were counted
+        check = {"counted": True, "sample": [], "max_relative_error": 0.0}
+        best_row["counted_macs"] = best_row["macs"]
+    else:
+        with step("cross-checking analytic MACs against counted MACs"):
+            check = _cross_check(builder, rows, best_row, base_macs)
     timings["cross_check"] = time.perf_counter() - clock
     timings["scoring"] = seconds - timings.get("warmup_inputs", 0.0)
     # The paper's placement, matched to the budget, for each variant; the chosen variant's first.
@@ -273,10 +306,9 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
             "asked": config.budget.describe(base_macs),
         },
         "space": {
-            "locations": space.describe(),
-            "keep_grid": list(space.keep_grid),
+            **space_info,
             "variants": list(variants),
-            "left_out": {name: LEFT_OUT_WHY for name in left_out},
+            "left_out": left_out,
             "size": space_size,
             "budget_matched": len(matched),
         },
@@ -303,7 +335,8 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
     header = [
         f"vitcompress search: {config.identity.get('model')} under "
         f"{config.budget.describe(base_macs)} ({budget / 1e9:.4g} GMACs)",
-        f"analytic {best_row['gmacs']:.4g} GMACs ({best_row['macs_ratio']:.3f} of the base), "
+        f"{'counted' if cost_model is None else 'analytic'} {best_row['gmacs']:.4g} GMACs "
+        f"({best_row['macs_ratio']:.3f} of the base), "
         f"KL {best_row['kl']:.4g}, top-1 agreement {best_row['agreement']:.4f}",
         "use: vitcompress apply --plan plan.yaml ... / vitcompress finetune --plan plan.yaml ...",
     ]
@@ -321,15 +354,39 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
     return SearchResult(data=data, out=out)
 
 
-def _searchable(variants: Sequence[str], named: bool) -> tuple[list[str], list[str]]:
-    """The variants the search can cost, and those it leaves out (said in the results; a
-    warning too where the user named them)."""
-    out, left_out = [], []
+class FixedProposals:
+    """The candidates of a windowed model's search, each scored once, in order (the interface
+    of :class:`vitcompress.search.strategy.Proposals` that the scoring loop reads)."""
+
+    name = STRATEGY
+    exhaustive = True
+
+    def __init__(self, candidates: Sequence[Candidate]) -> None:
+        self.candidates = list(candidates)
+        self.scores: dict[Candidate, float | None] = {}
+
+    def scored(self, candidate: Candidate, score: float | None) -> None:
+        self.scores[candidate] = score
+
+    def __iter__(self) -> Iterator[Candidate]:
+        return iter(self.candidates)
+
+
+def _known(variants: Sequence[str]) -> list[str]:
+    """``variants``, each a registered one; an unknown name is one line."""
     for name in variants:
         if name not in variant_names():
             raise SearchError(
                 f"--variants: {name!r} is unknown; choose from {', '.join(variant_names())}"
             )
+    return list(variants)
+
+
+def _searchable(variants: Sequence[str], named: bool) -> tuple[list[str], list[str]]:
+    """The variants the search can cost, and those it leaves out (said in the results; a
+    warning too where the user named them)."""
+    out, left_out = [], []
+    for name in _known(variants):
         if get_variant(name).searchable:
             out.append(name)
         else:
