@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from vitcompress.compilation.metadata import compression_info
 from vitcompress.compilation.plan import PlanError, default_keep, default_locs
 from vitcompress.errors import UserError
 from vitcompress.loading import LoadedModel
@@ -255,7 +256,11 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
                 if get_variant(candidate.variant).learned and signals is None:
                     with step("reading block inputs and attention for the predictor warm-up"):
                         clock = time.perf_counter()
-                        blocks = sorted({b for g in space.groups for b in g})
+                        blocks = (
+                            list(fitted.locs)
+                            if cost_model is None
+                            else sorted({b for g in space.groups for b in g})
+                        )
                         signals = block_signals(builder, images, blocks, config.batch_size)
                         timings["warmup_inputs"] = time.perf_counter() - clock
                 result = _score(candidate, builder, calibration, signals, config, cost)
@@ -503,7 +508,10 @@ def _warm(model: nn.Module, candidate: Candidate, signals, config: SearchConfig)
         load_predictor_state(model, saved["state"])
         return list(saved["losses"])
     assert signals is not None  # read before the first learned candidate
-    losses = warm_predictors(model, signals, list(candidate.locs), steps=config.warmup_steps)
+    windowed = {block.index for block in compression_info(model).model_map.blocks if block.windows}
+    losses = warm_predictors(
+        model, signals, list(candidate.locs), steps=config.warmup_steps, windowed=windowed
+    )
     torch.save({"state": predictor_state(model), "losses": losses}, path)
     return losses
 

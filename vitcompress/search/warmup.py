@@ -21,6 +21,7 @@ model: an approximation the proxy benchmark (benchmarks/search_proxy.py) measure
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -40,10 +41,11 @@ WARMUP_LR = 1e-3
 @dataclass
 class BlockSignals:
     """At one block, over the calibration images: its input patch tokens (float16, to halve the
-    memory) and the class-token attention each patch token gets."""
+    memory) and the class-token attention each patch token gets (at a windowed block: each
+    window's tokens and the attention each gets within its window, a row per window)."""
 
-    tokens: Tensor  # (images, N0, C)
-    attention: Tensor  # (images, N0)
+    tokens: Tensor  # (images, N0, C); (images x windows, window tokens, C) in windows
+    attention: Tensor  # (images, N0); (images x windows, window tokens)
 
 
 def _reducers(model: nn.Module) -> list[nn.Module]:
@@ -98,9 +100,14 @@ def warm_predictors(
     steps: int = WARMUP_STEPS,
     batch: int = WARMUP_BATCH,
     seed: int = 0,
+    windowed: Collection[int] = (),
 ) -> list[float]:
     """Train the predictors of ``model`` (a dTPS/DynamicViT plan at ``locs``) in place; returns
-    each one's final loss. Only the predictors' weights change."""
+    each one's final loss. Only the predictors' weights change.
+
+    At a ``windowed`` block the signals' rows are its windows (images x windows), the
+    attention a token gets within its window, and the predictor learns each window's top
+    tokens; every token is present there, since each windowed block gives its tokens back."""
     generator = torch.Generator().manual_seed(seed)
     losses = []
     previous_keep: Tensor | None = None  # (images, N0) bool, per stage
@@ -108,7 +115,7 @@ def warm_predictors(
     for block, reducer in zip(locs, _reducers(model), strict=True):
         signal = signals[block]
         patches = signal.tokens.shape[1]
-        if previous_keep is None or previous_stage_grid != patches:
+        if previous_keep is None or previous_stage_grid != patches or block in windowed:
             previous_keep = torch.ones(signal.attention.shape, dtype=torch.bool)
         target = _top_tokens(signal.attention, previous_keep, reducer.keep_tokens)
         losses.append(
