@@ -160,51 +160,10 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
     base_macs = count_macs(model, size) if cost_model is None else cost_model.base_macs
     budget = config.budget.macs(base_macs)
     if cost_model is None:
-        variants, left_out = _known(config.variants), {}
-        with step("fitting each method's keep to the budget, counted"):
-            fitted = windowed_candidates(builder, variants, budget, base_macs)
-        left_out = fitted.left_out
-        if config.variants_named:
-            for name, why in left_out.items():
-                warn(f"{name}: {why}; left out of the search")
-        if not fitted.candidates:
-            reasons = {**fitted.left_out, **fitted.out_of_reach}
-            raise SearchError(
-                "no method fits the budget on this windowed model: "
-                + "; ".join(f"{name}: {why}" for name, why in reasons.items())
-            )
-        variants = [c.variant for c in fitted.candidates]
-        matched = fitted.candidates
-        space_info = {
-            "locations": f"every windowed block (the default): {list(fitted.locs)}",
-            "keep_grid": "steps of 0.01, fitted to the budget",
-            "out_of_reach": fitted.out_of_reach,
-        }
-        space_size = len(matched)
-
-        def cost(candidate: Candidate) -> float | None:
-            return fitted.macs.get(candidate)
+        found = _windowed_space(builder, config, budget, base_macs)
     else:
-        variants, left_out_names = _searchable(config.variants, config.variants_named)
-        left_out = {name: LEFT_OUT_WHY for name in left_out_names}
-        space = build_space(
-            model_map,
-            variants,
-            config.keep_grid,
-            single_location=[v for v in variants if get_variant(v).single_location],
-        )
-        cost = _cost_function(cost_model, model_map)
-
-        with step("enumerating the candidate space"):
-            matched, smallest, space_size = _enumerate(space, variants, cost, budget)
-        if not matched:
-            if smallest is None:
-                raise SearchError("no candidate of the space can be applied to this model")
-            raise SearchError(
-                f"no candidate reaches {_budget_text(config.budget, budget, base_macs)}; the "
-                f"smallest is {smallest / 1e9:.3g} GMACs ({smallest / base_macs:.2f} of the base)"
-            )
-        space_info = {"locations": space.describe(), "keep_grid": list(space.keep_grid)}
+        found = _analytic_space(model_map, cost_model, config, budget, base_macs)
+    variants, matched, cost = found.variants, found.matched, found.cost
 
     with step(f"reading {config.calib_images} calibration images"):
         images, labels = calibration_images(calibration_set, config.calib_images, config.seed)
@@ -227,7 +186,8 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
         calibration = Calibration(images, labels, logits_of(model, images, config.batch_size))
     timings["base_pass"] = time.perf_counter() - clock
 
-    if cost_model is None:  # one candidate per method: every one is scored
+    space = found.space
+    if space is None:  # a windowed model: one candidate per method, every one scored
         default: dict[str, Candidate | None] = {}
         proposals: Proposals | FixedProposals = FixedProposals(matched)
     else:
@@ -256,12 +216,9 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
                 if get_variant(candidate.variant).learned and signals is None:
                     with step("reading block inputs and attention for the predictor warm-up"):
                         clock = time.perf_counter()
-                        blocks = (
-                            list(fitted.locs)
-                            if cost_model is None
-                            else sorted({b for g in space.groups for b in g})
+                        signals = block_signals(
+                            builder, images, found.warm_blocks, config.batch_size
                         )
-                        signals = block_signals(builder, images, blocks, config.batch_size)
                         timings["warmup_inputs"] = time.perf_counter() - clock
                 result = _score(candidate, builder, calibration, signals, config, cost)
                 cache.put(candidate.key, result)
@@ -311,10 +268,10 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
             "asked": config.budget.describe(base_macs),
         },
         "space": {
-            **space_info,
+            **found.info,
             "variants": list(variants),
-            "left_out": left_out,
-            "size": space_size,
+            "left_out": found.left_out,
+            "size": found.size,
             "budget_matched": len(matched),
         },
         "strategy": proposals.name,
@@ -357,6 +314,86 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
     }
     (out / JSON_NAME).write_text(json.dumps(data, indent=2, default=str))
     return SearchResult(data=data, out=out)
+
+
+@dataclass
+class _Candidates:
+    """What a search scores from: its variants (and those left out, with why), the
+    budget-matched candidates, how their MACs are had, the blocks a warm-up reads, and for the
+    JSON the space described. ``space``: the analytic space; ``None`` for a windowed model."""
+
+    variants: list[str]
+    left_out: dict[str, str]
+    matched: list[Candidate]
+    cost: Callable[[Candidate], float | None]
+    warm_blocks: list[int]
+    info: dict[str, Any]
+    size: int
+    space: Space | None = None
+
+
+def _analytic_space(
+    model_map, cost_model: CostModel, config: SearchConfig, budget: float, base_macs: int
+) -> _Candidates:
+    """The space of placements and keep ratios, costed by the analytic model."""
+    variants, left_out = _searchable(config.variants, config.variants_named)
+    space = build_space(
+        model_map,
+        variants,
+        config.keep_grid,
+        single_location=[v for v in variants if get_variant(v).single_location],
+    )
+    cost = _cost_function(cost_model, model_map)
+    with step("enumerating the candidate space"):
+        matched, smallest, size = _enumerate(space, variants, cost, budget)
+    if not matched:
+        if smallest is None:
+            raise SearchError("no candidate of the space can be applied to this model")
+        raise SearchError(
+            f"no candidate reaches {_budget_text(config.budget, budget, base_macs)}; the "
+            f"smallest is {smallest / 1e9:.3g} GMACs ({smallest / base_macs:.2f} of the base)"
+        )
+    return _Candidates(
+        variants=variants,
+        left_out={name: LEFT_OUT_WHY for name in left_out},
+        matched=matched,
+        cost=cost,
+        warm_blocks=sorted({b for g in space.groups for b in g}),
+        info={"locations": space.describe(), "keep_grid": list(space.keep_grid)},
+        size=size,
+        space=space,
+    )
+
+
+def _windowed_space(
+    builder: CandidateBuilder, config: SearchConfig, budget: float, base_macs: int
+) -> _Candidates:
+    """One candidate per method, its keep fitted to the budget with the MACs counted
+    (``search/windowed.py``)."""
+    with step("fitting each method's keep to the budget, counted"):
+        fitted = windowed_candidates(builder, _known(config.variants), budget, base_macs)
+    if config.variants_named:
+        for name, why in fitted.left_out.items():
+            warn(f"{name}: {why}; left out of the search")
+    if not fitted.candidates:
+        reasons = {**fitted.left_out, **fitted.out_of_reach}
+        raise SearchError(
+            "no method fits the budget on this windowed model: "
+            + "; ".join(f"{name}: {why}" for name, why in reasons.items())
+        )
+    return _Candidates(
+        variants=[c.variant for c in fitted.candidates],
+        left_out=fitted.left_out,
+        matched=fitted.candidates,
+        cost=lambda candidate: fitted.macs.get(candidate),
+        warm_blocks=list(fitted.locs),
+        info={
+            "locations": f"every windowed block (the default): {list(fitted.locs)}",
+            "keep_grid": "steps of 0.01, fitted to the budget",
+            "out_of_reach": fitted.out_of_reach,
+        },
+        size=len(fitted.candidates),
+    )
 
 
 class FixedProposals:
