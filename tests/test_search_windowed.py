@@ -5,13 +5,18 @@ per group)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import yaml
+from click.testing import CliRunner
 from torch.utils.data import TensorDataset
 
-from tests.test_windowed import SIZE, _padded_swin, swin
+from tests.test_windowed import SIZE, SWIN, _padded_swin, swin
+from tests.test_windowed_families import _build
 from vitcompress import compress
+from vitcompress.cli.main import cli
 from vitcompress.compilation.rewrite import REDUCER_PREFIX
 from vitcompress.loading import LoadedModel, ModelSource
 from vitcompress.measure import count_macs
@@ -85,6 +90,22 @@ def test_a_budget_no_method_reaches_is_one_line(model, tmp_path):
     assert "etps: 0.05 is out of reach" in message and "dtps: 0.05 is out of reach" in message
 
 
+def test_a_model_of_windowed_and_plain_stages_warms_its_predictors(tmp_path):
+    # Hiera at 64 pixels: locations 0, 1 (mask units: 4 windows of 16 tokens) and 2, 8 (plain
+    # stages); block 2's 16 tokens an image must not be read against block 1's windows.
+    hiera, size = _build("hiera")
+    loaded = LoadedModel(model=hiera, source=ModelSource(spec="hiera"), input_size=size)
+    calibration = TensorDataset(torch.randn(16, *size), torch.randint(0, 10, (16,)))
+    data = search(loaded, calibration, _config(tmp_path, 0.95, ["dtps"])).to_json()
+    (row,) = data["candidates"]
+    assert row["locs"] == [0, 1, 2, 8] and len(row["warmup_loss"]) == 4
+
+
+def test_an_unknown_variant_is_one_line(model, tmp_path):
+    with pytest.raises(SearchError, match="--variants: 'etsp' is unknown"):
+        _run(model, tmp_path, 0.9, ["etsp"])
+
+
 def test_a_learned_method_is_left_out_where_padded_windows_have_a_predictor_per_group(tmp_path):
     # 48 pixels: a 12 x 12 grid in windows of 7, padded to 14 x 14; the predictor reduces each
     # group of windows alike in token count on its own.
@@ -140,3 +161,35 @@ def test_the_warm_up_teaches_each_window_its_best_attended_tokens(model):
     # 34 of 49 kept: a choice at random overlaps the best 34 by about 0.69.
     assert max(before) < 0.8 and min(after) > 0.9
     assert without[1] < after[1] - 0.05
+
+
+def test_the_command_line_searches_a_windowed_model(tmp_path):
+    args = [f"{key}={value!r}" for key, value in {**SWIN, "num_classes": 10}.items()]
+    result = CliRunner().invoke(
+        cli,
+        [
+            "search",
+            "--model",
+            "swin_tiny_patch4_window7_224",
+            *[part for arg in args for part in ("--model-arg", arg)],
+            "--data",
+            "fashion-mnist",
+            "--calib-images",
+            "8",
+            "--batch-size",
+            "8",
+            "--variants",
+            "etps,tome",
+            "--max-gmacs-ratio",
+            "0.9",
+            "--out",
+            str(tmp_path),
+        ],
+    )
+    if "Fashion-MNIST" in result.output and result.exit_code != 0:
+        pytest.skip("Fashion-MNIST is not installed here")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "MACs counted on every candidate" in text and "chosen: " in text
+    saved = json.loads((tmp_path / "search.json").read_text())
+    assert saved["strategy"] == "keep fitted to the budget per method"

@@ -112,10 +112,16 @@ def warm_predictors(
     losses = []
     previous_keep: Tensor | None = None  # (images, N0) bool, per stage
     previous_stage_grid: int | None = None
+    previous_windowed = False
     for block, reducer in zip(locs, _reducers(model), strict=True):
         signal = signals[block]
         patches = signal.tokens.shape[1]
-        if previous_keep is None or previous_stage_grid != patches or block in windowed:
+        # A windowed block, or one after it, starts afresh: a windowed block gives every token
+        # back (and its rows are windows, not images: Hiera's windows of 16 tokens before a
+        # plain stage of 16).
+        fresh = block in windowed or previous_windowed
+        previous_windowed = block in windowed
+        if previous_keep is None or previous_stage_grid != patches or fresh:
             previous_keep = torch.ones(signal.attention.shape, dtype=torch.bool)
         target = _top_tokens(signal.attention, previous_keep, reducer.keep_tokens)
         losses.append(

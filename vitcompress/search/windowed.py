@@ -55,6 +55,9 @@ def windowed_candidates(
     windows = [builder.model_map.blocks[i].windows for i in locs]
     warmable = all(w is None or (not w.padded and w.attention_blocker is None) for w in windows)
     for variant in variants:
+        if get_variant(variant).learned and not warmable:
+            found.left_out[variant] = LEARNED_LEFT_OUT_WHY
+            continue
         counted: dict[float, int] = {}
 
         def cost(keep: float, variant: str = variant, counted: dict = counted) -> float | None:
@@ -72,9 +75,6 @@ def windowed_candidates(
                 found.out_of_reach[variant] = e.detail
                 continue
         candidate = Candidate(variant, found.locs, (fit.keep,) * len(locs))
-        if get_variant(variant).learned and not warmable:
-            found.left_out[variant] = LEARNED_LEFT_OUT_WHY
-            continue
         found.candidates.append(candidate)
         found.macs[candidate] = counted[fit.keep]
     return found
