@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import numbers
 from collections.abc import Sequence
@@ -232,6 +233,31 @@ def compress_mapped(
     attach(compressed, **metadata)
     compressed.train(model.training)
     return compressed
+
+
+def compress_copy(
+    model: nn.Module,
+    captured: CapturedGraph,
+    model_map: ModelMap,
+    size: tuple[int, ...],
+    method: Variant,
+    keep: Keep,
+    locs: list[int] | None,
+    policy: str,
+) -> nn.Module:
+    """:func:`compress_mapped` on copies of ``captured`` and ``model_map``, which compressing
+    consumes: one capture of ``model`` then makes as many compressed models as asked (a search's
+    candidates, the keeps a budget fit tries)."""
+    return compress_mapped(
+        model,
+        copy.deepcopy(captured),
+        copy.deepcopy(model_map),
+        size,
+        method,
+        keep,
+        locs,
+        policy,
+    )
 
 
 def _keep_ratios(keep: float | Sequence[float] | None, model_map: ModelMap) -> list[float]:

@@ -13,7 +13,6 @@ It sits above the compilation and the counter it drives: ``compress_within_gmacs
 
 from __future__ import annotations
 
-import copy
 import math
 import numbers
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from torch import nn
 from vitcompress.api import compress_loaded
 from vitcompress.compilation.compression import (
     capture_and_map,
+    compress_copy,
     compress_mapped,
     resolve_input_size,
 )
@@ -208,16 +208,9 @@ def compress_within_gmacs(
 
     def cost(keep: float) -> float | None:
         with step(f"counting the MACs at keep {keep:g}"):
-            try:  # compressing consumes its capture: each try takes a copy
-                compressed = compress_mapped(
-                    model,
-                    copy.deepcopy(captured),
-                    copy.deepcopy(model_map),
-                    size,
-                    method,
-                    [keep],
-                    locs,
-                    policy,
+            try:
+                compressed = compress_copy(
+                    model, captured, model_map, size, method, [keep], locs, policy
                 )
             except PlanError:
                 return None

@@ -9,7 +9,6 @@ ranks candidates is ``-KL``: higher is better, 0 is the base itself.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from torch.utils.data import Dataset
 
 from vitcompress.analysis.capture import CapturedGraph
 from vitcompress.analysis.model_map import ModelMap
-from vitcompress.compilation.compression import capture_and_map, compress_mapped
+from vitcompress.compilation.compression import capture_and_map, compress_copy
 from vitcompress.compilation.plan import resolve_variant
 from vitcompress.data import DataError
 from vitcompress.measure.logits import unwrap_logits
@@ -113,11 +112,9 @@ class CandidateBuilder:
 
     def build(self, variant: str | Variant, keep: list[float], locs: list[int]) -> nn.Module:
         """The base compressed by ``variant`` (a candidate's name, or the method itself)."""
-        captured = copy.deepcopy(self._captured)  # compress_mapped consumes its capture
-        model_map = copy.deepcopy(self.model_map)
         method = resolve_variant(variant)
-        compressed = compress_mapped(
-            self.model, captured, model_map, self.input_size, method, keep, locs, "score"
+        compressed = compress_copy(
+            self.model, self._captured, self.model_map, self.input_size, method, keep, locs, "score"
         )
         return compressed.eval()
 
