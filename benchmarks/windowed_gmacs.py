@@ -67,6 +67,7 @@ MODELS: dict[str, tuple[str, int, dict]] = {
     "sam2_hiera": ("sam2_hiera_tiny", 224, {}),
     "volo": ("volo_d1_224", 224, {}),
     "hiera": ("hiera_tiny_224", 224, {}),
+    "mvitv2": ("mvitv2_tiny", 224, {}),
     # transformers' SAM vision encoder (ViT-B: SamVisionConfig's defaults) at 448 px, as timm's
     # samvit448: a 28 x 28 grid in 2 x 2 windows of 14, and 4 global blocks.
     "hf_sam448": (HF_SAM, 448, {"image_size": 448}),

@@ -22,6 +22,7 @@ from vitcompress import compress, map_model
 from vitcompress.analysis.analyse import MappingError
 from vitcompress.analysis.capture import capture
 from vitcompress.analysis.positions import gather_layout
+from vitcompress.errors import UserError
 from vitcompress.measure import count_macs
 from vitcompress.modules.position_tables import PositionGather
 from vitcompress.workflows.export import export_model
@@ -166,6 +167,9 @@ class _Blocks(nn.Module):
         side = int(math.sqrt(t))
         grid = x.reshape(b, side, side, c).clone()
         grid[:, 1:, 1:] = grid[:, 1:, 1:] * 2.0
+        # A size read off the written tensor decides a branch (MViTv2's ``max(k_h / q_h, 1.0)``
+        # on the sizes of what its relative positions were written into, a block on).
+        grid = grid * max(grid.shape[1] / side, 1.0)
         return grid.reshape(b, t, c)
 
 
@@ -211,10 +215,52 @@ def _refusal(name: str, size: tuple[int, int, int], fused: bool = True, **kwargs
     return line
 
 
-def test_mvitv2_is_refused_at_its_pooling_attention() -> None:
-    line = _refusal("mvitv2_tiny", (3, 64, 64), img_size=64)
+def _mvitv2(name: str = "mvitv2_tiny") -> nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(name, img_size=64, num_classes=10).eval()
+
+
+def test_mvitv2_blocks_map_as_one_window_over_their_grid_whose_attention_runs_whole() -> None:
+    """MViTv2 pools queries, keys and values on a grid made per head inside its attention, so
+    the attention needs every token: each block is one window over its grid, its attention run
+    whole (the reason kept), its MLP reduced. The stage transitions, whose queries are pooled
+    by stride 2, change the token count and are left whole."""
+    model_map = map_model(_mvitv2(), (3, 64, 64))
+    assert model_map.capture == "guarded_trace" and model_map.leaves == []
+    assert [b.path for b in model_map.blocks] == [
+        "stages.0.blocks.0",
+        "stages.1.blocks.1",
+        *(f"stages.2.blocks.{i}" for i in range(1, 5)),
+        "stages.3.blocks.1",
+    ]
+    sides, heads_per_stage = (16, 8, 4, 4, 4, 4, 2), (1, 2, 4, 4, 4, 4, 8)
+    for block, side, heads in zip(model_map.blocks, sides, heads_per_stage, strict=True):
+        windows = block.windows
+        assert block.tokens == side * side and block.grid == (side, side)
+        assert (windows.count, windows.tokens) == (1, side * side)
+        assert windows.order == tuple(range(side * side)) and not windows.padded
+        assert windows.attention_blocker.startswith(
+            f"pooling attention at {block.path}.attn.pool_q: the conv pools queries, keys or "
+            f"values split into {heads} head{'s' if heads > 1 else ''} on the {side}x{side}"
+        )
+        assert block.grid_ops == []  # the attention's pooling needs no grid given back
+
+
+def test_mvitv2_with_a_class_token_is_refused_in_one_line() -> None:
+    with pytest.raises(MappingError) as refused:
+        map_model(_mvitv2("mvitv2_small_cls"), (3, 64, 64))
+    line = str(refused.value)
+    assert "\n" not in line
     assert line.startswith("pooling attention at stages.0.blocks.0.attn.pool_q")
-    assert "split into 1 head on the 16x16 token grid" in line
+    assert line.endswith(
+        "has 1 prefix token(s) beside the grid, which a reduction over the whole grid does not "
+        "support"
+    )
+
+
+def test_tome_is_refused_on_mvitv2s_pooled_keys() -> None:
+    with pytest.raises(UserError, match=r"attends over 16 pooled keys for its 256 tokens"):
+        compress(_mvitv2(), "tome", keep=[0.7], input_size=(3, 64, 64))
 
 
 def test_nest_unfused_is_refused_as_windowed() -> None:

@@ -2,7 +2,8 @@
 (a conv between the attention and the MLP; DaViT's channel attention left whole), GCViT (a
 global query: reduced after its attention only), HuggingFace Swin and Swinv2, the SAM ViT
 encoder (a predictor refused in one line), NesT (windows on an axis of their own) and
-SAM2-Hiera (its query-pooling blocks left whole). Each working family: windows found as its
+SAM2-Hiera (its query-pooling blocks left whole), MViTv2 (one window over each block's grid,
+its pooling attention run whole). Each working family: windows found as its
 config lays them out, keep 1 exact on sharpened weights, keep 0.7 reduces every window alike,
 a training step is finite, the ONNX export matches."""
 
@@ -117,6 +118,13 @@ def _gcvit() -> nn.Module:
     return timm.create_model("gcvit_xxtiny", img_size=64, num_classes=10)
 
 
+def _mvitv2() -> nn.Module:
+    """64 x 64: stage grids 16, 8, 4, 2; every block pools its keys and values (and its
+    queries, by stride 1) on a per-head grid, so its attention runs whole and its MLP is
+    reduced; the stage transitions are left whole."""
+    return timm.create_model("mvitv2_tiny", img_size=64, num_classes=10)
+
+
 def _hf(name: str) -> Callable[[], nn.Module]:
     """A transformers classifier of ``tests/fixtures/hf_models.py``, images in, logits out."""
     return lambda: hf_models.sharpen(hf_models.Logits(hf_models.build(name)[0]))
@@ -132,6 +140,7 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], int, tuple[str, ...]]] = {
     "nest": (_nest, 64, METHODS),
     "sam2_hiera": (_sam2_hiera, 64, METHODS),  # its query-pooling blocks left whole
     "hiera": (_hiera, 64, METHODS),  # likewise
+    "mvitv2": (_mvitv2, 64, PREDICTORS + ("etps", "evit")),  # ToMe: its keys are pooled
     "hf_swin": (_hf("hf_swin"), 56, METHODS),
     "hf_swinv2": (_hf("hf_swinv2"), 56, METHODS),
     # transformers' SAM vision encoder

@@ -40,6 +40,7 @@ from vitcompress.analysis.model_map import (
     ModelMap,
     Stage,
     TokenReader,
+    Windows,
 )
 from vitcompress.analysis.parallel import Combination, block_end, combine_cores
 from vitcompress.analysis.per_token import find_per_token_branches
@@ -164,10 +165,17 @@ def _walk_to_grid(
 
 
 def _grid_ops(
-    gm: fx.GraphModule, attn: Residual, mlp: Residual | None, anc: Ancestry
+    gm: fx.GraphModule,
+    attn: Residual,
+    mlp: Residual | None,
+    anc: Ancestry,
+    attention_whole: bool = False,
 ) -> list[GridOp]:
+    """The ops of a block that read its token grid; an attention that runs on every token
+    (``attention_whole``) needs no grid given back, so its ops are not among them."""
     found = []
-    for branch_name, residual in (("attention", attn), ("mlp", mlp)):
+    branches = (("mlp", mlp),) if attention_whole else (("attention", attn), ("mlp", mlp))
+    for branch_name, residual in branches:
         for node in residual.nodes if residual is not None else []:
             kind = ops.grid_op_kind(gm, node)
             if kind is None:
@@ -178,7 +186,9 @@ def _grid_ops(
             grid = tuple(in_shape[2:])  # (H, W), or a video's (T, H, W)
             found_tokens = _tokens_before_grid(node.args[0], math.prod(grid))
             if found_tokens is None:
-                _refuse_per_head_grid(gm, node, kind, in_shape, residual)
+                reason = _per_head_grid(node, kind, in_shape, residual)
+                if reason is not None:  # a whole-grid block's attention is left out above
+                    raise MappingError(f"{reason}; the block's tokens cannot be reduced")
                 continue
             tokens_node, to_grid = found_tokens
             from_grid = _flatten_back(node, math.prod(grid), len(in_shape))
@@ -197,29 +207,41 @@ def _grid_ops(
     return found
 
 
-def _refuse_per_head_grid(
-    gm: fx.GraphModule, node: fx.Node, kind: str, in_shape: tuple, residual: Residual
-) -> None:
+def _per_head_grid(node: fx.Node, kind: str, in_shape: tuple, residual: Residual) -> str | None:
     """Pooling attention (MViTv2): queries, keys or values split into heads, each head's laid
     out on the token grid ((images x heads, C/h, H, W)) and pooled by a conv there. No (B, N, C)
     tokens lead to that grid through layout ops alone, so the grid cannot be given back to
     reduced tokens before the op (as it is for PVT's spatial reduction, which pools the tokens
-    themselves), and the op would pool tokens in the wrong cells: refused in one line. A grid
-    op on a grid of more cells than the block has tokens is not of the block's tokens."""
+    themselves): the attention must run on every token. Returns why, or ``None`` where the op
+    is not such a grid: one of more cells than the block has tokens is not of its tokens."""
     images, tokens = ops.shape(residual.skip)[0], ops.shape(residual.skip)[1]
     cells = math.prod(in_shape[2:])
     if in_shape[0] % images or cells > tokens:
-        return
+        return None
     path = ops.module_path(node) if node.op == "call_module" else node.name
     heads = in_shape[0] // images
-    raise MappingError(
+    return (
         f"pooling attention at {path}: the {kind} pools queries, keys or values split into "
         f"{heads} head{'s' if heads > 1 else ''} on the {'x'.join(map(str, in_shape[2:]))} "
         "token grid, a grid made per head inside the attention, not laid out from the block's "
-        "(B, N, C) tokens, so reduced tokens cannot be given their grid back before it (as "
-        "they are before a spatial reduction that pools the tokens themselves); the block's "
-        "tokens cannot be reduced"
+        "(B, N, C) tokens, so the attention runs on every token"
     )
+
+
+def per_head_grid_attention(gm: fx.GraphModule, attn: Residual) -> str | None:
+    """Why an attention residual's attention must run on every token because it pools on a grid
+    made per head (``_per_head_grid``), or ``None``."""
+    for node in attn.nodes:
+        kind = ops.grid_op_kind(gm, node)
+        in_shape = ops.shape(node.args[0]) if kind is not None and node.args else None
+        if in_shape is None or len(in_shape) < 4:
+            continue
+        if _tokens_before_grid(node.args[0], math.prod(in_shape[2:])) is not None:
+            continue
+        reason = _per_head_grid(node, kind, in_shape, attn)
+        if reason is not None:
+            return reason
+    return None
 
 
 def _tokens_before_grid(grid_node: fx.Node, cells: int) -> tuple[fx.Node, fx.Node] | None:
@@ -428,6 +450,27 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 )
             )
         stage = stages[-1]
+        # Pooling attention (MViTv2's) needs every token on the grid it makes per head: the
+        # block is mapped as one window over its whole grid whose attention runs whole, so the
+        # MLP runs on the kept tokens and the block gives every token back, as a windowed one.
+        whole = per_head_grid_attention(gm, attn) if window is None else None
+        whole_grid = None
+        if whole is not None:
+            where = f"{whole}, and its block"
+            if mlp is None:
+                raise MappingError(f"{where} has no MLP residual after it to reduce")
+            if stage.prefix_tokens:
+                raise MappingError(
+                    f"{where} has {stage.prefix_tokens} prefix token(s) beside the grid, which "
+                    "a reduction over the whole grid does not support"
+                )
+            whole_grid = Windows(
+                count=1,
+                tokens=tokens,
+                order=tuple(range(tokens)),
+                mlp_input_node=mlp.skip.name,
+                attention_blocker=whole,
+            )
         mlp_nodes = mlp.nodes + [mlp.add] if mlp is not None else []
         paths = [ops.module_path(n) for n in attn.nodes + [attn.add] + mlp_nodes]
         path = ops.common_path([p for p in paths if p])
@@ -447,7 +490,7 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 input_node=entry.name,
                 attn_add_node=attn.add.name,
                 output_node=last.add.name,
-                grid_ops=_grid_ops(gm, attn, mlp, anc),
+                grid_ops=_grid_ops(gm, attn, mlp, anc, attention_whole=whole is not None),
                 # A parallel block's MLP runs before any reduction, as its attention does: its
                 # nodes count as the attention branch.
                 position_uses=find_position_uses(
@@ -455,7 +498,9 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                     image,
                     # A windowed block's attention runs on every token: only its MLP counts.
                     {
-                        "attention": attn.nodes + [attn.add] if window is None else [],
+                        "attention": attn.nodes + [attn.add]
+                        if window is None and whole is None
+                        else [],
                         "mlp": mlp_nodes,
                     },
                     core,
@@ -468,10 +513,10 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 score_combination=combination.kind,
                 score_coefficient=combination.coefficient,
                 score_blocker=combination.blocker,
-                windows=window.windows if window is not None else None,
+                windows=window.windows if window is not None else whole_grid,
             )
         )
-        if window is not None:
+        if window is not None or whole_grid is not None:
             _check_windowed_block(blocks[-1])
     # Every block's own nodes: what follows a block outside them is its readers' and exits'.
     inside = {n for attn, mlp, _ in pairs for n in _block_nodes(attn, mlp)}

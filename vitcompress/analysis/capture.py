@@ -371,7 +371,11 @@ class _SizedProxy(fx.Proxy):
         # Python variable the code goes on reading: ``attn`` after ``attn[...] = ...``) now
         # stands for it. Views taken of the tensor before the write do not see it; eager code
         # reading such a view after the write is not supported.
-        self.node = self.tracer.item_write(self, index, value).node  # type: ignore[attr-defined]
+        written = self.tracer.item_write(self, index, value)  # type: ignore[attr-defined]
+        self.node = written.node
+        # The guarded trace holds a node's example value only while a proxy of it lives; this
+        # proxy now stands for the write, so it keeps the write's proxy (and value) alive.
+        self._written = written
 
 
 @dataclass

@@ -179,6 +179,17 @@ class TokenMerging(Variant):
         scored = super().refusal(model_map, plan)
         if scored is not None:
             return scored
+        for loc in plan.locations:
+            block = model_map.blocks[loc.block]
+            keys = block.attention.key_tokens
+            # A block whose attention runs whole within one window over its grid (MViTv2's
+            # pooling attention) may pool its keys: they are not the window's tokens.
+            if block.windows is not None and keys is not None and keys < block.windows.tokens:
+                return (
+                    f"block {block.index} ({block.attention.path}) attends over {keys} pooled "
+                    f"keys for its {block.windows.tokens} tokens: tome matches tokens by their "
+                    "keys, so it is refused there"
+                )
         first = plan.locations[0] if plan.locations else None
         for block in model_map.blocks[first.block :] if first else []:
             keys = block.attention.key_tokens
