@@ -331,3 +331,33 @@ def test_inspect_of_a_pyramid_claims_no_cls():
     result = run("inspect", "--model", PYRAMID)
     header = result.output.splitlines()[0]
     assert "prefix tokens 0  grid" in header and "cls" not in header
+
+
+TINY_VIT = [
+    arg
+    for key, value in dict(img_size=32, patch_size=8, depth=2, embed_dim=64, num_heads=2).items()
+    for arg in ("--model-arg", f"{key}={value}")
+]
+
+
+@pytest.mark.parametrize("plan, warned", [(("dtps", "0.99"), True), (("etps", "0.5"), False)])
+def test_apply_warns_when_the_compressed_model_is_no_cheaper(plan, warned, caplog):
+    """dTPS keeping 15 of 16 tokens pays its predictor for one token: more MACs than the base."""
+    variant, keep = plan
+    result = run(
+        "apply",
+        "--model",
+        "vit_tiny_patch16_224",
+        *TINY_VIT,
+        "--variant",
+        variant,
+        "--keep",
+        keep,
+        "--no-throughput",
+        "--json",
+    )
+    assert result.exit_code == 0, result.output
+    ratio = json.loads(result.stdout)["macs_ratio"]
+    assert (ratio >= 1.0) is warned
+    message = f"the compressed model needs {ratio:.3f} of the base's GMACs"
+    assert (message in caplog.text) is warned

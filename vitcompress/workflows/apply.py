@@ -107,6 +107,7 @@ def _compress_and_measure(
     )
     info = compression_info(model)
     assert info is not None  # the compression attached it
+    _warn_if_no_cheaper(measured["base"].macs, measured["compressed"].macs)
     result = ApplyResult(
         base=measured["base"],
         compressed=measured["compressed"],
@@ -142,6 +143,20 @@ def _compress_and_measure(
         ],
     )
     return result, model
+
+
+def _warn_if_no_cheaper(base_macs: float, compressed_macs: float) -> None:
+    """A plan can cost more than it saves: where only part of a block is reduced (a window's
+    MLP) and the reducer's own work (a predictor, matching pruned tokens to hosts over a large
+    window) outweighs it. The report shows the ratio; this says what it means."""
+    if compressed_macs < base_macs:
+        return
+    log.warning(
+        "the compressed model needs %.3f of the base's GMACs: what its reducers cost (a "
+        "predictor, matching pruned tokens to their hosts) is more than the tokens they remove "
+        "save; try fewer locations (--locs), a lower keep or --keep-for-gmacs-ratio",
+        compressed_macs / base_macs,
+    )
 
 
 def _attention_whole(info: CompressionInfo, block: int) -> str | None:
