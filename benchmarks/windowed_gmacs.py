@@ -82,6 +82,7 @@ def measure(
     carry_windows: bool = False,
     carry_branches: bool = True,
     gmacs_ratio: float | None = None,
+    locs: list[int] | None = None,
 ) -> dict:
     spec, side, kwargs = MODELS[name]
     torch.manual_seed(0)
@@ -95,6 +96,7 @@ def measure(
         "carry_windows": carry_windows,
         "carry_branches": carry_branches,
         **({"keep_for_gmacs_ratio": gmacs_ratio} if gmacs_ratio is not None else {}),
+        **({"locs": locs} if locs is not None else {}),
     }
     settings = {
         **({"carry_windows": True} if carry_windows else {}),
@@ -104,10 +106,22 @@ def measure(
         started = time.perf_counter()
         try:
             compressed = (
-                compress(model, method, keep=[0.7], input_size=size, variant_args=settings or None)
+                compress(
+                    model,
+                    method,
+                    keep=[0.7] * (len(locs) if locs else 1),
+                    locs=locs,
+                    input_size=size,
+                    variant_args=settings or None,
+                )
                 if gmacs_ratio is None
                 else compress_within_gmacs(
-                    model, method, gmacs_ratio, input_size=size, variant_args=settings or None
+                    model,
+                    method,
+                    gmacs_ratio,
+                    locs=locs,
+                    input_size=size,
+                    variant_args=settings or None,
                 )
             )
         except UserError as refusal:
@@ -149,8 +163,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="R",
         help="report the largest keep within R of the base's GMACs instead of keep 0.7's cost",
     )
+    p.add_argument(
+        "--locs",
+        default=None,
+        help="comma-separated block indices, the same for every model and method (default: each "
+        "method's own default locations)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    locs = [int(b) for b in args.locs.split(",")] if args.locs else None
     unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
@@ -161,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             args.carry_windows,
             not args.no_carry_branches,
             args.keep_for_gmacs_ratio,
+            locs,
         )
         for name in args.models.split(",")
     }

@@ -3,15 +3,17 @@
 ConViT's gated positional self-attention is supported: its positional attention is computed from
 a (1, N, N, 3) table of relative positions, which is gathered by the kept tokens, so keep 1 is
 exact on sharpened weights (and not without the gather), keep 0.7 is cheaper, a training step is
-finite and the ONNX export matches. MViTv2 (pooling attention on per-head grids), NesT (windows
-on an axis of their own) and XCiT (attention over channels) are each refused in one line that
-names what blocks them.
+finite and the ONNX export matches. MViTv2's blocks (pooling attention on per-head grids) map
+as one window over their grid whose attention runs whole (its families' checks are in
+tests/test_windowed_families.py); NesT's unfused attention (windows on an axis of their own) and
+XCiT (attention over channels) are each refused in one line that names what blocks them.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import re
 
 import pytest
 import timm
@@ -24,6 +26,7 @@ from vitcompress.analysis.capture import capture
 from vitcompress.analysis.positions import gather_layout
 from vitcompress.errors import UserError
 from vitcompress.measure import count_macs
+from vitcompress.measure.keep_fit import compress_within_gmacs
 from vitcompress.modules.position_tables import PositionGather
 from vitcompress.workflows.export import export_model
 
@@ -244,6 +247,8 @@ def test_mvitv2_blocks_map_as_one_window_over_their_grid_whose_attention_runs_wh
             f"values split into {heads} head{'s' if heads > 1 else ''} on the {side}x{side}"
         )
         assert block.grid_ops == []  # the attention's pooling needs no grid given back
+    transitions = sorted(reason.split(":")[0] for reason in model_map.left_whole)
+    assert transitions == [f"stages.{stage}.blocks.0.attn" for stage in (1, 2, 3)]
 
 
 def test_mvitv2_with_a_class_token_is_refused_in_one_line() -> None:
@@ -258,9 +263,18 @@ def test_mvitv2_with_a_class_token_is_refused_in_one_line() -> None:
     )
 
 
-def test_tome_is_refused_on_mvitv2s_pooled_keys() -> None:
+def test_tome_is_refused_where_mvitv2s_keys_are_pooled_and_merges_where_they_are_not() -> None:
+    """Stage 0 pools its keys by stride 4 (16 keys for 256 tokens): refused. Stage 2's keys pass
+    a stride-1 conv, one per token: ToMe matches by them and merges the MLP's tokens."""
+    model, size = _mvitv2(), (3, 64, 64)
     with pytest.raises(UserError, match=r"attends over 16 pooled keys for its 256 tokens"):
-        compress(_mvitv2(), "tome", keep=[0.7], input_size=(3, 64, 64))
+        compress(model, "tome", keep=[0.7], input_size=size)
+    merged = compress(model, "tome", keep=[0.7], locs=[2], input_size=size).eval()
+    images = torch.randn(2, *size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out, base = merged(images), model(images)
+    assert out.shape == base.shape and not torch.allclose(out, base)
+    assert count_macs(merged, size) < count_macs(model, size)
 
 
 def test_nest_unfused_is_refused_as_windowed() -> None:
@@ -286,3 +300,16 @@ def test_xcit_is_refused_as_channel_attention() -> None:
     )
     assert line.startswith("cross-covariance attention over channels at blocks.0.attn")
     assert "32 x 32 channels per head over all 16 tokens" in line
+
+
+def test_a_keep_fit_says_why_no_keep_is_taken() -> None:
+    """ToMe refuses MViTv2's block 0 at every keep: the keep fit's line carries that reason."""
+    with pytest.raises(UserError) as refused:
+        compress_within_gmacs(_mvitv2(), "tome", 0.85, input_size=(3, 64, 64))
+    line = str(refused.value)
+    assert line.startswith("keep_for_gmacs_ratio no keep tried is taken by this method here; ")
+    assert re.search(
+        r"; (\d+) of the \1 keeps tried were refused: block 0 \(stages\.0\.blocks\.0\.attn\) "
+        r"attends over 16 pooled keys for its 256 tokens",
+        line,
+    )

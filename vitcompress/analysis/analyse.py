@@ -169,26 +169,23 @@ def _grid_ops(
     attn: Residual,
     mlp: Residual | None,
     anc: Ancestry,
-    attention_whole: bool = False,
+    attention_whole: bool,
 ) -> list[GridOp]:
     """The ops of a block that read its token grid; an attention that runs on every token
     (``attention_whole``) needs no grid given back, so its ops are not among them."""
     found = []
     branches = (("mlp", mlp),) if attention_whole else (("attention", attn), ("mlp", mlp))
     for branch_name, residual in branches:
-        for node in residual.nodes if residual is not None else []:
-            kind = ops.grid_op_kind(gm, node)
-            if kind is None:
-                continue
-            in_shape = ops.shape(node.args[0])
-            if in_shape is None or len(in_shape) < 4:
-                continue
+        for node, kind, in_shape in _grid_nodes(gm, residual) if residual is not None else []:
             grid = tuple(in_shape[2:])  # (H, W), or a video's (T, H, W)
             found_tokens = _tokens_before_grid(node.args[0], math.prod(grid))
             if found_tokens is None:
                 reason = _per_head_grid(node, kind, in_shape, residual)
-                if reason is not None:  # a whole-grid block's attention is left out above
-                    raise MappingError(f"{reason}; the block's tokens cannot be reduced")
+                if reason is not None:  # a pooling attention's block runs it whole: not here
+                    raise MappingError(
+                        f"{reason}, in the block's {branch_name} branch, where it cannot run "
+                        "whole; the block's tokens cannot be reduced"
+                    )
                 continue
             tokens_node, to_grid = found_tokens
             from_grid = _flatten_back(node, math.prod(grid), len(in_shape))
@@ -224,24 +221,34 @@ def _per_head_grid(node: fx.Node, kind: str, in_shape: tuple, residual: Residual
         f"pooling attention at {path}: the {kind} pools queries, keys or values split into "
         f"{heads} head{'s' if heads > 1 else ''} on the {'x'.join(map(str, in_shape[2:]))} "
         "token grid, a grid made per head inside the attention, not laid out from the block's "
-        "(B, N, C) tokens, so the attention runs on every token"
+        "(B, N, C) tokens"
     )
 
 
-def per_head_grid_attention(gm: fx.GraphModule, attn: Residual) -> str | None:
+def _pooling_attention(gm: fx.GraphModule, attn: Residual) -> str | None:
     """Why an attention residual's attention must run on every token because it pools on a grid
     made per head (``_per_head_grid``), or ``None``."""
-    for node in attn.nodes:
-        kind = ops.grid_op_kind(gm, node)
-        in_shape = ops.shape(node.args[0]) if kind is not None and node.args else None
-        if in_shape is None or len(in_shape) < 4:
-            continue
+    for node, kind, in_shape in _grid_nodes(gm, attn):
         if _tokens_before_grid(node.args[0], math.prod(in_shape[2:])) is not None:
             continue
         reason = _per_head_grid(node, kind, in_shape, attn)
         if reason is not None:
-            return reason
+            return f"{reason}, so the attention runs on every token"
     return None
+
+
+def _grid_nodes(gm: fx.GraphModule, residual: Residual) -> list[tuple[fx.Node, str, tuple]]:
+    """The residual's ops on a grid of 2 or more dims ((B, C, H, W) or a video's (B, C, T, H,
+    W)): each with its kind and its input's shape."""
+    found = []
+    for node in residual.nodes:
+        kind = ops.grid_op_kind(gm, node)
+        if kind is None:
+            continue
+        in_shape = ops.shape(node.args[0])
+        if in_shape is not None and len(in_shape) >= 4:
+            found.append((node, kind, in_shape))
+    return found
 
 
 def _tokens_before_grid(grid_node: fx.Node, cells: int) -> tuple[fx.Node, fx.Node] | None:
@@ -453,10 +460,10 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         # Pooling attention (MViTv2's) needs every token on the grid it makes per head: the
         # block is mapped as one window over its whole grid whose attention runs whole, so the
         # MLP runs on the kept tokens and the block gives every token back, as a windowed one.
-        whole = per_head_grid_attention(gm, attn) if window is None else None
+        pooling = _pooling_attention(gm, attn) if window is None else None
         whole_grid = None
-        if whole is not None:
-            where = f"{whole}, and its block"
+        if pooling is not None:
+            where = f"{pooling}, and its block"
             if mlp is None:
                 raise MappingError(f"{where} has no MLP residual after it to reduce")
             if stage.prefix_tokens:
@@ -469,7 +476,7 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 tokens=tokens,
                 order=tuple(range(tokens)),
                 mlp_input_node=mlp.skip.name,
-                attention_blocker=whole,
+                attention_blocker=pooling,
             )
         mlp_nodes = mlp.nodes + [mlp.add] if mlp is not None else []
         paths = [ops.module_path(n) for n in attn.nodes + [attn.add] + mlp_nodes]
@@ -490,7 +497,7 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 input_node=entry.name,
                 attn_add_node=attn.add.name,
                 output_node=last.add.name,
-                grid_ops=_grid_ops(gm, attn, mlp, anc, attention_whole=whole is not None),
+                grid_ops=_grid_ops(gm, attn, mlp, anc, attention_whole=pooling is not None),
                 # A parallel block's MLP runs before any reduction, as its attention does: its
                 # nodes count as the attention branch.
                 position_uses=find_position_uses(
@@ -499,7 +506,7 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                     # A windowed block's attention runs on every token: only its MLP counts.
                     {
                         "attention": attn.nodes + [attn.add]
-                        if window is None and whole is None
+                        if window is None and pooling is None
                         else [],
                         "mlp": mlp_nodes,
                     },

@@ -360,6 +360,10 @@ class _SizedProxy(fx.Proxy):
     """A proxy whose ``len`` and ``int`` the :class:`GuardedTracer` answers where they are
     structural, and that takes item assignment."""
 
+    # The proxy of the last write into it, kept alive with it (``__setitem__``). Declared here:
+    # ``fx.Proxy.__getattr__`` would record a read of a missing attribute as a graph node.
+    _written: fx.Proxy | None = None
+
     def __len__(self) -> int:
         return self.tracer.length(self)  # type: ignore[attr-defined]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from vitcompress.status import step
 from vitcompress.variants import Variant
 
 PARAMETER = "keep_for_gmacs_ratio"
+NONE_TAKEN = "no keep tried is taken by this method here"
 ATTRIBUTE = "vitcompress_keep_fit"  # what was found, on the compressed model
 
 
@@ -150,7 +152,7 @@ def fit_keep(cost: Callable[[float], float | None], target: GmacsRatio) -> KeepF
         over = index
     taken = [i for i, c in tried.items() if c is not None]
     if not taken:
-        raise PlanError("no keep tried is taken by this method here", PARAMETER)
+        raise PlanError(NONE_TAKEN, PARAMETER)
     bottom = min(taken)
     raise _out_of_reach(target, bottom, tried[bottom], steps)
 
@@ -206,17 +208,31 @@ def compress_within_gmacs(
     device = captured.example.device
     base_macs = count_macs(model, size, device)
 
+    refusals: list[PlanError] = []
+
     def cost(keep: float) -> float | None:
         with step(f"counting the MACs at keep {keep:g}"):
             try:
                 compressed = compress_copy(
                     model, captured, model_map, size, method, [keep], locs, policy
                 )
-            except PlanError:
+            except PlanError as refused:
+                refusals.append(refused)
                 return None
             return count_macs(compressed, size, device) / base_macs
 
-    fit = fit_keep(cost, target)
+    try:
+        fit = fit_keep(cost, target)
+    except PlanError as e:
+        if e.detail != NONE_TAKEN or not refusals:
+            raise
+        # No keep taken: most keeps were refused for a reason that is the method's on this
+        # model (ToMe on pooled keys), not a keep's; that line says why.
+        reason, count = Counter(str(r) for r in refusals).most_common(1)[0]
+        raise PlanError(
+            f"{NONE_TAKEN}; {count} of the {len(refusals)} keeps tried were refused: {reason}",
+            PARAMETER,
+        ) from None
     compressed = compress_mapped(model, captured, model_map, size, method, [fit.keep], locs, policy)
     attach(compressed, **{ATTRIBUTE: fit.to_json()})
     return compressed
