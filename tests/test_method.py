@@ -226,3 +226,55 @@ def test_attention_with_probs_is_the_attention_and_its_received_score():
     # Half precision: the probabilities in float32, the output in the values' dtype.
     out_half, probs_half = attention_with_probs(q.bfloat16(), k.bfloat16(), v.bfloat16())
     assert out_half.dtype == torch.bfloat16 and probs_half.dtype == torch.float32
+
+
+def _spread_by_hand(scores, grid, kernel, stride, padding):
+    """Each token's score: the mean over the keys whose window (kernel at stride, padded)
+    holds it; 0 where none does."""
+    (height, width), (h, w) = grid, (int(math.isqrt(scores.shape[1])),) * 2
+    out = torch.zeros(scores.shape[0], height * width, dtype=scores.dtype)
+    for row in range(height):
+        for col in range(width):
+            readers = [
+                i * w + j
+                for i in range(h)
+                for j in range(w)
+                if 0 <= row - (i * stride - padding) < kernel
+                and 0 <= col - (j * stride - padding) < kernel
+            ]
+            if readers:
+                out[:, row * width + col] = scores[:, readers].mean(dim=1)
+    return out
+
+
+@pytest.mark.parametrize(
+    "grid, kernel, stride, padding",
+    [
+        ((16, 16), 3, 4, 1),  # MViTv2's stage 0: a row in four read by no key, two at the end
+        ((8, 8), 3, 2, 1),  # CvT's keys: windows overlap, a token read by two keys
+        ((16, 16), 4, 4, 0),  # PVT's: every key reads its own cell
+    ],
+)
+def test_pooled_key_scores_spread_to_the_tokens_each_key_reads(grid, kernel, stride, padding):
+    from vitcompress.method import key_scores_to_tokens
+
+    keys = (grid[0] + 2 * padding - kernel) // stride + 1
+    scores = torch.rand(2, keys * keys, generator=torch.Generator().manual_seed(0))
+    pool = ((kernel, kernel), (stride, stride), (padding, padding))
+    spread = key_scores_to_tokens(scores, grid, pool=pool)
+    torch.testing.assert_close(spread, _spread_by_hand(scores, grid, kernel, stride, padding))
+    positions = torch.tensor([[5, 0, 17], [2, 3, 4]])
+    torch.testing.assert_close(
+        key_scores_to_tokens(scores, grid, positions, pool), spread.gather(1, positions)
+    )
+    nearest = key_scores_to_tokens(scores, grid)  # no pool known: each key its cell
+    assert torch.equal(spread, nearest) is (kernel == stride and padding == 0)
+
+
+def test_pooled_key_scores_fall_back_to_cells_where_the_pool_does_not_fit_the_grid():
+    from vitcompress.method import key_scores_to_tokens
+
+    scores = torch.rand(1, 16, generator=torch.Generator().manual_seed(0))
+    # 3 x 3 at stride 4 cannot make 4 x 4 keys of a 32 x 32 grid (it would need 8 x 8).
+    odd = key_scores_to_tokens(scores, (32, 32), pool=((3, 3), (4, 4), (1, 1)))
+    assert torch.equal(odd, key_scores_to_tokens(scores, (32, 32)))

@@ -67,6 +67,10 @@ def test_pvt_v2_stages_and_grid_ops():
     ]
     last = model_map["blocks"][-1]["grid_ops"]  # no spatial reduction in the last stage
     assert [op["path"] for op in last] == ["stages.3.blocks.1.mlp.dwconv"]
+    # Each key reads its sr x sr cell (the SR conv's kernel, stride and no padding); the last
+    # stage's keys are its tokens.
+    pools = [b.get("key_pool") for b in model_map["blocks"]]
+    assert pools == [[[s, s], [s, s], [0, 0]] for s in (8, 8, 4, 4, 2, 2)] + [None, None]
 
 
 def test_inhouse_pyramid():

@@ -313,3 +313,30 @@ def test_a_keep_fit_says_why_no_keep_is_taken() -> None:
         r"attends over 16 pooled keys for its 256 tokens",
         line,
     )
+
+
+def test_mvitv2s_pooled_keys_score_the_tokens_they_read() -> None:
+    """Block 0's keys are pooled by a 3 x 3 conv at stride 4, padding 1 (16 keys on a 16 x 16
+    grid): key i reads rows 4i-1..4i+1, so rows 2, 6, 10, 14 and 15 (and the same columns) are
+    read by no key. EViT's score of a token is the attention its key receives, averaged over
+    heads and queries, and 0 where no key reads it."""
+    model = _mvitv2()
+    assert _key_pool_of(model) == ((3, 3), (4, 4), (1, 1))
+    compressed = compress(model, "evit", keep=[0.7], locs=[0], input_size=(3, 64, 64)).eval()
+    seen = {}
+    hook = dict(compressed.named_modules())["tps_hooks.attn0"]
+    hook.register_forward_hook(lambda module, args, out: seen.setdefault("out", out))
+    with torch.no_grad():
+        compressed(torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1)))
+    probs, scores = seen["out"]  # (B, heads, 256 queries, 16 keys), (B, 256)
+    received = probs.mean(dim=(1, 2))  # (B, 16)
+    key_of = {4 * i + d: i for i in range(4) for d in (-1, 0, 1) if 0 <= 4 * i + d < 16}
+    expected = torch.zeros(2, 16, 16)
+    for row, i in key_of.items():
+        for col, j in key_of.items():
+            expected[:, row, col] = received[:, 4 * i + j]
+    torch.testing.assert_close(scores.view(2, 16, 16), expected)
+
+
+def _key_pool_of(model: nn.Module) -> tuple | None:
+    return map_model(model, (3, 64, 64)).blocks[0].attention.key_pool

@@ -71,6 +71,7 @@ def find_attention_cores(gm: fx.GraphModule) -> list[AttentionCore]:
                     query_tokens=q_shape[2],
                     key_tokens=k_shape[2],
                     batch=q_shape[0],
+                    key_pool=_key_pool(gm, k, q_shape[2], k_shape[2]),
                 )
             )
         elif ops.is_softmax(node, gm):
@@ -92,6 +93,9 @@ def find_attention_cores(gm: fx.GraphModule) -> list[AttentionCore]:
                     query_tokens=logits_shape[2],
                     key_tokens=logits_shape[3],
                     batch=logits_shape[0],
+                    key_pool=_key_pool(gm, product.args[-1], logits_shape[2], logits_shape[3])
+                    if ops.is_matmul(product)
+                    else None,
                 )
             )
         elif ops.is_multihead_attention(gm, node):
@@ -111,6 +115,44 @@ def find_attention_cores(gm: fx.GraphModule) -> list[AttentionCore]:
                 )
             )
     return cores
+
+
+_KEY_POOLS = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
+
+
+def _key_pool(
+    gm: fx.GraphModule, keys: object, query_tokens: int, key_tokens: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+    """Where an attention's keys are pooled on the token grid (fewer keys than queries), the
+    strided conv or pool that made their grid: its kernel, stride and padding, walked back to
+    from the keys through the ops between (a norm, a projection, layout); ``None`` where none is
+    found (an adaptive pool, a functional conv), and the score of a key then covers its cell."""
+    if not isinstance(keys, fx.Node) or key_tokens >= query_tokens:
+        return None
+    node = keys
+    for _ in range(24):
+        module = gm.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(module, _KEY_POOLS):
+            shape = ops.shape(node)
+            if shape is None or len(shape) != 4 or shape[2] * shape[3] != key_tokens:
+                return None
+            kernel = nn.modules.utils._pair(module.kernel_size)
+            stride = nn.modules.utils._pair(module.stride or module.kernel_size)
+            if isinstance(module.padding, str):
+                return None
+            if stride != (1, 1):  # a stride-1 conv after the pool (PVTv2's) keeps its grid
+                return kernel, stride, nn.modules.utils._pair(module.padding)
+        # The data's way back: a tuple of tensors (``unbind``'s) has no shape but carries them;
+        # a size read off a tensor carries none.
+        parents = [
+            p
+            for p in node.all_input_nodes
+            if p.op != "get_attr" and p.meta.get("carries_tensor", True)
+        ]
+        if not parents:
+            return None
+        node = parents[0]
+    return None
 
 
 @dataclass

@@ -141,6 +141,9 @@ class AttentionCore:
     query_tokens: int | None = None
     key_tokens: int | None = None
     batch: int | None = None  # leading dim of q / logits: the image batch times any windows
+    # Keys pooled on the token grid (PVT's, MViTv2's): the pooling op's kernel, stride and
+    # padding per grid dim, which say which tokens each key reads (``key_scores_to_tokens``).
+    key_pool: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
 
 
 @dataclass
@@ -311,6 +314,11 @@ class Block:
             # Fewer query tokens than the block's own: class attention (CaiT), nothing to reduce.
             "query_tokens": self.attention.query_tokens,
             "key_tokens": self.attention.key_tokens,
+            **(
+                {"key_pool": [list(v) for v in self.attention.key_pool]}
+                if self.attention.key_pool is not None
+                else {}
+            ),
             "stage": self.stage,
             "grid": list(self.grid),
             "prefix_tokens": self.prefix_tokens,
@@ -339,6 +347,7 @@ class Block:
             path="",
             query_tokens=data.get("query_tokens"),
             key_tokens=data.get("key_tokens"),
+            key_pool=tuple(tuple(v) for v in data["key_pool"]) if data.get("key_pool") else None,
         )
         return cls(
             index=data["index"],

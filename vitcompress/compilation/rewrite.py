@@ -328,6 +328,7 @@ class _Rewriter(WindowRewrites):
             score=scoring,
             grid=block.grid,
             keys=keys,
+            key_pool=core.key_pool,
         )
         name = f"attn{block.index}{_core_suffix(block)}"
         if core.kind == "sdpa":

@@ -28,6 +28,7 @@ from vitcompress.method.restore import (
     restore_tokens,
 )
 from vitcompress.method.score import (
+    KeyPool,
     cls_attention_score,
     key_scores_to_tokens,
     received_attention_score,
@@ -68,6 +69,7 @@ __all__ = [
     "fuse_into_hosts",
     "gather_tokens",
     "keep_count",
+    "KeyPool",
     "key_scores_to_tokens",
     "masked_attention",
     "masked_host_index",

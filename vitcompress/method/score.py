@@ -54,13 +54,25 @@ def score_from_probs(probs: Tensor, prefix_tokens: int, has_cls: bool) -> Tensor
     return probs[..., prefix_tokens:].mean(dim=(1, 2))
 
 
+# (kernel, stride, padding), each per grid dim: the op that pools an attention's keys.
+KeyPool = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
 def key_scores_to_tokens(
-    scores: Tensor, grid: tuple[int, int], positions: Tensor | None = None
+    scores: Tensor,
+    grid: tuple[int, int],
+    positions: Tensor | None = None,
+    pool: KeyPool | None = None,
 ) -> Tensor:
     """Scores of pooled keys (spatial-reduction attention: one key per cell of a coarser grid)
-    spread to the tokens each cell covers, then taken at the tokens present (``positions``).
+    spread to the tokens each key reads, then taken at the tokens present (``positions``).
 
-    A token's score is the attention received by the pooled key whose cell contains it.
+    Without ``pool``, each key reads the tokens of its cell (a strided conv whose kernel is its
+    stride, PVT's): a token's score is that key's. With ``pool`` (the op that pools the keys:
+    kernel, stride and padding per grid dim), a token's score is the mean score of the keys
+    whose window holds it, and 0 where none does (MViTv2's 3 x 3 keys at stride 4 read three
+    rows of every four: the fourth is attended by no key). For a kernel equal to its stride and
+    no padding both are the same.
     """
     b, cells = scores.shape
     height, width = grid
@@ -68,8 +80,30 @@ def key_scores_to_tokens(
     w = cells // h
     if h * w != cells:
         raise ValueError(f"{cells} pooled keys do not form a grid like {height}x{width}")
-    full = F.interpolate(scores.reshape(b, 1, h, w).float(), size=(height, width), mode="nearest")
-    full = full.reshape(b, height * width).to(scores.dtype)
+    coarse = scores.reshape(b, 1, h, w).float()
+    spread = _spread_by_window(coarse, (height, width), pool) if pool is not None else None
+    if spread is None:
+        spread = F.interpolate(coarse, size=(height, width), mode="nearest")
+    full = spread.reshape(b, height * width).to(scores.dtype)
     if positions is None:
         return full
     return torch.gather(full, 1, positions.clamp(min=0))
+
+
+def _spread_by_window(coarse: Tensor, size: tuple[int, int], pool: KeyPool) -> Tensor | None:
+    """Each key's score over the tokens its window reads, averaged where windows overlap; ``None``
+    where the pool does not map the keys' grid onto ``size`` (then the cells are used)."""
+    kernel, stride, padding = (tuple(v) for v in pool)
+    extra = [
+        full - ((cells - 1) * s - 2 * p + k)
+        for full, cells, k, s, p in zip(
+            size, coarse.shape[2:], kernel, stride, padding, strict=True
+        )
+    ]
+    if any(not 0 <= e < max(s, 1) for e, s in zip(extra, stride, strict=True)):
+        return None
+    ones = coarse.new_ones(1, 1, *kernel)
+    spread = dict(stride=stride, padding=padding, output_padding=tuple(extra))
+    total = F.conv_transpose2d(coarse, ones, **spread)
+    reads = F.conv_transpose2d(torch.ones_like(coarse[:1]), ones, **spread)
+    return torch.where(reads > 0, total / reads.clamp(min=1), torch.zeros_like(total))

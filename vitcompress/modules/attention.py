@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vitcompress.method import (
+    KeyPool,
     attention_with_probs,
     cls_attention_score,
     key_scores_to_tokens,
@@ -37,6 +38,7 @@ class _ScoringHook(nn.Module):
         score: bool,
         grid: tuple[int, ...] | None = None,
         keys: bool = False,
+        key_pool: KeyPool | None = None,
     ) -> None:
         super().__init__()
         self.prefix_tokens = prefix_tokens
@@ -44,6 +46,8 @@ class _ScoringHook(nn.Module):
         self.score = score
         self.keys = keys  # with score: give the head-mean keys instead of a per-token score
         self.grid = tuple(grid) if grid is not None else None
+        # What pools the keys (kernel, stride, padding): which tokens each pooled key reads.
+        self.key_pool = tuple(tuple(v) for v in key_pool) if key_pool is not None else None
 
     def extra_repr(self) -> str:
         keys = ", keys=True" if self.keys else ""
@@ -79,7 +83,7 @@ class _ScoringHook(nn.Module):
                 f"scores of pooled keys on a {len(self.grid)}-D token grid {self.grid} "
                 "(only a 2-D grid's pooled keys are spread to the tokens they cover)"
             )
-        return key_scores_to_tokens(scores, self.grid, positions)
+        return key_scores_to_tokens(scores, self.grid, positions, self.key_pool)
 
 
 def _applies(keep_mask: Tensor | None, key_tokens: int) -> bool:
