@@ -65,6 +65,29 @@ def test_a_budget_out_of_reach_is_one_line_naming_the_smallest_cost():
         fit_keep(_staircase, GmacsRatio(0.3))
 
 
+def test_keeps_refused_by_raising_are_stepped_over_and_named_where_none_is_taken():
+    """A cost may raise the method's refusal instead of returning ``None``: stepped over alike;
+    where no keep is taken, the line names the refusal most keeps met."""
+
+    def low_keeps_only(keep: float) -> float:
+        if keep >= 0.5:
+            raise PlanError("removes no token here", "keep")
+        return _staircase(keep)
+
+    fit = fit_keep(low_keeps_only, GmacsRatio(0.85))
+    assert fit.keep == 0.49 and fit.next_cost is None
+
+    def never(keep: float) -> float:
+        raise PlanError("pooled keys" if keep < 1 else "removes no token")
+
+    with pytest.raises(PlanError) as refused:
+        fit_keep(never, GmacsRatio(0.85))
+    line = str(refused.value)
+    assert line.startswith("keep_for_gmacs_ratio no keep tried is taken by this method here; ")
+    tries = int(line.split(" of the ")[1].split(" ")[0])
+    assert line.endswith(f"; {tries - 1} of the {tries} keeps tried were refused: pooled keys")
+
+
 def _taken_between(low: float, high: float):
     """A method that refuses keeps below ``low`` (ToMe cannot merge that many) and from ``high``
     up to 1 (they remove no token), keep 1 itself taken; the staircase cost where it takes one."""

@@ -103,8 +103,8 @@ class KeepFit:
 
 def fit_keep(cost: Callable[[float], float | None], target: GmacsRatio) -> KeepFit:
     """The largest keep on ``target``'s grid whose ``cost`` (its MACs over the base's, counted on
-    the compressed model; ``None`` where the method refuses that keep) is at most
-    ``target.ratio``.
+    the compressed model; ``None``, or a :class:`PlanError` raised, where the method refuses that
+    keep) is at most ``target.ratio``.
 
     The keeps a method takes are assumed to be one range and keep 1 (below it ToMe cannot merge
     as many tokens as asked; above it a keep removes no token), and the cost to grow with the
@@ -115,10 +115,15 @@ def fit_keep(cost: Callable[[float], float | None], target: GmacsRatio) -> KeepF
     """
     steps = round(1 / target.step)
     tried: dict[int, float | None] = {}
+    refusals: list[str] = []  # what ``cost`` raised, for the line where no keep is taken
 
     def at(index: int) -> float | None:
         if index not in tried:
-            tried[index] = cost(index / steps)
+            try:
+                tried[index] = cost(index / steps)
+            except PlanError as refused:
+                refusals.append(str(refused))
+                tried[index] = None
         return tried[index]
 
     def fit(within: int, over: int) -> KeepFit:
@@ -151,6 +156,14 @@ def fit_keep(cost: Callable[[float], float | None], target: GmacsRatio) -> KeepF
             return fit(index, over)
         over = index
     taken = [i for i, c in tried.items() if c is not None]
+    if not taken and refusals:
+        # Most keeps were refused for a reason that is the method's on this model (ToMe on
+        # pooled keys), not a keep's: that line says why.
+        reason, count = Counter(refusals).most_common(1)[0]
+        raise PlanError(
+            f"{NONE_TAKEN}; {count} of the {len(tried)} keeps tried were refused: {reason}",
+            PARAMETER,
+        )
     if not taken:
         raise PlanError(NONE_TAKEN, PARAMETER)
     bottom = min(taken)
@@ -208,31 +221,14 @@ def compress_within_gmacs(
     device = captured.example.device
     base_macs = count_macs(model, size, device)
 
-    refusals: list[PlanError] = []
-
-    def cost(keep: float) -> float | None:
+    def cost(keep: float) -> float:
         with step(f"counting the MACs at keep {keep:g}"):
-            try:
-                compressed = compress_copy(
-                    model, captured, model_map, size, method, [keep], locs, policy
-                )
-            except PlanError as refused:
-                refusals.append(refused)
-                return None
+            compressed = compress_copy(
+                model, captured, model_map, size, method, [keep], locs, policy
+            )  # a PlanError: this keep is refused (``fit_keep`` steps over it)
             return count_macs(compressed, size, device) / base_macs
 
-    try:
-        fit = fit_keep(cost, target)
-    except PlanError as e:
-        if e.detail != NONE_TAKEN or not refusals:
-            raise
-        # No keep taken: most keeps were refused for a reason that is the method's on this
-        # model (ToMe on pooled keys), not a keep's; that line says why.
-        reason, count = Counter(str(r) for r in refusals).most_common(1)[0]
-        raise PlanError(
-            f"{NONE_TAKEN}; {count} of the {len(refusals)} keeps tried were refused: {reason}",
-            PARAMETER,
-        ) from None
+    fit = fit_keep(cost, target)
     compressed = compress_mapped(model, captured, model_map, size, method, [fit.keep], locs, policy)
     attach(compressed, **{ATTRIBUTE: fit.to_json()})
     return compressed

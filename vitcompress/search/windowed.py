@@ -60,11 +60,8 @@ def windowed_candidates(
             continue
         counted: dict[float, int] = {}
 
-        def cost(keep: float, variant: str = variant, counted: dict = counted) -> float | None:
-            try:
-                model = builder.build(variant, [keep], locs)
-            except PlanError:
-                return None
+        def cost(keep: float, variant: str = variant, counted: dict = counted) -> float:
+            model = builder.build(variant, [keep], locs)  # a PlanError: the keep is refused
             counted[keep] = count_macs(model, builder.input_size)
             return counted[keep] / base_macs
 
