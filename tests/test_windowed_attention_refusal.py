@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from torch import nn
 
 from tests.test_windowed_families import _sam_vit
 from vitcompress import map_model
@@ -57,23 +58,46 @@ def test_a_stream_cut_into_windows_between_blocks_is_refused_with_that_line(
     )
 
 
-def test_factorised_space_time_attention_is_refused_with_that_line():
-    """transformers' TimeSformer: its time attention's windows (each patch position's frames)
-    leave the class token out and add back to ``x[:, 1:]`` inside the block, so no block of the
-    residual stream closes it; the line says so, naming the attention and the slice."""
-    pytest.importorskip("transformers")
-    from tests.fixtures import dense_models
+class _FramesOnly(nn.Module):
+    """Video tokens (B, 1 + P * T, C): a class token, then P patch positions of T frames each.
+    Each block attends within each position's frames, leaving the class token out, and adds back
+    to ``x[:, 1:]``: TimeSformer's time attention without its space attention."""
 
-    model, size = dense_models.build("video_hf_timesformer")
+    def __init__(self, positions: int = 4, frames: int = 4, dim: int = 16) -> None:
+        super().__init__()
+        self.positions, self.frames = positions, frames
+        self.embed = nn.Linear(3, dim)
+        self.cls = nn.Parameter(torch.randn(1, 1, dim))
+        self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim) for _ in range(2))
+        self.mlp = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, P * T, 3)
+        x = self.embed(x)
+        b, n, c = x.shape
+        x = torch.cat([self.cls.expand(b, -1, -1), x], dim=1)
+        for qkv, mlp in zip(self.qkv, self.mlp, strict=True):
+            frames = x[:, 1:].reshape(b * self.positions, self.frames, c)
+            q, k, v = qkv(frames).unsqueeze(1).chunk(3, dim=-1)  # one head: (B * P, 1, T, C)
+            attn = (q @ k.transpose(-2, -1) * c**-0.5).softmax(dim=-1) @ v
+            patches = x[:, 1:] + attn.reshape(b, n, c)
+            x = torch.cat([x[:, :1], patches], dim=1)
+            x = x + mlp(x)
+        return x
+
+
+def test_a_time_attention_added_back_to_a_slice_is_refused_with_that_line():
+    """One attention within each patch position's frames, added back to ``x[:, 1:]`` inside the
+    block: no residual add closes it, and, alone, it is no factorised attention either (that
+    takes attentions over two different windowings, TimeSformer's time then space:
+    tests/test_factorised.py). The line names the attention and the slice."""
+    torch.manual_seed(0)
     with pytest.raises(MappingError) as refused:
-        map_model(model, size)
+        map_model(_FramesOnly().eval(), (16, 3))
     message = str(refused.value)
     assert "\n" not in message
-    # The add's node name is transformers' code's, not ours: any name.
     assert re.fullmatch(
-        r"windowed attention at model\.encoder\.layer\.0\.temporal_attention\.attention: its "
-        r"residual add \(\w+\) is on 64 of its block's 65 tokens \(x\[:, 1:\]\), so it closes "
-        r"no block of the residual stream \(a factorised attention, e\.g\. TimeSformer's time "
-        r"attention, is not supported\)",
+        r"windowed attention at \w+: its residual add \(\w+\) is on 16 of its block's 17 "
+        r"tokens \(x\[:, 1:\]\), so it closes no block of the residual stream \(a factorised "
+        r"attention, e\.g\. TimeSformer's time attention, is not supported\)",
         message,
     ), message

@@ -32,6 +32,7 @@ from vitcompress.analysis.cores import (
     find_residuals,
     find_window_axis_attention,
 )
+from vitcompress.analysis.factorised import find_factorised_blocks
 from vitcompress.analysis.final_norm import find_final_norm
 from vitcompress.analysis.model_map import (
     AttentionCore,
@@ -116,6 +117,32 @@ def _analyse_entry(
 _MAX_GRID_RANK = 6  # grid dims looked for above 2 (a video's T, H, W is 3)
 
 
+def _rejoined_prefix(operand: fx.Node, patch: fx.Node, anc: Ancestry) -> bool:
+    """Whether ``operand``, joined before the patch tokens ``patch``, is the leading token(s) of a
+    tensor the patches were also cut from (TimeSformer's class token: ``x[:B, 0]`` split off
+    the frames' tokens, joined again in front of the patches regrouped): a prefix, though the
+    image's ancestry reaches it through that tensor."""
+    node = operand
+    for _ in range(4):
+        if node.op == "call_function" and node.target is operator.getitem:
+            break
+        shaping = ops.is_layout(node) or (
+            node.op == "call_method" and node.target in ("unsqueeze", "expand")
+        )
+        if not shaping or not node.all_input_nodes:
+            return False
+        node = node.all_input_nodes[0]
+    else:
+        return False
+    source, index = node.args[0], node.args[1]
+    if not isinstance(source, fx.Node) or not isinstance(index, tuple) or len(index) < 2:
+        return False
+    leading = index[1] == 0 or (
+        isinstance(index[1], slice) and index[1].start in (None, 0) and index[1].stop is not None
+    )
+    return operand is not patch and leading and anc.is_ancestor(source, patch)
+
+
 def _walk_to_grid(
     entry: fx.Node, image: fx.Node, anc: Ancestry, rank: int | None
 ) -> tuple[int, fx.Node, tuple[tuple[int, ...], fx.Node] | None]:
@@ -132,7 +159,11 @@ def _walk_to_grid(
             dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
             out_shape = ops.shape(node)
             if out_shape is not None and len(out_shape) == 3 and dim in (1, -2):
-                from_image = [o for o in operands if anc.is_ancestor(image, o)]
+                from_image = [
+                    o
+                    for o in operands
+                    if anc.is_ancestor(image, o) and not _rejoined_prefix(o, operands[-1], anc)
+                ]
                 from_params = [o for o in operands if o not in from_image]
                 if len(from_image) != 1:
                     raise MappingError(
@@ -315,6 +346,10 @@ def analyse(captured: CapturedGraph) -> ModelMap:
     windowed_3d = _windowed_batched_attention(gm, image_batch)
     if windowed_3d is not None:
         raise MappingError(windowed_3d)
+    # Factorised attention (TimeSformer's): each block one window whose attention part runs
+    # whole; its cores are no one's else.
+    factorised, factorised_cores = find_factorised_blocks(gm, cores, residuals, image_batch, anc)
+    cores = [c for c in cores if c.node not in factorised_cores]
     # Windowed cores, and cores over a whole grid whose residual is the grid itself (Swin's
     # last stage, one window wide): both keep their windows whole.
     in_residuals = {n.name for r in residuals for n in r.nodes}
@@ -352,6 +387,7 @@ def analyse(captured: CapturedGraph) -> ModelMap:
             continue
         windowed += one
         windowed_cores.append(core)
+    windowed += factorised
     # A windowed block's residuals are its own: the plain pairing below leaves them alone.
     taken = {r.add for w in windowed for r in (w.attn, w.mlp)}
     residuals = [r for r in residuals if r.add not in taken]
@@ -519,7 +555,8 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 parallel_cores=combination.cores[1:],
                 score_combination=combination.kind,
                 score_coefficient=combination.coefficient,
-                score_blocker=combination.blocker,
+                score_blocker=(window.score_blocker if window is not None else None)
+                or combination.blocker,
                 windows=window.windows if window is not None else whole_grid,
             )
         )

@@ -53,6 +53,8 @@ class WindowedBlock:
     attn: Residual
     mlp: Residual
     windows: Windows
+    # Why no attention of the block scores its tokens (a factorised attention's, ``factorised.py``)
+    score_blocker: str | None = None
 
 
 def pooled_query_blocker(core: AttentionCore) -> str | None:
@@ -92,6 +94,11 @@ def _closed_windows(
         return None
     closing = _residual_after(node, windows_in, anc)
     return (windows_in, closing) if closing is not None else None
+
+
+def closes_no_residual(gm: fx.GraphModule, core: AttentionCore, anc: Ancestry) -> bool:
+    """Whether no residual add closes ``core``'s windows (or they are not found)."""
+    return _closed_windows(gm, core, anc) is None
 
 
 def on_grid(gm: fx.GraphModule, core: AttentionCore, anc: Ancestry) -> bool:

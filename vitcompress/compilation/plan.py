@@ -316,6 +316,9 @@ def make_plan(
         stage = model_map.stages[block.stage]
         if block.windows is not None:  # every window alike, restored after the block
             windows = block.windows
+            # One window over the whole of a block with prefix tokens (TimeSformer's class
+            # token): they lead the window and are never reduced.
+            patches = windows.tokens - block.prefix_tokens
             locations.append(
                 Location(
                     block=block_index,
@@ -323,8 +326,8 @@ def make_plan(
                     step=1,
                     keep=rho,
                     cumulative_keep=rho,
-                    patch_tokens=windows.tokens,
-                    keep_tokens=method.keep_tokens(windows.tokens, rho),
+                    patch_tokens=patches,
+                    keep_tokens=method.keep_tokens(patches, rho),
                     windows=windows.count,
                 )
             )

@@ -89,7 +89,10 @@ class WindowRewrites:
         return self._add_hook(
             f"restore{block.index}",
             TokenRestore(
-                self.plan.method.restore_rule, 0, 1, where=f"block {block.index}'s windows"
+                self.plan.method.restore_rule,
+                block.prefix_tokens,  # a window's leading prefix (one window's: TimeSformer's)
+                1,
+                where=f"block {block.index}'s windows",
             ),
         )
 

@@ -181,6 +181,11 @@ class TokenMerging(Variant):
             return scored
         for loc in plan.locations:
             block = model_map.blocks[loc.block]
+            if block.score_blocker is not None:  # no one attention's keys are the block's
+                return (
+                    f"block {block.index}: {block.score_blocker}; tome matches tokens by that "
+                    "attention's keys, so it is refused there"
+                )
             keys = block.attention.key_tokens
             # A block whose attention runs whole within one window over its grid (MViTv2's
             # pooling attention) may pool its keys: they are not the window's tokens.

@@ -1,0 +1,131 @@
+"""Factorised space-time attention (transformers' TimeSformer): each block is one window over all
+its tokens whose attention part (time within each patch position's frames, then space within
+each frame, the class token copied into every frame) runs whole; a learned predictor reduces the
+MLP's tokens, the class token kept, and the block gives every token back. The methods scored by
+one attention are refused in one line: no one attention scores all of the block's tokens."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from tests.fixtures import hf_models
+from vitcompress import compress, map_model
+from vitcompress.errors import UserError
+from vitcompress.workflows.export import export_model
+
+pytest.importorskip("transformers")
+
+PREDICTORS = ("dtps", "dynamicvit")
+
+
+def _timesformer() -> tuple[nn.Module, tuple[int, ...]]:
+    """4 frames of a 4 x 4 patch grid, width 64, 4 blocks; the last hidden state out (65 tokens:
+    the class token, then patch position by patch position, its 4 frames each). Queries and
+    keys x3, so that a token in the wrong place changes the output."""
+    from tests.fixtures import dense_models, video_models
+
+    torch.manual_seed(0)
+    model = dense_models.LastHiddenState(hf_models.sharpen(video_models.timesformer()))
+    return model.eval(), video_models.TIMESFORMER_INPUT
+
+
+@pytest.fixture(scope="module")
+def timesformer() -> tuple[nn.Module, tuple[int, ...]]:
+    return _timesformer()
+
+
+def _videos(size: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(2, *size, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+def test_each_block_is_one_window_whose_factorised_attention_runs_whole(timesformer):
+    model, size = timesformer
+    model_map = map_model(model, size)
+    assert len(model_map.blocks) == 4
+    for block in model_map.blocks:
+        layer = f"model.encoder.layer.{block.index}"
+        assert block.path == layer and block.tokens == 65 and block.prefix_tokens == 1
+        windows = block.windows
+        assert (windows.count, windows.tokens, windows.order) == (1, 65, tuple(range(65)))
+        assert windows.attention_blocker == (
+            f"factorised attention ({layer}.temporal_attention.attention, "
+            f"{layer}.attention.attention: 16 windows of 4, 4 windows of 17 per image), added "
+            "back by ops no residual add describes, so its attention part runs on every token"
+        )
+        assert block.score_blocker.startswith("its attention is factorised")
+
+
+def test_keep_1_is_exact_in_double_precision():
+    model, size = _timesformer()
+    model = model.double()
+    videos = _videos(size, torch.float64)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.no_grad():
+            base = model(videos)
+            for method in PREDICTORS:
+                out = compress(model, method, keep=[1.0], input_size=size)(videos)
+                assert (out - base).abs().max() <= 1e-9 * base.abs().max(), method
+    finally:
+        torch.set_default_dtype(default)
+
+
+@pytest.mark.parametrize("method", PREDICTORS)
+def test_keep_07_reduces_each_mlp_keeping_the_class_token(timesformer, method):
+    model, size = timesformer
+    videos = _videos(size)
+    torch.manual_seed(0)
+    compressed = compress(model, method, keep=[0.7], input_size=size).eval()
+    seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for name, module in compressed.named_modules():
+        if name.startswith("tps.") and name.count(".") == 1:
+            module.register_forward_hook(
+                lambda m, i, o: seen.append((tuple(i[0].shape), tuple(o[0].shape)))
+            )
+    with torch.no_grad():
+        out, base = compressed(videos), model(videos)
+    assert out.shape == base.shape and torch.isfinite(out).all()
+    assert not torch.allclose(out, base)
+    # Every block: 65 tokens in, the class token and int(0.7 x 64) = 44 patch tokens out.
+    assert seen == [((2, 65, 64), (2, 45, 64))] * 4
+
+
+@pytest.mark.parametrize("method", ("etps", "evit", "tome"))
+def test_methods_scored_by_one_attention_are_refused_in_one_line(timesformer, method):
+    model, size = timesformer
+    with pytest.raises(UserError) as refused:
+        compress(model, method, keep=[0.7], input_size=size)
+    line = str(refused.value)
+    assert "\n" not in line
+    assert re.search(
+        r"block 0: its attention is factorised \(model\.encoder\.layer\.0\.temporal_attention"
+        r"\.attention, model\.encoder\.layer\.0\.attention\.attention, over different windows\), "
+        r"so no one attention scores all of the block's tokens; " + method,
+        line,
+    ), line
+
+
+@pytest.mark.parametrize("method", PREDICTORS)
+def test_one_training_step_is_finite(timesformer, method):
+    model, size = timesformer
+    torch.manual_seed(0)
+    compressed = compress(model, method, keep=[0.7], input_size=size).train()
+    loss = compressed(_videos(size)).square().mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = [p.grad for p in compressed.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.slow  # about 20 s
+def test_onnx_export_matches(timesformer, tmp_path):
+    model, size = timesformer
+    torch.manual_seed(0)
+    compressed = compress(model, "dtps", keep=[0.7], input_size=size)
+    result = export_model(compressed, size, "onnx", tmp_path / "timesformer.onnx")
+    assert result["max_abs_diff"] < 1e-3
