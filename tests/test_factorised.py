@@ -1,12 +1,11 @@
 """Factorised space-time attention (transformers' TimeSformer): each block is one window over all
 its tokens whose attention part (time within each patch position's frames, then space within
-each frame, the class token copied into every frame) runs whole; a learned predictor reduces the
-MLP's tokens, the class token kept, and the block gives every token back. The methods scored by
-one attention are refused in one line: no one attention scores all of the block's tokens."""
+each frame, the class token copied into every frame) runs whole; a method reduces the MLP's
+tokens, the class token kept, and the block gives every token back. eTPS and EViT score a token
+by the attention it gets in its frame's space attention, read back into the block's order; ToMe
+is refused in one line."""
 
 from __future__ import annotations
-
-import re
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from vitcompress.workflows.export import export_model
 pytest.importorskip("transformers")
 
 PREDICTORS = ("dtps", "dynamicvit")
+METHODS = (*PREDICTORS, "etps", "evit")
 
 
 def _timesformer() -> tuple[nn.Module, tuple[int, ...]]:
@@ -56,7 +56,9 @@ def test_each_block_is_one_window_whose_factorised_attention_runs_whole(timesfor
             f"{layer}.attention.attention: 16 windows of 4, 4 windows of 17 per image), added "
             "back by ops no residual add describes, so its attention part runs on every token"
         )
-        assert block.score_blocker.startswith("its attention is factorised")
+        assert block.score_blocker is None
+        # Patch token j = position p, frame t (j = 4 p + t) is scored at frame t's slot p.
+        assert windows.score_slots == tuple(16 * (j % 4) + j // 4 for j in range(64))
 
 
 def test_keep_1_is_exact_in_double_precision():
@@ -68,14 +70,14 @@ def test_keep_1_is_exact_in_double_precision():
     try:
         with torch.no_grad():
             base = model(videos)
-            for method in PREDICTORS:
+            for method in METHODS:
                 out = compress(model, method, keep=[1.0], input_size=size)(videos)
                 assert (out - base).abs().max() <= 1e-9 * base.abs().max(), method
     finally:
         torch.set_default_dtype(default)
 
 
-@pytest.mark.parametrize("method", PREDICTORS)
+@pytest.mark.parametrize("method", METHODS)
 def test_keep_07_reduces_each_mlp_keeping_the_class_token(timesformer, method):
     model, size = timesformer
     videos = _videos(size)
@@ -91,26 +93,46 @@ def test_keep_07_reduces_each_mlp_keeping_the_class_token(timesformer, method):
         out, base = compressed(videos), model(videos)
     assert out.shape == base.shape and torch.isfinite(out).all()
     assert not torch.allclose(out, base)
-    # Every block: 65 tokens in, the class token and int(0.7 x 64) = 44 patch tokens out.
-    assert seen == [((2, 65, 64), (2, 45, 64))] * 4
+    # Every block: 65 tokens in, the class token and int(0.7 x 64) = 44 patch tokens out (and
+    # eTPS's and EViT's one fused token besides).
+    # EViT keeps ceil(0.7 x 64) = 45.
+    kept = {"dtps": 45, "dynamicvit": 45, "etps": 46, "evit": 47}[method]
+    assert seen == [((2, 65, 64), (2, kept, 64))] * 4
 
 
-@pytest.mark.parametrize("method", ("etps", "evit", "tome"))
-def test_methods_scored_by_one_attention_are_refused_in_one_line(timesformer, method):
+def test_etps_scores_each_token_by_the_attention_it_gets_in_its_frame(timesformer):
+    """The space attention's scores, (B x 4 frames, 16 positions), reach the reducer in the
+    block's order: token j = 4 p + t takes frame t's score of position p."""
+    model, size = timesformer
+    compressed = compress(model, "etps", keep=[0.7], locs=[0], input_size=size).eval()
+    hooks = dict(compressed.named_modules())
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(name: str, out: torch.Tensor) -> None:  # a hook that returns None changes nothing
+        seen[name] = out
+
+    hooks["tps_hooks.attn0"].register_forward_hook(lambda m, i, o: keep("frames", o[1]))
+    hooks["tps_hooks.scoreslots0"].register_forward_hook(lambda m, i, o: keep("tokens", o))
+    with torch.no_grad():
+        compressed(_videos(size))
+    frames = seen["frames"].reshape(2, 4, 16)  # (B, frame, position)
+    expected = frames.permute(0, 2, 1).reshape(2, 64)  # (B, position x frame)
+    torch.testing.assert_close(seen["tokens"], expected)
+
+
+def test_tome_is_refused_in_one_line(timesformer):
     model, size = timesformer
     with pytest.raises(UserError) as refused:
-        compress(model, method, keep=[0.7], input_size=size)
+        compress(model, "tome", keep=[0.7], input_size=size)
     line = str(refused.value)
     assert "\n" not in line
-    assert re.search(
-        r"block 0: its attention is factorised \(model\.encoder\.layer\.0\.temporal_attention"
-        r"\.attention, model\.encoder\.layer\.0\.attention\.attention, over different windows\), "
-        r"so no one attention scores all of the block's tokens; " + method,
-        line,
-    ), line
+    assert line.startswith(
+        "block 0 (model.encoder.layer.0): its attention is factorised, and the attention that "
+        "scores its tokens holds them frame by frame"
+    )
 
 
-@pytest.mark.parametrize("method", PREDICTORS)
+@pytest.mark.parametrize("method", METHODS)
 def test_one_training_step_is_finite(timesformer, method):
     model, size = timesformer
     torch.manual_seed(0)
@@ -126,6 +148,7 @@ def test_one_training_step_is_finite(timesformer, method):
 def test_onnx_export_matches(timesformer, tmp_path):
     model, size = timesformer
     torch.manual_seed(0)
-    compressed = compress(model, "dtps", keep=[0.7], input_size=size)
-    result = export_model(compressed, size, "onnx", tmp_path / "timesformer.onnx")
-    assert result["max_abs_diff"] < 1e-3
+    for method in ("dtps", "etps"):
+        compressed = compress(model, method, keep=[0.7], input_size=size)
+        result = export_model(compressed, size, "onnx", tmp_path / f"timesformer_{method}.onnx")
+        assert result["max_abs_diff"] < 1e-3, method

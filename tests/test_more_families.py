@@ -324,8 +324,11 @@ def test_mvitv2s_pooled_keys_score_the_tokens_they_read() -> None:
     assert _key_pool_of(model) == ((3, 3), (4, 4), (1, 1))
     compressed = compress(model, "evit", keep=[0.7], locs=[0], input_size=(3, 64, 64)).eval()
     seen = {}
-    hook = dict(compressed.named_modules())["tps_hooks.attn0"]
-    hook.register_forward_hook(lambda module, args, out: seen.setdefault("out", out))
+
+    def keep(module: nn.Module, args: tuple, out: tuple) -> None:  # None: the output unchanged
+        seen["out"] = out
+
+    dict(compressed.named_modules())["tps_hooks.attn0"].register_forward_hook(keep)
     with torch.no_grad():
         compressed(torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1)))
     probs, scores = seen["out"]  # (B, heads, 256 queries, 16 keys), (B, 256)

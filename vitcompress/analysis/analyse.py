@@ -348,7 +348,9 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         raise MappingError(windowed_3d)
     # Factorised attention (TimeSformer's): each block one window whose attention part runs
     # whole; its cores are no one's else.
-    factorised, factorised_cores = find_factorised_blocks(gm, cores, residuals, image_batch, anc)
+    factorised, factorised_cores = find_factorised_blocks(
+        gm, captured.example, cores, residuals, image_batch, anc
+    )
     cores = [c for c in cores if c.node not in factorised_cores]
     # Windowed cores, and cores over a whole grid whose residual is the grid itself (Swin's
     # last stage, one window wide): both keep their windows whole.

@@ -14,16 +14,20 @@ learned predictor chooses on the MLP's input.
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
+from torch import Tensor
 
 from vitcompress.analysis import ops
 from vitcompress.analysis.cores import Ancestry, Residual
+from vitcompress.analysis.index_run import grid_index, run_indices
 from vitcompress.analysis.model_map import AttentionCore, Windows
-from vitcompress.analysis.windows import WindowedBlock, closes_no_residual
+from vitcompress.analysis.windows import WindowedBlock, closes_no_residual, window_tokens
 
 
 def find_factorised_blocks(
     gm: fx.GraphModule,
+    example: Tensor,
     cores: list[AttentionCore],
     residuals: list[Residual],
     image_batch: int,
@@ -65,6 +69,8 @@ def find_factorised_blocks(
         paths = ", ".join(c.path or c.node for c in group)
         windows = ", ".join(f"{c.batch // image_batch} windows of {c.query_tokens}" for c in group)
         tokens = shape[1]
+        scorer = group[-1]  # the last attention before the MLP (TimeSformer's space attention)
+        slots = _score_slots(gm, example, scorer, tokens, image_batch, by_name, anc)
         blocks.append(
             WindowedBlock(
                 core=group[-1],
@@ -80,10 +86,15 @@ def find_factorised_blocks(
                         "ops no residual add describes, so its attention part runs on every "
                         "token"
                     ),
+                    score_slots=slots,
                 ),
-                score_blocker=(
-                    f"its attention is factorised ({paths}, over different windows), so no one "
-                    "attention scores all of the block's tokens"
+                score_blocker=None
+                if slots is not None
+                else (
+                    f"its attention is factorised ({paths}, over different windows), and the "
+                    f"last ({scorer.path or scorer.node}) does not hold every token once after "
+                    "a leading prefix in each window, so no one attention scores all of the "
+                    "block's tokens"
                 ),
             )
         )
@@ -100,4 +111,71 @@ def _entry(
     for node in reversed(anc.nodes[:first]):
         if ops.shape(node) == shape and all(anc.is_ancestor(node, by_name[c.node]) for c in group):
             return node
+    return None
+
+
+def _score_slots(
+    gm: fx.GraphModule,
+    example: Tensor,
+    scorer: AttentionCore,
+    tokens: int,
+    image_batch: int,
+    by_name: dict[str, fx.Node],
+    anc: Ancestry,
+) -> tuple[int, ...] | None:
+    """Where the block's attention ``scorer`` scores each of its tokens: its windows hold every
+    token once after one leading prefix slot each (TimeSformer's space attention: each frame's
+    patches after a copy of the class token). Read by running the graph on token indices from
+    the (B, tokens - 1, C) patch tokens the windows are laid out from. For each patch token (in
+    the block's order), the slot of its score among the windows' patch slots; ``None`` where the
+    windows are not such a rearrangement."""
+    windows_in = window_tokens(gm, by_name[scorer.node])
+    per_window, batch = scorer.query_tokens, scorer.batch
+    if windows_in is None or per_window is None or batch is None:
+        return None
+    count, patches = batch // image_batch, tokens - 1
+    if count * (per_window - 1) != patches:
+        return None
+    source = _patch_source(windows_in, image_batch, patches)
+    if source is None:
+        return None
+    run = run_indices(gm, example, {source: grid_index(ops.shape(source))}, [windows_in])
+    values = run.found.get(windows_in)
+    if values is None or values.numel() // values.shape[-1] != batch * per_window:
+        return None
+    # Each window's leading slot (the class token's copy) is left out: it is not a patch token.
+    held = values.reshape(image_batch, count, per_window, -1)[:, :, 1:].reshape(
+        image_batch, patches, -1
+    )
+    if not torch.equal(held, held[..., :1].expand_as(held)):
+        return None
+    index = held[..., 0].round().long() - 1
+    order = index[0]
+    shifted = order.unsqueeze(0) + torch.arange(image_batch).unsqueeze(1) * patches
+    if not torch.equal(index, shifted) or not torch.equal(
+        order.sort().values, torch.arange(patches)
+    ):
+        return None
+    return tuple(order.argsort().tolist())
+
+
+def _patch_source(windows_in: fx.Node, image_batch: int, patches: int) -> fx.Node | None:
+    """The (B, patches, C) tokens the windows are laid out from: back from the windows through
+    per-token and layout ops, and through a concatenation by its largest operand (the patches,
+    not the prefix copies joined to them)."""
+    node = windows_in
+    for _ in range(16):
+        shape = ops.shape(node)
+        if shape is not None and len(shape) == 3 and shape[:2] == (image_batch, patches):
+            return node
+        if ops.is_cat(node):
+            operands = [o for o in node.args[0] if isinstance(o, fx.Node) and ops.shape(o)]
+            if not operands:
+                return None
+            node = max(operands, key=lambda o: ops.shape(o)[1])
+            continue
+        inputs = [i for i in node.all_input_nodes if i.meta.get("carries_tensor", True)]
+        if not inputs:
+            return None
+        node = inputs[0]
     return None

@@ -201,6 +201,11 @@ class Windows:
     # GCViT's global query, (B * windows, heads, N, D) as its logits take it: made without the
     # window tokens, its rows are gathered by each window's kept slots.
     global_query: str | None = None
+    # A factorised attention's block (TimeSformer's, one window over its tokens): its attention
+    # scores the tokens in another order (frame by frame, a class token leading each frame).
+    # For each of the window's tokens after its prefix, the slot of its score among the scoring
+    # attention's, the windows' prefix slots left out, windows one after another.
+    score_slots: tuple[int, ...] | None = None
 
     @property
     def padded(self) -> bool:
@@ -236,6 +241,7 @@ class Windows:
             "window_axis": self.window_axis,
             "query_bias": self.query_bias.to_json() if self.query_bias else None,
             "global_query": self.global_query is not None,
+            **({"score_slots": list(self.score_slots)} if self.score_slots is not None else {}),
         }
 
     @classmethod
@@ -251,6 +257,7 @@ class Windows:
             window_axis=bool(data.get("window_axis")),
             query_bias=QueryBias.from_json(data["query_bias"]) if data.get("query_bias") else None,
             global_query="" if data.get("global_query") else None,
+            score_slots=tuple(data["score_slots"]) if data.get("score_slots") else None,
         )
 
 

@@ -86,7 +86,7 @@ def _closed_windows(
         return None
     windows_in = None
     for operand in (0, 1):  # the keys' where the queries are global (GCViT's)
-        found = _window_tokens(gm, node, operand)
+        found = window_tokens(gm, node, operand)
         if found is not None and _is_window_shaped(ops.shape(found), core.batch, core.query_tokens):
             windows_in = found
             break
@@ -130,7 +130,7 @@ def through_grid(gm: fx.GraphModule, core: AttentionCore, anc: Ancestry) -> bool
     return False
 
 
-def _window_tokens(gm: fx.GraphModule, core_node: fx.Node, operand: int = 0) -> fx.Node | None:
+def window_tokens(gm: fx.GraphModule, core_node: fx.Node, operand: int = 0) -> fx.Node | None:
     """The tokens entering the core's query projection (``operand`` 1: its key projection):
     (B * windows, tokens, C)."""
     if ops.is_sdpa(core_node):
@@ -406,14 +406,14 @@ def find_windowed_blocks(
     for core in cores:
         node = by_name[core.node]
         where = core.path or core.node
-        windows_in = _window_tokens(gm, node)
+        windows_in = window_tokens(gm, node)
         batch, tokens = core.batch, core.query_tokens
         global_query = None
         if windows_in is None or not _is_window_shaped(ops.shape(windows_in), batch, tokens):
             # GCViT's global query attention: the queries come from a global token generator,
             # the keys and values from the window tokens. Scored after it, the attention runs
             # whole and reducing its MLP is exact; the windows entering it cannot be reduced.
-            keys_in = _window_tokens(gm, node, operand=1)
+            keys_in = window_tokens(gm, node, operand=1)
             if keys_in is not None and _is_window_shaped(ops.shape(keys_in), batch, tokens):
                 windows_in = keys_in
                 global_query = (

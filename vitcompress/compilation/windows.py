@@ -27,6 +27,7 @@ from vitcompress.modules.windows import (
     WindowQueryGather,
     WindowQueryScatter,
     WindowReplay,
+    WindowScoreSlots,
     WindowSizes,
     WindowSlots,
     WindowTableGather,
@@ -69,6 +70,10 @@ class WindowRewrites:
             restored, order, trace = self._reduce_window_groups(block, target, restore, None)
         else:
             given = self._hook_block_attention(block, None, True, None, None)
+            if windows.score_slots is not None:  # a factorised attention's, in another order
+                slots = self._add_hook(f"scoreslots{index}", WindowScoreSlots(windows.score_slots))
+                with self.graph.inserting_after(given):
+                    given = self.graph.call_module(slots, (given,))
             restored, order, trace = self._reduce_window_groups(block, target, restore, given)
         self._merge_windows(block, restored, order)
         return trace

@@ -52,6 +52,23 @@ class WindowMerge(nn.Module):
         return tokens if like is None else tokens.reshape(like.shape)
 
 
+class WindowScoreSlots(nn.Module):
+    """A factorised attention's scores, (B * windows, patch slots per window), to its block's
+    order, (B, patch tokens): token ``j``'s score is slot ``slots[j]`` of its image's windows one
+    after another (``Windows.score_slots``)."""
+
+    def __init__(self, slots: tuple[int, ...]) -> None:
+        super().__init__()
+        self.register_buffer("slots", torch.tensor(slots, dtype=torch.long), persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"tokens={self.slots.numel()}"
+
+    def forward(self, scores: Tensor) -> Tensor:
+        per_image = scores.reshape(-1, self.slots.numel(), *scores.shape[2:])
+        return per_image.index_select(1, self.slots)
+
+
 class WindowSlots(nn.Module):
     """What the attention gives per window slot, (B * windows, N, ...) (a score, a key), for
     the slots of one group of windows (``Windows.groups``: padded windows regrouped by their

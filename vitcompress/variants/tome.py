@@ -181,6 +181,13 @@ class TokenMerging(Variant):
             return scored
         for loc in plan.locations:
             block = model_map.blocks[loc.block]
+            if block.windows is not None and block.windows.score_slots is not None:
+                return (
+                    f"block {block.index} ({block.path}): its attention is factorised, and the "
+                    "attention that scores its tokens holds them frame by frame, a class token "
+                    "copied into each frame: tome matches tokens by that attention's keys, so "
+                    "it is refused there"
+                )
             if block.score_blocker is not None:  # no one attention's keys are the block's
                 return (
                     f"block {block.index}: {block.score_blocker}; tome matches tokens by that "
