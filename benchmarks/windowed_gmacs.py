@@ -32,6 +32,7 @@ from vitcompress.measure import count_macs
 from vitcompress.measure.keep_fit import compress_within_gmacs
 
 HF_SAM = "transformers SamVisionEncoder"
+HF_TIMESFORMER = "transformers TimesformerModel"
 
 
 class _FeatureMap(nn.Module):
@@ -48,9 +49,24 @@ class _FeatureMap(nn.Module):
         return self.encoder(x).last_hidden_state
 
 
+class _VideoTokens(nn.Module):
+    """transformers' TimeSformer, (T, C, H, W) videos in, its last hidden state out."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        from transformers import TimesformerConfig, TimesformerModel
+
+        self.model = TimesformerModel(TimesformerConfig(**config))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=x).last_hidden_state
+
+
 def build(spec: str, kwargs: dict) -> nn.Module:
     if spec == HF_SAM:
         return _FeatureMap(kwargs)
+    if spec == HF_TIMESFORMER:
+        return _VideoTokens(kwargs)
     return timm.create_model(spec, pretrained=False, **kwargs)
 
 
@@ -72,6 +88,8 @@ MODELS: dict[str, tuple[str, int, dict]] = {
     # samvit448: a 28 x 28 grid in 2 x 2 windows of 14, and 4 global blocks.
     "hf_sam448": (HF_SAM, 448, {"image_size": 448}),
     "hf_sam1024": (HF_SAM, 1024, {}),  # its native size: windows of 14 padded to 70 x 70
+    # transformers' TimeSformer-B (TimesformerConfig's defaults) on 8 frames at 224 px.
+    "hf_timesformer": (HF_TIMESFORMER, 224, {"num_frames": 8}),
 }
 METHODS = ("dtps", "etps", "evit", "tome")
 
@@ -87,7 +105,7 @@ def measure(
     spec, side, kwargs = MODELS[name]
     torch.manual_seed(0)
     model = build(spec, kwargs).eval()
-    size = (3, side, side)
+    size = (3, side, side) if spec != HF_TIMESFORMER else (kwargs["num_frames"], 3, side, side)
     base = count_macs(model, size)
     row: dict = {
         "model": spec,
