@@ -13,6 +13,7 @@ from torch import nn
 
 from tests.fixtures import hf_models
 from vitcompress import compress, map_model
+from vitcompress.compilation.metadata import compression_info
 from vitcompress.errors import UserError
 from vitcompress.workflows.export import export_model
 
@@ -152,3 +153,16 @@ def test_onnx_export_matches(timesformer, tmp_path):
         compressed = compress(model, method, keep=[0.7], input_size=size)
         result = export_model(compressed, size, "onnx", tmp_path / f"timesformer_{method}.onnx")
         assert result["max_abs_diff"] < 1e-3, method
+
+
+def test_carry_windows_does_not_carry_a_window_that_holds_the_class_token(timesformer):
+    """A carried choice replays patch slots only: a window led by the class token is reduced by
+    its own block, never by a choice carried from the block before."""
+    model, size = timesformer
+    compressed = compress(
+        model, "etps", keep=[0.7], input_size=size, variant_args={"carry_windows": True}
+    )
+    locations = compression_info(compressed).plan.locations
+    assert [(loc.block, loc.carried) for loc in locations] == [(b, ()) for b in range(4)]
+    with torch.no_grad():
+        assert compressed(_videos(size)).shape == model(_videos(size)).shape

@@ -229,10 +229,12 @@ def test_attention_with_probs_is_the_attention_and_its_received_score():
 
 
 def _spread_by_hand(scores, grid, kernel, stride, padding):
-    """Each token's score: the mean over the keys whose window (kernel at stride, padded)
-    holds it; 0 where none does."""
+    """Each token's score: the mean over the keys whose window (kernel at stride, padded) reads
+    it; a token no key reads: the score of the key whose cell holds it, scaled by half the least
+    read score over the greatest key score."""
     (height, width), (h, w) = grid, (int(math.isqrt(scores.shape[1])),) * 2
     out = torch.zeros(scores.shape[0], height * width, dtype=scores.dtype)
+    unread = []
     for row in range(height):
         for col in range(width):
             readers = [
@@ -244,6 +246,17 @@ def _spread_by_hand(scores, grid, kernel, stride, padding):
             ]
             if readers:
                 out[:, row * width + col] = scores[:, readers].mean(dim=1)
+            else:
+                unread.append((row, col))
+    if unread:
+        read = torch.ones(height * width, dtype=torch.bool)
+        for row, col in unread:
+            read[row * width + col] = False
+        least = out[:, read].amin(dim=1)
+        most = scores.amax(dim=1)
+        for row, col in unread:
+            cell = (row * h // height) * w + col * w // width
+            out[:, row * width + col] = scores[:, cell] * least / most * 0.5
     return out
 
 
@@ -269,6 +282,21 @@ def test_pooled_key_scores_spread_to_the_tokens_each_key_reads(grid, kernel, str
     )
     nearest = key_scores_to_tokens(scores, grid)  # no pool known: each key its cell
     assert torch.equal(spread, nearest) is (kernel == stride and padding == 0)
+    if (kernel, stride, padding) == (3, 4, 1):  # read tokens all rank above the unread ones
+        unread = torch.tensor(
+            [r % 4 == 2 or c % 4 == 2 or r > 13 or c > 13 for r in range(16) for c in range(16)]
+        )
+        assert (spread[:, unread].amax(dim=1) < spread[:, ~unread].amin(dim=1)).all()
+
+
+def test_pvt_scores_are_its_cells_where_the_grid_does_not_divide_by_its_stride():
+    """A kernel equal to its stride skips the last rows where the grid does not divide; each key
+    still stands for its cell there (nearest upsampling), as before the pool was known."""
+    from vitcompress.method import key_scores_to_tokens
+
+    scores = torch.rand(2, 36, generator=torch.Generator().manual_seed(0))
+    spread = key_scores_to_tokens(scores, (50, 50), pool=((8, 8), (8, 8), (0, 0)))
+    assert torch.equal(spread, key_scores_to_tokens(scores, (50, 50)))
 
 
 def test_pooled_key_scores_fall_back_to_cells_where_the_pool_does_not_fit_the_grid():

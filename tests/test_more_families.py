@@ -319,7 +319,8 @@ def test_mvitv2s_pooled_keys_score_the_tokens_they_read() -> None:
     """Block 0's keys are pooled by a 3 x 3 conv at stride 4, padding 1 (16 keys on a 16 x 16
     grid): key i reads rows 4i-1..4i+1, so rows 2, 6, 10, 14 and 15 (and the same columns) are
     read by no key. EViT's score of a token is the attention its key receives, averaged over
-    heads and queries, and 0 where no key reads it."""
+    heads and queries; a token no key reads scores below every read one, by the key whose cell
+    holds it."""
     model = _mvitv2()
     assert _key_pool_of(model) == ((3, 3), (4, 4), (1, 1))
     compressed = compress(model, "evit", keep=[0.7], locs=[0], input_size=(3, 64, 64)).eval()
@@ -335,10 +336,19 @@ def test_mvitv2s_pooled_keys_score_the_tokens_they_read() -> None:
     received = probs.mean(dim=(1, 2))  # (B, 16)
     key_of = {4 * i + d: i for i in range(4) for d in (-1, 0, 1) if 0 <= 4 * i + d < 16}
     expected = torch.zeros(2, 16, 16)
+    read = torch.zeros(16, 16, dtype=torch.bool)
     for row, i in key_of.items():
         for col, j in key_of.items():
             expected[:, row, col] = received[:, 4 * i + j]
+            read[row, col] = True
+    least = expected[:, read].amin(dim=1)
+    scale = least / received.amax(dim=1) * 0.5
+    for row in range(16):
+        for col in range(16):
+            if not read[row, col]:  # the key whose cell (4 x 4) holds it, scaled below
+                expected[:, row, col] = received[:, 4 * (row // 4) + col // 4] * scale
     torch.testing.assert_close(scores.view(2, 16, 16), expected)
+    assert (scores.view(2, 16, 16)[:, ~read].amax(dim=1) < least).all()
 
 
 def _key_pool_of(model: nn.Module) -> tuple | None:

@@ -241,7 +241,13 @@ def test_attention_scores_of_pooled_keys_on_a_3d_grid_are_refused_at_the_plan():
     def block(grid):
         attention = SimpleNamespace(key_tokens=8, kind="sdpa", path="blocks.0.attn")
         return SimpleNamespace(
-            index=0, path="blocks.0", tokens=48, grid=grid, attention=attention, score_blocker=None
+            index=0,
+            path="blocks.0",
+            tokens=48,
+            grid=grid,
+            attention=attention,
+            score_blocker=None,
+            windows=None,
         )
 
     plan = SimpleNamespace(locations=[SimpleNamespace(block=0)], variant="etps")

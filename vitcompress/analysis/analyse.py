@@ -140,7 +140,8 @@ def _rejoined_prefix(operand: fx.Node, patch: fx.Node, anc: Ancestry) -> bool:
     leading = index[1] == 0 or (
         isinstance(index[1], slice) and index[1].start in (None, 0) and index[1].stop is not None
     )
-    return operand is not patch and leading and anc.is_ancestor(source, patch)
+    fewer = (ops.shape(operand) or (0, 0))[1] < (ops.shape(patch) or (0, 0))[1]
+    return operand is not patch and leading and fewer and anc.is_ancestor(source, patch)
 
 
 def _walk_to_grid(

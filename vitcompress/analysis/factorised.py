@@ -7,9 +7,11 @@ then an MLP residual on every token.
 No reduction can follow the tokens through windows that cut them two ways, so such a block is
 mapped as one window over all its tokens whose attention part runs whole: a method reduces its
 MLP and the block gives every token back before its output, as a windowed block whose attention
-cannot take fewer tokens does (``Windows.attention_blocker``). No single attention scores the
-block's tokens, so the methods scored by attention are refused there (``score_blocker``); a
-learned predictor chooses on the MLP's input.
+cannot take fewer tokens does (``Windows.attention_blocker``). The last attention before the MLP
+(TimeSformer's space attention) scores the tokens where its windows hold each of them once after
+one leading prefix slot: where each sits there is read by an index run (``Windows.score_slots``).
+Elsewhere the methods scored by attention are refused (``score_blocker``); a learned predictor
+chooses on the MLP's input either way.
 """
 
 from __future__ import annotations
@@ -39,16 +41,20 @@ def find_factorised_blocks(
     the blocks and the nodes of the attention cores they hold."""
     by_name = {n.name: n for n in gm.graph.nodes}
     inside = {n.name for r in residuals for n in r.nodes}
+    core_nodes = {c.node for c in cores}
     free = [c for c in cores if c.node not in inside]
     blocks: list[WindowedBlock] = []
     taken: set[str] = set()
-    boundary: fx.Node | None = None  # the previous MLP residual's add
+    boundary: fx.Node | None = None  # the previous residual add: a block starts after it
     for mlp in sorted(residuals, key=lambda r: anc.index[r.add]):
         shape = ops.shape(mlp.skip)
-        if shape is None or len(shape) != 3 or shape[0] != image_batch:
-            continue
-        if any(n.name in {c.node for c in cores} for n in mlp.nodes):
-            boundary = mlp.add  # an attention residual, not an MLP's
+        if (
+            shape is None
+            or len(shape) != 3
+            or shape[0] != image_batch
+            or any(n.name in core_nodes for n in mlp.nodes)  # an attention residual
+        ):
+            boundary = mlp.add
             continue
         group = [
             c
@@ -63,7 +69,7 @@ def find_factorised_blocks(
         if not all(closes_no_residual(gm, c, anc) for c in group):
             continue
         entry = previous if previous is not None else _entry(group, mlp, by_name, anc)
-        if entry is None:
+        if entry is None or ops.shape(entry) != shape:
             continue
         taken.update(c.node for c in group)
         paths = ", ".join(c.path or c.node for c in group)
@@ -73,7 +79,7 @@ def find_factorised_blocks(
         slots = _score_slots(gm, example, scorer, tokens, image_batch, by_name, anc)
         blocks.append(
             WindowedBlock(
-                core=group[-1],
+                core=scorer,
                 attn=Residual(mlp.skip, entry, mlp.skip, anc.between(entry, mlp.skip)),
                 mlp=mlp,
                 windows=Windows(
@@ -139,8 +145,12 @@ def _score_slots(
     source = _patch_source(windows_in, image_batch, patches)
     if source is None:
         return None
-    run = run_indices(gm, example, {source: grid_index(ops.shape(source))}, [windows_in])
+    seed = grid_index(ops.shape(source), dtype=example.dtype)
+    run = run_indices(gm, example, {source: seed}, [windows_in])
     values = run.found.get(windows_in)
+    between = set(anc.between(source, windows_in)) | {windows_in}
+    if any(node in between for node in run.mixing):  # not a rearrangement of the tokens
+        return None
     if values is None or values.numel() // values.shape[-1] != batch * per_window:
         return None
     # Each window's leading slot (the class token's copy) is left out: it is not a patch token.

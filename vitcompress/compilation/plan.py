@@ -209,6 +209,9 @@ def same_windows(first: Block, then: Block) -> bool:
         and b is not None
         and (a.count, a.tokens, a.order) == (b.count, b.tokens, b.order)
         and not a.padded
+        # A window that holds the block's prefix (TimeSformer's one window) is not carried: a
+        # replayed choice counts patch slots only.
+        and first.prefix_tokens == then.prefix_tokens == 0
     )
 
 
@@ -318,7 +321,7 @@ def make_plan(
             windows = block.windows
             # One window over the whole of a block with prefix tokens (TimeSformer's class
             # token): they lead the window and are never reduced.
-            patches = windows.tokens - block.prefix_tokens
+            patches = windows.tokens - (block.prefix_tokens if windows.count == 1 else 0)
             locations.append(
                 Location(
                     block=block_index,

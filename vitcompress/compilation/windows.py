@@ -95,7 +95,8 @@ class WindowRewrites:
             f"restore{block.index}",
             TokenRestore(
                 self.plan.method.restore_rule,
-                block.prefix_tokens,  # a window's leading prefix (one window's: TimeSformer's)
+                # One window over a block with prefix tokens leads with them (TimeSformer's).
+                block.prefix_tokens if block.windows.count == 1 else 0,
                 1,
                 where=f"block {block.index}'s windows",
             ),

@@ -67,12 +67,13 @@ def key_scores_to_tokens(
     """Scores of pooled keys (spatial-reduction attention: one key per cell of a coarser grid)
     spread to the tokens each key reads, then taken at the tokens present (``positions``).
 
-    Without ``pool``, each key reads the tokens of its cell (a strided conv whose kernel is its
-    stride, PVT's): a token's score is that key's. With ``pool`` (the op that pools the keys:
-    kernel, stride and padding per grid dim), a token's score is the mean score of the keys
-    whose window holds it, and 0 where none does (MViTv2's 3 x 3 keys at stride 4 read three
-    rows of every four: the fourth is attended by no key). For a kernel equal to its stride and
-    no padding both are the same.
+    Without ``pool``, or where it is a kernel equal to its stride without padding (PVT's SR),
+    each key stands for the tokens of its cell (nearest upsampling of the keys' grid): a token's
+    score is that key's. With another ``pool`` (the op that pools the keys: kernel, stride and
+    padding per grid dim), a token's score is the mean score of the keys whose window reads it.
+    A token no key reads (MViTv2's 3 x 3 keys at stride 4 read three rows and columns of every
+    four) ranks below every token a key reads, and among such tokens by the score of the key
+    whose cell holds it: not 0 for all, which would leave their order to their positions.
     """
     b, cells = scores.shape
     height, width = grid
@@ -81,19 +82,28 @@ def key_scores_to_tokens(
     if h * w != cells:
         raise ValueError(f"{cells} pooled keys do not form a grid like {height}x{width}")
     coarse = scores.reshape(b, 1, h, w).float()
-    spread = _spread_by_window(coarse, (height, width), pool) if pool is not None else None
-    if spread is None:
-        spread = F.interpolate(coarse, size=(height, width), mode="nearest")
-    full = spread.reshape(b, height * width).to(scores.dtype)
+    nearest = F.interpolate(coarse, size=(height, width), mode="nearest")
+    spread = None
+    if pool is not None and not _cells(pool):
+        spread = _spread_by_window(coarse, nearest, pool)
+    full = (nearest if spread is None else spread).reshape(b, height * width).to(scores.dtype)
     if positions is None:
         return full
     return torch.gather(full, 1, positions.clamp(min=0))
 
 
-def _spread_by_window(coarse: Tensor, size: tuple[int, int], pool: KeyPool) -> Tensor | None:
-    """Each key's score over the tokens its window reads, averaged where windows overlap; ``None``
-    where the pool does not map the keys' grid onto ``size`` (then the cells are used)."""
+def _cells(pool: KeyPool) -> bool:
+    """Whether each key pools exactly its own cell: kernel equal to stride, no padding."""
     kernel, stride, padding = (tuple(v) for v in pool)
+    return kernel == stride and not any(padding)
+
+
+def _spread_by_window(coarse: Tensor, nearest: Tensor, pool: KeyPool) -> Tensor | None:
+    """Each key's score over the tokens its window reads, averaged where windows overlap; a token
+    no key reads gets its ``nearest`` score scaled below the least score of a read token.
+    ``None`` where the pool does not map the keys' grid onto the tokens' (then ``nearest``)."""
+    kernel, stride, padding = (tuple(v) for v in pool)
+    size = nearest.shape[2:]
     extra = [
         full - ((cells - 1) * s - 2 * p + k)
         for full, cells, k, s, p in zip(
@@ -106,4 +116,11 @@ def _spread_by_window(coarse: Tensor, size: tuple[int, int], pool: KeyPool) -> T
     spread = dict(stride=stride, padding=padding, output_padding=tuple(extra))
     total = F.conv_transpose2d(coarse, ones, **spread)
     reads = F.conv_transpose2d(torch.ones_like(coarse[:1]), ones, **spread)
-    return torch.where(reads > 0, total / reads.clamp(min=1), torch.zeros_like(total))
+    read = reads > 0
+    mean = total / reads.clamp(min=1)
+    if bool(read.all()):
+        return mean
+    # Below the least read score, in the order of the keys whose cells hold them.
+    least = mean.masked_fill(~read, float("inf")).amin(dim=(2, 3), keepdim=True)
+    most = nearest.amax(dim=(2, 3), keepdim=True).clamp(min=torch.finfo(nearest.dtype).tiny)
+    return torch.where(read, mean, nearest * (least / most) * 0.5)

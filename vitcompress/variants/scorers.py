@@ -132,7 +132,9 @@ class AttentionScorer(Scorer):
                     "attention, so it is refused there (a learned predictor scores without it)"
                 )
             keys = block.attention.key_tokens
-            if keys is not None and keys < block.tokens and len(block.grid) != 2:
+            # A factorised attention's (``score_slots``) keys are a frame's, not pooled ones.
+            factorised = block.windows is not None and block.windows.score_slots is not None
+            if keys is not None and keys < block.tokens and len(block.grid) != 2 and not factorised:
                 return (
                     f"block {loc.block} ({block.path}) attends over {keys} pooled keys on a "
                     f"{len(block.grid)}-D token grid {tuple(block.grid)}: {plan.variant}'s scores "

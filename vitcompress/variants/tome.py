@@ -188,7 +188,7 @@ class TokenMerging(Variant):
                     "copied into each frame: tome matches tokens by that attention's keys, so "
                     "it is refused there"
                 )
-            if block.score_blocker is not None:  # no one attention's keys are the block's
+            if block.windows is not None and block.score_blocker is not None:
                 return (
                     f"block {block.index}: {block.score_blocker}; tome matches tokens by that "
                     "attention's keys, so it is refused there"
