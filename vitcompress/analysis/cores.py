@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch import nn
 
 from vitcompress.analysis import ops
-from vitcompress.analysis.model_map import AttentionCore
+from vitcompress.analysis.model_map import AttentionCore, KeyPool
 
 
 @dataclass
@@ -122,7 +122,7 @@ _KEY_POOLS = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
 
 def _key_pool(
     gm: fx.GraphModule, keys: object, query_tokens: int, key_tokens: int
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+) -> KeyPool | None:
     """Where an attention's keys are pooled on the token grid (fewer keys than queries), the
     strided conv or pool that made their grid: its kernel, stride and padding, walked back to
     from the keys through the ops between (a norm, a projection, layout); ``None`` where none is
@@ -138,7 +138,9 @@ def _key_pool(
                 return None
             kernel = nn.modules.utils._pair(module.kernel_size)
             stride = nn.modules.utils._pair(module.stride or module.kernel_size)
-            if isinstance(module.padding, str):
+            # A dilated or string-padded op reads other tokens than kernel, stride and padding
+            # say: no key pool, each key then stands for its cell.
+            if isinstance(module.padding, str) or getattr(module, "dilation", 1) not in (1, (1, 1)):
                 return None
             if stride != (1, 1):  # a stride-1 conv after the pool (PVTv2's) keeps its grid
                 return kernel, stride, nn.modules.utils._pair(module.padding)

@@ -19,6 +19,10 @@ from typing import Any
 ATTENTION_KINDS = ("sdpa", "matmul_softmax", "einsum_softmax", "multihead_attention")
 
 
+# (kernel, stride, padding), each per grid dim: the op that pools an attention's keys.
+KeyPool = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
 @dataclass
 class GridOp:
     """An op inside a block that needs the full token grid (conv or pool on reshaped tokens)."""
@@ -143,7 +147,7 @@ class AttentionCore:
     batch: int | None = None  # leading dim of q / logits: the image batch times any windows
     # Keys pooled on the token grid (PVT's, MViTv2's): the pooling op's kernel, stride and
     # padding per grid dim, which say which tokens each key reads (``key_scores_to_tokens``).
-    key_pool: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
+    key_pool: KeyPool | None = None
 
 
 @dataclass

@@ -54,7 +54,8 @@ def score_from_probs(probs: Tensor, prefix_tokens: int, has_cls: bool) -> Tensor
     return probs[..., prefix_tokens:].mean(dim=(1, 2))
 
 
-# (kernel, stride, padding), each per grid dim: the op that pools an attention's keys.
+# (kernel, stride, padding), each per grid dim: the op that pools an attention's keys (the
+# same alias as ``analysis.model_map.KeyPool``; the method's functions import no analysis).
 KeyPool = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 

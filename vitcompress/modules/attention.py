@@ -51,8 +51,10 @@ class _ScoringHook(nn.Module):
 
     def extra_repr(self) -> str:
         keys = ", keys=True" if self.keys else ""
+        pool = f", key_pool={self.key_pool}" if self.key_pool is not None else ""
         return (
-            f"prefix_tokens={self.prefix_tokens}, has_cls={self.has_cls}, score={self.score}{keys}"
+            f"prefix_tokens={self.prefix_tokens}, has_cls={self.has_cls}, score={self.score}"
+            f"{keys}{pool}"
         )
 
     def _scores_every_query(self) -> bool:
