@@ -251,16 +251,48 @@ def test_mvitv2_blocks_map_as_one_window_over_their_grid_whose_attention_runs_wh
     assert transitions == [f"stages.{stage}.blocks.0.attn" for stage in (1, 2, 3)]
 
 
-def test_mvitv2_with_a_class_token_is_refused_in_one_line() -> None:
-    with pytest.raises(MappingError) as refused:
-        map_model(_mvitv2("mvitv2_small_cls"), (3, 64, 64))
-    line = str(refused.value)
-    assert "\n" not in line
-    assert line.startswith("pooling attention at stages.0.blocks.0.attn.pool_q")
-    assert line.endswith(
-        "has 1 prefix token(s) beside the grid, which a reduction over the whole grid does not "
-        "support"
-    )
+def _mvitv2_cls() -> nn.Module:
+    """An MViTv2 with a class token (``mvitv2_*_cls``'s design), small: width 32, blocks 1, 2, 2,
+    2 on a 16 x 16 grid (a stage transition first in each of the last three), so that it runs
+    in double precision in seconds."""
+    from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
+
+    from tests.test_windowed_families import sharpen
+
+    torch.manual_seed(0)
+    cfg = MultiScaleVitCfg(depths=(1, 2, 2, 2), embed_dim=32, use_cls_token=True)
+    return sharpen(MultiScaleVit(cfg, img_size=64, num_classes=10, global_pool="token"))
+
+
+def test_mvitv2_with_a_class_token_keeps_it_leading_each_window_and_is_exact() -> None:
+    """The class token joins the grid's tokens (it is split off and joined again around every
+    pooling); each block's one window is led by it, never reduced. Keep 1 is exact in double
+    precision on sharpened weights; keep 0.7 keeps the class token and int(0.7 x 256) = 179 of
+    block 0's patch tokens (eTPS one fused token besides)."""
+    model = _mvitv2_cls().double()
+    size = (3, 64, 64)
+    model_map = map_model(model, size)
+    assert [b.tokens for b in model_map.blocks] == [257, 65, 17, 5]
+    assert all(b.prefix_tokens == 1 and b.windows.count == 1 for b in model_map.blocks)
+    images = torch.randn(2, *size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.no_grad():
+            base = model(images)
+            for method in ("dtps", "etps"):
+                out = compress(model, method, keep=[1.0], input_size=size)(images)
+                assert (out - base).abs().max() <= 1e-9 * base.abs().max(), method
+                compressed = compress(model, method, keep=[0.7], input_size=size)
+                seen: list[tuple[int, ...]] = []
+                reducer = dict(compressed.named_modules())["tps.0"]
+                reducer.register_forward_hook(
+                    lambda m, i, o, seen=seen: seen.append(tuple(o[0].shape))
+                )
+                assert compressed(images).shape == base.shape
+                assert seen == [(2, 1 + 179 + (method == "etps"), 32)], method
+    finally:
+        torch.set_default_dtype(default)
 
 
 def test_tome_is_refused_where_mvitv2s_keys_are_pooled_and_merges_where_they_are_not() -> None:

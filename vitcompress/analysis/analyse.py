@@ -502,14 +502,9 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         pooling = _pooling_attention(gm, attn) if window is None else None
         whole_grid = None
         if pooling is not None:
-            where = f"{pooling}, and its block"
             if mlp is None:
-                raise MappingError(f"{where} has no MLP residual after it to reduce")
-            if stage.prefix_tokens:
-                raise MappingError(
-                    f"{where} has {stage.prefix_tokens} prefix token(s) beside the grid, which "
-                    "a reduction over the whole grid does not support"
-                )
+                raise MappingError(f"{pooling}, and its block has no MLP residual after it")
+            # A class token beside the grid (``mvitv2_*_cls``) leads the window and is kept.
             whole_grid = Windows(
                 count=1,
                 tokens=tokens,
