@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import replace
 
 import torch.fx as fx
 from torch import nn
@@ -504,7 +505,6 @@ def analyse(captured: CapturedGraph) -> ModelMap:
         if pooling is not None:
             if mlp is None:
                 raise MappingError(f"{pooling}, and its block has no MLP residual after it")
-            # A class token beside the grid (``mvitv2_*_cls``) leads the window and is kept.
             whole_grid = Windows(
                 count=1,
                 tokens=tokens,
@@ -512,6 +512,16 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 mlp_input_node=mlp.skip.name,
                 attention_blocker=pooling,
             )
+        windows = window.windows if window is not None else whole_grid
+        if windows is not None and stage.prefix_tokens:
+            # A class token beside the grid (``mvitv2_*_cls``, TimeSformer's) leads the one
+            # window over the block's tokens and is kept; windows that cut the grid hold none.
+            if windows.count != 1:
+                raise MappingError(
+                    f"windowed attention at {core.path or core.node}: {windows.count} windows "
+                    f"beside {stage.prefix_tokens} prefix token(s), which no window holds"
+                )
+            windows = replace(windows, prefix_tokens=stage.prefix_tokens)
         mlp_nodes = mlp.nodes + [mlp.add] if mlp is not None else []
         paths = [ops.module_path(n) for n in attn.nodes + [attn.add] + mlp_nodes]
         path = ops.common_path([p for p in paths if p])
@@ -555,10 +565,10 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 score_coefficient=combination.coefficient,
                 score_blocker=(window.score_blocker if window is not None else None)
                 or combination.blocker,
-                windows=window.windows if window is not None else whole_grid,
+                windows=windows,
             )
         )
-        if window is not None or whole_grid is not None:
+        if windows is not None:
             _check_windowed_block(blocks[-1])
     # Every block's own nodes: what follows a block outside them is its readers' and exits'.
     inside = {n for attn, mlp, _ in pairs for n in _block_nodes(attn, mlp)}

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from vitcompress.analysis import ops
 from vitcompress.analysis.cores import Ancestry, Residual
-from vitcompress.analysis.index_run import grid_index, run_indices
+from vitcompress.analysis.index_run import IndexRun, grid_index, run_indices
 from vitcompress.analysis.model_map import AttentionCore, Windows
 from vitcompress.analysis.windows import WindowedBlock, closes_no_residual, window_tokens
 
@@ -44,6 +44,7 @@ def find_factorised_blocks(
     core_nodes = {c.node for c in cores}
     free = [c for c in cores if c.node not in inside]
     blocks: list[WindowedBlock] = []
+    found: list[tuple[Residual, list[AttentionCore], fx.Node]] = []  # MLP, attentions, entry
     taken: set[str] = set()
     boundary: fx.Node | None = None  # the previous residual add: a block starts after it
     for mlp in sorted(residuals, key=lambda r: anc.index[r.add]):
@@ -71,12 +72,32 @@ def find_factorised_blocks(
         entry = previous if previous is not None else _entry(group, mlp, by_name, anc)
         if entry is None or ops.shape(entry) != shape:
             continue
+        found.append((mlp, group, entry))
+    # Where each block's scoring attention holds its tokens: one index run for all the blocks.
+    # The last attention before each MLP (TimeSformer's space attention) scores.
+    probes = {
+        i: _slot_probe(gm, group[-1], ops.shape(mlp.skip)[1], image_batch, by_name)
+        for i, (mlp, group, _) in enumerate(found)
+    }
+    probes = {i: probe for i, probe in probes.items() if probe is not None}
+    run = None
+    if probes:
+        seeds = {
+            source: grid_index(ops.shape(source), dtype=example.dtype)
+            for _, source in probes.values()
+        }
+        run = run_indices(gm, example, seeds, [windows_in for windows_in, _ in probes.values()])
+    for i, (mlp, group, entry) in enumerate(found):
         taken.update(c.node for c in group)
         paths = ", ".join(c.path or c.node for c in group)
         windows = ", ".join(f"{c.batch // image_batch} windows of {c.query_tokens}" for c in group)
-        tokens = shape[1]
-        scorer = group[-1]  # the last attention before the MLP (TimeSformer's space attention)
-        slots = _score_slots(gm, example, scorer, tokens, image_batch, by_name, anc)
+        tokens = ops.shape(mlp.skip)[1]
+        scorer = group[-1]
+        slots = (
+            _score_slots(run, probes[i], scorer, image_batch, anc)
+            if run is not None and i in probes
+            else None
+        )
         blocks.append(
             WindowedBlock(
                 core=scorer,
@@ -120,33 +141,41 @@ def _entry(
     return None
 
 
-def _score_slots(
+def _slot_probe(
     gm: fx.GraphModule,
-    example: Tensor,
     scorer: AttentionCore,
     tokens: int,
     image_batch: int,
     by_name: dict[str, fx.Node],
-    anc: Ancestry,
-) -> tuple[int, ...] | None:
-    """Where the block's attention ``scorer`` scores each of its tokens: its windows hold every
-    token once after one leading prefix slot each (TimeSformer's space attention: each frame's
-    patches after a copy of the class token). Read by running the graph on token indices from
-    the (B, tokens - 1, C) patch tokens the windows are laid out from. For each patch token (in
-    the block's order), the slot of its score among the windows' patch slots; ``None`` where the
-    windows are not such a rearrangement."""
+) -> tuple[fx.Node, fx.Node] | None:
+    """Where to read where ``scorer`` holds a block's tokens: its windows, where they hold every
+    patch token once after one leading prefix slot each (TimeSformer's space attention: each
+    frame's patches after a copy of the class token), and the (B, tokens - 1, C) patch tokens
+    they are laid out from, to be seeded with token indices; ``None`` where they cannot."""
     windows_in = window_tokens(gm, by_name[scorer.node])
     per_window, batch = scorer.query_tokens, scorer.batch
     if windows_in is None or per_window is None or batch is None:
         return None
-    count, patches = batch // image_batch, tokens - 1
-    if count * (per_window - 1) != patches:
+    if batch // image_batch * (per_window - 1) != tokens - 1:
         return None
-    source = _patch_source(windows_in, image_batch, patches)
-    if source is None:
-        return None
-    seed = grid_index(ops.shape(source), dtype=example.dtype)
-    run = run_indices(gm, example, {source: seed}, [windows_in])
+    source = _patch_source(windows_in, image_batch, tokens - 1)
+    return (windows_in, source) if source is not None else None
+
+
+def _score_slots(
+    run: IndexRun,
+    probe: tuple[fx.Node, fx.Node],
+    scorer: AttentionCore,
+    image_batch: int,
+    anc: Ancestry,
+) -> tuple[int, ...] | None:
+    """For each patch token (in the block's order), the slot of its score among the scoring
+    windows' patch slots, read off the index run; ``None`` where the windows are not a
+    rearrangement of the tokens."""
+    windows_in, source = probe
+    per_window, batch = scorer.query_tokens, scorer.batch
+    count = batch // image_batch
+    patches = count * (per_window - 1)
     values = run.found.get(windows_in)
     between = set(anc.between(source, windows_in)) | {windows_in}
     if any(node in between for node in run.mixing):  # not a rearrangement of the tokens

@@ -210,6 +210,9 @@ class Windows:
     # For each of the window's tokens after its prefix, the slot of its score among the scoring
     # attention's, the windows' prefix slots left out, windows one after another.
     score_slots: tuple[int, ...] | None = None
+    # Prefix tokens (a class token) leading the window, never reduced: only one window over all
+    # of a block's tokens holds them (MViTv2 with a class token, TimeSformer).
+    prefix_tokens: int = 0
 
     @property
     def padded(self) -> bool:
@@ -246,6 +249,7 @@ class Windows:
             "query_bias": self.query_bias.to_json() if self.query_bias else None,
             "global_query": self.global_query is not None,
             **({"score_slots": list(self.score_slots)} if self.score_slots is not None else {}),
+            **({"prefix_tokens": self.prefix_tokens} if self.prefix_tokens else {}),
         }
 
     @classmethod
@@ -262,6 +266,7 @@ class Windows:
             query_bias=QueryBias.from_json(data["query_bias"]) if data.get("query_bias") else None,
             global_query="" if data.get("global_query") else None,
             score_slots=tuple(data["score_slots"]) if data.get("score_slots") else None,
+            prefix_tokens=int(data.get("prefix_tokens", 0)),
         )
 
 

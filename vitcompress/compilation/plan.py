@@ -211,7 +211,7 @@ def same_windows(first: Block, then: Block) -> bool:
         and not a.padded
         # A window that holds the block's prefix (TimeSformer's one window) is not carried: a
         # replayed choice counts patch slots only.
-        and first.prefix_tokens == then.prefix_tokens == 0
+        and a.prefix_tokens == b.prefix_tokens == 0
     )
 
 
@@ -319,9 +319,7 @@ def make_plan(
         stage = model_map.stages[block.stage]
         if block.windows is not None:  # every window alike, restored after the block
             windows = block.windows
-            # One window over the whole of a block with prefix tokens (TimeSformer's class
-            # token): they lead the window and are never reduced.
-            patches = windows.tokens - (block.prefix_tokens if windows.count == 1 else 0)
+            patches = windows.tokens - windows.prefix_tokens  # a leading prefix is kept
             locations.append(
                 Location(
                     block=block_index,

@@ -95,8 +95,7 @@ class WindowRewrites:
             f"restore{block.index}",
             TokenRestore(
                 self.plan.method.restore_rule,
-                # One window over a block with prefix tokens leads with them (TimeSformer's).
-                block.prefix_tokens if block.windows.count == 1 else 0,
+                block.windows.prefix_tokens,
                 1,
                 where=f"block {block.index}'s windows",
             ),
