@@ -166,3 +166,30 @@ def test_carry_windows_does_not_carry_a_window_that_holds_the_class_token(timesf
     assert [(loc.block, loc.carried) for loc in locations] == [(b, ()) for b in range(4)]
     with torch.no_grad():
         assert compressed(_videos(size)).shape == model(_videos(size)).shape
+
+
+def test_macs_are_the_hand_count_and_the_mlp_runs_on_the_kept_tokens(timesformer):
+    """Per image: the time attention over 16 positions' 4 frames, the space attention over 4
+    frames of 1 + 16 tokens (projections, then q k^T and attn v at width 64), counted as by
+    hand; compressed at keep 0.7, the MLP's two linears run on the class token and 44 kept patch
+    tokens of 65."""
+    from vitcompress.measure.macs import macs_by_module
+
+    model, size = timesformer
+    width, frames, positions = 64, 4, 16
+    base = macs_by_module(model, size)
+    layer = "model.encoder.layer.0"
+    space = frames * 17 * width * width * 4 + 2 * frames * 17 * 17 * width
+    time = positions * frames * width * width * 4 + 2 * positions * frames * frames * width
+    assert base[f"{layer}.attention"] == space
+    assert base[f"{layer}.temporal_attention"] == time
+    assert base[f"{layer}.temporal_dense"] == positions * frames * width * width
+    assert base[f"{layer}.intermediate.dense"] == 65 * width * 4 * width
+    torch.manual_seed(0)
+    compressed = macs_by_module(compress(model, "dtps", keep=[0.7], input_size=size), size)
+    for linear in ("intermediate.dense", "output.dense"):
+        assert compressed[f"{layer}.{linear}"] == 45 * width * 4 * width, linear
+    # The attention part runs whole: its projections on every token (the rewritten graph calls
+    # the linears, not the attention modules around them).
+    for linear in ("attention.attention.qkv", "attention.output.dense", "temporal_dense"):
+        assert compressed[f"{layer}.{linear}"] == base[f"{layer}.{linear}"], linear
