@@ -17,24 +17,25 @@ from tests.test_windowed import SIZE, SWIN, _padded_swin, swin
 from tests.test_windowed_families import _build
 from vitcompress import compress
 from vitcompress.cli.main import cli
+from vitcompress.compilation.plan import PlanError
 from vitcompress.compilation.rewrite import REDUCER_PREFIX
 from vitcompress.loading import LoadedModel, ModelSource
 from vitcompress.measure import count_macs
 from vitcompress.search.driver import Budget, SearchConfig, SearchError, search
 from vitcompress.search.score import CandidateBuilder
 from vitcompress.search.warmup import BlockSignals, block_signals, warm_predictors
-from vitcompress.search.windowed import LEARNED_LEFT_OUT_WHY
+from vitcompress.search.windowed import LEARNED_LEFT_OUT_WHY, fit_on_grid
 
 
-def _config(tmp_path, ratio: float, variants: list[str]) -> SearchConfig:
+def _config(tmp_path, ratio: float, variants: list[str], **settings) -> SearchConfig:
     return SearchConfig(
         budget=Budget(max_gmacs_ratio=ratio),
         variants=variants,
         out=tmp_path,
         calib_images=16,
         batch_size=8,
-        max_candidates=8,
         identity={"model": "swin"},
+        **{"max_candidates": 8, **settings},
     )
 
 
@@ -43,14 +44,14 @@ def model():
     return swin()
 
 
-def _run(model, tmp_path, ratio, variants):
+def _run(model, tmp_path, ratio, variants, **settings):
     loaded = LoadedModel(model=model, source=ModelSource(spec="swin"), input_size=SIZE)
     generator = torch.Generator().manual_seed(0)
     calibration = TensorDataset(
         torch.randn(16, *SIZE, generator=generator),
         torch.randint(0, 10, (16,), generator=generator),
     )
-    return search(loaded, calibration, _config(tmp_path, ratio, variants)).to_json()
+    return search(loaded, calibration, _config(tmp_path, ratio, variants, **settings)).to_json()
 
 
 def test_each_method_gets_the_largest_keep_its_counted_macs_allow(model, tmp_path):
@@ -72,6 +73,55 @@ def test_each_method_gets_the_largest_keep_its_counted_macs_allow(model, tmp_pat
     assert data["best"]["variant"] == best["variant"] and data["macs_check"]["counted"]
     plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     assert (plan["variant"], plan["keep"]) == (best["variant"], best["keep"])
+
+
+def test_a_keep_grid_given_is_the_keeps_tried(model, tmp_path):
+    grid = (0.5, 0.6, 0.7, 0.8, 0.9)
+    data = _run(model, tmp_path, 0.9, ["etps", "tome"], keep_grid=grid)
+    base = count_macs(model, SIZE)
+    assert data["space"]["keep_grid"] == f"the largest of {list(grid)} within the budget"
+    for row in data["candidates"]:
+        keep = row["keep"][0]
+        assert keep in grid  # not a keep in steps of 0.01 between them
+        assert row["macs"] <= 0.9 * base
+        above = [k for k in grid if k > keep]
+        if above:
+            model_above = compress(model, row["variant"], keep=min(above), input_size=SIZE)
+            assert count_macs(model_above, SIZE) > 0.9 * base
+
+
+def test_a_keep_grid_under_the_budget_everywhere_is_one_line(model, tmp_path):
+    with pytest.raises(SearchError) as refused:
+        _run(model, tmp_path, 0.8, ["etps"], keep_grid=(0.9, 0.95))
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "etps: 0.8 is out of reach on --keep-grid: its smallest keep the method takes " in (
+        message
+    )
+    assert "here, 0.9, costs 0." in message
+
+
+def test_max_candidates_caps_the_methods_fitted(model, tmp_path):
+    data = _run(model, tmp_path, 0.9, ["etps", "evit", "tome"], max_candidates=2)
+    assert sorted(row["variant"] for row in data["candidates"]) == ["etps", "evit"]
+    assert data["space"]["left_out"] == {
+        "tome": "2 candidates (--max-candidates) were found before it: a windowed model's "
+        "search has one per method"
+    }
+
+
+def test_fit_on_grid_skips_refused_keeps_and_names_the_refusal():
+    def cost(keep: float) -> float:
+        if keep < 0.5:
+            raise PlanError("removes too few tokens", "keep")
+        return keep
+
+    assert fit_on_grid(cost, [0.3, 0.6, 0.8, 0.9], 0.85) == 0.8
+    assert fit_on_grid(cost, [0.3, 0.4, 0.6], 0.85) == 0.6
+    with pytest.raises(PlanError, match="no keep of --keep-grid is taken .*: keep removes too few tokens"):
+        fit_on_grid(cost, [0.3, 0.4], 0.85)
+    with pytest.raises(PlanError, match="smallest keep the method takes here, 0.9, costs 0.900"):
+        fit_on_grid(cost, [0.3, 0.9, 0.95], 0.85)
 
 
 def test_a_second_run_reads_its_scores_from_the_cache(model, tmp_path):

@@ -28,10 +28,8 @@ def _variant_list(ctx: click.Context, param: click.Parameter, value: str | None)
 
 
 def _keep_grid(ctx: click.Context, param: click.Parameter, value: str | None):
-    from vitcompress.search.space import DEFAULT_KEEP_GRID
-
     if value is None:
-        return DEFAULT_KEEP_GRID
+        return None  # the default grid; a windowed model fits each keep in steps of 0.01
     try:
         grid = sorted({round(float(v), 4) for v in value.split(",") if v.strip()})
     except ValueError:
@@ -79,7 +77,8 @@ def _keep_grid(ctx: click.Context, param: click.Parameter, value: str | None):
     default=None,
     callback=_keep_grid,
     metavar="K,K",
-    help="Keep ratios tried (default 0.3 to 0.9 in steps of 0.05).",
+    help="Keep ratios tried (default 0.3 to 0.9 in steps of 0.05; on a windowed model, "
+    "each method's keep fitted to the budget in steps of 0.01).",
 )
 @click.option(
     "--max-candidates",
@@ -116,7 +115,7 @@ def search_command(
     min_speedup: float | None,
     variants: list[str],
     calib_images: int,
-    keep_grid: tuple[float, ...],
+    keep_grid: tuple[float, ...] | None,
     max_candidates: int,
     warmup_steps: int,
     seed: int,

@@ -119,7 +119,8 @@ class SearchConfig:
     out: Path
     calib_images: int = 512
     batch_size: int = 32
-    keep_grid: Sequence[float] = DEFAULT_KEEP_GRID
+    # None: the default grid, or on a windowed model each method's keep fitted in steps of 0.01.
+    keep_grid: Sequence[float] | None = None
     max_candidates: int = 24
     warmup_steps: int = WARMUP_STEPS
     seed: int = 0
@@ -340,7 +341,7 @@ def _analytic_space(
     space = build_space(
         model_map,
         variants,
-        config.keep_grid,
+        DEFAULT_KEEP_GRID if config.keep_grid is None else config.keep_grid,
         single_location=[v for v in variants if get_variant(v).single_location],
     )
     cost = _cost_function(cost_model, model_map)
@@ -371,7 +372,14 @@ def _windowed_space(
     """One candidate per method, its keep fitted to the budget with the MACs counted
     (``search/windowed.py``)."""
     with step("fitting each method's keep to the budget, counted"):
-        fitted = windowed_candidates(builder, _known(config.variants), budget, base_macs)
+        fitted = windowed_candidates(
+            builder,
+            _known(config.variants),
+            budget,
+            base_macs,
+            keep_grid=config.keep_grid,
+            max_candidates=config.max_candidates,
+        )
     if config.variants_named:
         for name, why in fitted.left_out.items():
             warn(f"{name}: {why}; left out of the search")
@@ -389,7 +397,9 @@ def _windowed_space(
         warm_blocks=list(fitted.locs),
         info={
             "locations": f"every windowed block (the default): {list(fitted.locs)}",
-            "keep_grid": "steps of 0.01, fitted to the budget",
+            "keep_grid": "steps of 0.01, fitted to the budget"
+            if config.keep_grid is None
+            else f"the largest of {sorted(config.keep_grid)} within the budget",
             "out_of_reach": fitted.out_of_reach,
         },
         size=len(fitted.candidates),

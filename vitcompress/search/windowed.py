@@ -3,14 +3,17 @@
 The analytic cost model counts a block's tokens, not a window's, so it does not cost these
 models. Their candidates are instead one per method: its default locations (every windowed
 block, each restoring its own tokens) at the largest keep whose compressed model, counted, fits
-the budget (:func:`vitcompress.measure.keep_fit.fit_keep`). The scoring, the cache and the
+the budget: in steps of 0.01 (:func:`vitcompress.measure.keep_fit.fit_keep`), or the largest of
+a keep grid the user gave. At most ``max_candidates`` methods are fitted, in the order given;
+the rest are left out and said so. The scoring, the cache and the
 outputs are the search's own (``search/driver.py``), the learned variants' predictors warmed
 on each window's tokens (``search/warmup.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from vitcompress.compilation.plan import PlanError, default_locs
@@ -44,17 +47,29 @@ class WindowedCandidates:
 
 
 def windowed_candidates(
-    builder: CandidateBuilder, variants: Sequence[str], budget: float, base_macs: int
+    builder: CandidateBuilder,
+    variants: Sequence[str],
+    budget: float,
+    base_macs: int,
+    keep_grid: Sequence[float] | None = None,
+    max_candidates: int | None = None,
 ) -> WindowedCandidates:
-    """For each of ``variants``: the largest keep (in steps of 0.01, the same at every default
-    location) whose compressed model costs at most ``budget`` MACs, counted. A learned one is
-    left out where its warm-up does not apply (:data:`LEARNED_LEFT_OUT_WHY`)."""
+    """For each of ``variants``: the largest keep (the same at every default location) whose
+    compressed model costs at most ``budget`` MACs, counted: in steps of 0.01, or the largest of
+    ``keep_grid`` where one is given. A learned one is left out where its warm-up does not apply
+    (:data:`LEARNED_LEFT_OUT_WHY`); once ``max_candidates`` are found, the rest are left out."""
     found = WindowedCandidates(locs=tuple(default_locs(builder.model_map)))
     locs = list(found.locs)
     target = GmacsRatio(budget / base_macs)
     windows = [builder.model_map.blocks[i].windows for i in locs]
     warmable = all(w is None or (not w.padded and w.attention_blocker is None) for w in windows)
     for variant in variants:
+        if max_candidates is not None and len(found.candidates) >= max_candidates:
+            found.left_out[variant] = (
+                f"{max_candidates} candidates (--max-candidates) were found before it: a "
+                "windowed model's search has one per method"
+            )
+            continue
         if get_variant(variant).learned and not warmable:
             found.left_out[variant] = LEARNED_LEFT_OUT_WHY
             continue
@@ -67,11 +82,42 @@ def windowed_candidates(
 
         with step(f"fitting {variant}'s keep to the budget"):
             try:
-                fit = fit_keep(cost, target)
+                if keep_grid is None:
+                    keep = fit_keep(cost, target).keep
+                else:
+                    keep = fit_on_grid(cost, keep_grid, target.ratio)
             except PlanError as e:
                 found.out_of_reach[variant] = e.detail
                 continue
-        candidate = Candidate(variant, found.locs, (fit.keep,) * len(locs))
+        candidate = Candidate(variant, found.locs, (keep,) * len(locs))
         found.candidates.append(candidate)
-        found.macs[candidate] = counted[fit.keep]
+        found.macs[candidate] = counted[keep]
     return found
+
+
+def fit_on_grid(cost: Callable[[float], float], keep_grid: Sequence[float], ratio: float) -> float:
+    """The largest keep of ``keep_grid`` whose ``cost`` (its MACs over the base's; a
+    :class:`PlanError` where the method refuses it) is at most ``ratio``, tried from the largest
+    down: the cost grows with the keep, so the first within is the largest."""
+    refusals: list[str] = []
+    smallest: tuple[float, float] | None = None  # the smallest keep taken, and its cost
+    for keep in sorted(set(keep_grid), reverse=True):
+        try:
+            share = cost(keep)
+        except PlanError as refused:
+            refusals.append(str(refused))
+            continue
+        if share <= ratio:
+            return keep
+        smallest = (keep, share)
+    if smallest is not None:
+        detail = (
+            f"{ratio:g} is out of reach on --keep-grid: its smallest keep the method takes "
+            f"here, {smallest[0]:g}, costs {smallest[1]:.3f} of the base's GMACs"
+        )
+    elif refusals:
+        reason = Counter(refusals).most_common(1)[0][0]
+        detail = f"no keep of --keep-grid is taken by this method here: {reason}"
+    else:
+        detail = "is empty"
+    raise PlanError(detail, "keep_grid")

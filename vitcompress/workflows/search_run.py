@@ -17,10 +17,11 @@ from vitcompress.workflows.inputs import DataRequest, ModelRequest
 @dataclass(frozen=True)
 class SearchSpace:
     """What is searched: the variants (``named``: the user listed them, so the ones left out
-    are warned about), the keep ratios tried, and how many candidates are scored at most."""
+    are warned about), the keep ratios tried (``None``: the default), and how many candidates
+    are scored at most."""
 
     variants: Sequence[str]
-    keep_grid: Sequence[float]
+    keep_grid: Sequence[float] | None
     max_candidates: int = 24
     named: bool = False
 
