@@ -118,7 +118,9 @@ def test_fit_on_grid_skips_refused_keeps_and_names_the_refusal():
 
     assert fit_on_grid(cost, [0.3, 0.6, 0.8, 0.9], 0.85) == 0.8
     assert fit_on_grid(cost, [0.3, 0.4, 0.6], 0.85) == 0.6
-    with pytest.raises(PlanError, match="no keep of --keep-grid is taken .*: keep removes too few tokens"):
+    with pytest.raises(
+        PlanError, match="no keep of --keep-grid is taken .*: keep removes too few tokens"
+    ):
         fit_on_grid(cost, [0.3, 0.4], 0.85)
     with pytest.raises(PlanError, match="smallest keep the method takes here, 0.9, costs 0.900"):
         fit_on_grid(cost, [0.3, 0.9, 0.95], 0.85)
