@@ -249,6 +249,10 @@ def test_mvitv2_blocks_map_as_one_window_over_their_grid_whose_attention_runs_wh
         assert block.grid_ops == []  # the attention's pooling needs no grid given back
     transitions = sorted(reason.split(":")[0] for reason in model_map.left_whole)
     assert transitions == [f"stages.{stage}.blocks.0.attn" for stage in (1, 2, 3)]
+    # Each says why, without windows: one attention over the grid gives out fewer tokens.
+    for reason in model_map.left_whole:
+        assert reason.endswith("so the block changes the token count and no reduction keeps it")
+        assert "its queries are pooled (" in reason and "window" not in reason
 
 
 def _mvitv2_cls() -> nn.Module:

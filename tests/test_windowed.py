@@ -502,3 +502,56 @@ def test_window_sizes_is_refused_where_every_location_runs_its_attention_whole()
         input_size=(3, 48, 48),
         variant_args={"window_sizes": True},
     )
+
+
+def _etps_block_by_hand(block: nn.Module, x: torch.Tensor, order: list[int], keep: float):
+    """A timm Swin block with eTPS at keep ``keep``, written out from the method's functions:
+    the attention on every token; in each window (slot s holds grid token ``order[s]``) the
+    tokens scored by the attention they receive there, the best ``ceil(keep * 49)`` kept and the
+    rest squeezed into their hosts; the MLP on what is kept; every token given back by eTPS's
+    rule (``delta``) and put back on the grid."""
+    from vitcompress.method import Removal, restore_tokens, split_by_score, squeeze
+
+    batch, height, width, channels = x.shape
+    probs = []
+    hook = block.attn.softmax.register_forward_hook(lambda m, i, o: probs.append(o))
+    after_attention = x + block._attn(block.norm1(x))
+    hook.remove()
+    tokens_per_window = probs[0].shape[-1]
+    scores = probs[0].mean(dim=(1, 2))  # (B x windows, 49): what each token receives
+    windows = after_attention.reshape(batch, height * width, channels)[:, order]
+    windows = windows.reshape(-1, tokens_per_window, channels)
+    keep_index, prune_index = split_by_score(scores, math.ceil(keep * tokens_per_window))
+    kept = torch.gather(windows, 1, keep_index[..., None].expand(-1, -1, channels))
+    pruned = torch.gather(windows, 1, prune_index[..., None].expand(-1, -1, channels))
+    squeezed, hosts = squeeze(kept, pruned, return_hosts=True)
+    out = squeezed + block.mlp(block.norm2(squeezed))
+    removal = Removal(keep_index, prune_index, hosts, pruned, squeezed, kept)
+    restored = restore_tokens(out, [removal], "delta").reshape(batch, -1, channels)
+    grid = torch.empty_like(restored)
+    grid[:, order] = restored
+    return grid.reshape(batch, height, width, channels)
+
+
+def test_etps_at_keep_07_is_the_method_written_out_window_by_window(images):
+    """Beyond keep 1 (where no token is chosen): the compressed Swin's logits at keep 0.7 are
+    those of the base with each block replaced by eTPS written out by hand, in float64 on
+    sharpened weights, the shifted windows' order included (from ``window_order``, not the
+    analysis)."""
+    base = swin().double()
+    for block in (b for layer in base.layers for b in layer.blocks):
+        block.attn.fused_attn = False  # the hand version reads the probabilities
+    images = images.double()
+    with torch.no_grad():
+        compressed = compress(base, "etps", keep=[0.7], input_size=SIZE)(images)
+        orders = {0: window_order(14, 14, 7, 0), 1: window_order(14, 14, 7, 3)}
+        for index, block in enumerate(base.layers[0].blocks):
+            block.forward = lambda x, b=block, o=orders[index]: _etps_block_by_hand(b, x, o, 0.7)
+        for block in base.layers[1].blocks:  # one window over the 7 x 7 grid
+            block.forward = lambda x, b=block: _etps_block_by_hand(b, x, list(range(49)), 0.7)
+        by_hand = base(images)
+        for block in (b for layer in base.layers for b in layer.blocks):
+            del block.forward
+        plain = base(images)
+    assert not torch.allclose(by_hand, plain, atol=1e-3)  # keep 0.7 changes the logits
+    assert torch.allclose(compressed, by_hand, rtol=0, atol=1e-9 * by_hand.abs().max().item())

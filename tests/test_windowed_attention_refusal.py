@@ -15,6 +15,8 @@ from torch import nn
 from tests.test_windowed_families import _sam_vit
 from vitcompress import map_model
 from vitcompress.analysis.analyse import MappingError
+from vitcompress.analysis.model_map import AttentionCore
+from vitcompress.analysis.windows import pooled_query_blocker
 
 SIZE = (3, 32, 32)
 
@@ -101,3 +103,34 @@ def test_a_time_attention_added_back_to_a_slice_is_refused_with_that_line():
         r"attention, e\.g\. TimeSformer's time attention, is not supported\)",
         message,
     ), message
+
+
+def test_keys_pooled_below_the_queries_are_not_called_pooled_queries():
+    # NextViT's E-MHSA pools its keys and values (64 queries against 4 keys, PVT's reduction)
+    # inside a block whose residuals are on the conv grid: refused, but not for pooling its
+    # queries, which it does not. SAM2-Hiera's transitions (16 queries against 64 keys per
+    # window) are the pooled queries that line is for (tests/test_windowed_families.py).
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    nextvit = timm.create_model("nextvit_small", num_classes=10).eval()
+    with pytest.raises(MappingError) as refused:
+        map_model(nextvit, (3, 64, 64))
+    message = str(refused.value)
+    # Its first E-MHSA is where it is refused, not left whole for pooled queries.
+    assert "\n" not in message
+    assert message.startswith("windowed attention at stages.1.blocks.3.e_mhsa: ")
+    assert "queries are pooled" not in message
+
+
+def test_pooled_queries_are_fewer_queries_than_keys():
+    keys_pooled = AttentionCore("sdpa", "attn", 1, "a", query_tokens=64, key_tokens=4)
+    queries_pooled = AttentionCore("sdpa", "attn", 1, "a", query_tokens=16, key_tokens=64)
+    assert pooled_query_blocker(keys_pooled) is None
+    assert pooled_query_blocker(queries_pooled) == (
+        "its queries are pooled (16 queries against 64 keys per window), so the block changes "
+        "the token count and its windows cannot be reduced alike"
+    )
+    assert pooled_query_blocker(queries_pooled, windowed=False) == (
+        "its queries are pooled (16 queries against 64 keys), so the block changes the token "
+        "count and no reduction keeps it"
+    )

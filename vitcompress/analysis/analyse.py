@@ -55,6 +55,7 @@ from vitcompress.analysis.windows import (
     pooled_query_blocker,
     through_grid,
     through_layout,
+    window_tokens,
 )
 from vitcompress.errors import UserError
 
@@ -367,7 +368,7 @@ def analyse(captured: CapturedGraph) -> ModelMap:
     left_whole = {
         c.node: f"{c.path or c.node}: {reason}"
         for c in windowed_cores
-        if (reason := pooled_query_blocker(c)) is not None
+        if (reason := pooled_query_blocker(c, is_windowed(c, image_batch))) is not None
     }
     windowed_cores = [c for c in windowed_cores if c.node not in left_whole]
     cores = [c for c in cores if c.node not in left_whole]
@@ -722,13 +723,17 @@ def _unmapped(
     for core in found:
         if core.node in mapped:
             continue
-        reason = pooled_query_blocker(core) or _over_channels(core, by_name, residuals)
+        reason = pooled_query_blocker(core, is_windowed(core, image_batch)) or _over_channels(
+            core, by_name, residuals
+        )
         if reason is None and core.node in on_axis:
             axis = on_axis[core.node]
             reason = (
                 f"it attends within {axis.windows} windows of {axis.tokens} tokens per image "
                 "laid out on an axis of their own, which no block is mapped from"
             )
+        if reason is None:
+            reason = _queries_fewer_than_tokens(gm, core, by_name, image_batch)
         if reason is None:
             reason = (
                 "no block is mapped around it (no attention residual followed by an MLP "
@@ -752,6 +757,29 @@ def _unmapped(
             )
         reasons[name] = f"{axis.path or name}: {reason}"
     return reasons
+
+
+def _queries_fewer_than_tokens(
+    gm: fx.GraphModule, core: AttentionCore, by_name: dict[str, fx.Node], image_batch: int
+) -> str | None:
+    """Why an attention over the whole grid that pools its queries and keys alike (MViTv2's
+    stage-1 transition: 3136 tokens in, 784 queries against 784 keys) is left whole: it gives
+    out fewer tokens than it takes; ``None`` where it does not."""
+    taken = window_tokens(gm, by_name[core.node])
+    shape = ops.shape(taken) if taken is not None else None
+    if (
+        shape is None
+        or len(shape) != 3
+        or shape[0] != image_batch
+        or core.batch != image_batch
+        or core.query_tokens is None
+        or core.query_tokens >= shape[1]
+    ):
+        return None
+    return (
+        f"its queries are pooled ({shape[1]} tokens in, {core.query_tokens} queries), so the "
+        "block changes the token count and no reduction keeps it"
+    )
 
 
 def _check_windowed_block(block: Block) -> None:

@@ -57,13 +57,22 @@ class WindowedBlock:
     score_blocker: str | None = None
 
 
-def pooled_query_blocker(core: AttentionCore) -> str | None:
+def pooled_query_blocker(core: AttentionCore, windowed: bool = True) -> str | None:
     """Why a windowed core's block cannot be reduced, or ``None``: SAM2-Hiera's stage
     transitions pool the queries within each window (mask unit), so the block leaves fewer
     tokens than it takes and no window keeps its token count. Such a block is left whole: the
-    blocks around it restore their tokens before their outputs, so it sees the full grid."""
-    if core.key_tokens is None or core.key_tokens == core.query_tokens:
+    blocks around it restore their tokens before their outputs, so it sees the full grid.
+    ``windowed=False``: one attention over the whole grid (MViTv2's stage transitions), said
+    without windows."""
+    if core.key_tokens is None or core.query_tokens is None:
         return None
+    if core.query_tokens >= core.key_tokens:  # keys pooled (PVT's reduction), or none pooled
+        return None
+    if not windowed:
+        return (
+            f"its queries are pooled ({core.query_tokens} queries against {core.key_tokens} "
+            "keys), so the block changes the token count and no reduction keeps it"
+        )
     return (
         f"its queries are pooled ({core.query_tokens} queries against {core.key_tokens} keys "
         "per window), so the block changes the token count and its windows cannot be reduced "
