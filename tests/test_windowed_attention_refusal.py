@@ -134,3 +134,70 @@ def test_pooled_queries_are_fewer_queries_than_keys():
         "its queries are pooled (16 queries against 64 keys), so the block changes the token "
         "count and no reduction keeps it"
     )
+
+
+# A class token beside windows that cut the grid: each block attends within four 4 x 4 windows
+# of the 8 x 8 patch tokens, the class token in none, and adds the class token's own value back.
+class _Attention(nn.Module):
+    def __init__(self, dim, heads=2):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.heads = heads
+
+    def forward(self, x):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(B, N, C))
+
+
+class _WindowsBesideCls(nn.Module):
+    def __init__(self, dim, side=8, window=4):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = _Attention(dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.side, self.window = side, window
+
+    def forward(self, x):
+        B, N, C = x.shape
+        h = self.norm1(x)
+        cls, patches = h[:, :1], h[:, 1:]
+        s, w = self.side, self.window
+        win = (
+            patches.reshape(B, s // w, w, s // w, w, C)
+            .permute(0, 1, 3, 2, 4, 5)
+            .reshape(-1, w * w, C)
+        )
+        win = self.attn(win)
+        back = (
+            win.reshape(B, s // w, s // w, w, w, C).permute(0, 1, 3, 2, 4, 5).reshape(B, s * s, C)
+        )
+        x = x + torch.cat([cls, back], dim=1)
+        return x + self.mlp(self.norm2(x))
+
+
+class _ClsBesideWindows(nn.Module):
+    def __init__(self, dim=32):
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, 4, 4)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim))
+        self.blocks = nn.Sequential(_WindowsBesideCls(dim), _WindowsBesideCls(dim))
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x):
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.head(self.blocks(x)[:, 0])
+
+
+def test_a_class_token_beside_windows_that_cut_the_grid_is_refused_with_that_line():
+    torch.manual_seed(0)
+    with pytest.raises(MappingError) as refused:
+        map_model(_ClsBesideWindows().eval(), (3, 32, 32))
+    assert str(refused.value) == (
+        "windowed attention at blocks.0.attn: 4 windows hold every token but the first 1 "
+        "(prefix tokens, which no window holds), which is not supported"
+    )

@@ -264,13 +264,14 @@ def _before_norms(gm: fx.GraphModule, windows_in: fx.Node) -> fx.Node:
     return node
 
 
-def _window_output(branch: fx.Node, core: fx.Node, layout: tuple) -> fx.Node | None:
+def _window_output(branch: fx.Node, core: fx.Node, layout: tuple, anc: Ancestry) -> fx.Node | None:
     """The attention's output in the windows' own layout (``layout``: the shape of the tokens
     entering the query projection, (B * windows, tokens, C) or MaxViT's (B * windows, h, w, C)),
     the last such on the way back to the grid: after the output projection, before the windows
     are reshaped. Only the run of such nodes that follows the heads' merge counts: a view that
     splits the tokens into rows (Swin's (B * windows, h, w, C), or the one window of a grid as
-    large as it) works on the full window only."""
+    large as it) works on the full window only. The way back follows, at an op of several
+    tensors (a concatenation with tokens the windows do not hold), the one the attention made."""
     chain = []
     node: fx.Node | None = branch
     for _ in range(64):
@@ -278,7 +279,7 @@ def _window_output(branch: fx.Node, core: fx.Node, layout: tuple) -> fx.Node | N
             break
         chain.append(node)
         tensors = [n for n in node.all_input_nodes if ops.shape(n) is not None]
-        node = tensors[0] if tensors else None
+        node = next((n for n in tensors if n is core or anc.is_ancestor(core, n)), None)
     if node is not core:
         return None
     chain.reverse()  # from the core towards the grid
@@ -472,7 +473,7 @@ def find_windowed_blocks(
             raise WindowError(
                 f"windowed attention at {where}: no MLP residual on its block's tokens follows it"
             )
-        back = _window_output(branch, node, ops.shape(windows_in))
+        back = _window_output(branch, node, ops.shape(windows_in), anc)
         if back is None:
             raise WindowError(f"windowed attention at {where}: its output never leaves the windows")
         found.append((core, windows_in, back, attn, mlp))
@@ -875,7 +876,16 @@ def _window_order(
             raise WindowError(
                 f"windowed attention at {where}: its windows mix tokens of different images"
             )
-    if not torch.equal(order[real].sort().values, torch.arange(total)):
+    held = order[real].sort().values
+    outside = total - held.numel()
+    if 0 < outside < total and torch.equal(held, torch.arange(outside, total)):
+        # A class token beside windows that cut the grid (ViTDet-like with a cls): each window
+        # would need the prefix's count of its own, and a prefix token its own reduction.
+        raise WindowError(
+            f"windowed attention at {where}: {count} windows hold every token but the first "
+            f"{outside} (prefix tokens, which no window holds), which is not supported"
+        )
+    if not torch.equal(held, torch.arange(total)):
         raise WindowError(
             f"windowed attention at {where}: its windows do not hold each token exactly once"
         )
