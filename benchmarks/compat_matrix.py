@@ -841,6 +841,7 @@ def _refusal(row: dict[str, Any]) -> str:
 
 REASONS = [
     ("windowed attention", "windowed attention"),
+    ("attention over its whole grid", "attention over its whole grid"),
     ("position table", "position table after the reduction"),
     ("reads the last stage's tokens by position", "head reads tokens by position"),
     ("parallel block", "parallel block"),

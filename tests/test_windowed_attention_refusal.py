@@ -116,9 +116,10 @@ def test_keys_pooled_below_the_queries_are_not_called_pooled_queries():
     with pytest.raises(MappingError) as refused:
         map_model(nextvit, (3, 64, 64))
     message = str(refused.value)
-    # Its first E-MHSA is where it is refused, not left whole for pooled queries.
+    # Its first E-MHSA is where it is refused (one attention over its grid, no windows), not
+    # left whole for pooled queries.
     assert "\n" not in message
-    assert message.startswith("windowed attention at stages.1.blocks.3.e_mhsa: ")
+    assert message.startswith("attention over its whole grid at stages.1.blocks.3.e_mhsa: ")
     assert "queries are pooled" not in message
 
 

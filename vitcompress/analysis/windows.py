@@ -85,6 +85,16 @@ def is_windowed(core: AttentionCore, image_batch: int) -> bool:
     return core.batch is not None and core.batch > image_batch and core.batch % image_batch == 0
 
 
+def attention_at(core: AttentionCore, image_batch: int) -> str:
+    """How a refusal names ``core``: ``windowed attention at blocks.0.attn``, or, for one
+    attention over a grid it was laid out from (NextViT's, MViTv2's), ``attention over its
+    whole grid at ...``: the window analysis takes both."""
+    kind = (
+        "windowed attention" if is_windowed(core, image_batch) else "attention over its whole grid"
+    )
+    return f"{kind} at {core.path or core.node}"
+
+
 def _closed_windows(
     gm: fx.GraphModule, core: AttentionCore, anc: Ancestry
 ) -> tuple[fx.Node, tuple[fx.Node, fx.Node, fx.Node]] | None:
@@ -371,7 +381,12 @@ def _residual_past_grid(add: fx.Node, residuals: list[Residual], anc: Ancestry) 
 
 
 def _check_mlp_order(
-    gm: fx.GraphModule, example: Tensor, found: list, anc: Ancestry, dtype: torch.dtype
+    gm: fx.GraphModule,
+    example: Tensor,
+    found: list,
+    anc: Ancestry,
+    dtype: torch.dtype,
+    image_batch: int,
 ) -> None:
     """A block whose MLP input is not its attention's output through layout ops (a conv over
     the grid between them) reduces that input in the attention's windows: it must hold the
@@ -390,13 +405,12 @@ def _check_mlp_order(
     )
     run = run_indices(gm, example, seeds, [mlp.skip for _, _, mlp in checks], in_place)
     for core, attn, mlp in checks:
-        where = core.path or core.node
+        where = attention_at(core, image_batch)
         mixing = [p for n, p in run.mixing.items() if n in in_place]
         if mixing or not holds_seed_tokens(run.found.get(mlp.skip), seeds[attn.add]):
             blocker = f" ({mixing[0]} moves them)" if mixing else ""
             raise WindowError(
-                f"windowed attention at {where}: the MLP after it does not read its tokens in "
-                f"their order{blocker}"
+                f"{where}: the MLP after it does not read its tokens in their order{blocker}"
             )
 
 
@@ -415,7 +429,7 @@ def find_windowed_blocks(
     query_blockers: dict[str, str] = {}
     for core in cores:
         node = by_name[core.node]
-        where = core.path or core.node
+        where = attention_at(core, image_batch)
         windows_in = window_tokens(gm, node)
         batch, tokens = core.batch, core.query_tokens
         global_query = None
@@ -431,20 +445,19 @@ def find_windowed_blocks(
                     "windows entering it cannot be reduced"
                 )
         if windows_in is None or ops.shape(windows_in) is None:
-            raise WindowError(f"windowed attention at {where}: its query projection is not found")
+            raise WindowError(f"{where}: its query projection is not found")
         pooled = pooled_query_blocker(core)
         if pooled is not None:  # the analysis leaves these whole before it gets here
-            raise WindowError(f"windowed attention at {where}: {pooled}")
+            raise WindowError(f"{where}: {pooled}")
         if not _is_window_shaped(ops.shape(windows_in), batch, tokens):
             raise WindowError(
-                f"windowed attention at {where}: its tokens {ops.shape(windows_in)} are not "
+                f"{where}: its tokens {ops.shape(windows_in)} are not "
                 f"laid out as {batch} windows of {tokens}"
             )
         closing = _residual_after(node, windows_in, anc)
         if closing is None:
             raise WindowError(
-                f"windowed attention at {where}: "
-                + (_partial_residual(node, anc) or "no residual add closes it")
+                f"{where}: " + (_partial_residual(node, anc) or "no residual add closes it")
             )
         add, skip, branch = closing
         stream = ops.shape(skip) or ()
@@ -452,7 +465,7 @@ def find_windowed_blocks(
             # TNT's pixel tokens, MobileViT's unfolded patches: the residual stream itself is
             # batched as windows, so there are no per-image tokens to put back.
             raise WindowError(
-                f"windowed attention at {where}: its block's tokens are themselves cut into "
+                f"{where}: its block's tokens are themselves cut into "
                 f"windows ({stream[0]} rows of {math.prod(stream[1:-1])} tokens for "
                 f"{image_batch} images, between blocks too), which is not supported"
             )
@@ -470,12 +483,10 @@ def find_windowed_blocks(
         if mlp is None:  # past a conv over the grid (DaViT's, TinyViT's): checked below
             mlp = _residual_past_grid(add, residuals, anc)
         if mlp is None:
-            raise WindowError(
-                f"windowed attention at {where}: no MLP residual on its block's tokens follows it"
-            )
+            raise WindowError(f"{where}: no MLP residual on its block's tokens follows it")
         back = _window_output(branch, node, ops.shape(windows_in), anc)
         if back is None:
-            raise WindowError(f"windowed attention at {where}: its output never leaves the windows")
+            raise WindowError(f"{where}: its output never leaves the windows")
         found.append((core, windows_in, back, attn, mlp))
         if global_query is not None:
             query_blockers[core.node] = global_query
@@ -487,10 +498,10 @@ def find_windowed_blocks(
         seeds[back] = grid_index(ops.shape(back), dtype=dtype)
     wanted = [w for _, w, _, _, _ in found] + [a.branch for _, _, _, a, _ in found]
     run = run_indices(gm, example, seeds, wanted)
-    _check_mlp_order(gm, example, found, anc, dtype)
+    _check_mlp_order(gm, example, found, anc, dtype, image_batch)
     blocks = []
     for core, windows_in, back, attn, mlp in found:
-        where = core.path or core.node
+        where = attention_at(core, image_batch)
         tokens = math.prod(ops.shape(attn.skip)[1:-1])
         between = set(anc.between(attn.skip, windows_in))
         order = _window_order(run, windows_in, between, core, image_batch, tokens, where)
@@ -855,7 +866,7 @@ def _window_order(
 ) -> Tensor:
     """The token index each window slot holds, windows one after another (one image's)."""
     if windows_in not in run.found:
-        raise WindowError(f"windowed attention at {where}: its windows could not be traced")
+        raise WindowError(f"{where}: its windows could not be traced")
     mixing = [p for n, p in run.mixing.items() if n in between or n is windows_in]
     values = run.found[windows_in]
     count, tokens = core.batch // image_batch, core.query_tokens
@@ -863,7 +874,7 @@ def _window_order(
     if mixing or not torch.equal(values, values[..., :1].expand_as(values)):
         blocker = f" ({mixing[0]} mixes tokens)" if mixing else ""
         raise WindowError(
-            f"windowed attention at {where}: the way from the block's tokens into its windows "
+            f"{where}: the way from the block's tokens into its windows "
             f"is not a rearrangement{blocker}"
         )
     # A padded slot (the grid does not divide into windows) holds the padding's 0: index -1.
@@ -873,22 +884,18 @@ def _window_order(
     for b in range(image_batch):
         expected = torch.where(real, order + b * total, order)
         if not torch.equal(index[b], expected):
-            raise WindowError(
-                f"windowed attention at {where}: its windows mix tokens of different images"
-            )
+            raise WindowError(f"{where}: its windows mix tokens of different images")
     held = order[real].sort().values
     outside = total - held.numel()
     if 0 < outside < total and torch.equal(held, torch.arange(outside, total)):
         # A class token beside windows that cut the grid (ViTDet-like with a cls): each window
         # would need the prefix's count of its own, and a prefix token its own reduction.
         raise WindowError(
-            f"windowed attention at {where}: {count} windows hold every token but the first "
+            f"{where}: {count} windows hold every token but the first "
             f"{outside} (prefix tokens, which no window holds), which is not supported"
         )
     if not torch.equal(held, torch.arange(total)):
-        raise WindowError(
-            f"windowed attention at {where}: its windows do not hold each token exactly once"
-        )
+        raise WindowError(f"{where}: its windows do not hold each token exactly once")
     return order
 
 
@@ -904,7 +911,7 @@ def _check_return(
     ``order[s]``."""
     values = run.found.get(branch)
     if values is None:
-        raise WindowError(f"windowed attention at {where}: its output could not be traced")
+        raise WindowError(f"{where}: its output could not be traced")
     real = order >= 0
     slots_in_all = order.numel()
     tokens = int(real.sum())
@@ -915,6 +922,5 @@ def _check_return(
     for b in range(image_batch):
         if not torch.equal(slots[b], expected + b * slots_in_all):
             raise WindowError(
-                f"windowed attention at {where}: its output does not return to the tokens its "
-                "windows were made from"
+                f"{where}: its output does not return to the tokens its windows were made from"
             )
