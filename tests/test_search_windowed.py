@@ -80,6 +80,7 @@ def test_a_keep_grid_given_is_the_keeps_tried(model, tmp_path):
     data = _run(model, tmp_path, 0.9, ["etps", "tome"], keep_grid=grid)
     base = count_macs(model, SIZE)
     assert data["space"]["keep_grid"] == f"the largest of {list(grid)} within the budget"
+    assert sorted(row["variant"] for row in data["candidates"]) == ["etps", "tome"]
     for row in data["candidates"]:
         keep = row["keep"][0]
         assert keep in grid  # not a keep in steps of 0.01 between them
@@ -101,13 +102,32 @@ def test_a_keep_grid_under_the_budget_everywhere_is_one_line(model, tmp_path):
     assert "here, 0.9, costs 0." in message
 
 
-def test_max_candidates_caps_the_methods_fitted(model, tmp_path):
+def test_max_candidates_caps_the_candidates_found(model, tmp_path):
     data = _run(model, tmp_path, 0.9, ["etps", "evit", "tome"], max_candidates=2)
     assert sorted(row["variant"] for row in data["candidates"]) == ["etps", "evit"]
     assert data["space"]["left_out"] == {
-        "tome": "2 candidates (--max-candidates) were found before it: a windowed model's "
-        "search has one per method"
+        "tome": "--max-candidates 2 reached (a windowed model's search has one candidate per "
+        "method, in --variants' order)"
     }
+
+
+def test_a_method_out_of_reach_takes_no_place_under_max_candidates(model, tmp_path):
+    # Within 0.7 of the base's MACs, eTPS needs a keep under 0.5 here (it reduces the MLP
+    # only) and dTPS takes 0.5: eTPS finds no candidate, and the one place goes to dTPS.
+    grid = (0.5, 0.7)
+    data = _run(model, tmp_path, 0.7, ["etps", "dtps", "evit"], keep_grid=grid, max_candidates=1)
+    assert [(row["variant"], row["keep"][0]) for row in data["candidates"]] == [("dtps", 0.5)]
+    assert data["space"]["out_of_reach"]["etps"].startswith(
+        "0.7 is out of reach on --keep-grid: its smallest keep the method takes here, 0.5, costs "
+    )
+    assert list(data["space"]["left_out"]) == ["evit"]
+
+
+@pytest.mark.parametrize("grid", [(), (0.7, 1.2)])
+def test_a_keep_grid_that_is_empty_or_out_of_range_is_one_line(model, tmp_path, grid):
+    with pytest.raises(SearchError) as refused:
+        _run(model, tmp_path, 0.9, ["etps"], keep_grid=grid)
+    assert str(refused.value) == f"--keep-grid must be keep ratios in (0, 1], got {list(grid)}"
 
 
 def test_fit_on_grid_skips_refused_keeps_and_names_the_refusal():
@@ -217,27 +237,23 @@ def test_the_warm_up_teaches_each_window_its_best_attended_tokens(model):
 
 def test_the_command_line_searches_a_windowed_model(tmp_path):
     args = [f"{key}={value!r}" for key, value in {**SWIN, "num_classes": 10}.items()]
-    result = CliRunner().invoke(
-        cli,
-        [
-            "search",
-            "--model",
-            "swin_tiny_patch4_window7_224",
-            *[part for arg in args for part in ("--model-arg", arg)],
-            "--data",
-            "fashion-mnist",
-            "--calib-images",
-            "8",
-            "--batch-size",
-            "8",
-            "--variants",
-            "etps,tome",
-            "--max-gmacs-ratio",
-            "0.9",
-            "--out",
-            str(tmp_path),
-        ],
-    )
+    result_args = [
+        "search",
+        "--model",
+        "swin_tiny_patch4_window7_224",
+        *[part for arg in args for part in ("--model-arg", arg)],
+        "--data",
+        "fashion-mnist",
+        "--calib-images",
+        "8",
+        "--batch-size",
+        "8",
+        "--variants",
+        "etps,tome",
+        "--max-gmacs-ratio",
+        "0.9",
+    ]
+    result = CliRunner().invoke(cli, [*result_args, "--out", str(tmp_path)])
     if "Fashion-MNIST" in result.output and result.exit_code != 0:
         pytest.skip("Fashion-MNIST is not installed here")
     assert result.exit_code == 0, result.output
@@ -245,3 +261,20 @@ def test_the_command_line_searches_a_windowed_model(tmp_path):
     assert "MACs counted on every candidate" in text and "chosen: " in text
     saved = json.loads((tmp_path / "search.json").read_text())
     assert saved["strategy"] == "keep fitted to the budget per method"
+    # --keep-grid and --max-candidates reach a windowed model's search.
+    again = CliRunner().invoke(
+        cli,
+        [
+            *result_args,
+            "--keep-grid",
+            "0.6,0.8",
+            "--max-candidates",
+            "1",
+            "--out",
+            str(tmp_path / "grid"),
+        ],
+    )
+    assert again.exit_code == 0, again.output
+    saved = json.loads((tmp_path / "grid" / "search.json").read_text())
+    assert [(row["variant"], row["keep"][0]) for row in saved["candidates"]] == [("etps", 0.6)]
+    assert list(saved["space"]["left_out"]) == ["tome"]

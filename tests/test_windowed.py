@@ -537,7 +537,10 @@ def test_etps_at_keep_07_is_the_method_written_out_window_by_window(images):
     """Beyond keep 1 (where no token is chosen): the compressed Swin's logits at keep 0.7 are
     those of the base with each block replaced by eTPS written out by hand, in float64 on
     sharpened weights, the shifted windows' order included (from ``window_order``, not the
-    analysis)."""
+    analysis). The hand version calls the method's own pure functions (select, squeeze,
+    restore; their arithmetic is tested against the reference code elsewhere): what it checks
+    is the compilation around them, which tokens enter which window and slot, where the score
+    comes from, what the MLP sees and where each token is given back."""
     base = swin().double()
     for block in (b for layer in base.layers for b in layer.blocks):
         block.attn.fused_attn = False  # the hand version reads the probabilities

@@ -145,6 +145,9 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
     config.budget.check()
     if config.max_candidates < 1:
         raise SearchError(f"--max-candidates must be at least 1, got {config.max_candidates}")
+    grid = config.keep_grid
+    if grid is not None and (not grid or not all(0 < keep <= 1 for keep in grid)):
+        raise SearchError(f"--keep-grid must be keep ratios in (0, 1], got {list(grid)}")
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     timings: dict[str, float] = {}
@@ -203,7 +206,14 @@ def search(loaded: LoadedModel, calibration_set: Dataset, config: SearchConfig) 
         for row in cache.entries.values():  # a resumed (or earlier) search's scores count
             candidate = Candidate.from_json(row)
             macs = cost(candidate)
-            allowed = space.allows(candidate.locs, candidate.variant) or candidate in seeds
+            # Rows of an earlier search over another grid are not this search's candidates.
+            on_grid = all(
+                any(abs(keep - tried) < 1e-9 for tried in space.keep_grid)
+                for keep in candidate.keep
+            )
+            allowed = (on_grid and space.allows(candidate.locs, candidate.variant)) or (
+                candidate in seeds
+            )
             if macs is not None and macs <= budget and allowed:
                 proposals.scored(candidate, row["score"])
 
@@ -399,7 +409,7 @@ def _windowed_space(
             "locations": f"every windowed block (the default): {list(fitted.locs)}",
             "keep_grid": "steps of 0.01, fitted to the budget"
             if config.keep_grid is None
-            else f"the largest of {sorted(config.keep_grid)} within the budget",
+            else f"the largest of {sorted(set(config.keep_grid))} within the budget",
             "out_of_reach": fitted.out_of_reach,
         },
         size=len(fitted.candidates),

@@ -4,8 +4,8 @@ The analytic cost model counts a block's tokens, not a window's, so it does not 
 models. Their candidates are instead one per method: its default locations (every windowed
 block, each restoring its own tokens) at the largest keep whose compressed model, counted, fits
 the budget: in steps of 0.01 (:func:`vitcompress.measure.keep_fit.fit_keep`), or the largest of
-a keep grid the user gave. At most ``max_candidates`` methods are fitted, in the order given;
-the rest are left out and said so. The scoring, the cache and the
+a keep grid the user gave. Once ``max_candidates`` methods have found a candidate, in the
+order given, the rest are left out and said so. The scoring, the cache and the
 outputs are the search's own (``search/driver.py``), the learned variants' predictors warmed
 on each window's tokens (``search/warmup.py``).
 """
@@ -57,21 +57,22 @@ def windowed_candidates(
     """For each of ``variants``: the largest keep (the same at every default location) whose
     compressed model costs at most ``budget`` MACs, counted: in steps of 0.01, or the largest of
     ``keep_grid`` where one is given. A learned one is left out where its warm-up does not apply
-    (:data:`LEARNED_LEFT_OUT_WHY`); once ``max_candidates`` are found, the rest are left out."""
+    (:data:`LEARNED_LEFT_OUT_WHY`); once ``max_candidates`` are found (a method out of reach
+    finds none), the rest are left out."""
     found = WindowedCandidates(locs=tuple(default_locs(builder.model_map)))
     locs = list(found.locs)
     target = GmacsRatio(budget / base_macs)
     windows = [builder.model_map.blocks[i].windows for i in locs]
     warmable = all(w is None or (not w.padded and w.attention_blocker is None) for w in windows)
     for variant in variants:
-        if max_candidates is not None and len(found.candidates) >= max_candidates:
-            found.left_out[variant] = (
-                f"{max_candidates} candidates (--max-candidates) were found before it: a "
-                "windowed model's search has one per method"
-            )
-            continue
         if get_variant(variant).learned and not warmable:
             found.left_out[variant] = LEARNED_LEFT_OUT_WHY
+            continue
+        if max_candidates is not None and len(found.candidates) >= max_candidates:
+            found.left_out[variant] = (
+                f"--max-candidates {max_candidates} reached (a windowed model's search has one "
+                "candidate per method, in --variants' order)"
+            )
             continue
         counted: dict[float, int] = {}
 
