@@ -280,6 +280,33 @@ def test_a_stopped_search_resumes_without_scoring_again(tmp_path):
     assert again["scored_now"] == 0
 
 
+def test_a_search_over_another_keep_grid_does_not_bring_back_the_first_grids_rows(tmp_path):
+    first = search(
+        loaded_tiny(),
+        calibration_set(),
+        config(tmp_path, variants=["etps"], keep_grid=(0.4, 0.6), max_candidates=20),
+    ).data
+    assert {k for r in first["candidates"] for k in r["keep"]} <= {0.4, 0.6}
+    second = search(
+        loaded_tiny(),
+        calibration_set(),
+        config(tmp_path, variants=["etps"], keep_grid=(0.5, 0.7), max_candidates=20),
+    ).data
+    # The paper's placements are seeds of every search, on the grid or not.
+    seeds = {
+        (r["variant"], tuple(r["locs"]), tuple(r["keep"]))
+        for r in second["paper_defaults"] or []
+        if r
+    }
+    off_grid = [
+        r
+        for r in second["candidates"]
+        if not set(r["keep"]) <= {0.5, 0.7}
+        and (r["variant"], tuple(r["locs"]), tuple(r["keep"])) not in seeds
+    ]
+    assert first["candidates"] and off_grid == []
+
+
 def test_a_cache_from_other_settings_is_refused(tmp_path):
     search(loaded_tiny(), calibration_set(), config(tmp_path, max_candidates=2))
     with pytest.raises(SearchError, match="calib_images"):
