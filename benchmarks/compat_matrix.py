@@ -842,6 +842,7 @@ def _refusal(row: dict[str, Any]) -> str:
 REASONS = [
     ("windowed attention", "windowed attention"),
     ("attention over its whole grid", "attention over its whole grid"),
+    ("cross-covariance attention over channels", "cross-covariance attention over channels"),
     ("position table", "position table after the reduction"),
     ("reads the last stage's tokens by position", "head reads tokens by position"),
     ("parallel block", "parallel block"),
