@@ -199,6 +199,6 @@ def test_a_class_token_beside_windows_that_cut_the_grid_is_refused_with_that_lin
     with pytest.raises(MappingError) as refused:
         map_model(_ClsBesideWindows().eval(), (3, 32, 32))
     assert str(refused.value) == (
-        "windowed attention at blocks.0.attn: 4 windows hold every token but the first 1 "
-        "(prefix tokens, which no window holds), which is not supported"
+        "windowed attention at blocks.0.attn: 4 windows beside 1 prefix token(s), which no "
+        "window holds"
     )

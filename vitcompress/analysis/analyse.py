@@ -49,6 +49,7 @@ from vitcompress.analysis.per_token import find_per_token_branches
 from vitcompress.analysis.positions import find_position_uses, find_token_readers
 from vitcompress.analysis.windows import (
     WindowError,
+    attention_at,
     find_windowed_blocks,
     is_windowed,
     on_grid,
@@ -365,11 +366,12 @@ def analyse(captured: CapturedGraph) -> ModelMap:
     ]
     # A windowed block that pools its queries (SAM2-Hiera's stage transitions) changes the token
     # count: it is left whole, neither a windowed nor a plain block, and its reason is kept.
-    left_whole = {
-        c.node: f"{c.path or c.node}: {reason}"
+    pooled_queries = {
+        c.node: (c, reason)
         for c in windowed_cores
         if (reason := pooled_query_blocker(c, is_windowed(c, image_batch))) is not None
     }
+    left_whole = {node: f"{c.path or c.node}: {why}" for node, (c, why) in pooled_queries.items()}
     windowed_cores = [c for c in windowed_cores if c.node not in left_whole]
     cores = [c for c in cores if c.node not in left_whole]
     try:
@@ -438,8 +440,9 @@ def analyse(captured: CapturedGraph) -> ModelMap:
             )
         )
     pairs.sort(key=lambda pair: anc.index[pair[0].add])
-    if not pairs and left_whole:
-        raise MappingError(f"windowed attention at {next(iter(left_whole.values()))}")
+    if not pairs and pooled_queries:
+        core, why = next(iter(pooled_queries.values()))
+        raise MappingError(f"{attention_at(core, image_batch)}: {why}")
     if not pairs:
         window_axis = find_window_axis_attention(gm, image_batch)
         if window_axis:
@@ -519,8 +522,8 @@ def analyse(captured: CapturedGraph) -> ModelMap:
             # window over the block's tokens and is kept; windows that cut the grid hold none.
             if windows.count != 1:
                 raise MappingError(
-                    f"windowed attention at {core.path or core.node}: {windows.count} windows "
-                    f"beside {stage.prefix_tokens} prefix token(s), which no window holds"
+                    f"{attention_at(core, image_batch)}: {windows.count} windows beside "
+                    f"{stage.prefix_tokens} prefix token(s), which no window holds"
                 )
             windows = replace(windows, prefix_tokens=stage.prefix_tokens)
         mlp_nodes = mlp.nodes + [mlp.add] if mlp is not None else []

@@ -446,7 +446,7 @@ def find_windowed_blocks(
                 )
         if windows_in is None or ops.shape(windows_in) is None:
             raise WindowError(f"{where}: its query projection is not found")
-        pooled = pooled_query_blocker(core)
+        pooled = pooled_query_blocker(core, is_windowed(core, image_batch))
         if pooled is not None:  # the analysis leaves these whole before it gets here
             raise WindowError(f"{where}: {pooled}")
         if not _is_window_shaped(ops.shape(windows_in), batch, tokens):
@@ -891,8 +891,7 @@ def _window_order(
         # A class token beside windows that cut the grid (ViTDet-like with a cls): each window
         # would need the prefix's count of its own, and a prefix token its own reduction.
         raise WindowError(
-            f"{where}: {count} windows hold every token but the first "
-            f"{outside} (prefix tokens, which no window holds), which is not supported"
+            f"{where}: {count} windows beside {outside} prefix token(s), which no window holds"
         )
     if not torch.equal(held, torch.arange(total)):
         raise WindowError(f"{where}: its windows do not hold each token exactly once")
