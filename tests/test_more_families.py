@@ -389,3 +389,40 @@ def test_mvitv2s_pooled_keys_score_the_tokens_they_read() -> None:
 
 def _key_pool_of(model: nn.Module) -> tuple | None:
     return map_model(model, (3, 64, 64)).blocks[0].attention.key_pool
+
+
+def _sharpened_levit() -> nn.Module:
+    """LeViT-128S at 128 pixels (an 8 x 8 grid, then 4 x 4 and 2 x 2 after its downsampling
+    attentions), in float64, its attention biases from N(0, 3) and its queries and keys x2."""
+    torch.manual_seed(0)
+    model = timm.create_model("levit_128s", num_classes=10, img_size=128).double().eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("attention_biases"):
+                param.copy_(3 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+            elif name.endswith(("qkv.linear.weight", "kv.linear.weight", "q.linear.weight")):
+                param *= 2.0
+    return model
+
+
+@pytest.mark.parametrize("method", ["dtps", "etps"])
+def test_levit_gives_its_downsampling_attention_every_token_and_their_count(method: str) -> None:
+    """A LeViT stage reaches the next through an attention that views its keys by the token
+    count it reads off its input (``B, N, C = x.shape``): both the tokens and that count must be
+    the restored ones, or the compressed model fails on its first image."""
+    model = _sharpened_levit()
+    images = torch.randn(2, 3, 128, 128, generator=torch.Generator().manual_seed(2)).double()
+    with torch.no_grad():
+        base = model(images)
+        exact = compress(model, method, keep=[1.0], input_size=(3, 128, 128))(images)
+        compressed = compress(model, method, keep=[0.7], input_size=(3, 128, 128))
+        seen = []
+        compressed.get_submodule(
+            "stages.2.downsample.attn_downsample.kv.linear"
+        ).register_forward_hook(lambda module, inputs, output: seen.append(tuple(inputs[0].shape)))
+        out = compressed(images)
+    assert torch.allclose(exact, base, rtol=0, atol=1e-10 * base.abs().max().item())
+    assert out.shape == base.shape and torch.isfinite(out).all()
+    assert not torch.allclose(out, base, atol=1e-6)  # keep 0.7 removed tokens in stage 1
+    assert seen == [(2, 16, 256)]  # stage 1's 4 x 4 tokens, all of them, restored

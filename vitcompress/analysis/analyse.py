@@ -590,6 +590,14 @@ def analyse(captured: CapturedGraph) -> ModelMap:
                 # them there reads them whole, in order, restored; that is the stage's exit.
                 readers = [user for user in out.users if anc.is_ancestor(user, end) or user is end]
                 if readers and all(user not in inside for user in readers):
+                    # The sizes read off the tokens on the way are the restored ones too (LeViT's
+                    # ``B, N, C = x.shape`` before its downsampling attention views the restored
+                    # keys by N).
+                    readers += [
+                        user
+                        for user in out.users
+                        if ops.reads_size(user) and user not in readers and user not in inside
+                    ]
                     stage.exit_tokens_node = stage.exit_grid_node = None
                     blocks[stage.blocks[-1]].readers.extend(
                         TokenReader(

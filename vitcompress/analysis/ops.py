@@ -99,6 +99,13 @@ def is_einsum(node: fx.Node) -> bool:
     return _is_call(node, _EINSUM_FUNCS, set())
 
 
+def reads_size(node: fx.Node) -> bool:
+    """``x.shape`` or ``x.size(...)``: a read of a tensor's sizes, not of its values."""
+    if node.op == "call_function" and node.target is getattr:
+        return node.args[1:] == ("shape",)
+    return node.op == "call_method" and node.target == "size"
+
+
 def is_cat(node: fx.Node) -> bool:
     return _is_call(node, _CAT_FUNCS, {"cat"})
 
