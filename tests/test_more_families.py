@@ -426,3 +426,53 @@ def test_levit_gives_its_downsampling_attention_every_token_and_their_count(meth
     assert out.shape == base.shape and torch.isfinite(out).all()
     assert not torch.allclose(out, base, atol=1e-6)  # keep 0.7 removed tokens in stage 1
     assert seen == [(2, 16, 256)]  # stage 1's 4 x 4 tokens, all of them, restored
+
+
+def _sharpened_twins_svt() -> nn.Module:
+    """A small Twins-SVT at 64 pixels in float64: width 32 to 128, blocks alternating between
+    locally-grouped (4 x 4 windows) and global (keys pooled by 2, or not in the last stage),
+    two in each of the first two stages and four in the last; queries and keys x3."""
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "twins_svt_small",
+        num_classes=10,
+        img_size=64,
+        embed_dims=(32, 64, 128),
+        num_heads=(1, 2, 4),
+        mlp_ratios=(2, 2, 2),
+        depths=(2, 2, 4),
+        sr_ratios=(2, 2, 1),
+        wss=(4, 4, 4),
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("attn.q.weight", "attn.kv.weight")):
+                param[: param.shape[1]] *= 3.0
+            elif name.endswith("attn.qkv.weight"):
+                param[: 2 * param.shape[1]] *= 3.0
+    return model.double().eval()
+
+
+@pytest.mark.parametrize("method", ["dtps", "etps"])
+def test_twins_svt_gives_its_locally_grouped_blocks_every_token(method: str) -> None:
+    """Twins-SVT's global blocks (keys pooled, PVT's reduction) are mapped and reduced; the
+    locally-grouped block after each, which cuts the grid into windows, is left whole and reads
+    the tokens restored. Exact at keep 1; at keep 0.7 the windowed block sees every token."""
+    model = _sharpened_twins_svt()
+    model_map = map_model(model, (3, 64, 64))
+    global_blocks = ["blocks.0.1", "blocks.1.1", "blocks.2.1", "blocks.2.3"]
+    assert [b.path for b in model_map.blocks] == global_blocks
+    images = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(2)).double()
+    with torch.no_grad():
+        base = model(images)
+        exact = compress(model, method, keep=[1.0], input_size=(3, 64, 64))(images)
+        compressed = compress(model, method, keep=[0.7], input_size=(3, 64, 64))
+        seen = []
+        # The locally-grouped block after the reduced global block blocks.2.1.
+        compressed.get_submodule("blocks.2.2.norm1").register_forward_hook(
+            lambda module, inputs, output: seen.append(tuple(inputs[0].shape))
+        )
+        out = compressed(images)
+    assert torch.allclose(exact, base, rtol=0, atol=1e-10 * base.abs().max().item())
+    assert torch.isfinite(out).all() and not torch.allclose(out, base, atol=1e-6)
+    assert seen == [(2, 16, 128)]  # stage 2's 4 x 4 tokens, all of them
