@@ -391,6 +391,25 @@ def _key_pool_of(model: nn.Module) -> tuple | None:
     return map_model(model, (3, 64, 64)).blocks[0].attention.key_pool
 
 
+def _keep_1_and_07(
+    model: nn.Module, method: str, side: int, watched: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, ...]]]:
+    """The base's logits on two float64 images, the compressed model's at keep 1 and at keep
+    0.7, and the shapes of the tokens module ``watched`` took at keep 0.7."""
+    size = (3, side, side)
+    images = torch.randn(2, *size, generator=torch.Generator().manual_seed(2)).double()
+    seen: list[tuple[int, ...]] = []
+    with torch.no_grad():
+        base = model(images)
+        exact = compress(model, method, keep=[1.0], input_size=size)(images)
+        compressed = compress(model, method, keep=[0.7], input_size=size)
+        compressed.get_submodule(watched).register_forward_hook(
+            lambda module, inputs, output: seen.append(tuple(inputs[0].shape))
+        )
+        out = compressed(images)
+    return base, exact, out, seen
+
+
 def _sharpened_levit() -> nn.Module:
     """LeViT-128S at 128 pixels (an 8 x 8 grid, then 4 x 4 and 2 x 2 after its downsampling
     attentions), in float64, its attention biases from N(0, 3) and its queries and keys x2."""
@@ -411,17 +430,9 @@ def test_levit_gives_its_downsampling_attention_every_token_and_their_count(meth
     """A LeViT stage reaches the next through an attention that views its keys by the token
     count it reads off its input (``B, N, C = x.shape``): both the tokens and that count must be
     the restored ones, or the compressed model fails on its first image."""
-    model = _sharpened_levit()
-    images = torch.randn(2, 3, 128, 128, generator=torch.Generator().manual_seed(2)).double()
-    with torch.no_grad():
-        base = model(images)
-        exact = compress(model, method, keep=[1.0], input_size=(3, 128, 128))(images)
-        compressed = compress(model, method, keep=[0.7], input_size=(3, 128, 128))
-        seen = []
-        compressed.get_submodule(
-            "stages.2.downsample.attn_downsample.kv.linear"
-        ).register_forward_hook(lambda module, inputs, output: seen.append(tuple(inputs[0].shape)))
-        out = compressed(images)
+    base, exact, out, seen = _keep_1_and_07(
+        _sharpened_levit(), method, 128, "stages.2.downsample.attn_downsample.kv.linear"
+    )
     assert torch.allclose(exact, base, rtol=0, atol=1e-10 * base.abs().max().item())
     assert out.shape == base.shape and torch.isfinite(out).all()
     assert not torch.allclose(out, base, atol=1e-6)  # keep 0.7 removed tokens in stage 1
@@ -462,17 +473,8 @@ def test_twins_svt_gives_its_locally_grouped_blocks_every_token(method: str) -> 
     model_map = map_model(model, (3, 64, 64))
     global_blocks = ["blocks.0.1", "blocks.1.1", "blocks.2.1", "blocks.2.3"]
     assert [b.path for b in model_map.blocks] == global_blocks
-    images = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(2)).double()
-    with torch.no_grad():
-        base = model(images)
-        exact = compress(model, method, keep=[1.0], input_size=(3, 64, 64))(images)
-        compressed = compress(model, method, keep=[0.7], input_size=(3, 64, 64))
-        seen = []
-        # The locally-grouped block after the reduced global block blocks.2.1.
-        compressed.get_submodule("blocks.2.2.norm1").register_forward_hook(
-            lambda module, inputs, output: seen.append(tuple(inputs[0].shape))
-        )
-        out = compressed(images)
+    # Seen at the locally-grouped block after the reduced global block blocks.2.1.
+    base, exact, out, seen = _keep_1_and_07(model, method, 64, "blocks.2.2.norm1")
     assert torch.allclose(exact, base, rtol=0, atol=1e-10 * base.abs().max().item())
     assert torch.isfinite(out).all() and not torch.allclose(out, base, atol=1e-6)
     assert seen == [(2, 16, 128)]  # stage 2's 4 x 4 tokens, all of them
