@@ -16,7 +16,7 @@ from tests.test_windowed_families import _sam_vit
 from vitcompress import map_model
 from vitcompress.analysis.analyse import MappingError
 from vitcompress.analysis.model_map import AttentionCore
-from vitcompress.analysis.windows import pooled_query_blocker
+from vitcompress.analysis.windows import pooling_blocker
 
 SIZE = (3, 32, 32)
 
@@ -116,25 +116,34 @@ def test_keys_pooled_below_the_queries_are_not_called_pooled_queries():
     with pytest.raises(MappingError) as refused:
         map_model(nextvit, (3, 64, 64))
     message = str(refused.value)
-    # Its first E-MHSA is where it is refused (one attention over its grid, no windows), not
-    # left whole for pooled queries.
+    # One attention over its grid, no windows; the ones pooling their keys are left whole and
+    # the first of the rest is where it is refused.
     assert "\n" not in message
-    assert message.startswith("attention over its whole grid at stages.1.blocks.3.e_mhsa: ")
+    assert re.match(r"attention over its whole grid at stages\.\d\.blocks\.\d+\.e_mhsa: ", message)
     assert "queries are pooled" not in message
 
 
-def test_pooled_queries_are_fewer_queries_than_keys():
+def test_pooled_queries_are_fewer_queries_than_keys_and_pooled_keys_are_named_so():
     keys_pooled = AttentionCore("sdpa", "attn", 1, "a", query_tokens=64, key_tokens=4)
     queries_pooled = AttentionCore("sdpa", "attn", 1, "a", query_tokens=16, key_tokens=64)
-    assert pooled_query_blocker(keys_pooled) is None
-    assert pooled_query_blocker(queries_pooled) == (
+    assert pooling_blocker(keys_pooled) == (
+        "its keys are pooled within each window (64 queries against 4 keys), and reducing the "
+        "tokens they are pooled from is not supported there"
+    )
+    assert pooling_blocker(keys_pooled, windowed=False) == (
+        "its keys are pooled from its grid (64 queries against 4 keys), and reducing the "
+        "tokens they are pooled from is not supported there"
+    )
+    assert pooling_blocker(queries_pooled) == (
         "its queries are pooled (16 queries against 64 keys per window), so the block changes "
         "the token count and its windows cannot be reduced alike"
     )
-    assert pooled_query_blocker(queries_pooled, windowed=False) == (
+    assert pooling_blocker(queries_pooled, windowed=False) == (
         "its queries are pooled (16 queries against 64 keys), so the block changes the token "
         "count and no reduction keeps it"
     )
+    same = AttentionCore("sdpa", "attn", 1, "a", query_tokens=16, key_tokens=16)
+    assert pooling_blocker(same) is None
 
 
 # A class token beside windows that cut the grid: each block attends within four 4 x 4 windows

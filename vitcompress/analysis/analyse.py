@@ -53,7 +53,7 @@ from vitcompress.analysis.windows import (
     find_windowed_blocks,
     is_windowed,
     on_grid,
-    pooled_query_blocker,
+    pooling_blocker,
     through_grid,
     through_layout,
     window_tokens,
@@ -369,7 +369,7 @@ def analyse(captured: CapturedGraph) -> ModelMap:
     pooled_queries = {
         c.node: (c, reason)
         for c in windowed_cores
-        if (reason := pooled_query_blocker(c, is_windowed(c, image_batch))) is not None
+        if (reason := pooling_blocker(c, is_windowed(c, image_batch))) is not None
     }
     left_whole = {node: f"{c.path or c.node}: {why}" for node, (c, why) in pooled_queries.items()}
     windowed_cores = [c for c in windowed_cores if c.node not in left_whole]
@@ -734,7 +734,7 @@ def _unmapped(
     for core in found:
         if core.node in mapped:
             continue
-        reason = pooled_query_blocker(core, is_windowed(core, image_batch)) or _over_channels(
+        reason = pooling_blocker(core, is_windowed(core, image_batch)) or _over_channels(
             core, by_name, residuals
         )
         if reason is None and core.node in on_axis:

@@ -57,26 +57,33 @@ class WindowedBlock:
     score_blocker: str | None = None
 
 
-def pooled_query_blocker(core: AttentionCore, windowed: bool = True) -> str | None:
+def pooling_blocker(core: AttentionCore, windowed: bool = True) -> str | None:
     """Why a windowed core's block cannot be reduced, or ``None``: SAM2-Hiera's stage
     transitions pool the queries within each window (mask unit), so the block leaves fewer
     tokens than it takes and no window keeps its token count. Such a block is left whole: the
-    blocks around it restore their tokens before their outputs, so it sees the full grid.
-    ``windowed=False``: one attention over the whole grid (MViTv2's stage transitions), said
-    without windows."""
+    blocks around it restore their tokens before their outputs, so it sees the full grid. Keys
+    pooled in a window (or over a grid laid out from the tokens: NextViT's) are left whole too:
+    reducing the tokens the window's keys are pooled from is not followed. ``windowed=False``:
+    one attention over the whole grid (MViTv2's stage transitions), said without windows."""
     if core.key_tokens is None or core.query_tokens is None:
         return None
-    if core.query_tokens >= core.key_tokens:  # keys pooled (PVT's reduction), or none pooled
+    if core.query_tokens == core.key_tokens:
         return None
+    counts = f"{core.query_tokens} queries against {core.key_tokens} keys"
+    if core.query_tokens > core.key_tokens:  # keys pooled, as PVT's reduction does
+        where = "within each window" if windowed else "from its grid"
+        return (
+            f"its keys are pooled {where} ({counts}), and reducing the tokens they are "
+            "pooled from is not supported there"
+        )
     if not windowed:
         return (
-            f"its queries are pooled ({core.query_tokens} queries against {core.key_tokens} "
-            "keys), so the block changes the token count and no reduction keeps it"
+            f"its queries are pooled ({counts}), so the block changes the token count and no "
+            "reduction keeps it"
         )
     return (
-        f"its queries are pooled ({core.query_tokens} queries against {core.key_tokens} keys "
-        "per window), so the block changes the token count and its windows cannot be reduced "
-        "alike"
+        f"its queries are pooled ({counts} per window), so the block changes the token count "
+        "and its windows cannot be reduced alike"
     )
 
 
@@ -446,7 +453,7 @@ def find_windowed_blocks(
                 )
         if windows_in is None or ops.shape(windows_in) is None:
             raise WindowError(f"{where}: its query projection is not found")
-        pooled = pooled_query_blocker(core, is_windowed(core, image_batch))
+        pooled = pooling_blocker(core, is_windowed(core, image_batch))
         if pooled is not None:  # the analysis leaves these whole before it gets here
             raise WindowError(f"{where}: {pooled}")
         if not _is_window_shaped(ops.shape(windows_in), batch, tokens):
