@@ -123,27 +123,31 @@ def test_keys_pooled_below_the_queries_are_not_called_pooled_queries():
     assert "queries are pooled" not in message
 
 
-def test_pooled_queries_are_fewer_queries_than_keys_and_pooled_keys_are_named_so():
-    keys_pooled = AttentionCore("sdpa", "attn", 1, "a", query_tokens=64, key_tokens=4)
-    queries_pooled = AttentionCore("sdpa", "attn", 1, "a", query_tokens=16, key_tokens=64)
-    assert pooling_blocker(keys_pooled) == (
-        "its keys are pooled within each window (64 queries against 4 keys), and reducing the "
-        "tokens they are pooled from is not supported there"
-    )
-    assert pooling_blocker(keys_pooled, windowed=False) == (
-        "its keys are pooled from its grid (64 queries against 4 keys), and reducing the "
-        "tokens they are pooled from is not supported there"
-    )
-    assert pooling_blocker(queries_pooled) == (
-        "its queries are pooled (16 queries against 64 keys per window), so the block changes "
-        "the token count and its windows cannot be reduced alike"
-    )
-    assert pooling_blocker(queries_pooled, windowed=False) == (
-        "its queries are pooled (16 queries against 64 keys), so the block changes the token "
-        "count and no reduction keeps it"
-    )
-    same = AttentionCore("sdpa", "attn", 1, "a", query_tokens=16, key_tokens=16)
-    assert pooling_blocker(same) is None
+@pytest.mark.parametrize(
+    "queries, keys, windowed, line",
+    [
+        (64, 4, True, "its keys are pooled within each window (64 queries against 4 keys), "),
+        (64, 4, False, "its keys are pooled from its grid (64 queries against 4 keys), "),
+        (16, 64, True, "its queries are pooled (16 queries against 64 keys per window), "),
+        (16, 64, False, "its queries are pooled (16 queries against 64 keys), "),
+        (16, 16, True, None),
+    ],
+)
+def test_pooled_queries_are_fewer_queries_than_keys_and_pooled_keys_are_named_so(
+    queries, keys, windowed, line
+):
+    core = AttentionCore("sdpa", "attn", 1, "a", query_tokens=queries, key_tokens=keys)
+    reason = pooling_blocker(core, windowed)
+    if line is None:
+        assert reason is None
+        return
+    endings = {
+        "keys": "and reducing the tokens they are pooled from is not supported there",
+        True: "so the block changes the token count and its windows cannot be reduced alike",
+        False: "so the block changes the token count and no reduction keeps it",
+    }
+    ending = endings["keys"] if queries > keys else endings[windowed]
+    assert reason == line + ending
 
 
 # A class token beside windows that cut the grid: each block attends within four 4 x 4 windows
