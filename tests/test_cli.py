@@ -194,7 +194,15 @@ def test_apply_speedup_is_the_paired_median_with_its_interval(tmp_path):
         "--runs",
         "2",
     )
-    assert "median of 2 paired rounds (an interval needs 5; raise --runs)" in table.output
+    # One story: the ratio row divides the medians printed above it, and the paired speed-up from
+    # 2 rounds says it has no interval instead of standing bare beside the rates.
+    assert table.exit_code == 0, table.output
+    rows = {line.split()[0]: line.split() for line in table.output.splitlines() if line.strip()}
+    base_rate, compressed_rate = float(rows["base"][-1]), float(rows["compressed"][-1])
+    assert rows["ratio"][-1].endswith("x")
+    assert float(rows["ratio"][-1][:-1]) == pytest.approx(compressed_rate / base_rate, abs=0.06)
+    assert "throughput: each model's median over 2 rounds" in table.output
+    assert "from 2 rounds: too few for a 95% interval (it needs 5" in table.output
 
 
 def test_bench_seconds_bounds_the_timing_and_warns_on_stderr():

@@ -267,6 +267,29 @@ def test_paired_ratio_cancels_a_slow_spell_that_medians_do_not() -> None:
     assert paired.interval == pytest.approx((2.0, 2.0))
 
 
+def test_a_paired_ratio_without_an_interval_says_so_and_is_never_bare() -> None:
+    # The finding: 3 rounds printed "1.11x" beside rates whose own ratio was below 1.
+    few = paired_ratio([5.4, 8.0, 5.6], [5.8, 7.0, 5.0])
+    assert few.interval is None
+    assert few.text() == f"{few.median:.2f}x (3 rounds, no interval)"
+    line = few.summary(statistics.median([5.4, 8.0, 5.6]) / statistics.median([5.8, 7.0, 5.0]))
+    assert line.startswith(f"speed-up {few.median:.2f}x from 3 rounds: too few for a 95% interval")
+    assert "neither it nor the ratio of the medians is a measured difference" in line
+    # The rates' own ratio (0.97x) lies below 1 and the pairs' median (1.12x) above: said so.
+    assert "the ratio of the medians (0.97x) lies on the other side of 1" in line
+
+
+def test_a_paired_summary_names_its_statistic_and_interval() -> None:
+    a = [10.0, 10.0, 10.0, 4.0, 4.0, 4.0, 4.0]
+    b = [5.0, 5.0, 5.0, 5.0, 2.0, 2.0, 2.0]
+    paired = paired_ratio(a, b)
+    line = paired.summary(statistics.median(a) / statistics.median(b))
+    assert line.startswith("speed-up 2.00x: the median of 7 per-round ratios")
+    assert "95% interval [2.00, 2.00]" in line and "(0.80x) lies on the other side of 1" in line
+    # Medians on the same side of 1 as the pairs: nothing to reconcile.
+    assert "other side" not in paired.summary(1.5) and "other side" not in paired.summary()
+
+
 def test_paired_ratio_interval_needs_enough_pairs_and_brackets_the_median() -> None:
     few = paired_ratio([2.0, 3.0], [1.0, 1.0])
     assert few.interval is None and few.pairs == 2 and few.to_json()["ci95"] is None

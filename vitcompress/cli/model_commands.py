@@ -23,7 +23,7 @@ from vitcompress.cli.options import gate_options, model_options, output_option, 
 from vitcompress.cli.plan_options import plan_options
 from vitcompress.measure.keep_fit import KeepFit
 from vitcompress.measure.models import TimingOptions
-from vitcompress.measure.paired import MIN_PAIRS_FOR_INTERVAL
+from vitcompress.measure.paired import rounds_text
 from vitcompress.workflows.apply import ApplyReport, apply_model
 from vitcompress.workflows.bench import BenchResult, bench_model, inspect_model
 from vitcompress.workflows.gates import Bounds
@@ -225,7 +225,7 @@ def _print_apply(report: ApplyReport) -> None:
         "ratio",
         f"{data['compressed']['params'] / data['base']['params']:.3f}",
         f"{data['macs_ratio']:.3f}",
-        paired.text() if paired else "-",
+        _ratio_of_medians_text(data),
     )
     console.print(table)
     console.print(
@@ -234,15 +234,12 @@ def _print_apply(report: ApplyReport) -> None:
     )
     if paired is not None:
         console.print(
-            f"speed-up: median of {paired.pairs} paired rounds"
-            + (
-                ", with its 95% interval"
-                if paired.interval
-                else f" (an interval needs {MIN_PAIRS_FOR_INTERVAL}; raise --runs)"
-            ),
+            f"throughput: each model's median over {rounds_text(paired.pairs)}; the ratio row "
+            "divides those medians",
             style="dim",
             highlight=False,
         )
+        console.print(paired.summary(data["speedup_ratio_of_medians"]), highlight=False)
     if data.get("window_tokens"):
         console.print(window_text(data["window_tokens"]), highlight=False)
         whole = whole_attention_text(data["window_tokens"])
@@ -253,6 +250,13 @@ def _print_apply(report: ApplyReport) -> None:
     print_environment(data["environment"])
     if data["out"]:
         console.print(f"saved to {data['out']}")
+
+
+def _ratio_of_medians_text(data: dict[str, Any]) -> str:
+    """The compressed model's median img/s over the base's, the rates printed above it; ``-``
+    when they were not timed."""
+    ratio = data["speedup_ratio_of_medians"]
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def keep_fit_text(fit: dict[str, Any]) -> str:

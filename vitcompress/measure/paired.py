@@ -22,6 +22,7 @@ __all__ = [
     "bootstrap_median_ci",
     "paired_ratio",
     "paired_ratios",
+    "rounds_text",
     "verdict",
 ]
 
@@ -80,10 +81,43 @@ class PairedRatio:
         }
 
     def text(self) -> str:
-        """``1.31x [1.25, 1.38]``, or ``1.31x`` without an interval."""
+        """``1.31x [1.25, 1.38]``; without an interval the rounds say why: ``1.11x (3 rounds, no
+        interval)``, never a bare number that reads as a measured difference."""
         if self.interval is None:
-            return f"{self.median:.2f}x"
+            return f"{self.median:.2f}x ({rounds_text(self.pairs)}, no interval)"
         return f"{self.median:.2f}x [{self.low:.2f}, {self.high:.2f}]"
+
+    def summary(self, ratio_of_medians: float | None = None) -> str:
+        """One line naming the statistic, for under a table whose rates are each model's median:
+        ``speed-up 1.04x [0.99, 1.09]: the median of 10 per-round ratios ... with its 95%
+        interval``, or, from fewer rounds than an interval needs, that it is no measured
+        difference. ``ratio_of_medians`` (the rates' own ratio) is named too when it lies on the
+        other side of 1: the machine's speed changed while timing, which the pairs cancel and the
+        medians do not."""
+        rounds = rounds_text(self.pairs)
+        line = (
+            f"speed-up {self.median:.2f}x: the median of {self.pairs} per-round ratios "
+            "(compressed over base, timed in the same round; what --min-speedup compares)"
+        )
+        if self.interval is None:
+            line = (
+                f"speed-up {self.median:.2f}x from {rounds}: too few for a 95% interval (it needs "
+                f"{MIN_PAIRS_FOR_INTERVAL}; raise --bench-seconds or --runs), so neither it nor "
+                "the ratio of the medians is a measured difference"
+            )
+        else:
+            line += f", 95% interval [{self.low:.2f}, {self.high:.2f}]"
+        if ratio_of_medians is not None and (ratio_of_medians - 1) * (self.median - 1) < 0:
+            line += (
+                f"; the ratio of the medians ({ratio_of_medians:.2f}x) lies on the other side of "
+                "1: the machine's speed changed while timing, which the per-round ratios cancel"
+            )
+        return line
+
+
+def rounds_text(pairs: int) -> str:
+    """``1 round``, ``3 rounds``."""
+    return f"{pairs} round{'s' if pairs != 1 else ''}"
 
 
 def paired_ratio(a: Sequence[float], b: Sequence[float]) -> PairedRatio:

@@ -20,6 +20,10 @@ many as torch would use, but no more than the cores the load average leaves free
 machine still filled up during timing, a starvation check times the first model at 1 thread; if
 that is more than :data:`STARVATION_FACTOR` times faster, the threads were starved and every model
 is timed again at 1 thread. ``environment["thread_choice"]`` says which of these happened.
+
+The results (:mod:`.throughput_report`) and the thread decisions (:mod:`.threads`) live in their own
+modules; their names are re-exported here. The functions that read the machine stay here, beside
+the timing that calls them.
 """
 
 from __future__ import annotations
@@ -29,11 +33,10 @@ import dataclasses
 import functools
 import math
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,7 +45,8 @@ from torch import nn
 from vitcompress.model_copy import copy_model
 
 from .macs import _same_device
-from .paired import PairedRatio, paired_ratio
+from .threads import STARVATION_FACTOR, StarvationCheck, ThreadChoice, choose_threads, load_warning
+from .throughput_report import ModelThroughput, RoundProgress, ThroughputReport, environment
 
 __all__ = [
     "STARVATION_FACTOR",
@@ -63,65 +67,8 @@ __all__ = [
     "torch_threads",
 ]
 
-# The same model timed at 1 thread more than this many times faster than at the chosen count: the
-# chosen threads were starved by other work, and their numbers are not a speed of the model. A
-# quiet machine cannot make 1 thread faster at all, so 2 leaves a wide margin for noise.
-STARVATION_FACTOR = 2.0
 # Timed batches of the starvation check (after one warm-up batch).
 STARVATION_RUNS = 3
-
-
-@dataclass
-class ModelThroughput:
-    """Timing of one model: images/s per timed batch, in the order they were taken."""
-
-    samples: list[float]
-    median: float = field(init=False)
-    min: float = field(init=False)
-    max: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        if not self.samples:
-            raise ValueError("a throughput result needs at least one sample")
-        self.median = statistics.median(self.samples)
-        self.min = min(self.samples)
-        self.max = max(self.samples)
-
-
-@dataclass
-class ThroughputReport:
-    """Per-model results of one ``measure_throughput`` call and the environment they came from."""
-
-    results: dict[str, ModelThroughput]
-    environment: dict[str, Any]
-    warnings: list[str] = field(default_factory=list)
-
-    def ratio(self, a: str, b: str) -> float:
-        """Median throughput of ``a`` over that of ``b`` (the speed-up of ``a`` when > 1)."""
-        return self.results[a].median / self.results[b].median
-
-    def paired(self, a: str, b: str) -> PairedRatio:
-        """``a``'s throughput over ``b``'s, round by round: median and 95% interval."""
-        return paired_ratio(self.results[a].samples, self.results[b].samples)
-
-    def to_json(self) -> dict[str, Any]:
-        """Plain dicts, lists, numbers and strings, ready for ``json.dump``."""
-        return {
-            "results": {name: asdict(result) for name, result in self.results.items()},
-            "environment": dict(self.environment),
-            "warnings": list(self.warnings),
-        }
-
-
-@dataclass(frozen=True)
-class RoundProgress:
-    """Where timing stands after a round: for a progress display."""
-
-    warmup: bool  # a warm-up round (not timed)
-    done: int  # rounds of this kind done
-    total: int  # rounds of this kind asked for
-    elapsed: float  # seconds since timing began
-    budget: float | None  # the time budget in seconds, if any
 
 
 def load_average() -> float | None:
@@ -130,18 +77,6 @@ def load_average() -> float | None:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
-
-
-def load_warning(loads: list[float | None], threads: int) -> str | None:
-    """A warning when the machine was busier than the threads timing used, else None."""
-    seen = [load for load in loads if load is not None]
-    if not seen or max(seen) <= threads:
-        return None
-    return (
-        f"the 1-minute load average was {max(seen):.1f} with {threads} torch threads "
-        "timing: other work shared the CPU, so throughput is low and its ratios noisy; "
-        "time on a quiet machine, or check the 95% interval"
-    )
 
 
 def available_cpus() -> int:
@@ -179,93 +114,6 @@ def own_load() -> float:
     return busy * (1 - math.exp(-age / 60))
 
 
-@dataclass(frozen=True)
-class StarvationCheck:
-    """The first model timed again at 1 thread after timing at ``threads`` on a full machine."""
-
-    model: str
-    threads: int
-    rate: float  # images/s at ``threads`` (the median of the timed rounds)
-    one_thread_rate: float  # images/s at 1 thread (the median of the check's batches)
-    starved: bool  # one_thread_rate > STARVATION_FACTOR * rate
-
-
-@dataclass(frozen=True)
-class ThreadChoice:
-    """How many threads timing used, and why.
-
-    ``reason``: ``fits`` (the threads torch uses fit the free cores), ``load`` (fewer, so as not to
-    oversubscribe the cores the load average leaves free), ``no-load`` (no load average on this
-    system: torch's count), ``fixed`` (the caller set the count), ``starved`` (the starvation
-    check failed, and everything was timed again at 1 thread).
-    """
-
-    asked: int  # the threads torch would use (torch.get_num_threads() when timing began)
-    cpus: int  # the CPUs this process may run on
-    load: float | None  # the 1-minute load average before timing
-    own: float  # this process's estimated share of it (:func:`own_load`)
-    threads: int  # the threads the reported numbers were timed with
-    reason: str
-    starvation: StarvationCheck | None = None
-
-    @property
-    def free(self) -> float | None:
-        """Cores not taken by other work, by the load average; None without one."""
-        if self.load is None:
-            return None
-        return self.cpus - max(0.0, self.load - self.own)
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["free_cpus"] = self.free
-        return data
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ThreadChoice:
-        """The choice back from :meth:`to_json` (a report's ``environment["thread_choice"]``)."""
-        fields = {k: v for k, v in data.items() if k not in ("free_cpus", "starvation")}
-        check = data.get("starvation")
-        return cls(**fields, starvation=None if check is None else StarvationCheck(**check))
-
-    def text(self) -> str:
-        """One line for a report: ``1 thread of 2 (load 3.4 on 2 CPUs)``."""
-        plural = "s" if self.threads != 1 else ""
-        if self.reason == "starved" and self.starvation is not None:
-            check = self.starvation
-            return (
-                f"{self.threads} thread{plural}: {check.model} ran "
-                f"{check.one_thread_rate / check.rate:.1f}x faster at 1 thread than at "
-                f"{check.threads} (starved by other work), so everything was timed again at 1"
-            )
-        if self.reason == "load":
-            return (
-                f"{self.threads} thread{plural} of {self.asked} (load {self.load:.1f} on "
-                f"{self.cpus} CPUs: more would oversubscribe the free cores)"
-            )
-        text = f"{self.threads} thread{plural}"
-        if self.reason == "fixed":
-            return text + " (set by the caller)"
-        if self.starvation is not None:
-            return text + " (the starvation check passed)"
-        return text
-
-
-def choose_threads(asked: int, cpus: int, load: float | None, own: float = 0.0) -> ThreadChoice:
-    """At most ``asked`` threads, and no more than the cores other work leaves free.
-
-    Other work is the load average less this process's own share (``own``); the free cores are
-    ``cpus`` less that, rounded to the nearest whole core (a core half used by others is not worth
-    a thread that would stall the rest at every barrier; more than half free is), and at least 1.
-    """
-    asked = max(1, asked)
-    if load is None:
-        return ThreadChoice(asked, cpus, None, own, asked, "no-load")
-    others = max(0.0, load - own)
-    free = max(1, math.floor(cpus - others + 0.5))
-    threads = min(asked, free)
-    return ThreadChoice(asked, cpus, load, own, threads, "fits" if threads == asked else "load")
-
-
 def thread_choice(threads: int | None = None) -> ThreadChoice:
     """The threads to time with now: ``threads`` when given (``fixed``), else
     :func:`choose_threads` from torch's count, this process's CPUs and the load average."""
@@ -286,49 +134,6 @@ def torch_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _cpu_name() -> str:
-    # platform.processor() is empty or just "x86_64" on most Linux systems; cpuinfo has the model.
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "cpu":
-        return _cpu_name()
-    return device.type
-
-
-def environment(
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-    batch_size: int | None = None,
-) -> dict[str, Any]:
-    """What a throughput number depends on, as plain data to store next to it."""
-    device = torch.device(device)
-    env: dict[str, Any] = {
-        "device": str(device),
-        "device_name": _device_name(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "cuda_build": torch.version.cuda,  # CUDA torch was built against, None for CPU builds
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
-    if batch_size is not None:
-        env["batch_size"] = batch_size
-    return env
 
 
 def _synchronize(device: torch.device) -> None:
