@@ -1,4 +1,5 @@
-"""``torch.compile(fullgraph=True)`` of every registered variant, and compiled timing.
+"""``torch.compile(fullgraph=True)`` of every registered variant (on a plain ViT, a windowed Swin
+and a dense-output ViT), and compiled timing.
 
 The variants are read from the registry at collection time (``vitcompress.compilation.plan.VARIANTS``),
 so a variant added there is covered without editing this file. Graph breaks are dynamo's decision,
@@ -18,6 +19,8 @@ from torch import nn
 
 import vitcompress
 from tests.models import timm_small
+from tests.test_windowed import SIZE as SWIN_SIZE
+from tests.test_windowed import swin
 from vitcompress.cli.main import cli
 from vitcompress.compilation.plan import VARIANTS
 from vitcompress.measure import measure_throughput
@@ -36,6 +39,31 @@ def compressed(variant: str) -> nn.Module:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_variant_captures_as_one_graph(variant: str) -> None:
     result = compile_check(compressed(variant), SIZE, batch_size=2, backend="eager")
+    assert not result["graph_break"], result["reason"]
+    assert result["frames"] == 1 and result["recompiles"] == 0
+    assert result["max_abs_diff"] < 1e-5
+
+
+def _dense(variant: str) -> nn.Module:
+    """A dense-output ViT (``global_pool=""``): the compressed model gives every token back."""
+    torch.manual_seed(0)
+    base = timm_small("vit_small_patch16_224", depth=2, global_pool="", num_classes=0)
+    return vitcompress.compress(base, variant, keep=0.7, locs=[1], input_size=SIZE).eval()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("kind", ["windowed", "dense"])
+def test_every_variant_captures_as_one_graph_on_windowed_and_dense_models(
+    kind: str, variant: str
+) -> None:
+    if kind == "windowed":  # a small Swin: shifted windows, every block reduced
+        model, size = (
+            vitcompress.compress(swin(), variant, keep=0.7, input_size=SWIN_SIZE),
+            SWIN_SIZE,
+        )
+    else:
+        model, size = _dense(variant), SIZE
+    result = compile_check(model, size, batch_size=2, backend="eager")
     assert not result["graph_break"], result["reason"]
     assert result["frames"] == 1 and result["recompiles"] == 0
     assert result["max_abs_diff"] < 1e-5

@@ -1,0 +1,128 @@
+"""The serving path's checks: what a compiled, CUDA-graph-captured model needs of its forward.
+
+A CUDA graph replays a fixed sequence of kernels on fixed buffers. Anything in the forward that
+asks the host for a tensor's value (``.item()``, ``.tolist()``, ``int(tensor)``, a Python branch on
+a tensor) or makes a shape depend on the data (``nonzero``, boolean indexing, ``unique``) stops the
+device, cannot be captured, and splits or refuses the graph. :func:`host_sync_check` traces the
+eval forward with ``torch.export`` (non-strict: the model's own Python runs on fake tensors, so a
+value asked for becomes an unbacked symbol or a data-dependent guard) and lists each such place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitcompress.analysis.capture import fast_paths_off
+from vitcompress.artifacts.fingerprint import eval_mode
+from vitcompress.workflows.export import _Inference, _inputs, _one_line
+
+__all__ = ["HOST_SYNC_OPS", "HostSyncReport", "host_sync_check"]
+
+# ATen ops (after decomposition to core ATen) that read a tensor's value on the host or give a
+# data-dependent shape, and what calls them in Python.
+HOST_SYNC_OPS = {
+    "aten._local_scalar_dense": ".item(), .tolist(), int()/float()/bool() of a tensor",
+    "aten.item": ".item(), .tolist(), int()/float()/bool() of a tensor",
+    "aten.nonzero": "nonzero(), boolean indexing, torch.where(mask) (a data-dependent shape)",
+    "aten.masked_select": "masked_select() (a data-dependent shape)",
+    "aten._unique2": "unique() (a data-dependent shape)",
+    "aten.unique_dim": "unique(dim=...) (a data-dependent shape)",
+    "aten.unique_consecutive": "unique_consecutive() (a data-dependent shape)",
+}
+
+
+@dataclass
+class HostSyncReport:
+    """Where the eval forward waits for the device: ``ops`` (each ``op: why, at file:line``),
+    ``unbacked`` (nodes whose shape or value depends on the data), ``error`` (the trace stopped on
+    a Python decision about a tensor's value)."""
+
+    ops: list[str] = field(default_factory=list)
+    unbacked: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return not (self.ops or self.unbacked or self.error)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "ops": list(self.ops),
+            "unbacked": list(self.unbacked),
+            "error": self.error,
+        }
+
+    def text(self) -> str:
+        """One line: ``no host synchronisation`` or the first few places found."""
+        if self.passed:
+            return "no host synchronisation (no .item(), nonzero or data-dependent shape)"
+        found = ([self.error] if self.error else []) + self.ops + self.unbacked
+        more = f" (+{len(found) - 3} more)" if len(found) > 3 else ""
+        return "host synchronisation: " + "; ".join(found[:3]) + more
+
+
+def _data_dependent(error: BaseException) -> bool:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    if isinstance(error, GuardOnDataDependentSymNode):
+        return True
+    text = str(error).lower()
+    return "data-dependent" in text or "data dependent" in text
+
+
+def _where(node: torch.fx.Node) -> str:
+    """``file.py:12`` of the model code that made ``node``, from its stack trace."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [line.strip() for line in trace.splitlines() if line.strip().startswith("File ")]
+    if not lines:
+        return "?"
+    # 'File "/a/b/c.py", line 12, in forward' -> 'c.py:12'
+    parts = lines[-1].split('"')
+    path = parts[1].rsplit("/", 1)[-1] if len(parts) > 1 else "?"
+    line = lines[-1].split("line ", 1)[-1].split(",", 1)[0]
+    return f"{path}:{line}"
+
+
+def host_sync_check(
+    model: nn.Module, input_size: tuple[int, ...], batch_size: int = 2
+) -> HostSyncReport:
+    """Trace ``model``'s eval forward on one batch of ``batch_size`` with ``torch.export``
+    (non-strict, static shapes) and report every op that reads a tensor's value on the host or
+    makes a data-dependent shape (:data:`HOST_SYNC_OPS`), every node with an unbacked symbol in
+    its shape or value, or the data-dependent decision the trace stopped on. Errors of another
+    kind (a model ``torch.export`` cannot trace at all) are raised."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    example = _inputs(batch_size, tuple(input_size), seed=0)
+    report = HostSyncReport()
+    with eval_mode(model), torch.no_grad(), fast_paths_off():
+        try:
+            program = torch.export.export(_Inference(model), (example,), strict=False)
+            program = program.run_decompositions()
+        except Exception as e:
+            if not _data_dependent(e):
+                raise
+            report.error = f"a Python decision on a tensor's value: {_one_line(e)}"
+            return report
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = str(node.target).rsplit(".", 1)[0] if "." in str(node.target) else str(node.target)
+        if name in HOST_SYNC_OPS:
+            report.ops.append(f"{name}: {HOST_SYNC_OPS[name]}, at {_where(node)}")
+            continue
+        value = node.meta.get("val")
+        symbols = free_unbacked_symbols(value) if value is not None else set()
+        # Tensor ops only: the Python arithmetic on an unbacked value follows from the op that
+        # made it, already listed.
+        if symbols and isinstance(node.target, torch._ops.OpOverload) and "sym_" not in name:
+            report.unbacked.append(
+                f"{node.name} ({name}) depends on data-dependent "
+                f"{', '.join(sorted(map(str, symbols)))}, at {_where(node)}"
+            )
+    return report
