@@ -40,6 +40,7 @@ from vitcompress.artifacts.fingerprint import (
     state_shapes,
 )
 from vitcompress.compilation.compression import capture_and_map, compress_mapped
+from vitcompress.compilation.entries import FORWARD, EntryError, entry_of, entry_view
 from vitcompress.compilation.metadata import attach, compression_info
 from vitcompress.compilation.plan import Plan, PlanError
 from vitcompress.compilation.rewrite import RewriteError
@@ -102,13 +103,16 @@ def _rebuild(
     plan_json: dict[str, Any],
     recorded_map: dict[str, Any] | None,
     fail: Callable[[str], ArtifactError],
+    entry: str = FORWARD,
 ) -> tuple[nn.Module, ModelSource]:
     """The compressed model (with fresh weights) that ``source`` and the plan build, and the
-    base's source as loading resolved it. ``fail(what differs)`` makes the error to raise."""
+    base's source as loading resolved it; ``entry`` is the base's method compressed as the
+    forward. ``fail(what differs)`` makes the error to raise."""
     try:
         base = load_base_model(source.spec, source.model_args, input_size=size)
-        captured, model_map = capture_and_map(base.model, size)
-    except (ModelLoadError, MappingError, CaptureError) as e:
+        view = entry_view(base.model, entry)
+        captured, model_map = capture_and_map(view, size)
+    except (ModelLoadError, MappingError, CaptureError, EntryError) as e:
         raise fail(f"its base does not build: {e}") from e
     if recorded_map is not None:
         differences = map_differences(recorded_map, map_summary(model_map.to_json()))
@@ -119,7 +123,7 @@ def _rebuild(
         # A method's setting that replaced the keep ratios (ToMe's r) plans them again itself.
         keep = None if plan.method.keep_setting else plan.keep
         model = compress_mapped(
-            base.model, captured, model_map, size, plan.method, keep, plan.locs, plan.policy
+            view, captured, model_map, size, plan.method, keep, plan.locs, plan.policy, entry
         )
     except PlanError as e:
         raise fail(
@@ -225,7 +229,8 @@ def save_artifact(
             f"{what_differs}; {_source_hint(source)}"
         )
 
-    rebuilt, resolved = _rebuild(source, size, plan, map_summary(model_map), refuse)
+    entry = entry_of(model)
+    rebuilt, resolved = _rebuild(source, size, plan, map_summary(model_map), refuse, entry)
     output = _check_rebuilds(model, rebuilt, size, directory, refuse)
     fingerprint = Fingerprint.of(model, model_map, size, output)
     meta = {
@@ -250,6 +255,8 @@ def save_artifact(
         # source, apply --model ARTIFACT, the fine-tuning teacher): its content is checked.
         BASE_WEIGHTS_SHA256: _base_weights_digest(source),
         "input_size": list(size),
+        # The base's method compressed as the forward ("forward_features"); "forward" if absent.
+        "entry": entry,
         "plan": plan,
         FINGERPRINT_KEY: fingerprint.to_json(),
         # The preprocessing the model expects (docs/data.md); extra may name another.
@@ -437,6 +444,13 @@ def load_artifact_base(
     )
 
 
+def _entry(meta: dict[str, Any], directory: str | Path) -> str:
+    entry = meta.get("entry", FORWARD)
+    if not isinstance(entry, str) or not entry.isidentifier():
+        raise ArtifactError(f"{directory} is malformed: its entry is not a method name: {entry!r}")
+    return entry
+
+
 def _weights_file_shapes(path: Path) -> dict[str, list[int]]:
     try:
         with safetensors.safe_open(str(path), framework="pt") as f:
@@ -482,6 +496,7 @@ def load_artifact(directory: str | Path) -> LoadedModel:
         meta["plan"],
         fingerprint.model_map if fingerprint else None,
         refuse,
+        _entry(meta, directory),
     )
     weights = Path(directory) / WEIGHTS_FILE
     rebuilt_shapes = state_shapes(model)

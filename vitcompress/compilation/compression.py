@@ -23,6 +23,13 @@ from vitcompress.analysis.capture import (
     check_rewritable,
 )
 from vitcompress.analysis.model_map import ModelMap
+from vitcompress.compilation.entries import (
+    ENTRY_ATTRIBUTE,
+    FORWARD,
+    EntryError,
+    entry_view,
+    with_base_methods,
+)
 from vitcompress.compilation.keep_lists import plan_from_cumulative
 from vitcompress.compilation.metadata import attach, compression_info
 from vitcompress.compilation.naming import (
@@ -30,7 +37,13 @@ from vitcompress.compilation.naming import (
     REDUCER_PREFIX,
     RewrittenModelError,
 )
-from vitcompress.compilation.plan import PlanError, default_keep, make_plan, resolve_variant
+from vitcompress.compilation.plan import (
+    Plan,
+    PlanError,
+    default_keep,
+    make_plan,
+    resolve_variant,
+)
 from vitcompress.compilation.rewrite import rewrite
 from vitcompress.compilation.weight_decay import (
     NO_WEIGHT_DECAY_ATTRIBUTE,
@@ -38,6 +51,7 @@ from vitcompress.compilation.weight_decay import (
     parameter_names,
 )
 from vitcompress.data.config import stated_data_config
+from vitcompress.errors import UserError
 from vitcompress.loading import (
     LoadedModel,
     ModelInputError,
@@ -148,6 +162,7 @@ def compress(
     policy: str = "score",
     keep_cumulative: Sequence[float] | None = None,
     variant_args: dict[str, Any] | None = None,
+    entry: str = FORWARD,
 ) -> nn.Module:
     """Return a compressed copy of ``model`` (left unchanged): an ordinary ``nn.Module`` whose
     ``.eval()`` drops tokens physically and whose ``.train()`` runs its variant's training path.
@@ -160,6 +175,12 @@ def compress(
     method's own settings (:func:`vitcompress.variants.variant_settings`), e.g. ToMe's
     ``{"r": 8}``, the tokens merged in every block, which replaces ``keep``.
 
+    ``entry`` names the base's method to compress as the forward (``"forward_features"``: the
+    result's forward returns the base's features, every token back in the base's order). The
+    result also answers the base's ``forward_features``, ``forward_head``,
+    ``forward_intermediates``, ``get_intermediate_layers`` and ``get_image_features`` where the
+    base has them (:mod:`vitcompress.compilation.entries`).
+
     The result carries its plan and model map (read them with
     :func:`vitcompress.compilation.metadata.compression_info`).
     """
@@ -171,8 +192,9 @@ def compress(
         keep = CumulativeKeep(tuple(keep_cumulative))
     method = resolve_variant(variant, variant_args)
     size = resolve_input_size(model, input_size)
-    captured, model_map = capture_and_map(model, size)
-    return compress_mapped(model, captured, model_map, size, method, keep, locs, policy)
+    view = entry_view(model, entry)
+    captured, model_map = capture_and_map(view, size)
+    return compress_mapped(view, captured, model_map, size, method, keep, locs, policy, entry)
 
 
 def compress_mapped(
@@ -184,8 +206,12 @@ def compress_mapped(
     keep: Keep,
     locs: list[int] | None,
     policy: str,
+    entry: str = FORWARD,
+    base_methods: bool = True,
 ) -> nn.Module:
-    """``compress`` from a capture of ``model`` made by :func:`capture_and_map` (consumed)."""
+    """``compress`` from a capture of ``model`` made by :func:`capture_and_map` (consumed):
+    ``model`` is the base, or its :func:`entry_view` for the method ``entry``. With
+    ``base_methods``, the result answers the base's methods (``forward_features``, ...)."""
     check_rewritable(captured)
     setting = method.keep_setting
     if setting is not None and keep is not None:
@@ -211,6 +237,7 @@ def compress_mapped(
         vitcompress_plan=plan.to_json(),
         vitcompress_map=model_map.to_json(),
         vitcompress_input_size=size,
+        **{ENTRY_ATTRIBUTE: entry},
         # The attention residual add keeps the token count the block was entered with.
         vitcompress_block_nodes=[b.attn_add_node for b in model_map.blocks],
         # The graph does not forward the base's no_weight_decay(): training reads this.
@@ -231,8 +258,53 @@ def compress_mapped(
             "model_args": readable_timm_args(model),
         }
     attach(compressed, **metadata)
+    if base_methods:
+        with_base_methods(compressed, model, compile_entry)
     compressed.train(model.training)
     return compressed
+
+
+def compile_entry(
+    base: nn.Module, entry: str, args: tuple, kwargs: dict[str, Any], compressed: nn.Module
+) -> nn.Module:
+    """``base``'s method ``entry`` (called on the image with ``args`` and ``kwargs``) compressed
+    under ``compressed``'s plan, which must give it the same locations and token counts: what
+    ``compressed`` runs when its base's method is called on it. Anything that stops it is one
+    line naming the method."""
+    info = compression_info(compressed)
+    plan: Plan = info.plan
+    size = info.input_size
+    shown = entry if not (args or kwargs) else f"{entry} with {args or ''}{kwargs or ''}"
+    try:
+        view = entry_view(base, entry, args, kwargs)
+        captured, model_map = capture_and_map(view, size)
+        # Scored as the forward scores (its head reads a cls token the entry may not): the
+        # method keeps the same tokens in both.
+        model_map.cls_token = info.model_map.cls_token
+        keep = None if plan.method.keep_setting else plan.keep
+        model = compress_mapped(
+            view,
+            captured,
+            model_map,
+            size,
+            plan.method,
+            keep,
+            plan.locs,
+            plan.policy,
+            entry,
+            base_methods=False,
+        )
+    except UserError as e:
+        raise EntryError(
+            f"{shown} cannot run on this compressed model: {one_line(e)}; call it on the "
+            f"base, or compress the base with compress(..., entry='{entry}')"
+        ) from e
+    if compression_info(model).plan != plan:
+        raise EntryError(
+            f"{shown} cannot run on this compressed model: its plan for {entry} keeps other "
+            f"token counts; compress the base with compress(..., entry='{entry}')"
+        )
+    return model
 
 
 def compress_copy(
@@ -277,11 +349,19 @@ def compress_loaded(
     locs: list[int] | None = None,
     policy: str = "score",
     variant_args: dict[str, Any] | None = None,
+    entry: str = FORWARD,
 ) -> LoadedModel:
     """``compress`` for a model from :func:`vitcompress.loading.load_base_model`, keeping its source
     so the result can be saved and rebuilt."""
     model = compress(
-        loaded.model, variant, keep, locs, loaded.input_size, policy, variant_args=variant_args
+        loaded.model,
+        variant,
+        keep,
+        locs,
+        loaded.input_size,
+        policy,
+        variant_args=variant_args,
+        entry=entry,
     )
     attach(model, vitcompress_source=loaded.source)
     return LoadedModel(model=model, source=loaded.source, input_size=loaded.input_size)
