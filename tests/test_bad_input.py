@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import errno
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -276,3 +278,42 @@ def test_debug_shows_the_traceback_of_an_input_error() -> None:
     result = run("--debug", "bench", "--model", "deit_smal", "--no-throughput")
     assert result.exit_code == 2
     assert "Traceback" in result.stderr and "error: unknown model" in result.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# Usage errors: click's own (an unknown choice or option, a missing value, an unknown command) are
+# one line like every other bad input, for every command, exit code 2.
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["apply", "--model", MHA, "--variant", "foo"], ["'--variant'", "'foo'", "etps"]),
+        (["bench", "--model", MHA, "--dtype", "float64"], ["'--dtype'", "'float64'"]),
+        (["apply", "--bogus"], ["No such option '--bogus'"]),
+        (["apply", "--keep"], ["'--keep' requires an argument"]),
+        (["search", "--model", MHA, "--bogus"], ["--bogus"]),
+        (["export", "--model", MHA, "--format", "tflite", "--out", "m"], ["'--format'", "onnx"]),
+        (["--progress", "loud", "bench"], ["'--progress'", "'loud'"]),
+        (["benchh"], ["No such command 'benchh'"]),
+    ],
+)
+def test_a_usage_error_is_one_line_with_exit_2(args: list[str], words: list[str]) -> None:
+    line = assert_one_error(run(*args), 2, *words)
+    assert "Usage:" not in line
+    # The hint names the command whose options were wrong (the group's own for its options).
+    command = args[0] if not args[0].startswith("-") and args[0] != "benchh" else None
+    # (CliRunner names the program "cli"; the console script, "vitcompress".)
+    assert re.search(rf"Try '\w+{' ' + command if command else ''} --help'\.$", line), line
+
+
+def test_export_without_onnx_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # None in sys.modules makes `import onnx` fail as it does where the package is not installed.
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    result = run("export", "--model", MHA, *SMALL, "--format", "onnx", "--out", f"{tmp_path}/m")
+    line = assert_one_error(result, 2, "onnx", 'pip install -e ".[export]"')
+    assert "onnxruntime" not in line  # installed here: only what is missing is named
+    assert not list(tmp_path.iterdir())  # refused before any export work

@@ -35,12 +35,59 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+class OneLineUsageError(click.UsageError):
+    """A usage error shown as the one ``error:`` line every bad input gets (click's own shows a
+    usage block, a hint and the message on four lines); exit code 2 as click's."""
+
+    def __init__(self, error: click.UsageError, command_path: str) -> None:
+        super().__init__(error.format_message(), error.ctx)
+        self.exit_code = error.exit_code
+        self.command_path = command_path
+
+    def show(self, file: Any = None) -> None:
+        message = " ".join(line.strip() for line in self.format_message().splitlines())
+        hint = f"Try '{self.command_path} --help'."
+        click.echo(f"error: {message} {hint}", file=file, err=file is None)
+
+
+def _one_line(error: click.UsageError, ctx: click.Context | None = None) -> OneLineUsageError:
+    """``error`` as one line, its help hint naming the command it came from: the error's own
+    context, else the command the group was invoking (an option that failed to parse has none)."""
+    if error.ctx is not None:
+        path = error.ctx.command_path
+    elif ctx is not None and ctx.invoked_subcommand:
+        path = f"{ctx.command_path} {ctx.invoked_subcommand}"
+    else:
+        path = ctx.command_path if ctx is not None else "vitcompress"
+    return OneLineUsageError(error, path)
+
+
 class VitcompressGroup(click.Group):
-    """Turns known errors into one clear line; ``--debug`` shows the traceback instead."""
+    """Turns known errors into one clear line; ``--debug`` shows the traceback instead. Usage
+    errors (an unknown choice or option, a missing value) are one line too, for the group's own
+    options and every command's."""
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except OneLineUsageError:
+            raise
+        except click.UsageError as e:
+            raise _one_line(e, parent) from e
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except OneLineUsageError:
+            raise
+        except click.UsageError as e:  # a command's options, or a command that does not exist
+            raise _one_line(e, ctx) from e
         except _CLICK_FLOW:
             raise
         except UserError as e:
