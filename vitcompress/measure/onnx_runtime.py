@@ -3,16 +3,56 @@ an onnxruntime session on the CPU, with the same threads torch times with."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["onnx_runner", "onnx_session", "onnxruntime_version"]
+from vitcompress.errors import UserError
+
+__all__ = [
+    "EXPORT_EXTRA",
+    "MissingExtraError",
+    "onnx_runner",
+    "onnx_session",
+    "onnxruntime_version",
+    "require_export_extra",
+]
+
+# The install line for the optional packages ONNX needs (pyproject's ``export`` extra), from a
+# checkout of this project.
+EXPORT_EXTRA = 'pip install -e ".[export]"'
+
+
+class MissingExtraError(UserError):
+    """An optional package a command needs is not installed; the message names the extra."""
+
+
+def require_export_extra(*packages: str) -> None:
+    """:class:`MissingExtraError` naming the ``export`` extra when any of ``packages`` (``onnx``,
+    ``onnxruntime``) cannot be imported; nothing when all are there."""
+    missing = [name for name in packages if not _importable(name)]
+    if missing:
+        raise MissingExtraError(
+            f"ONNX needs {' and '.join(missing)}, not installed here: install the export extra, "
+            f"{EXPORT_EXTRA}"
+        )
+
+
+def _importable(name: str) -> bool:
+    # Imported, not just found: a package whose import fails (a missing dependency of its own, a
+    # broken wheel) is as missing to the exporter, which imports it.
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
 
 
 def onnxruntime_version() -> str:
+    require_export_extra("onnxruntime")
     import onnxruntime
 
     return onnxruntime.__version__
@@ -21,6 +61,7 @@ def onnxruntime_version() -> str:
 def onnx_session(path: str | Path, threads: int | None = None) -> Any:
     """An onnxruntime CPU session for the file at ``path``: full graph optimisation, ``threads``
     intra-op threads (default: ``torch.get_num_threads()``) and one inter-op thread."""
+    require_export_extra("onnxruntime")
     import onnxruntime as ort
 
     options = ort.SessionOptions()

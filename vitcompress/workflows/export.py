@@ -27,7 +27,7 @@ from vitcompress.analysis.capture import fast_paths_off
 from vitcompress.artifacts.fingerprint import eval_mode
 from vitcompress.errors import UserError
 from vitcompress.kernels import method_path
-from vitcompress.measure.onnx_runtime import onnx_session
+from vitcompress.measure.onnx_runtime import onnx_session, require_export_extra
 from vitcompress.model_copy import copy_model
 
 FORMATS = ("onnx", "torchscript", "exported-program")
@@ -422,16 +422,6 @@ def _export_program(module: nn.Module, example: Tensor, out: Path, dynamic_batch
     return torch.export.load(str(out)).module()
 
 
-def _require(*packages: str) -> None:
-    import importlib.util
-
-    missing = [name for name in packages if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ExportError(
-            f"this format needs {' and '.join(missing)}: pip install {' '.join(missing)}"
-        )
-
-
 def export_model(
     model: nn.Module,
     input_size: tuple[int, ...],
@@ -482,7 +472,7 @@ def export_model(
     except OSError as e:
         raise ExportError(f"cannot create {out.parent}: {e.strerror or e}") from e
     if fmt == "onnx":
-        _require("onnx", "onnxruntime")
+        require_export_extra("onnx", "onnxruntime")
     input_size = tuple(int(v) for v in input_size)
     trace_batch = DYNAMIC_TRACE_BATCH if dynamic_batch else batch_size
     check_batches = [1, DYNAMIC_TRACE_BATCH + 1] if dynamic_batch else [batch_size]
