@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -369,3 +370,50 @@ def test_apply_warns_when_the_compressed_model_is_no_cheaper(plan, warned, caplo
     assert (ratio >= 1.0) is warned
     message = f"the compressed model needs {ratio:.3f} of the base's GMACs"
     assert (message in caplog.text) is warned
+
+
+ENCODER_SOURCE = """
+import warnings
+
+import torch
+from torch import nn
+
+
+class EncoderViT(nn.Module):
+    # Pre-norm layers: torch's nested-tensor fast path cannot take them, and says so when built.
+    default_input_size = (3, 32, 32)
+
+    def __init__(self, dim=32, depth=2, num_classes=10):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, 8, 8)
+        self.cls = nn.Parameter(torch.zeros(1, 1, dim))
+        layer = nn.TransformerEncoderLayer(dim, 4, 2 * dim, 0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x):
+        tokens = self.patch(x).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.cls.expand(x.shape[0], -1, -1), tokens], dim=1)
+        return self.head(self.encoder(tokens)[:, 0])
+
+
+def encoder_vit():
+    warnings.warn("the factory's own warning")
+    return EncoderViT()
+"""
+
+
+def test_torchs_nested_tensor_notice_is_silenced_and_nothing_else(tmp_path):
+    path = tmp_path / "encoder_vit.py"
+    path.write_text(ENCODER_SOURCE)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        # torch itself still warns: the silencing is vitcompress's, around its model loading.
+        torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(32, 4, norm_first=True), 1)
+        assert ["enable_nested_tensor is True" in str(w.message) for w in seen] == [True]
+        seen.clear()
+        result = run("apply", "--model", f"{path}:encoder_vit", "--keep", "0.5", "--no-throughput")
+    assert result.exit_code == 0, result.output
+    messages = [str(w.message) for w in seen]
+    assert not [m for m in messages if "enable_nested_tensor" in m], messages
+    assert "the factory's own warning" in messages

@@ -10,6 +10,7 @@ import itertools
 import os
 import re
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -143,7 +144,7 @@ def call_factory(
         _on_sys_path(str(folder), first=True) if folder is not None else contextlib.nullcontext()
     )
     try:
-        with paths:  # a factory may import sibling modules lazily
+        with paths, _quiet_nested_tensor_notice():  # a factory may import sibling modules lazily
             model = factory(**args)
     except Exception as exc:
         raise ModelLoadError(f"factory '{spec}' failed: {one_line(exc)}") from exc
@@ -153,6 +154,24 @@ def call_factory(
             "not a torch.nn.Module"
         )
     return model
+
+
+@contextlib.contextmanager
+def _quiet_nested_tensor_notice() -> Iterator[None]:
+    """Without torch's ``enable_nested_tensor is True, but self.use_nested_tensor is False``
+    warning, which ``nn.TransformerEncoder`` gives when built with a layer its nested-tensor fast
+    path cannot take (pre-norm, ``batch_first=False``, ...). That path only turns a padding mask
+    into a nested tensor; an image model passes none, and vitcompress runs the encoder with fast
+    paths off wherever it traces, counts or exports it (``analysis.capture.fast_paths_off``), so
+    the notice would say nothing about its work, and would say it on every command. Exactly that
+    message is silenced; every other warning of the factory still shows."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message=r"enable_nested_tensor is True, but self\.use_nested_tensor is False",
+            category=UserWarning,
+        )
+        yield
 
 
 def _defined_callables(module: ModuleType, limit: int = 8) -> list[str]:
