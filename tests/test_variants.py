@@ -181,12 +181,14 @@ def test_the_built_in_variants_are_registered_objects() -> None:
         "restore": "delta",
         "carry_windows": False,
         "carry_branches": True,
+        "kept_multiple": None,
     }
     assert variant_settings("dtps") == {
         "restore": "delta",
         "window_sizes": False,
         "carry_windows": False,
         "carry_branches": True,
+        "kept_multiple": None,
     }
     assert "ratio" in dtps.losses and "ratio" not in evit.losses
     assert dtps.keep_tokens(196, 0.49) == 96 and evit.keep_tokens(196, 0.49) is None
@@ -302,6 +304,7 @@ def test_adding_a_method_is_one_file(one_file_method, tmp_path) -> None:
         "restore": "delta",
         "carry_windows": False,
         "carry_branches": True,
+        "kept_multiple": None,
     }
     assert rows["dtps"]["fused_kernel"]
 

@@ -209,6 +209,8 @@ def _print_apply(report: ApplyReport) -> None:
     )
     if data["keep_fit"]:
         console.print(keep_fit_text(data["keep_fit"]), highlight=False)
+    if plan.get("kept_multiple"):
+        console.print(kept_multiple_text(plan), highlight=False)
     table = Table(show_edge=False)
     for column in ("", "params (M)", "GMACs", "throughput (img/s)"):
         table.add_column(column)
@@ -257,6 +259,24 @@ def _ratio_of_medians_text(data: dict[str, Any]) -> str:
     when they were not timed."""
     ratio = data["speedup_ratio_of_medians"]
     return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def kept_multiple_text(plan: dict[str, Any]) -> str:
+    """``tokens after each location rounded to multiples of 8 (prefix tokens included): block 3
+    44→47, block 9 21→23``: what ``--kept-multiple`` changed, in patch tokens after a location
+    (a windowed block's: in each window)."""
+    rounded = plan.get("rounded_from") or {}
+    head = (
+        f"tokens after each location rounded to multiples of {plan['kept_multiple']} "
+        "(prefix tokens included)"
+    )
+    if not rounded:
+        return head + ": every count was one already, or none could be rounded"
+    changes = [
+        f"block {block} {before}→{after}"
+        for block, (before, after) in sorted(rounded.items(), key=lambda item: int(item[0]))
+    ]
+    return head + ": " + ", ".join(changes)
 
 
 def keep_fit_text(fit: dict[str, Any]) -> str:

@@ -30,6 +30,7 @@ PLAN_OPTIONS = {
     "keep_cumulative": "--keep-cumulative",
     "keep_for_gmacs_ratio": "--keep-for-gmacs-ratio",
     "variant_args": "--variant-arg",
+    "kept_multiple": "--kept-multiple",
 }
 
 
@@ -204,14 +205,32 @@ def variant_args_option(command: Callable) -> Callable:
         help="A setting of the chosen variant, repeatable (tome: r=8, the tokens merged in every "
         "block, in place of --keep). `vitcompress variants` lists each method's settings.",
     )(command)
+    command = click.option(
+        "--kept-multiple",
+        "kept_multiple",
+        default=None,
+        type=click.IntRange(min=1),
+        metavar="N",
+        help="Round the tokens present after each location (prefix tokens included) to the "
+        "nearest multiple of N the method can keep (8: tensor-core tiles); the same as "
+        "--variant-arg kept_multiple=N, recorded with the plan.",
+    )(command)
 
     @functools.wraps(command)
-    def wrapper(*args, variant, variant_args, keep, **kwargs):
+    def wrapper(*args, variant, variant_args, keep, kept_multiple, **kwargs):
         from vitcompress.cli.options import parse_model_args
 
         settings = parse_model_args(
             variant_args or (), "--variant-arg", PlanError
         )  # None: a plan file cleared it
+        if kept_multiple is not None:
+            given = (settings or {}).get("kept_multiple", kept_multiple)
+            if given != kept_multiple:
+                raise PlanError(
+                    f"{kept_multiple} and --variant-arg kept_multiple={given} differ; give one",
+                    "kept_multiple",
+                )
+            settings = {**(settings or {}), "kept_multiple": kept_multiple}
         method = resolve_variant(variant, settings) if variant is not None else None
         if method is not None and method.keep_setting is not None:
             forms = ("keep", "keep_cumulative", "keep_for_gmacs_ratio")

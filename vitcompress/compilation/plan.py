@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from vitcompress.analysis.model_map import Block, ModelMap
@@ -67,6 +67,15 @@ class Plan:
     method: Variant  # the method object, with its settings
     policy: str
     locations: list[Location]
+    # Where ``kept_multiple`` rounded a count: block -> the patch tokens after it before and after.
+    # Said in reports; not part of what the plan is (a plan rebuilt from the rounded ratios has
+    # nothing left to round, and is the same plan).
+    rounded_from: dict[int, tuple[int, int]] = field(default_factory=dict, compare=False)
+
+    @property
+    def kept_multiple(self) -> int | None:
+        """The multiple the tokens after each location were rounded to (a method setting)."""
+        return self.method.kept_multiple
 
     @property
     def variant(self) -> str:
@@ -91,6 +100,12 @@ class Plan:
             "locs": self.locs,
             "keep": self.keep,
             "locations": [_location_json(loc) for loc in self.locations],
+            **({"kept_multiple": self.kept_multiple} if self.kept_multiple else {}),
+            **(
+                {"rounded_from": {str(b): list(n) for b, n in self.rounded_from.items()}}
+                if self.rounded_from
+                else {}
+            ),
         }
 
     @classmethod
@@ -109,6 +124,9 @@ class Plan:
                 )
                 for loc in data["locations"]
             ],
+            rounded_from={
+                int(b): (int(n[0]), int(n[1])) for b, n in (data.get("rounded_from") or {}).items()
+            },
         )
 
 
@@ -334,11 +352,7 @@ def make_plan(
             )
             continue
         earlier = [loc for loc in locations if loc.stage == block.stage and loc.windows is None]
-        cumulative = (
-            rho ** (len(earlier) + 1)
-            if all(loc.keep == rho for loc in earlier)
-            else math.prod([loc.keep for loc in earlier] + [rho])
-        )
+        cumulative = _cumulative([loc.keep for loc in earlier], rho)
         patch_tokens = math.prod(stage.grid)
         keep_tokens = method.keep_tokens(patch_tokens, cumulative)
         locations.append(
@@ -360,7 +374,16 @@ def make_plan(
         locations = _carry_windows(model_map, locations, method.carry_branches)
     elif method.carry_branches:
         locations = _carry_branches(model_map, locations)
-    plan = Plan(method=method, policy=policy, locations=locations)
+    rounded_from: dict[int, tuple[int, int]] = {}
+    if method.kept_multiple is not None:
+        if method.keep_setting is not None:
+            raise PlanError(
+                f"kept_multiple rounds the counts keep ratios give; {variant}'s "
+                f"{method.keep_setting} fixes its counts itself: give one",
+                "variant_args",
+            )
+        locations, rounded_from = round_kept_counts(model_map, method, locations)
+    plan = Plan(method=method, policy=policy, locations=locations, rounded_from=rounded_from)
     refusal = (
         method.refusal(model_map, plan)
         or position_refusal(model_map, plan)
@@ -369,6 +392,72 @@ def make_plan(
     if refusal is not None:
         raise PlanError(refusal)
     return plan
+
+
+def _cumulative(earlier: list[float], rho: float) -> float:
+    """The cumulative keep of a location keeping ``rho`` after a stage's ``earlier`` ratios:
+    ``rho ** s`` when they are all equal, else their product left to right."""
+    if all(keep == rho for keep in earlier):
+        return rho ** (len(earlier) + 1)
+    return math.prod([*earlier, rho])
+
+
+def round_kept_counts(
+    model_map: ModelMap, method: Variant, locations: list[Location]
+) -> tuple[list[Location], dict[int, tuple[int, int]]]:
+    """Each location's tokens after it, prefix tokens included (a window's, in a windowed
+    block), rounded to the nearest multiple of ``method.kept_multiple`` that the method can land
+    on there (:meth:`Variant.location_for_count`): at least one patch token and fewer than were
+    present, ties to the smaller; a location with no such multiple, one that removes nothing, or
+    a padded window (its groups keep their own shares) is left as it is. Returns the locations
+    and, for each one rounded, its patch tokens after it before and after rounding. A changed keep ratio
+    changes the stage's cumulative keeps as :func:`make_plan` computes them."""
+    multiple = method.kept_multiple
+    assert multiple is not None
+    present: dict[int, int] = {}  # patch tokens present in each stage (a fused one counts)
+    rounded: list[Location] = []
+    rounded_from: dict[int, tuple[int, int]] = {}
+    for loc in locations:
+        block = model_map.blocks[loc.block]
+        windows = block.windows
+        if loc.windows and windows is not None:
+            before, prefix = loc.patch_tokens, windows.prefix_tokens
+        else:
+            before, prefix = present.get(loc.stage, loc.patch_tokens), block.prefix_tokens
+        after = method.tokens_after(before, loc)
+        padded = windows is not None and windows.padded
+        if after < before and not padded and (prefix + after) % multiple:
+            low = (prefix + after) // multiple * multiple - prefix
+            candidates = sorted(
+                (count for count in (low, low + multiple) if 0 < count < before),
+                key=lambda count: (abs(count - after), count),
+            )
+            for count in candidates:
+                changed = method.location_for_count(before, loc, count)
+                if changed is not None:
+                    rounded_from[loc.block] = (after, count)
+                    loc, after = changed, count
+                    break
+        if not loc.windows:
+            present[loc.stage] = after
+        rounded.append(loc)
+    return _recumulated(locations, rounded), rounded_from
+
+
+def _recumulated(planned: list[Location], rounded: list[Location]) -> list[Location]:
+    """``rounded`` with the cumulative keeps of every stage whose ratios the rounding changed
+    computed again from them (a windowed location's is its own ratio)."""
+    changed = {new.stage for old, new in zip(planned, rounded, strict=True) if old.keep != new.keep}
+    result: list[Location] = []
+    for loc in rounded:
+        if loc.stage in changed:
+            if loc.windows:
+                loc = replace(loc, cumulative_keep=loc.keep)
+            else:
+                earlier = [e.keep for e in result if e.stage == loc.stage and not e.windows]
+                loc = replace(loc, cumulative_keep=_cumulative(earlier, loc.keep))
+        result.append(loc)
+    return result
 
 
 def _carry_windows(

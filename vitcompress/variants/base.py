@@ -9,6 +9,8 @@ line) asks the variant object instead of comparing names.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +87,10 @@ class Variant:
     # choice (``Block.per_token_after``: DaViT's channel blocks' MLPs), take that choice (the
     # ``carry_branches`` setting, on by default; off, they run on every token).
     carry_branches: bool = True
+    # The tokens present after each location, prefix tokens included, rounded to a multiple of
+    # this (the ``kept_multiple`` setting every method takes; 8 suits tensor-core tiles): the plan
+    # asks :meth:`location_for_count` for the count. None: the counts the keep gives.
+    kept_multiple: int | None = None
 
     def __post_init__(self) -> None:
         if self.restore is not None and self.restore not in self.fuse.restore_rules:
@@ -159,6 +165,32 @@ class Variant:
         if kept >= present:
             return present
         return kept + (1 if self.fuse.adds_token else 0)
+
+    def location_for_count(self, present: int, location: Location, count: int) -> Location | None:
+        """``location`` changed so that :meth:`tokens_after` of ``present`` patch tokens is
+        ``count``, or ``None`` where the method cannot land on that count there. The plan's
+        rounding of kept counts to a hardware-friendly multiple (``kept_multiple``) asks this,
+        each count kind changing its own number: the static count kept, the tokens merged, or the
+        keep ratio of the tokens present (the exact ratio whose ``ceil`` gives the count)."""
+        if not 0 < count <= present:
+            return None
+        if self.keep_count == COUNT_MERGED:
+            changed = dataclasses.replace(location, merge_tokens=present - count)
+        elif self.keep_count == COUNT_OF_INITIAL:
+            changed = dataclasses.replace(location, keep_tokens=count)
+        else:
+            kept = count - (1 if self.fuse.adds_token and count < present else 0)
+            if kept < 1:
+                return None
+            rho = kept / present
+            # kept / present in floating point may land a hair above the fraction, where ceil
+            # would keep one more: step down until the count comes out.
+            for _ in range(4):
+                if keep_count(present, rho, "ceil") <= kept:
+                    break
+                rho = math.nextafter(rho, 0.0)
+            changed = dataclasses.replace(location, keep=rho)
+        return changed if self.tokens_after(present, changed) == count else None
 
     @property
     def keeps_grid_positions(self) -> bool:

@@ -30,7 +30,13 @@ Factory = TypeVar("Factory", bound=Callable[..., Variant])
 # carrying its choice (the MLPs of DaViT's channel blocks, each the second half of a (spatial,
 # channel) pair) reduce by it too; on by default (0.15-0.42 points for eTPS, EViT and ToMe on
 # the one DaViT measured, for 8-10% fewer MACs: docs/windowed.md).
-COMMON_SETTINGS: dict[str, Any] = {"carry_windows": False, "carry_branches": True}
+# ``kept_multiple``: the tokens present after each location (prefix tokens included) rounded to
+# a multiple of it, 8 for tensor-core tiles (docs/serving.md); None: as the keep gives them.
+COMMON_SETTINGS: dict[str, Any] = {
+    "carry_windows": False,
+    "carry_branches": True,
+    "kept_multiple": None,
+}
 
 
 class UnknownVariantError(KeyError, UserError):
@@ -85,7 +91,14 @@ def get_variant(name: str, args: Mapping[str, Any] | None = None) -> Variant:
     own = {key: value for key, value in args.items() if key not in COMMON_SETTINGS}
     common = {key: value for key, value in args.items() if key in COMMON_SETTINGS}
     for key, value in common.items():
-        if not isinstance(value, bool):
+        if key == "kept_multiple":
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise VariantRefusal(
+                    f"{key}: must be a whole number of tokens >= 1, got {value!r}", "variant_args"
+                )
+        elif not isinstance(value, bool):
             raise VariantRefusal(f"{key}: must be true or false, got {value!r}", "variant_args")
     made = _FACTORIES[name](**own)
     return dataclasses.replace(made, args=tuple(sorted(args.items())), **common)

@@ -118,6 +118,15 @@ class TokenMerging(Variant):
     def reduction_refusal(self, plan: Plan) -> str | None:
         return None  # its plan already fixed a merge count per block
 
+    def location_for_count(self, present: int, location: Location, count: int) -> Location | None:
+        """The merge count that leaves ``count`` tokens, within ToMe's bound (at most half of the
+        tokens present merged), and the count recorded with it."""
+        merged = present - count
+        if merged > merge_count(present, merged, 0):
+            return None
+        changed = super().location_for_count(present, location, count)
+        return None if changed is None else dataclasses.replace(changed, keep_tokens=count)
+
     def plan_locations(self, model_map: ModelMap, locations: list[Location]) -> list[Location]:
         merge_r = self.r
         # A windowed block merges within each window, r of its tokens there, and restores them
