@@ -26,6 +26,7 @@ from vitcompress.compilation.compression import (
     map_model,
     resolve_input_size,
 )
+from vitcompress.compilation.entries import FORWARD, EntryError, entry_of, entry_view
 from vitcompress.loading import LoadedModel, ModelLoadError, ModelSource, is_artifact_directory
 from vitcompress.loading.input_size import check_runs, checked_input_size
 
@@ -50,12 +51,17 @@ def load_model(
     checkpoint: str | Path | None = None,
     pretrained: bool = False,
     input_size: Sequence[int] | None = None,
+    entry: str = FORWARD,
 ) -> LoadedModel:
     """The model ``spec`` names, in eval mode: a compressed model directory (an artifact) is
     rebuilt by :func:`vitcompress.artifacts.artifact.load_artifact`, anything else is built by
-    :func:`vitcompress.loading.load_base_model`."""
+    :func:`vitcompress.loading.load_base_model`. ``entry`` names a method of a base model to run
+    as its forward (``forward_features``): compressing the result compresses that method."""
     if not spec or not is_artifact_directory(spec):
-        return loading.load_base_model(spec, model_args, checkpoint, pretrained, input_size)
+        loaded = loading.load_base_model(spec, model_args, checkpoint, pretrained, input_size)
+        if entry == FORWARD:
+            return loaded
+        return replace(loaded, model=entry_view(loaded.model, entry))
     size = checked_input_size(input_size)
     # An artifact fixes architecture and weights; silently ignoring these would mislead the user.
     given = [
@@ -73,6 +79,11 @@ def load_model(
             f"drop {', '.join(given)}"
         )
     loaded = load_artifact(spec)
+    if entry not in (FORWARD, entry_of(loaded.model)):
+        raise EntryError(
+            f"'{spec}' is a compressed model of its base's {entry_of(loaded.model)}; drop "
+            f"--entry {entry}, or compress its base with --entry {entry}"
+        )
     loaded.model.eval()
     if size is None or size == loaded.input_size:
         return loaded

@@ -123,7 +123,7 @@ def _rebuild(
         # A method's setting that replaced the keep ratios (ToMe's r) plans them again itself.
         keep = None if plan.method.keep_setting else plan.keep
         model = compress_mapped(
-            view, captured, model_map, size, plan.method, keep, plan.locs, plan.policy, entry
+            view, captured, model_map, size, plan.method, keep, plan.locs, plan.policy
         )
     except PlanError as e:
         raise fail(

@@ -63,9 +63,9 @@ def with_options(options: Sequence[Callable]) -> Callable[[Callable], Callable]:
 def model_options(
     command: Callable | None = None, *, accepts: Sequence[str] = tuple(MODEL_FORMS)
 ) -> Callable:
-    """``--model``, ``--model-arg``, ``--checkpoint``, ``--pretrained``, ``--input-size``, folded
-    into ``model: ModelRequest``. ``accepts``: the forms of :data:`MODEL_FORMS` the command takes,
-    which its ``--help`` lists (and no other)."""
+    """``--model``, ``--model-arg``, ``--checkpoint``, ``--pretrained``, ``--input-size``,
+    ``--entry``, folded into ``model: ModelRequest``. ``accepts``: the forms of
+    :data:`MODEL_FORMS` the command takes, which its ``--help`` lists (and no other)."""
     if command is None:
         return functools.partial(model_options, accepts=accepts)
     forms = [MODEL_FORMS[form] for form in accepts]
@@ -87,6 +87,16 @@ def model_options(
                 "for HF VideoMAE's frames first); default: what the model's config says."
             ),
         ),
+        click.option(
+            "--entry",
+            default="forward",
+            show_default=True,
+            metavar="METHOD",
+            help=(
+                "The base's method to run (and compress) as the model, e.g. forward_features: "
+                "DINOv2's features, every token back in the base's order."
+            ),
+        ),
     ]
 
     def request(
@@ -95,6 +105,7 @@ def model_options(
         checkpoint: str | None,
         pretrained: bool,
         input_size: str | None,
+        entry: str,
     ) -> ModelRequest:
         return ModelRequest(
             spec=model_spec,
@@ -103,6 +114,7 @@ def model_options(
             pretrained=pretrained,
             input_size=parse_input_size(input_size) if input_size else None,
             typed_args=tuple(model_args),
+            entry=entry,
         )
 
     return folded_options("model", options, request)(command)

@@ -27,6 +27,7 @@ from vitcompress.compilation.entries import (
     ENTRY_ATTRIBUTE,
     FORWARD,
     EntryError,
+    entry_of,
     entry_view,
     with_base_methods,
 )
@@ -162,7 +163,7 @@ def compress(
     policy: str = "score",
     keep_cumulative: Sequence[float] | None = None,
     variant_args: dict[str, Any] | None = None,
-    entry: str = FORWARD,
+    entry: str | None = None,
 ) -> nn.Module:
     """Return a compressed copy of ``model`` (left unchanged): an ordinary ``nn.Module`` whose
     ``.eval()`` drops tokens physically and whose ``.train()`` runs its variant's training path.
@@ -176,7 +177,8 @@ def compress(
     ``{"r": 8}``, the tokens merged in every block, which replaces ``keep``.
 
     ``entry`` names the base's method to compress as the forward (``"forward_features"``: the
-    result's forward returns the base's features, every token back in the base's order). The
+    result's forward returns the base's features, every token back in the base's order; default:
+    ``forward``, or the method of a :func:`vitcompress.compilation.entries.entry_view`). The
     result also answers the base's ``forward_features``, ``forward_head``,
     ``forward_intermediates``, ``get_intermediate_layers`` and ``get_image_features`` where the
     base has them (:mod:`vitcompress.compilation.entries`).
@@ -192,9 +194,22 @@ def compress(
         keep = CumulativeKeep(tuple(keep_cumulative))
     method = resolve_variant(variant, variant_args)
     size = resolve_input_size(model, input_size)
-    view = entry_view(model, entry)
+    view = entry_view(model, _entry(model, entry))
     captured, model_map = capture_and_map(view, size)
-    return compress_mapped(view, captured, model_map, size, method, keep, locs, policy, entry)
+    return compress_mapped(view, captured, model_map, size, method, keep, locs, policy)
+
+
+def _entry(model: nn.Module, entry: str | None) -> str:
+    """The method to compress: ``entry``, or the one ``model`` (a view) stands for."""
+    viewed = entry_of(model)
+    if entry is None or entry == viewed:
+        return viewed
+    if viewed != FORWARD:
+        raise EntryError(
+            f"entry '{entry}': the model is already a view of its base's {viewed}; pass the "
+            "base model itself"
+        )
+    return entry
 
 
 def compress_mapped(
@@ -206,12 +221,11 @@ def compress_mapped(
     keep: Keep,
     locs: list[int] | None,
     policy: str,
-    entry: str = FORWARD,
     base_methods: bool = True,
 ) -> nn.Module:
     """``compress`` from a capture of ``model`` made by :func:`capture_and_map` (consumed):
-    ``model`` is the base, or its :func:`entry_view` for the method ``entry``. With
-    ``base_methods``, the result answers the base's methods (``forward_features``, ...)."""
+    ``model`` is the base, or its :func:`entry_view` for a method. With ``base_methods``, the
+    result answers the base's methods (``forward_features``, ...)."""
     check_rewritable(captured)
     setting = method.keep_setting
     if setting is not None and keep is not None:
@@ -237,7 +251,7 @@ def compress_mapped(
         vitcompress_plan=plan.to_json(),
         vitcompress_map=model_map.to_json(),
         vitcompress_input_size=size,
-        **{ENTRY_ATTRIBUTE: entry},
+        **{ENTRY_ATTRIBUTE: entry_of(model)},
         # The attention residual add keeps the token count the block was entered with.
         vitcompress_block_nodes=[b.attn_add_node for b in model_map.blocks],
         # The graph does not forward the base's no_weight_decay(): training reads this.
@@ -291,7 +305,6 @@ def compile_entry(
             keep,
             plan.locs,
             plan.policy,
-            entry,
             base_methods=False,
         )
     except UserError as e:
@@ -349,7 +362,7 @@ def compress_loaded(
     locs: list[int] | None = None,
     policy: str = "score",
     variant_args: dict[str, Any] | None = None,
-    entry: str = FORWARD,
+    entry: str | None = None,
 ) -> LoadedModel:
     """``compress`` for a model from :func:`vitcompress.loading.load_base_model`, keeping its source
     so the result can be saved and rebuilt."""

@@ -69,9 +69,12 @@ def entry_view(
     """``model`` with ``forward`` calling its method ``entry`` on the image (with ``args`` and
     ``kwargs`` after it). A shallow view: the same submodules and tensors, so parameter names stay
     the model's and the graph captured from it is named after the model's class. ``model`` is
-    left as it was."""
+    left as it was. A view's :func:`entry_of` is ``entry``: compressing it compresses that
+    method (the command line's ``--entry``)."""
     if entry == FORWARD and not args and not kwargs:
         return model
+    if not args and not kwargs and entry_of(model) == entry:
+        return model  # already that view
     if _method_of(model, entry) is None:
         raise EntryError(
             f"entry '{entry}': {type(model).__name__} has no method {entry}; name one of its "
@@ -86,7 +89,7 @@ def entry_view(
     view_class = type(
         base_class.__name__,
         (base_class,),
-        {"forward": forward, "__module__": base_class.__module__},
+        {"forward": forward, "__module__": base_class.__module__, ENTRY_ATTRIBUTE: entry},
     )
     view_class.__qualname__ = base_class.__qualname__
     view = copy.copy(model)
@@ -95,7 +98,8 @@ def entry_view(
 
 
 def entry_of(model: nn.Module) -> str:
-    """The method of its base a compressed model runs as its forward."""
+    """The method of its base a compressed model (or an :func:`entry_view`) runs as its
+    forward."""
     return str(getattr(model, ENTRY_ATTRIBUTE, FORWARD))
 
 

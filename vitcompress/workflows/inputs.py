@@ -22,7 +22,8 @@ BASE_FROM_ARTIFACT = "source"
 
 @dataclass(frozen=True)
 class ModelRequest:
-    """``--model SPEC`` with ``--model-arg``, ``--checkpoint``, ``--pretrained``, ``--input-size``.
+    """``--model SPEC`` with ``--model-arg``, ``--checkpoint``, ``--pretrained``, ``--input-size``,
+    ``--entry``.
 
     ``args`` are the parsed model arguments; ``typed_args`` the ``key=value`` texts as given,
     which is what a search cache records.
@@ -34,6 +35,7 @@ class ModelRequest:
     pretrained: bool = False
     input_size: tuple[int, ...] | None = None
     typed_args: tuple[str, ...] = ()
+    entry: str = "forward"  # ``--entry``: the base's method run (and compressed) as the model
 
     def load(self) -> LoadedModel:
         return load_model(
@@ -42,6 +44,7 @@ class ModelRequest:
             checkpoint=self.checkpoint,
             pretrained=self.pretrained,
             input_size=self.input_size,
+            entry=self.entry,
         )
 
     @property

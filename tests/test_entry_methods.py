@@ -1,0 +1,209 @@
+"""The base's own methods on a compressed model, and ``compress(..., entry=...)``.
+
+A small timm DINOv2 (``vit_small_patch14_dinov2`` at 28 px, patch 4, width 64, depth 6) with
+sharpened random weights (``sharpen`` of ``test_dense_outputs``: q/k x3, LayerScale 1, residual
+branches x3; DINOv2's LayerScale of 1e-5 would otherwise hide every error), for every method:
+
+- ``forward_features`` of a compressed model equals the base's at keep 1 and has its shape at 0.7;
+- at 0.7 it keeps the tokens the forward keeps: ``forward_head(forward_features(x))`` is the
+  compressed forward's output, which fresh predictors or another scoring would break;
+- it runs on the compressed model's own tensors: gradients reach its predictors, a change of its
+  weights changes the features, a dtype conversion and a deepcopy carry it along;
+- ``compress(..., entry="forward_features")`` and ``--entry`` compress the method itself, and an
+  artifact rebuilds it; what cannot run is one line naming the method.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import timm
+import torch
+from click.testing import CliRunner
+from torch import Tensor, nn
+
+from tests.test_dense_outputs import sharpen
+from vitcompress.api import compress, load, load_model, save
+from vitcompress.cli.main import cli
+from vitcompress.compilation.entries import EntryError
+
+METHODS = ("dtps", "etps", "dynamicvit", "evit", "tome")
+INPUT_SIZE = (3, 28, 28)
+DINOV2_ARGS = dict(img_size=28, patch_size=4, embed_dim=64, depth=6, num_heads=2, num_classes=10)
+
+
+def small_dinov2() -> nn.Module:
+    torch.manual_seed(0)
+    return sharpen(timm.create_model("vit_small_patch14_dinov2", **DINOV2_ARGS), branch=3.0)
+
+
+@pytest.fixture(scope="module")
+def base() -> nn.Module:
+    return small_dinov2()
+
+
+@pytest.fixture(scope="module")
+def image() -> Tensor:
+    return torch.randn(4, *INPUT_SIZE, generator=torch.Generator().manual_seed(1))
+
+
+def compressed(model: nn.Module, method: str, keep: float, **kwargs) -> nn.Module:
+    torch.manual_seed(0)  # the predictors' init
+    return compress(model, variant=method, keep=keep, input_size=INPUT_SIZE, **kwargs).eval()
+
+
+def flat(out) -> list[Tensor]:
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in flat(item)]
+    return [out]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_forward_features_is_the_bases_at_keep_one_and_keeps_its_shape(base, image, method):
+    with torch.no_grad():
+        expected = base.forward_features(image)
+        exact = compressed(base, method, 1.0).forward_features(image)
+        reduced = compressed(base, method, 0.7).forward_features(image)
+    torch.testing.assert_close(exact, expected, atol=1e-5, rtol=0)
+    assert reduced.shape == expected.shape
+    assert not torch.allclose(reduced, expected, atol=1e-3)  # tokens were dropped
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_features_keep_the_tokens_the_forward_keeps(base, image, method):
+    """The features run the same reducers, predictors and scoring as the forward: the base's
+    head on them gives the compressed forward's logits."""
+    small = compressed(base, method, 0.7)
+    with torch.no_grad():
+        logits = small(image)
+        from_features = small.forward_head(small.forward_features(image))
+    torch.testing.assert_close(from_features, logits, atol=1e-5, rtol=0)
+    assert small.forward_head(small.forward_features(image), pre_logits=True).shape == (4, 64)
+
+
+def test_the_features_run_on_the_compressed_models_own_weights(base, image):
+    small = compressed(base, "dtps", 0.7).train()
+    small.forward_features(image).pow(2).mean().backward()
+    grads = {n: p.grad for n, p in small.named_parameters() if "predictor" in n}
+    assert grads and all(g is not None for g in grads.values())
+    assert sum(g.abs().sum().item() for g in grads.values()) > 0
+    small.eval()
+    with torch.no_grad():
+        before = small.forward_features(image)
+        small.get_parameter("blocks.5.mlp.fc2.weight").mul_(2.0)
+        after = small.forward_features(image)
+    assert not torch.allclose(before, after, atol=1e-3)
+
+
+def test_a_converted_and_a_copied_model_answer_on_their_own_tensors(base, image):
+    small = compressed(base, "etps", 1.0)
+    with torch.no_grad():
+        expected = copy.deepcopy(base).double().forward_features(image.double())
+        small.forward_features(image)  # compiled before the conversion
+        small.double()
+        torch.testing.assert_close(small.forward_features(image.double()), expected)
+        twin = copy.deepcopy(small)
+        twin.get_parameter("norm.weight").zero_()
+        torch.testing.assert_close(small.forward_features(image.double()), expected)
+        assert twin.forward_features(image.double()).abs().max() <= twin.norm.bias.abs().max()
+
+
+@pytest.mark.parametrize("method", ["dtps", "tome"])
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("forward_intermediates", {}),
+        ("forward_intermediates", {"indices": 2, "intermediates_only": True}),
+        ("get_intermediate_layers", {"n": 2, "reshape": True, "return_prefix_tokens": True}),
+    ],
+)
+def test_intermediate_outputs_are_the_bases(base, image, method, name, kwargs):
+    with torch.no_grad():
+        expected = flat(getattr(base, name)(image, **kwargs))
+        exact = flat(getattr(compressed(base, method, 1.0), name)(image, **kwargs))
+        reduced = flat(getattr(compressed(base, method, 0.7), name)(image, **kwargs))
+    assert [t.shape for t in reduced] == [t.shape for t in expected]
+    for got, want in zip(exact, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_only_the_bases_methods_are_there(base):
+    small = compressed(base, "etps", 0.7)
+    assert hasattr(small, "forward_features") and hasattr(small, "forward_intermediates")
+    assert not hasattr(small, "get_image_features")  # an HF method this timm base lacks
+    with pytest.raises(AttributeError, match="get_image_features"):
+        small.get_image_features  # noqa: B018
+
+
+def test_what_cannot_run_is_one_line_naming_the_method(base, image):
+    small = compressed(base, "etps", 0.7)
+    # Stopping after block 0 leaves the plan's later locations without a block.
+    with pytest.raises(EntryError, match="forward_intermediates") as refused:
+        small.forward_intermediates(image, indices=[0], stop_early=True, intermediates_only=True)
+    assert "\n" not in str(refused.value) and "entry='forward_intermediates'" in str(refused.value)
+    with pytest.raises(EntryError, match="plain arguments"):
+        small.forward_intermediates(image, indices=torch.tensor([1]))
+    with pytest.raises(EntryError, match="has no method blocks"):
+        compress(base, "etps", 0.7, input_size=INPUT_SIZE, entry="blocks")
+    with pytest.raises(EntryError, match="has no method nope"):
+        compress(base, "etps", 0.7, input_size=INPUT_SIZE, entry="nope")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_entry_compresses_the_method_itself(base, image, method):
+    with torch.no_grad():
+        expected = base.forward_features(image)
+        exact = compressed(base, method, 1.0, entry="forward_features")
+        reduced = compressed(base, method, 0.7, entry="forward_features")
+        torch.testing.assert_close(exact(image), expected, atol=1e-5, rtol=0)
+        assert reduced(image).shape == expected.shape
+        torch.testing.assert_close(reduced.forward_features(image), reduced(image))
+    assert type(reduced).__name__ == "VisionTransformer"
+    # The base's parameter names: a base checkpoint loads into the compressed model.
+    names = {n for n, _ in reduced.named_parameters() if not n.startswith("tps")}
+    assert names <= {n for n, _ in base.named_parameters()}
+
+
+def test_an_artifact_rebuilds_its_entry(tmp_path, image):
+    loaded = load_model("vit_small_patch14_dinov2", DINOV2_ARGS, entry="forward_features")
+    sharpen(loaded.model, branch=3.0)
+    small = compressed(loaded.model, "dtps", 0.7)
+    save(small, tmp_path / "features", source=loaded.source)
+    assert json.loads((tmp_path / "features" / "vitcompress.json").read_text())["entry"] == (
+        "forward_features"
+    )
+    back = load(tmp_path / "features")
+    with torch.no_grad():
+        torch.testing.assert_close(back(image), small(image))
+        assert back(image).shape == (4, 50, 64)
+
+
+def test_a_loaded_forward_model_answers_with_its_saved_predictors(tmp_path, base, image):
+    loaded = load_model("vit_small_patch14_dinov2", DINOV2_ARGS)
+    sharpen(loaded.model, branch=3.0)
+    small = compressed(loaded.model, "dynamicvit", 0.7)
+    save(small, tmp_path / "logits", source=loaded.source)
+    back = load(tmp_path / "logits")
+    with torch.no_grad():
+        torch.testing.assert_close(back.forward_features(image), small.forward_features(image))
+
+
+def test_the_command_line_entry(tmp_path):
+    args = [f"--model-arg={k}={v}" for k, v in DINOV2_ARGS.items() if k != "depth"]
+    common = ["--model", "vit_small_patch14_dinov2", *args, "--model-arg=depth=4"]
+    runner = CliRunner()
+    out = tmp_path / "a"
+    result = runner.invoke(
+        cli,
+        ["apply", *common, "--entry", "forward_features", "--variant", "tome", "--keep", "0.7"]
+        + ["--no-throughput", "--out", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    assert "the model's output (50, 64)" in result.output  # restored for the features
+    assert json.loads((out / "vitcompress.json").read_text())["entry"] == "forward_features"
+    refused = runner.invoke(cli, ["inspect", *common, "--entry", "nope"])
+    assert refused.exit_code != 0
+    assert "has no method nope" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1
