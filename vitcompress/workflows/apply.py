@@ -28,8 +28,9 @@ from vitcompress.measure.models import (
     tokens_per_block,
 )
 from vitcompress.modules.restore import TokenRestore
-from vitcompress.status import step
+from vitcompress.status import step, warn
 from vitcompress.variants import BEFORE_BLOCK
+from vitcompress.workflows.batch_sweep import slower_than_base
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, GateResult, check_gates, require
 from vitcompress.workflows.identity import artifact_identity, model_identity, unsaved_identity
 from vitcompress.workflows.inputs import ModelRequest, PlanRequest
@@ -241,6 +242,10 @@ def apply_model(
         except (ArtifactError, OSError) as e:
             save_error = str(e) if isinstance(e, ArtifactError) else f"{out}: {e.strerror or e}"
     paired = speedup(result.compressed, result.base)
+    slower = slower_than_base(timing.device, timing.batch_size, paired) if timing else None
+    if slower is not None:
+        warn(slower)
+        result.environment.setdefault("warnings", []).append(slower)
     base_identity = model_identity(base, request.spec if base is loaded else base.source.spec)
     report = ApplyReport(
         spec=request.spec,

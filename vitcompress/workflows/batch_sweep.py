@@ -23,7 +23,39 @@ from vitcompress.measure import PairedRatio, measure_throughput, paired_ratio, v
 from vitcompress.measure.models import TimingOptions, show_round, use_fused_kernels
 from vitcompress.status import step, warn
 
-__all__ = ["BatchSweep", "SweepPoint", "parse_batch_sizes", "plot_sweep", "sweep_batch_sizes"]
+__all__ = [
+    "BatchSweep",
+    "SweepPoint",
+    "parse_batch_sizes",
+    "plot_sweep",
+    "slower_than_base",
+    "sweep_slower_than_base",
+    "sweep_batch_sizes",
+]
+
+# On a GPU a compressed model can lose to its base outright: at small batches the device is not
+# busy with the tokens, and the reducers' scoring, sorting and gathering add kernel launches and
+# synchronisation-free but serial steps. The commands say so where it happens.
+SLOWER_ADVICE = (
+    "the reducers' own kernels cost more than the tokens they remove save there; try larger "
+    "batches, or --compile --compile-mode reduce-overhead (CUDA graphs)"
+)
+
+
+def _on_cuda(device: str) -> bool:
+    return str(device).split(":", 1)[0] == "cuda"
+
+
+def slower_than_base(device: str, batch_size: int, speedup: PairedRatio | None) -> str | None:
+    """On CUDA, where the compressed model is slower than its base at the batch timed (the
+    paired median below 1): one line saying so, with what to try; else None."""
+    if not _on_cuda(device) or speedup is None or speedup.median >= 1.0:
+        return None
+    return (
+        f"the compressed model is slower than its base on {device} at batch {batch_size} "
+        f"({speedup.median:.2f}x): {SLOWER_ADVICE}; bench DIR --batch-sizes finds the batch "
+        "from which it pays"
+    )
 
 
 class BatchSizesError(ValueError, UserError):
@@ -109,6 +141,28 @@ class BatchSweep:
             else None,
             "environment": dict(self.environment),
         }
+
+
+def sweep_slower_than_base(sweep: BatchSweep, name: str, device: str) -> str | None:
+    """On CUDA, where ``name`` is slower than the reference at some batch swept: one line naming
+    those batches and the crossover batch (from which it is faster at every larger one swept),
+    or that there is none; else None."""
+    if not _on_cuda(device) or sweep.reference is None:
+        return None
+    slower = [point for point in sweep.points if point.speedup[name].median < 1.0]
+    if not slower:
+        return None
+    at = ", ".join(f"{p.batch_size} ({p.speedup[name].median:.2f}x)" for p in slower)
+    crossing = sweep.crossover(name)
+    pays = (
+        f"it is faster from batch {crossing} on (the crossover of those swept)"
+        if crossing is not None
+        else "it is not faster at the largest batch swept (no crossover)"
+    )
+    return (
+        f"the compressed model is slower than its base on {device} at "
+        f"batch{'es' if len(slower) > 1 else ''} {at}: {pays}; " + SLOWER_ADVICE
+    )
 
 
 def sweep_batch_sizes(

@@ -13,12 +13,13 @@ from vitcompress.measure.models import (
     base_for_timing,
     measure_models,
 )
-from vitcompress.status import step
+from vitcompress.status import step, warn
 from vitcompress.workflows.batch_sweep import (
     BatchSizesError,
     BatchSweep,
     plot_sweep,
     sweep_batch_sizes,
+    sweep_slower_than_base,
 )
 from vitcompress.workflows.gates import Bounds, GateResult, check_gates, require
 from vitcompress.workflows.identity import model_identity
@@ -72,6 +73,8 @@ class SweepResult:
     models: list[str]
     plot: str | None = None
     plot_error: str | None = None
+    # What the sweep says a user must hear (on CUDA: batches where compression costs time).
+    warnings: list[str] = field(default_factory=list)
     compared: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +92,7 @@ class SweepResult:
         }
         if self.plot is not None:
             data["plot"] = self.plot
+        data["warnings"] = list(self.warnings)
         return data
 
 
@@ -137,6 +141,10 @@ def bench_model(
     result = SweepResult(
         request.spec, identity, measured[MODEL], loaded.input_size, gates, sweep, list(models)
     )
+    slower = sweep_slower_than_base(sweep, COMPRESSED, timing.device) if base else None
+    if slower is not None:
+        warn(slower)
+        result.warnings.append(slower)
     if plot is not None:
         try:
             title = f"{request.spec}: throughput by batch size"
