@@ -11,7 +11,7 @@ from tests.test_data import write_image_folder
 from vitcompress.cli.main import cli
 from vitcompress.data import AugmentConfig, DataError, build_dataset
 from vitcompress.loading import load_base_model
-from vitcompress.training.evaluate import evaluate
+from vitcompress.training.evaluate import EvalProgress, evaluate, spread_subset
 
 EINSUM = f"{FIXTURES}:einsum_vit"
 MHA = f"{FIXTURES}:mha_vit"
@@ -21,6 +21,13 @@ FAST = ["--batch-size", "4", "--warmup", "1", "--runs", "2"]
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return write_image_folder(tmp_path_factory.mktemp("data") / "imgs", per_class=5)
+
+
+@pytest.fixture(scope="module")
+def folder3(tmp_path_factory):
+    """Three classes, two images each: what the 3-class checkpoints below are evaluated on."""
+    root = tmp_path_factory.mktemp("data3") / "imgs"
+    return write_image_folder(root, classes=("cat", "dog", "fox"), per_class=2)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +109,8 @@ def test_eval_cli_against_a_base(folder):
         str(folder),
         "--base",
         MHA,
+        "--base-model-arg",
+        "num_classes=2",
         *FAST,
         "--json",
     )
@@ -123,6 +132,8 @@ def test_eval_cli_against_a_base(folder):
         str(folder),
         "--base",
         MHA,
+        "--base-model-arg",
+        "num_classes=2",
         "--no-throughput",
     )
     assert table.exit_code == 0, table.output
@@ -141,8 +152,8 @@ def test_eval_cli_missing_data_is_one_line_exit_2(tmp_path):
 
 
 def _always_class_2(tmp_path):
-    """A 3-class checkpoint whose head always answers class 2, absent from the 2-class data:
-    top-1 is exactly 0 with these weights, whatever the images."""
+    """A 3-class checkpoint whose head always answers class 2: on the 3-class data (two images a
+    class), top-1 is exactly a third with these weights, whatever the images."""
     from safetensors.torch import save_file
 
     model = load_base_model(EINSUM, {"num_classes": 3}).model
@@ -177,7 +188,7 @@ def _artifact(tmp_path, checkpoint):
     return out
 
 
-def test_eval_base_source_rebuilds_the_artifacts_base_with_its_weights(folder, tmp_path):
+def test_eval_base_source_rebuilds_the_artifacts_base_with_its_weights(folder3, tmp_path):
     from vitcompress.artifacts.artifact import load_artifact_base
 
     checkpoint, state = _always_class_2(tmp_path)
@@ -189,7 +200,7 @@ def test_eval_base_source_rebuilds_the_artifacts_base_with_its_weights(folder, t
         "--model",
         str(artifact),
         "--data",
-        str(folder),
+        str(folder3),
         "--base",
         "source",
         "--no-throughput",
@@ -197,7 +208,8 @@ def test_eval_base_source_rebuilds_the_artifacts_base_with_its_weights(folder, t
     )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert data["base"]["top1"] == 0.0 and data["top1"] == 0.0  # the weights, not a random base
+    # the weights, not a random base
+    assert data["base"]["top1"] == pytest.approx(100 / 3) and data["top1"] == data["base"]["top1"]
     assert data["base"]["params"] == sum(v.numel() for v in state.values())
     # The same base given explicitly, with its own arguments and weights.
     explicit = run(
@@ -205,7 +217,7 @@ def test_eval_base_source_rebuilds_the_artifacts_base_with_its_weights(folder, t
         "--model",
         str(artifact),
         "--data",
-        str(folder),
+        str(folder3),
         "--base",
         EINSUM,
         "--base-model-arg",
@@ -244,13 +256,16 @@ def test_artifact_saved_again_keeps_its_base_weights(tmp_path):
         "options without base",
     ],
 )
-def test_eval_base_refusals_are_one_line_exit_2(folder, tmp_path, case):
+def test_eval_base_refusals_are_one_line_exit_2(folder3, tmp_path, case):
     checkpoint, _ = _always_class_2(tmp_path)
     if case == "not an artifact":
-        args, expected = ["--model", EINSUM, "--base", "source"], "needs --model to be a compressed"
+        args = ["--model", EINSUM, "--model-arg", "num_classes=3", "--base", "source"]
+        expected = "needs --model to be a compressed"
     elif case == "no base weights":
         out = tmp_path / "random"
-        assert run("apply", "--model", EINSUM, "--no-throughput", "--out", str(out)).exit_code == 0
+        three = ["--model-arg", "num_classes=3"]
+        applied = run("apply", "--model", EINSUM, *three, "--no-throughput", "--out", str(out))
+        assert applied.exit_code == 0
         args, expected = ["--model", str(out), "--base", "source"], "records no base weights"
     elif case == "weights gone":
         artifact = _artifact(tmp_path, checkpoint)
@@ -277,7 +292,76 @@ def test_eval_base_refusals_are_one_line_exit_2(folder, tmp_path, case):
     else:
         args = ["--model", EINSUM, "--base-pretrained"]
         expected = "need --base"
-    result = run("eval", *args, "--data", str(folder), "--no-throughput")
+    result = run("eval", *args, "--data", str(folder3), "--no-throughput")
     assert result.exit_code == 2, result.output
     [line] = result.output.strip().splitlines()
     assert line.startswith("error: ") and expected in line
+
+
+def test_eval_refuses_a_head_with_more_classes_than_the_data_in_one_line(folder):
+    # 10 outputs on 2 classes: scoring it would count its 8 extra classes as wrong answers.
+    result = run("eval", "--model", EINSUM, "--data", str(folder), "--no-throughput")
+    assert result.exit_code == 2, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("error: the model predicts 10 classes but the data has 2")
+    assert "num_classes=2" in line
+    # The library function still scores a larger head unless asked to refuse it.
+    dataset = build_dataset(str(folder), "val", (3, 32, 32))
+    ten = load_base_model(EINSUM).model
+    assert evaluate(ten, dataset)["images"] == 10
+    with pytest.raises(DataError, match="predicts 10 classes but the data has 2"):
+        evaluate(ten, dataset, exact_head=True)
+
+
+def test_spread_subset_takes_evenly_spaced_images_from_every_class(folder):
+    dataset = build_dataset(str(folder), "val", (3, 32, 32))  # 5 cats then 5 dogs
+    subset = spread_subset(dataset, 4)
+    assert subset.indices == [0, 2, 5, 7]
+    assert [dataset[i][1] for i in subset.indices] == [0, 0, 1, 1]
+    assert spread_subset(dataset, 10) is dataset and spread_subset(dataset, None) is dataset
+
+
+class _Recorder(EvalProgress):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+    def start(self, images: int) -> None:
+        self.events.append(("start", images))
+
+    def advance(self, images: int) -> None:
+        self.events.append(("advance", images))
+
+    def stop(self) -> None:
+        self.events.append(("stop", 0))
+
+
+def test_evaluation_reports_its_images_as_they_are_done(folder, model):
+    dataset = build_dataset(str(folder), "val", (3, 32, 32))
+    recorder = _Recorder()
+    evaluate(model, spread_subset(dataset, 7), batch_size=3, progress=recorder)
+    assert recorder.events == [
+        ("start", 7),
+        ("advance", 3),
+        ("advance", 3),
+        ("advance", 1),
+        ("stop", 0),
+    ]
+
+
+def test_eval_cli_val_images_scores_that_many_images_spread_over_the_split(folder, tmp_path):
+    from safetensors.torch import save_file
+
+    from vitcompress.workflows.inputs import DataRequest
+
+    torch.manual_seed(1)
+    model = load_base_model(EINSUM, {"num_classes": 2}).model
+    save_file(model.state_dict(), str(tmp_path / "w.safetensors"))
+    args = ["--model", EINSUM, "--model-arg", "num_classes=2", "--data", str(folder)]
+    args += ["--checkpoint", str(tmp_path / "w.safetensors"), "--batch-size", "3"]
+    result = run("eval", *args, "--val-images", "4", "--no-throughput", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["images"] == 4
+    dataset, _ = DataRequest(str(folder)).for_model(model, (3, 32, 32))
+    expected = evaluate(model, spread_subset(dataset, 4), batch_size=3)
+    assert data["top1"] == expected["top1"] and data["top5"] == expected["top5"]

@@ -14,6 +14,8 @@ from vitcompress.cli.main import cli
 from vitcompress.workflows.report import MARKDOWN_COLUMNS, ReportRow, merge_rows
 
 MHA = f"{FIXTURES}:mha_vit"
+# The data's two classes: eval refuses a model whose head predicts another number of them.
+TWO_CLASSES = ("--model-arg", "num_classes=2")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -38,6 +40,7 @@ def runs(tmp_path_factory):
             "apply",
             "--model",
             MHA,
+            *TWO_CLASSES,
             "--variant",
             "dtps",
             "--keep",
@@ -57,6 +60,8 @@ def runs(tmp_path_factory):
             art,
             "--base",
             MHA,
+            "--base-model-arg",
+            "num_classes=2",
             "--data",
             data,
             "--batch-size",
@@ -160,6 +165,7 @@ def _apply(model_args: tuple[str, ...], out, timing=("--no-throughput",)) -> dic
         "apply",
         "--model",
         MHA,
+        *TWO_CLASSES,
         *model_args,
         "--variant",
         "dtps",

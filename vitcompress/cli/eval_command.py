@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 from rich.table import Table
 
@@ -23,6 +25,7 @@ from vitcompress.cli.options import (
     workers_option,
 )
 from vitcompress.measure.models import TimingOptions
+from vitcompress.training.evaluate import EvalProgress
 from vitcompress.workflows.eval_run import EvalResult, eval_model
 from vitcompress.workflows.gates import Bounds
 from vitcompress.workflows.inputs import BaseRequest, DataRequest, ModelRequest
@@ -34,6 +37,13 @@ from vitcompress.workflows.inputs import BaseRequest, DataRequest, ModelRequest
 @task_option
 @base_options
 @workers_option
+@click.option(
+    "--val-images",
+    default=None,
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Evaluate N images spread evenly over the split (default: all).",
+)
 @timing_options
 @gate_options
 @json_option("Print the results as JSON.")
@@ -45,6 +55,7 @@ def eval_command(
     task: str,
     base: BaseRequest | None,
     workers: int,
+    val_images: int | None,
     timing: TimingOptions | None,
     bounds: Bounds,
     as_json: bool,
@@ -63,7 +74,10 @@ def eval_command(
         "device": ctx.params["device"],
         "num_workers": workers,
     }
-    result = eval_model(model, data, base, loader, timing, bounds, task)
+    # A bar per evaluated model where someone watches a terminal.
+    show_bar = not as_json and sys.stdout.isatty() and sys.stderr.isatty()
+    progress = _bar if show_bar else _no_bar
+    result = eval_model(model, data, base, loader, timing, bounds, task, val_images, progress)
     if as_json:
         emit_json(result.to_json())
     else:
@@ -72,6 +86,16 @@ def eval_command(
     for note in result.notes:
         click.echo(note, err=True)
     finish_gates(result.gates, as_json)
+
+
+def _bar(description: str) -> EvalProgress:
+    from vitcompress.cli.progress import RichEvalProgress
+
+    return RichEvalProgress(f"evaluating {description}")
+
+
+def _no_bar(description: str) -> EvalProgress:
+    return EvalProgress()
 
 
 _HEADERS = {

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -12,13 +13,16 @@ from rich.table import Table
 from vitcompress.cli.app import cli, console, emit_json, json_option
 from vitcompress.cli.data_options import data_options, task_option
 from vitcompress.cli.options import (
+    _factory_and_weights_options,
     amp_option,
     folded_options,
     model_options,
     output_option,
+    parse_model_args,
     workers_option,
 )
 from vitcompress.cli.plan_options import plan_options
+from vitcompress.loading import ModelLoadError
 from vitcompress.training.config import FinetuneConfig
 from vitcompress.workflows.inputs import DataRequest, ModelRequest, PlanRequest
 
@@ -41,6 +45,8 @@ def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) 
     aliases = {
         "model": "model_spec",
         "model_arg": "model_args",
+        "teacher": "teacher_spec",
+        "teacher_model_arg": "teacher_model_args",
         "json": "as_json",
         "num_workers": "workers",  # the option's name before it was --workers in every command
     }
@@ -58,7 +64,7 @@ def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) 
             "std",
         ):
             item = ",".join(str(v) for v in item)
-        if name == "model_args" and isinstance(item, dict):
+        if name in ("model_args", "teacher_model_args") and isinstance(item, dict):
             item = [f"{k}={v!r}" for k, v in item.items()]
         defaults[name] = item
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
@@ -121,6 +127,13 @@ def training_options(command: Callable) -> Callable:
         ),
         click.option("--keep-checkpoints", default=2, show_default=True, type=positive),
         click.option(
+            "--val-images",
+            default=None,
+            type=positive,
+            metavar="N",
+            help="Validate on N images spread evenly over the validation set (default: all).",
+        ),
+        click.option(
             "--fsdp",
             is_flag=True,
             help="Shard the model with FSDP2 over the processes (torchrun or accelerate "
@@ -146,6 +159,64 @@ def training_options(command: Callable) -> Callable:
     return folded_options("config", options, config)(command)
 
 
+def head_options(command: Callable) -> Callable:
+    """``--keep-head`` and ``--teacher`` with its ``--teacher-model-arg``,
+    ``--teacher-checkpoint``, ``--teacher-pretrained``, folded into ``head: HeadOptions``."""
+    options = [
+        click.option(
+            "--keep-head",
+            is_flag=True,
+            help="Refuse a model whose head predicts another number of classes than the data "
+            "has, instead of replacing the head with a new one (docs/finetune.md).",
+        ),
+        click.option(
+            "--teacher",
+            "teacher_spec",
+            default=None,
+            metavar="SPEC",
+            help="The distillation teacher (default: the uncompressed base); it must predict "
+            "the data's classes. Needed for logit distillation when the head is replaced.",
+        ),
+        *_factory_and_weights_options(
+            "teacher-",
+            "the --teacher factory",
+            "Weights for --teacher.",
+            "timm's hub weights for --teacher.",
+        ),
+    ]
+
+    def request(
+        keep_head: bool,
+        teacher_spec: str | None,
+        teacher_model_args: Sequence[str],
+        teacher_checkpoint: str | None,
+        teacher_pretrained: bool,
+    ) -> HeadOptions:
+        given = teacher_model_args or teacher_checkpoint or teacher_pretrained
+        if teacher_spec is None:
+            if given:
+                raise ModelLoadError(
+                    "--teacher-model-arg, --teacher-checkpoint and --teacher-pretrained need "
+                    "--teacher"
+                )
+            return HeadOptions(keep_head, None)
+        teacher = ModelRequest(
+            teacher_spec,
+            parse_model_args(teacher_model_args),
+            teacher_checkpoint,
+            teacher_pretrained,
+        )
+        return HeadOptions(keep_head, teacher)
+
+    return folded_options("head", options, request)(command)
+
+
+@dataclass(frozen=True)
+class HeadOptions:
+    keep_head: bool
+    teacher: ModelRequest | None
+
+
 @cli.command()
 @click.option(
     "--recipe",
@@ -165,6 +236,7 @@ def training_options(command: Callable) -> Callable:
     help="Augmentation preset (default: the data's own: light for fashion-mnist, deit otherwise).",
 )
 @training_options
+@head_options
 @output_option(
     "--out",
     folder=True,
@@ -181,6 +253,7 @@ def finetune(
     data: DataRequest,
     augment: str | None,
     config: FinetuneConfig,
+    head: HeadOptions,
     out: str,
     as_json: bool,
 ) -> None:
@@ -198,7 +271,9 @@ def finetune(
     # A bar where someone watches a terminal; plain lines on stderr where it is captured.
     show_bar = not as_json and sys.stdout.isatty() and sys.stderr.isatty()
     progress = RichProgress() if show_bar else LogLines(config.log_every)
-    report = finetune_model(model, plan, data, augment, out, config, progress)
+    report = finetune_model(
+        model, plan, data, augment, out, config, progress, head.keep_head, head.teacher
+    )
     if not report.main_process:  # one summary per run, not one per process
         return
     if as_json:

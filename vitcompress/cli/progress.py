@@ -5,12 +5,14 @@ log lines on stderr otherwise (CI logs, ``| tee``), where a bar would print noth
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from vitcompress.cli.app import console
+from vitcompress.training.evaluate import EvalProgress
 from vitcompress.workflows.finetune import FinetuneProgress
 
 
@@ -20,25 +22,65 @@ def _rate(img_per_s: float) -> str:
     return f"{img_per_s:.0f}" if img_per_s >= 10 else f"{img_per_s:.3g}"
 
 
+def _bar() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+        console=console,
+    )
+
+
+class RichEvalProgress(EvalProgress):
+    """One bar over the images of an evaluation: on its own, or as a second line of a training
+    run's ``bar`` (which stays, frozen, above it while the images are evaluated)."""
+
+    def __init__(self, description: str = "evaluating", bar: Progress | None = None) -> None:
+        self.description = description
+        self.shared = bar
+        self.bar: Progress | None = None
+        self.task: Any = None
+
+    def start(self, images: int) -> None:
+        self.bar = self.shared or _bar()
+        if self.shared is None:
+            self.bar.start()
+        self.task = self.bar.add_task(self.description, total=images, info="images")
+
+    def advance(self, images: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=images)
+
+    def stop(self) -> None:
+        if self.bar is None:
+            return
+        if self.shared is None:
+            self.bar.stop()
+        else:
+            self.bar.remove_task(self.task)
+        self.bar, self.task = None, None
+
+
 class RichProgress(FinetuneProgress):
-    """Epoch, step, loss, lr, images/s and ETA, one bar per epoch."""
+    """Epoch, step, loss, lr, images/s and ETA: one bar per epoch, or, when ``--max-steps``
+    ends the run before its last epoch's end, one bar over the run's steps; validation draws a
+    bar of its own under it."""
 
     def __init__(self) -> None:
         self.bar: Progress | None = None
         self.task: Any = None
         self.epochs = 0
         self.steps_per_epoch = 0
+        self.total_steps = 0
+        self.whole_run = False  # one bar over --max-steps rather than one per epoch
 
     def start(self, epochs: int, steps_per_epoch: int, total_steps: int | None = None) -> None:
         self.epochs, self.steps_per_epoch = epochs, steps_per_epoch
-        self.bar = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"),
-            TimeRemainingColumn(),
-            console=console,
-        )
+        self.total_steps = total_steps or epochs * steps_per_epoch
+        self.whole_run = self.total_steps != epochs * steps_per_epoch
+        self.bar = _bar()
         self.bar.start()
 
     def stop(self) -> None:
@@ -49,14 +91,16 @@ class RichProgress(FinetuneProgress):
     def start_epoch(self, epoch: int, steps_done: int) -> None:
         if self.bar is None:
             return
+        description = f"epoch {epoch + 1}/{self.epochs}"
+        if self.whole_run and self.task is not None:
+            self.bar.update(self.task, description=description)
+            return
         if self.task is not None:
             self.bar.remove_task(self.task)
-        self.task = self.bar.add_task(
-            f"epoch {epoch + 1}/{self.epochs}",
-            total=self.steps_per_epoch,
-            completed=steps_done,
-            info="",
-        )
+        total, completed = self.steps_per_epoch, steps_done
+        if self.whole_run:  # every epoch before this one was whole
+            total, completed = self.total_steps, epoch * self.steps_per_epoch + steps_done
+        self.task = self.bar.add_task(description, total=total, completed=completed, info="")
 
     def step(self, record: dict[str, Any]) -> None:
         if self.bar is None:
@@ -72,6 +116,9 @@ class RichProgress(FinetuneProgress):
             self.bar.console.print(text, highlight=False)
         else:
             click.echo(text, err=True)
+
+    def evaluation(self) -> EvalProgress:
+        return RichEvalProgress("validating", self.bar)
 
     def epoch_done(self, summary: dict[str, Any]) -> None:
         if self.bar is not None and summary.get("val_top1") is not None:
@@ -117,6 +164,9 @@ class LogLines(FinetuneProgress):
     def note(self, text: str) -> None:
         self._print(text)
 
+    def evaluation(self) -> EvalProgress:
+        return _ValidationLine(self._print)
+
     def step(self, record: dict[str, Any]) -> None:
         step = record["step"]
         if step % self.every and step != 1 and step != self.total_steps:
@@ -146,3 +196,16 @@ class LogLines(FinetuneProgress):
             f"epoch {summary['epoch'] + 1}/{self.epochs} done at step {summary['step']}: "
             + ", ".join(parts)
         )
+
+
+class _ValidationLine(EvalProgress):
+    """The line a log announces a validation with, so that a long one does not read as a hang:
+
+    validating 512 images
+    """
+
+    def __init__(self, write: Callable[[str], None]) -> None:
+        self.write = write
+
+    def start(self, images: int) -> None:
+        self.write(f"validating {images} images")

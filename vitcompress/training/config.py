@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 
 from vitcompress.data import DataError, check_task, num_classes
 from vitcompress.data.segmentation import SEGMENTATION, TASKS
-from vitcompress.training.evaluate import unwrap_logits
+from vitcompress.training.evaluate import EvalProgress, unwrap_logits
 from vitcompress.training.run_directory import FinetuneError
 
 StepCallback = Callable[[int, nn.Module], None]
@@ -77,6 +77,10 @@ class FinetuneProgress:
         """A line the user should read (where a resumed run picked up, a data config value
         nobody stated)."""
 
+    def evaluation(self) -> EvalProgress:
+        """What hears of one validation's batches (its own bar); this base class shows nothing."""
+        return EvalProgress()
+
 
 @dataclass
 class FinetuneConfig:
@@ -92,6 +96,7 @@ class FinetuneConfig:
     ema_decay: float | None = None
     amp: str | None = None  # None, "bf16" or "fp16"
     max_steps: int | None = None  # the run's length in optimizer steps; overrides ``epochs``
+    val_images: int | None = None  # validate on this many images spread over the set; None: all
     save_every: int = 0  # optimizer steps; 0: only at the end of each epoch
     keep_checkpoints: int = 2
     resume: bool = False

@@ -7,20 +7,53 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from vitcompress.data import DataError, num_classes
 from vitcompress.measure.logits import unwrap_logits
 
 __all__ = [
+    "EvalProgress",
     "confusion_matrix",
     "evaluate",
     "evaluate_miou",
     "evaluate_segmentation",
     "evaluate_top1",
     "segmentation_scores",
+    "spread_subset",
     "unwrap_logits",
 ]
+
+
+class EvalProgress:
+    """What an evaluation reports as it goes (a progress bar); this base class shows nothing."""
+
+    def start(self, images: int) -> None:
+        """Before the first batch: ``images`` will be evaluated."""
+
+    def advance(self, images: int) -> None:
+        """After each batch of ``images``."""
+
+    def stop(self) -> None:
+        """After the last batch, also when the evaluation fails or is interrupted."""
+
+
+def spread_subset(dataset: Dataset, images: int | None) -> Dataset:
+    """``images`` images spread evenly over ``dataset`` (indices ``i * len // images``, in
+    order), so that a folder sorted by class still gives every class its share; the whole set
+    when ``images`` is None or not smaller. ``num_classes`` reads through the subset."""
+    size = len(dataset)  # type: ignore[arg-type]
+    if images is None or images >= size:
+        return dataset
+    return Subset(dataset, [i * size // images for i in range(images)])
+
+
+def _head_mismatch(outputs: int, classes: int) -> DataError:
+    return DataError(
+        f"the model predicts {outputs} classes but the data has {classes}: fine-tune it on "
+        f"this data first (finetune gives it a {classes}-class head) or build it with "
+        f"--model-arg num_classes={classes}"
+    )
 
 
 def _loader(dataset: Dataset, batch_size: int, device: str, num_workers: int) -> DataLoader:
@@ -42,6 +75,8 @@ def evaluate(
     batch_size: int = 64,
     device: str = "cpu",
     num_workers: int = 0,
+    exact_head: bool = False,
+    progress: EvalProgress | None = None,
 ) -> dict[str, Any]:
     """``{"top1", "top5", "images"}``: accuracies in percent, as timm's validate reports them.
 
@@ -49,33 +84,39 @@ def evaluate(
     100 for two classes), as timm does. Correct predictions are counted over the whole set
     rather than averaging per-batch percentages, so a short last batch weighs what it should.
     The model runs in eval mode under ``inference_mode`` and is put back in its previous mode.
+    A model with fewer outputs than the data's classes is refused at the first batch; with
+    ``exact_head``, one with more too (its extra classes would be scored as wrong answers).
+    ``progress`` hears of the images as they are done.
     """
     loader = _loader(dataset, batch_size, device, num_workers)
     was_training = model.training
     model.eval().to(device)
+    progress = progress or EvalProgress()
     correct1 = correct5 = total = 0
     try:
         classes: int | None = num_classes(dataset)
     except DataError:  # a plain dataset without .classes: no check against the model's outputs
         classes = None
+    progress.start(len(dataset))  # type: ignore[arg-type]
     try:
         with torch.inference_mode():
             for images, labels in loader:
                 images, labels = images.to(device), labels.to(device)
                 logits = unwrap_logits(model(images))
                 outputs = logits.shape[-1]
-                if classes is not None and outputs < classes:
-                    raise DataError(
-                        f"the model predicts {outputs} classes but the data has "
-                        f"{classes}: pass e.g. --model-arg num_classes={classes}"
-                    )
+                if classes is not None and (
+                    outputs < classes or (exact_head and outputs != classes)
+                ):
+                    raise _head_mismatch(outputs, classes)
                 top = logits.topk(min(5, outputs), dim=-1).indices
                 hits = top == labels[:, None]
                 correct1 += int(hits[:, 0].sum())
                 correct5 += int(hits.any(dim=-1).sum())
                 total += labels.numel()
+                progress.advance(labels.shape[0])
     finally:
         model.train(was_training)
+        progress.stop()
     return {"top1": 100.0 * correct1 / total, "top5": 100.0 * correct5 / total, "images": total}
 
 
@@ -157,6 +198,7 @@ def evaluate_segmentation(
     batch_size: int = 64,
     device: str = "cpu",
     num_workers: int = 0,
+    progress: EvalProgress | None = None,
 ) -> dict[str, Any]:
     """``{"miou", "pixel_acc", "iou", "pixels", "images"}`` of a model returning (B, K, H, W)
     logits on a set of (image, labels (H, W)) pairs (:func:`segmentation_scores`; percent).
@@ -173,6 +215,8 @@ def evaluate_segmentation(
         classes = None
     confusion: torch.Tensor | None = None
     images_seen = 0
+    progress = progress or EvalProgress()
+    progress.start(len(dataset))  # type: ignore[arg-type]
     try:
         with torch.inference_mode():
             for images, labels in loader:
@@ -182,8 +226,10 @@ def evaluate_segmentation(
                 counts = confusion_matrix(logits.argmax(1), labels, size)
                 confusion = counts if confusion is None else confusion + counts
                 images_seen += labels.shape[0]
+                progress.advance(labels.shape[0])
     finally:
         model.train(was_training)
+        progress.stop()
     assert confusion is not None
     return {**segmentation_scores(confusion), "images": images_seen}
 

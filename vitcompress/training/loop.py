@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from vitcompress.data.segmentation import SEGMENTATION
 from vitcompress.loading import LoadedModel
 from vitcompress.model_copy import copy_model
 from vitcompress.training.checkpoint import (
@@ -43,17 +42,10 @@ from vitcompress.training.config import (
     _check_outputs,
     _check_task,
 )
-from vitcompress.training.evaluate import unwrap_logits
+from vitcompress.training.evaluate import spread_subset, unwrap_logits
 from vitcompress.training.interrupt import ForcedStop, StopSignals
 from vitcompress.training.losses import DistillationTaps, FinetuneLoss, LossWeights
-from vitcompress.training.metrics import (
-    EpochTotals,
-    RateWindow,
-    run_summary,
-    start_record,
-    validation_miou,
-    validation_top1,
-)
+from vitcompress.training.metrics import EpochTotals, RateWindow, run_summary, start_record
 from vitcompress.training.optim import build_optimizer, build_scheduler, default_lr
 from vitcompress.training.run_directory import (
     CHECKPOINTS,
@@ -70,6 +62,7 @@ from vitcompress.training.sharding import (
     full_optimizer_state,
     load_full_state,
 )
+from vitcompress.training.validation import validation_metrics
 
 # The warm-up warning is the public function's message.
 log = logging.getLogger("vitcompress.workflows.finetune")
@@ -103,7 +96,8 @@ class FinetuneRun:
         progress: FinetuneProgress | None = None,
     ) -> None:
         self.student, self.teacher = student, teacher
-        self.train_set, self.val_set = train_set, val_set
+        self.train_set = train_set  # validated on --val-images images spread over val_set:
+        self.val_set = spread_subset(val_set, config.val_images) if val_set is not None else None
         self.out, self.config, self.signals = Path(out), config, signals
         self.on_step = on_step
         self._progress = progress
@@ -484,35 +478,19 @@ class FinetuneRun:
             "img_per_s": totals.images / totals.seconds if totals.seconds > 0 else None,
         }
 
-    def top1(self, net: nn.Module) -> float:
-        """Top-1 of ``net`` on the validation data, as a fraction (:func:`validation_top1`)."""
-        return validation_top1(
-            net, self.accelerator, self.val_set, self.checked(self.val_loader), self.config,
-            self.signals,
-        )  # fmt: skip
-
-    def miou(self, net: nn.Module) -> float:
-        """Mean IoU of ``net`` on the validation data, as a fraction (:func:`validation_miou`)."""
-        assert self.val_set is not None
-        return validation_miou(
-            net, self.accelerator, self.val_set, self.checked(self.val_loader), self.config,
-            self.signals,
-        )  # fmt: skip
-
     def evaluate(self) -> dict[str, float]:
-        """Validation top-1 of the model (and of its EMA); empty without validation data. For
-        segmentation, the mean IoU (``val_miou``, ``val_miou_ema``)."""
+        """Validation top-1 of the model (and of its EMA, ``val_top1_ema``); empty without
+        validation data. For segmentation, the mean IoU (``val_miou``, ``val_miou_ema``)."""
         if self.val_loader is None:
             return {}
-        if self.config.task == SEGMENTATION:
-            metrics = {"val_miou": self.miou(self.model)}
-            if self.ema is not None:
-                metrics["val_miou_ema"] = self.miou(self.ema.module)
-            return metrics
-        metrics = {"val_top1": self.top1(self.model)}
+        assert self.val_set is not None
+        models = {"": self.model}
         if self.ema is not None:
-            metrics["val_top1_ema"] = self.top1(self.ema.module)
-        return metrics
+            models["_ema"] = self.ema.module
+        return validation_metrics(
+            models, self.accelerator, self.val_set, lambda: self.checked(self.val_loader),
+            self.config, self.signals, self.progress.evaluation,
+        )  # fmt: skip
 
     def end_epoch(self, summary: dict[str, Any]) -> None:
         """Evaluate, record the epoch and checkpoint the start of the next one."""

@@ -1,6 +1,6 @@
-"""What a fine-tuning run measures and logs: validation top-1, the epoch's running totals (kept in
-checkpoints), the images/s rate of the log lines, the records of ``metrics.jsonl`` and the run's
-summary."""
+"""What a fine-tuning run measures and logs: the epoch's running totals (kept in checkpoints), the
+images/s rate of the log lines, the records of ``metrics.jsonl`` and the run's summary
+(validation itself: ``validation.py``)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-from torch.utils.data import Dataset
-
-from vitcompress.data import num_classes
 from vitcompress.data.segmentation import SEGMENTATION
 from vitcompress.training.config import FinetuneConfig
-from vitcompress.training.evaluate import (
-    evaluate,
-    evaluate_miou,
-    evaluate_segmentation,
-    evaluate_top1,
-)
-from vitcompress.training.interrupt import StopSignals
 
 # What the caller's ``extra`` says about the inputs, repeated on each run's ``start`` metrics line.
 RUN_RECORD_KEYS = ("data", "data_config")
@@ -101,6 +90,7 @@ def run_summary(
         "seed": config.seed,
         "loss_weights": loss_weights,
         "ema_decay": config.ema_decay,
+        "val_images": config.val_images,
         "amp": config.amp,
         "history": [dict(entry) for entry in history],
         "val_top1": history[-1].get("val_top1") if history else None,
@@ -112,51 +102,3 @@ def run_summary(
         "seconds": time.perf_counter() - started,
         **config.extra,
     }
-
-
-def validation_top1(
-    net: nn.Module,
-    accelerator: Any,
-    val_set: Dataset | None,
-    batches: Any,
-    config: FinetuneConfig,
-    signals: StopSignals,
-) -> float:
-    """Top-1 as a fraction. One process: the project's ``evaluate`` (the numbers of the
-    ``eval`` command), stopped at once by a signal (nothing there can be torn); several: a
-    loop over ``batches`` (the prepared loader with a safe point per batch) that gathers
-    predictions from every process."""
-    if accelerator.num_processes == 1:
-        with signals.immediate():
-            result = evaluate(
-                accelerator.unwrap_model(net),
-                val_set,
-                batch_size=config.batch_size,
-                device=str(accelerator.device),
-                num_workers=config.num_workers,
-            )
-        return result["top1"] / 100
-    return evaluate_top1(net, batches, accelerator)
-
-
-def validation_miou(
-    net: nn.Module,
-    accelerator: Any,
-    val_set: Dataset,
-    batches: Any,
-    config: FinetuneConfig,
-    signals: StopSignals,
-) -> float:
-    """Mean IoU as a fraction, as :func:`validation_top1` measures top-1: one process, the
-    ``eval --task segmentation`` numbers; several, the per-pixel predictions gathered."""
-    if accelerator.num_processes == 1:
-        with signals.immediate():
-            result = evaluate_segmentation(
-                accelerator.unwrap_model(net),
-                val_set,
-                batch_size=config.batch_size,
-                device=str(accelerator.device),
-                num_workers=config.num_workers,
-            )
-        return result["miou"] / 100
-    return evaluate_miou(net, batches, accelerator, num_classes(val_set))

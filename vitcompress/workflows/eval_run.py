@@ -4,6 +4,7 @@ accuracy is: top-1/top-5 (classification) or mean IoU and pixel accuracy (segmen
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,12 @@ from vitcompress.measure.models import (
     measure_models,
     speedup,
 )
-from vitcompress.training.evaluate import evaluate, evaluate_segmentation
+from vitcompress.training.evaluate import (
+    EvalProgress,
+    evaluate,
+    evaluate_segmentation,
+    spread_subset,
+)
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, GateResult, check_gates, require
 from vitcompress.workflows.identity import model_identity
 from vitcompress.workflows.inputs import BaseRequest, DataRequest, ModelRequest
@@ -34,12 +40,23 @@ def _config_json(config: DataConfig) -> dict[str, Any]:
     return {"data_config": config.to_json(), "data_config_sources": dict(config.sources)}
 
 
-def score(task: str, model: nn.Module, dataset: Dataset, loader: dict[str, Any]) -> dict[str, Any]:
+def score(
+    task: str,
+    model: nn.Module,
+    dataset: Dataset,
+    loader: dict[str, Any],
+    progress: EvalProgress | None = None,
+) -> dict[str, Any]:
     """The task's accuracy of ``model`` on ``dataset`` (percent): top-1/top-5, or mean IoU and
-    pixel accuracy with the per-class IoU."""
+    pixel accuracy with the per-class IoU. A classifier must predict exactly the data's classes
+    (one line otherwise)."""
     if task == SEGMENTATION:
-        return evaluate_segmentation(model, dataset, **loader)
-    return evaluate(model, dataset, **loader)
+        return evaluate_segmentation(model, dataset, **loader, progress=progress)
+    return evaluate(model, dataset, **loader, exact_head=True, progress=progress)
+
+
+def _no_progress(description: str) -> EvalProgress:
+    return EvalProgress()
 
 
 @dataclass
@@ -139,11 +156,15 @@ def eval_model(
     timing: TimingOptions | None,
     bounds: Bounds,
     task: str = "classification",
+    images: int | None = None,
+    progress: Callable[[str], EvalProgress] = _no_progress,
 ) -> EvalResult:
     """Top-1/top-5 of ``request`` on ``data``; with ``base_request``, of both models, with their
     cost and paired speed-up. ``loader``: ``batch_size``, ``device`` and ``num_workers`` of
     the evaluation. ``task="segmentation"``: mean IoU and pixel accuracy on a set of per-pixel
-    labels instead (a task the data does not have is refused in one line)."""
+    labels instead (a task the data does not have is refused in one line). ``images``: that
+    many images spread evenly over the split (``--val-images``; default all).
+    ``progress(description)`` hears of each evaluation's images."""
     unavailable = {}
     if base_request is None:
         unavailable = {
@@ -156,19 +177,20 @@ def eval_model(
     dataset, _ = data.for_model(loaded.model, loaded.input_size)
     check_task(dataset, task, data.source)
     config = dataset.data_config  # as the images are brought (Fashion-MNIST is never cropped)
+    dataset = spread_subset(dataset, images)
     result = EvalResult(
         spec=request.spec,
         data=str(data.source),
         split=data.split,
         input_size=loaded.input_size,
-        accuracy=score(task, loaded.model, dataset, loader),
+        accuracy=score(task, loaded.model, dataset, loader, progress(request.spec)),
         data_config=config,
         identity=model_identity(loaded, request.spec),
         task=task,
     )
     if base_request is not None:
         result.base = _compare_with_base(
-            base_request, loaded, data, dataset, config, loader, timing, task
+            base_request, loaded, data, dataset, config, loader, timing, task, images, progress
         )
     elif bounds.max_gmacs is not None:  # only the gate needs the MACs of a lone model
         result.gmacs = (
@@ -192,6 +214,8 @@ def _compare_with_base(
     loader: dict[str, Any],
     timing: TimingOptions | None,
     task: str = "classification",
+    images: int | None = None,
+    progress: Callable[[str], EvalProgress] = _no_progress,
 ) -> BaseComparison:
     from vitcompress.workflows.inputs import load_base
 
@@ -199,7 +223,8 @@ def _compare_with_base(
     base_set, _ = data.for_model(base.model, loaded.input_size)
     base_config = base_set.data_config
     # The same images when both configs agree (equality ignores where each value came from).
-    accuracy = score(task, base.model, dataset if base_config == config else base_set, loader)
+    evaluated = dataset if base_config == config else spread_subset(base_set, images)
+    accuracy = score(task, base.model, evaluated, loader, progress(f"base {request.spec}"))
     models = {"base": base.model, "model": loaded.model}
     measured, environment = measure_models(models, loaded.input_size, timing)
     # What was compared: "source" stands for the artifact's recorded base, so name that.

@@ -50,6 +50,7 @@ __all__ = [
     "FinetuneReport",
     "finetune",
     "finetune_model",
+    "fit_head_and_teacher",
     "student_and_teacher",
 ]
 
@@ -151,24 +152,26 @@ def finetune_model(
     out: str,
     config: FinetuneConfig,
     progress: FinetuneProgress | None = None,
+    keep_head: bool = False,
+    teacher_request: ModelRequest | None = None,
 ) -> FinetuneReport:
     """``vitcompress finetune``: load and compress the model (or take a compressed one as it is),
     build the training and validation sets as the model expects its images, with the
     augmentation named (default: the data's own preset, whose mixup and smoothing the loss
-    takes), and fine-tune (:func:`finetune`). ``config.task="segmentation"`` trains per-pixel
-    (a segmentation set, no mixup: only a preset's flip applies to its images and labels)."""
+    takes), fit the head to the data's classes (:func:`fit_head_and_teacher`) and fine-tune
+    (:func:`finetune`). ``config.task="segmentation"`` trains per-pixel (a segmentation set, no
+    mixup: only a preset's flip applies to its images and labels)."""
     import torch
     from accelerate import PartialState
 
-    from vitcompress.compilation.metadata import attach, compression_info
-    from vitcompress.data import build_dataset, check_task, num_classes, resolve_data_config
-    from vitcompress.data.config import defaults_note
+    from vitcompress.compilation.metadata import compression_info
+    from vitcompress.data import check_task, num_classes
     from vitcompress.data.segmentation import SEGMENTATION
 
     if not data.source:
         raise DataError("--data is required (on the command line or in the recipe)")
-    # --seed also decides what is drawn before training: a base without weights and the
-    # predictors' initial weights.
+    # --seed also decides what is drawn before training: a base without weights, the
+    # predictors' initial weights and a replaced head.
     torch.manual_seed(config.seed)
     loaded = request.load()
     student, teacher, from_artifact = student_and_teacher(
@@ -179,33 +182,16 @@ def finetune_model(
             "--model is a compressed model: its own plan is used, "
             "--variant/--keep/--keep-for-gmacs-ratio/--locs/--policy are ignored"
         )
-    preset = AUGMENT_PRESETS[augment]() if augment else None  # None: the data's own
-    data_config = resolve_data_config(student.model, student.input_size[0], data.overrides)
-    sets = {
-        split: build_dataset(
-            data.source,
-            split,
-            student.input_size,
-            augment=preset if split == "train" else None,
-            data_dir=data.data_dir,
-            data_config=data_config,
-        )
-        for split in ("train", "val")
-    }
+    sets, used = _datasets(student, data, augment, out, request.spec, progress)
     check_task(sets["train"], config.task, data.source)  # before any training
-    # What the model is fine-tuned with becomes its own: the artifact records it (docs/data.md).
-    used = sets["val"].data_config
-    attach(
-        student.model,
-        vitcompress_data_config=used.to_json(),
-        vitcompress_data_config_from=f"{out} (fine-tuned with it)",
-    )
-    if progress is not None and (note := defaults_note(used, request.spec)):
-        progress.note(note)
+    segmentation = config.task == SEGMENTATION
+    if not segmentation:  # a per-pixel head is the model's own (docs/finetune.md)
+        student, teacher, config = fit_head_and_teacher(
+            student, teacher, sets["train"], config, keep_head, teacher_request, progress
+        )
     preset = sets["train"].augment
     info = compression_info(student.model)  # compressed: student_and_teacher made it so
     assert info is not None
-    segmentation = config.task == SEGMENTATION
     if segmentation and augment and _more_than_a_flip(preset):
         warn(
             f"--augment {augment}: only its horizontal flip applies to per-pixel labels "
@@ -228,6 +214,89 @@ def finetune_model(
     )
     summary = finetune(student, teacher, sets["train"], sets["val"], out, config, progress=progress)
     return FinetuneReport(summary, out, PartialState().is_main_process)
+
+
+def _datasets(
+    student: LoadedModel,
+    data: DataRequest,
+    augment: str | None,
+    out: str,
+    spec: str,
+    progress: FinetuneProgress | None,
+) -> tuple[dict[str, Any], Any]:
+    """The training and validation sets, brought as ``student`` expects its images, and the data
+    config used, which becomes the model's own (the artifact records it, docs/data.md)."""
+    from vitcompress.compilation.metadata import attach
+    from vitcompress.data import build_dataset, resolve_data_config
+    from vitcompress.data.config import defaults_note
+
+    assert data.source is not None
+    preset = AUGMENT_PRESETS[augment]() if augment else None  # None: the data's own
+    data_config = resolve_data_config(student.model, student.input_size[0], data.overrides)
+    sets = {
+        split: build_dataset(
+            data.source,
+            split,
+            student.input_size,
+            augment=preset if split == "train" else None,
+            data_dir=data.data_dir,
+            data_config=data_config,
+        )
+        for split in ("train", "val")
+    }
+    used = sets["val"].data_config
+    attach(
+        student.model,
+        vitcompress_data_config=used.to_json(),
+        vitcompress_data_config_from=f"{out} (fine-tuned with it)",
+    )
+    if progress is not None and (note := defaults_note(used, spec)):
+        progress.note(note)
+    return sets, used
+
+
+def fit_head_and_teacher(
+    student: LoadedModel,
+    teacher: nn.Module,
+    train_set: Dataset,
+    config: FinetuneConfig,
+    keep_head: bool = False,
+    teacher_request: ModelRequest | None = None,
+    progress: FinetuneProgress | None = None,
+) -> tuple[LoadedModel, nn.Module, FinetuneConfig]:
+    """The student with a head of the data's classes (replaced, and said so in one line, unless
+    ``keep_head``, which refuses a mismatch), and the teacher: ``teacher_request``'s model, which
+    must predict the data's classes, else the base. The base's head predicts what the student's
+    predicted before its head was replaced, so its logits teach nothing: logit distillation is
+    then turned off (said so), and token distillation, which reads the base's features, stays.
+    """
+    from vitcompress.data import check_task, num_classes
+    from vitcompress.training.head import HeadError, fit_head, model_outputs
+
+    check_task(train_set, config.task)  # before its first image is read as a class label
+    classes = num_classes(train_set)
+    image = train_set[0][0]
+    student, change = fit_head(student, classes, image, keep_head)
+    say = progress.note if progress is not None else log.warning
+    if change is not None:
+        say(change.line())
+    if teacher_request is not None:
+        loaded = replace(teacher_request, input_size=student.input_size).load()
+        outputs = model_outputs(loaded.model, image)
+        if outputs != classes:
+            raise HeadError(
+                f"--teacher {teacher_request.spec} predicts {outputs} classes but the data has "
+                f"{classes}: a teacher must predict the data's classes"
+            )
+        return student, loaded.model, config
+    if change is not None and config.distill_weight:
+        say(
+            f"logit distillation is off: the base's head predicts {change.before} classes, "
+            f"not the data's {change.after} (--teacher names a model that predicts them); "
+            "token distillation from the base stays"
+        )
+        config = replace(config, distill_weight=0.0)
+    return student, teacher, config
 
 
 def _more_than_a_flip(preset: AugmentConfig) -> bool:
