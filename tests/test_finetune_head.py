@@ -195,3 +195,104 @@ def test_a_1000_class_model_fine_tuned_on_10_classes_beats_chance(tmp_path):
     # Chance is 10% (the base's head has 1000 classes and a random new one guesses); 150 steps
     # from random weights scored 0.90 when this was written.
     assert summary["val_top1"] > 0.4, summary["history"]
+
+
+# --------------------------------------------------------------------------------------------
+# Bars and lines
+
+
+def _rich(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import vitcompress.cli.progress as progress_module
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=200, color_system=None)
+    monkeypatch.setattr(progress_module, "console", console)
+    return progress_module, buffer
+
+
+def test_the_training_bar_counts_max_steps_and_validation_has_its_own(monkeypatch):
+    progress_module, buffer = _rich(monkeypatch)
+    bar = progress_module.RichProgress()
+    bar.start(1, 937, total_steps=3)  # --max-steps 3 in an epoch of 937 steps
+    bar.start_epoch(0, 0)
+    assert bar.bar is not None
+    [task] = bar.bar.tasks
+    assert task.total == 3
+    bar.step({"step": 1, "loss": 0.5, "lr": 1e-4, "img_per_s": 25.0})
+    validation = bar.evaluation()
+    validation.start(512)
+    evaluating = bar.bar.tasks[-1]
+    assert evaluating.description == "validating" and evaluating.total == 512
+    validation.advance(8)
+    assert evaluating.completed == 8
+    validation.stop()
+    assert [t.id for t in bar.bar.tasks] == [task.id]  # the validation bar goes, training stays
+    bar.stop()
+    assert "1/3" in buffer.getvalue()
+
+
+def test_a_resumed_whole_run_bar_starts_at_the_global_step(monkeypatch):
+    progress_module, _ = _rich(monkeypatch)
+    bar = progress_module.RichProgress()
+    bar.start(3, 4, total_steps=10)  # epochs of 4 steps, the third cut at step 10
+    bar.start_epoch(1, 2)  # resumed two steps into the second epoch
+    assert bar.bar is not None
+    [task] = bar.bar.tasks
+    assert (task.total, task.completed, task.description) == (10, 6, "epoch 2/3")
+    bar.start_epoch(2, 0)
+    assert bar.bar.tasks == [task] and task.description == "epoch 3/3"
+    bar.stop()
+    # Whole epochs keep one bar per epoch.
+    bar.start(2, 4, total_steps=8)
+    bar.start_epoch(1, 1)
+    [task] = bar.bar.tasks
+    assert (task.total, task.completed) == (4, 1)
+    bar.stop()
+
+
+def test_an_evaluation_bar_of_its_own(monkeypatch):
+    progress_module, buffer = _rich(monkeypatch)
+    bar = progress_module.RichEvalProgress("evaluating runs/x")
+    bar.start(20)
+    bar.advance(8)
+    bar.advance(12)
+    bar.stop()
+    assert "evaluating runs/x" in buffer.getvalue() and "20/20" in buffer.getvalue()
+
+
+def test_validation_is_announced_in_log_lines_and_bounded_by_val_images(tmp_path):
+    import io
+
+    from tests.test_finetune import _config, _data, _models
+    from vitcompress.cli.progress import LogLines
+    from vitcompress.workflows.finetune import finetune
+
+    stream = io.StringIO()
+    lines = LogLines(every=100, stream=stream)
+    student, teacher = _models()
+    data = _data()  # 16 images
+    finetune(
+        student,
+        teacher,
+        data,
+        data,
+        tmp_path / "run",
+        _config(epochs=1, mixup=None, val_images=5),
+        progress=lines,
+    )
+    assert "validating 5 images" in stream.getvalue().splitlines()
+    full = io.StringIO()
+    finetune(
+        student,
+        teacher,
+        data,
+        data,
+        tmp_path / "again",
+        _config(epochs=1, mixup=None),
+        progress=LogLines(every=100, stream=full),
+    )
+    assert "validating 16 images" in full.getvalue().splitlines()
