@@ -160,3 +160,61 @@ def test_bench_compile_reports_the_compilation() -> None:
     assert result.exit_code == 0, result.output
     env = json.loads(result.stdout)["environment"]
     assert env["compile"] is True and env["compiled_graphs"] == {"model": 1}
+
+
+ITEM_MODEL = '''
+import torch
+from torch import nn
+
+
+class ItemNet(nn.Module):
+    """A classifier that reads a value on the host in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3 * 8 * 8, 4)
+
+    def forward(self, x):
+        return self.head(x.flatten(1)) * x.mean().item()
+
+
+def build():
+    return ItemNet()
+'''
+
+
+def test_export_compile_checks_the_serving_path(tmp_path) -> None:
+    from vitcompress.workflows.export_run import ExportSettings, export_request
+    from vitcompress.workflows.inputs import ModelRequest
+
+    small = dict(img_size=32, patch_size=4, depth=2, embed_dim=32, num_heads=2)
+    request = ModelRequest("vit_small_patch16_224", args=small)
+    settings = ExportSettings(
+        "torchscript", str(tmp_path / "m.pt"), batch_size=2, compile=True, compile_backend="eager"
+    )
+    served = export_request(request, settings).to_json()["serving"]
+    assert served["passed"] and served["batch_size"] == 2
+    assert served["compile"]["frames"] == 1 and served["host_sync"]["passed"]
+    (tmp_path / "item_net.py").write_text(ITEM_MODEL)
+    request = ModelRequest(f"{tmp_path / 'item_net.py'}:build", input_size=(3, 8, 8))
+    settings = ExportSettings(  # a trace bakes the value in: its check would fail first
+        "torchscript",
+        str(tmp_path / "i.pt"),
+        batch_size=2,
+        check=False,
+        compile=True,
+        compile_backend="eager",
+    )
+    served = export_request(request, settings).to_json()["serving"]
+    assert not served["passed"]
+    assert "aten._local_scalar_dense" in served["host_sync"]["ops"][0]
+
+
+def test_export_compile_mode_without_compile_is_refused(tmp_path) -> None:
+    out = str(tmp_path / "m.onnx")
+    args = ["export", "--model", "vit_small_patch16_224", "--format", "onnx", "--out", out]
+    result = CliRunner().invoke(cli, [*args, "--compile-mode", "default"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        "error: --compile-mode sets how the model is compiled: add --compile"
+    )

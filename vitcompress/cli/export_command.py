@@ -20,6 +20,7 @@ from vitcompress.cli.options import (
     model_options,
     output_option,
     runs_option,
+    serving_compile_options,
     warmup_option,
 )
 from vitcompress.workflows.export import DEFAULT_OPSET, DTYPES, FORMATS
@@ -86,6 +87,7 @@ from vitcompress.workflows.inputs import ModelRequest
     help="ONNX of a compressed model: also export its base next to FILE (NAME.base.onnx) and time "
     "both in onnxruntime and in eager PyTorch, interleaved, at --batch-size.",
 )
+@serving_compile_options
 @warmup_option()
 @runs_option("--bench: timed rounds (one batch of every runner per round) at most.")
 @bench_seconds_option("--bench: time budget of warm-up and timed rounds.")
@@ -100,6 +102,7 @@ def export(
     dtype: str,
     no_check: bool,
     bench: bool,
+    serving_mode: str | None,
     warmup: int,
     runs: int,
     bench_seconds: float,
@@ -107,7 +110,15 @@ def export(
 ) -> None:
     """Export the model's inference path (eval: tokens dropped, constant shapes) and check it."""
     settings = ExportSettings(
-        fmt, out, batch_size, opset, dynamic_batch, check=not no_check, dtype=dtype
+        fmt,
+        out,
+        batch_size,
+        opset,
+        dynamic_batch,
+        check=not no_check,
+        dtype=dtype,
+        compile=serving_mode is not None,
+        compile_mode=serving_mode,
     )
     timing = ExportTiming(warmup, runs, bench_seconds) if bench else None
     result = export_request(model, settings, timing)
@@ -137,6 +148,8 @@ def _print_export(result: ExportResult, dynamic_batch: bool) -> None:
         console.print(f"onnxruntime: {written['onnxruntime_error']}", style="dim", highlight=False)
     if "op_audit" in written:
         console.print(audit_text(written["op_audit"]), highlight=False)
+    if result.serving is not None:
+        console.print(result.serving.text(), highlight=False)
     if result.bench is not None:
         _print_bench(result.bench)
 

@@ -379,6 +379,35 @@ def timing_from_options(
     )
 
 
+def serving_compile_options(command: Callable) -> Callable:
+    """``export``'s ``--compile`` and ``--compile-mode``, folded into ``serving_mode: str | None``
+    (None without ``--compile``; else the mode, reduce-overhead by default: the serving path)."""
+
+    def fold(use_compile: bool, compile_mode: str | None) -> str | None:
+        if compile_mode and not use_compile:
+            raise ModelLoadError("--compile-mode sets how the model is compiled: add --compile")
+        return (compile_mode or "reduce-overhead") if use_compile else None
+
+    options = [
+        click.option(
+            "--compile",
+            "use_compile",
+            is_flag=True,
+            help="Also check the serving path: torch.compile(fullgraph=True) at --batch-size "
+            "(static shapes), one graph, outputs as eager, and no host synchronisation (.item(), "
+            "nonzero, data-dependent shapes) in the forward.",
+        ),
+        click.option(
+            "--compile-mode",
+            type=click.Choice(COMPILE_MODES),
+            default=None,
+            help="With --compile: torch.compile's mode (default reduce-overhead: CUDA graphs on "
+            "a GPU; on the CPU inductor compiles it as its default mode).",
+        ),
+    ]
+    return folded_options("serving_mode", options, fold)(command)
+
+
 _POSITIVE = click.FloatRange(min=0, min_open=True)
 # Each gate's option: its type, metavar and what fails it.
 GATE_OPTIONS = {

@@ -594,7 +594,11 @@ def _structural(result: dict[str, Any], dtype: str, runtime_error: str) -> None:
 
 
 def compile_check(
-    model: nn.Module, input_size: tuple[int, ...], batch_size: int = 2, backend: str = "eager"
+    model: nn.Module,
+    input_size: tuple[int, ...],
+    batch_size: int = 2,
+    backend: str = "eager",
+    mode: str | None = None,
 ) -> dict[str, Any]:
     """``torch.compile(model, fullgraph=True)`` in eval mode, run on two batches of the same size.
 
@@ -602,7 +606,10 @@ def compile_check(
     (graphs dynamo compiled, from ``torch._dynamo.utils.counters``), ``recompiles`` (frames beyond
     the first; 0 means the second batch reused the first graph) and ``max_abs_diff`` to eager.
     ``backend="eager"`` checks capture only (dynamo's part: breaks and guards); ``"inductor"``
-    also generates code, which on CPU needs a C++ compiler and takes far longer.
+    also generates code, which on CPU needs a C++ compiler and takes far longer. ``mode``
+    (inductor only): torch.compile's mode, ``reduce-overhead`` for CUDA graphs, which inductor
+    uses on CUDA only (on the CPU it compiles as the default mode). Shapes are static
+    (``dynamic=False``): one graph per batch size, as a CUDA graph needs.
     """
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -610,6 +617,7 @@ def compile_check(
     batches = [_inputs(batch_size, tuple(input_size), seed=s) for s in (1, 2)]
     result: dict[str, Any] = {
         "backend": backend,
+        "mode": mode if backend == "inductor" else None,
         "fullgraph": True,
         "graph_break": False,
         "reason": None,
@@ -621,7 +629,8 @@ def compile_check(
     counters.clear()
     with eval_mode(model), torch.no_grad():
         module = _Inference(model)
-        compiled = torch.compile(module, fullgraph=True, backend=backend)
+        options = {"mode": mode} if mode and backend == "inductor" else {}
+        compiled = torch.compile(module, fullgraph=True, backend=backend, dynamic=False, **options)
         try:
             outputs = [compiled(x) for x in batches]
         except Exception as e:  # dynamo raises on a graph break under fullgraph

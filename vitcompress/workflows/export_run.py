@@ -13,6 +13,10 @@ from vitcompress.status import step, warn
 from vitcompress.workflows.export import ExportError, export_model
 from vitcompress.workflows.export_bench import bench_exported
 from vitcompress.workflows.inputs import ModelRequest
+from vitcompress.workflows.serving import ServingCheck, serving_check
+
+# ``export --compile`` without ``--compile-mode``: inductor's CUDA-graph mode, the serving path.
+SERVING_MODE = "reduce-overhead"
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,12 @@ class ExportSettings:
     dynamic_batch: bool = False
     check: bool = True
     dtype: str = "float32"
+    # ``--compile``: also check the serving path (fullgraph, static batch, no host sync) in
+    # ``compile_mode`` (None: reduce-overhead, CUDA graphs on a GPU); ``compile_backend`` is
+    # inductor, or eager to check dynamo's capture alone.
+    compile: bool = False
+    compile_mode: str | None = None
+    compile_backend: str = "inductor"
 
     def export(self, loaded: LoadedModel, model: Any, out: str | Path, fmt: str) -> dict:
         return export_model(
@@ -53,11 +63,14 @@ class ExportResult:
     spec: str
     export: dict[str, Any]  # export_model's result
     bench: dict[str, Any] | None = None
+    serving: ServingCheck | None = None  # ``--compile``'s check of the serving path
 
     def to_json(self) -> dict[str, Any]:
         data = {**self.export, "model": self.spec}
         if self.bench is not None:
             data["bench"] = self.bench
+        if self.serving is not None:
+            data["serving"] = self.serving.to_json()
         return data
 
 
@@ -76,6 +89,18 @@ def export_request(
     result = ExportResult(
         request.spec, settings.export(loaded, loaded.model, settings.out, settings.fmt)
     )
+    if settings.compile:
+        mode = settings.compile_mode or SERVING_MODE
+        with step(f"compiling the model (fullgraph, {mode}, batch {settings.batch_size})"):
+            result.serving = serving_check(
+                loaded.model,
+                loaded.input_size,
+                settings.batch_size,
+                mode=mode,
+                backend=settings.compile_backend,
+            )
+        if not result.serving.passed:
+            warn(result.serving.text())
     if base is not None and timing is not None:
         result.bench = _bench(loaded, base, settings, timing)
     return result

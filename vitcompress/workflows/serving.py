@@ -20,7 +20,14 @@ from vitcompress.analysis.capture import fast_paths_off
 from vitcompress.artifacts.fingerprint import eval_mode
 from vitcompress.workflows.export import _Inference, _inputs, _one_line
 
-__all__ = ["HOST_SYNC_OPS", "HostSyncReport", "host_sync_check"]
+__all__ = [
+    "CUDA_GRAPH_MODES",
+    "HOST_SYNC_OPS",
+    "HostSyncReport",
+    "ServingCheck",
+    "host_sync_check",
+    "serving_check",
+]
 
 # ATen ops (after decomposition to core ATen) that read a tensor's value on the host or give a
 # data-dependent shape, and what calls them in Python.
@@ -126,3 +133,77 @@ def host_sync_check(
                 f"{', '.join(sorted(map(str, symbols)))}, at {_where(node)}"
             )
     return report
+
+
+# torch.compile's modes that capture CUDA graphs (on CUDA; on the CPU inductor compiles without).
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+@dataclass
+class ServingCheck:
+    """The serving path checked at one static batch size: ``torch.compile(fullgraph=True)`` in
+    ``mode`` (:func:`~vitcompress.workflows.export.compile_check`'s result) and the eval forward's
+    host synchronisation (:func:`host_sync_check`)."""
+
+    batch_size: int
+    mode: str | None
+    compile: dict[str, Any]
+    host_sync: HostSyncReport
+
+    @property
+    def passed(self) -> bool:
+        return (
+            not self.compile["graph_break"]
+            and self.compile["frames"] == 1
+            and self.compile["recompiles"] == 0
+            and self.host_sync.passed
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "batch_size": self.batch_size,
+            "mode": self.mode,
+            # On the CPU inductor compiles a CUDA-graph mode as its default one.
+            "cuda_graphs_on_cuda": self.mode in CUDA_GRAPH_MODES,
+            "compile": dict(self.compile),
+            "host_sync": self.host_sync.to_json(),
+        }
+
+    def text(self) -> str:
+        """One line for a report."""
+        compiled = self.compile
+        mode = f"mode {self.mode}, " if self.mode else ""
+        graph = (
+            f"graph break: {compiled['reason']}"
+            if compiled["graph_break"]
+            else f"{compiled['frames']} graph, {compiled['recompiles']} recompiles, "
+            f"max |diff| {compiled['max_abs_diff']:.1e}"
+        )
+        verdict = "serves as one static graph" if self.passed else "does NOT serve as one graph"
+        return (
+            f"torch.compile(fullgraph=True, {mode}backend {compiled['backend']}) at batch "
+            f"{self.batch_size}: {verdict} ({graph}); {self.host_sync.text()}"
+        )
+
+
+def serving_check(
+    model: nn.Module,
+    input_size: tuple[int, ...],
+    batch_size: int,
+    mode: str | None = "reduce-overhead",
+    backend: str = "inductor",
+) -> ServingCheck:
+    """Whether ``model`` serves compiled at ``batch_size``: one graph under ``fullgraph=True``
+    (no break, no recompile on a second batch of the size), the same outputs as eager, and no
+    host synchronisation in its eval forward. ``backend="eager"`` checks dynamo's capture only
+    (seconds, where inductor's code generation on a CPU takes minutes)."""
+    from vitcompress.workflows.export import compile_check
+
+    compiled = compile_check(model, input_size, batch_size=batch_size, backend=backend, mode=mode)
+    return ServingCheck(
+        batch_size=batch_size,
+        mode=mode if backend == "inductor" else None,
+        compile=compiled,
+        host_sync=host_sync_check(model, input_size, batch_size=batch_size),
+    )
