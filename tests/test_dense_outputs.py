@@ -2,9 +2,9 @@
 returns every token in the base's order and shape (the restore: ``method/restore.py``,
 ``modules/restore.py``, the rewrite's ``_restore_for``).
 
-For each model (timm ViT without pooling or head; timm DINOv2's ``forward_features``; HF
-``Dinov2Model``'s last hidden state, and all its hidden states; the zoo's Segmenter; an in-house
-Conv3d video ViT, written below) and every method:
+For each model (timm ViT without pooling or head; timm DINOv2's ``forward_features``, compressed
+as the entry (``entry_view``); HF ``Dinov2Model``'s last hidden state, and all its hidden states;
+the zoo's Segmenter; an in-house Conv3d video ViT, written below) and every method:
 
 - keep 1 is exact (the reducers' permutations are undone);
 - keep 0.7 gives the base's shapes at <= 0.85 of its MACs, a median per-token cosine to the base
@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 import vitcompress.zoo  # noqa: F401  registers segmenter_tiny_fmnist
 from vitcompress.api import compress
+from vitcompress.compilation.entries import entry_view
 from vitcompress.measure import count_macs
 from vitcompress.method.restore import (
     DELTA,
@@ -91,17 +92,6 @@ def sharpen(model: nn.Module, branch: float = 1.0, query_key: float = 3.0) -> nn
             if name.endswith(_LAYER_SCALES):
                 param.fill_(1.0)
     return model.eval()
-
-
-class Entry(nn.Module):
-    """A model's method other than ``forward`` as a module's forward (timm's forward_features)."""
-
-    def __init__(self, model: nn.Module, method: str, **kwargs) -> None:
-        super().__init__()
-        self.model, self.method, self.kwargs = model, method, kwargs
-
-    def forward(self, x: Tensor):
-        return getattr(self.model, self.method)(x, **self.kwargs)
 
 
 class HFFeatures(nn.Module):
@@ -165,7 +155,8 @@ def _timm_dinov2() -> nn.Module:
         num_heads=2,
         num_classes=0,
     )
-    return Entry(model, "forward_features")
+    # Its forward_features as the model (what compress(..., entry="forward_features") compresses).
+    return entry_view(model, "forward_features")
 
 
 def _hf_dinov2(hidden: bool) -> Callable[[], nn.Module]:
@@ -203,7 +194,7 @@ class Spec:
 # over 11 near-tied random logits flips first, so its branches are scaled less.
 MODELS: dict[str, Spec] = {
     "timm-vit": Spec(_timm_vit, (3, 32, 32), 3.0, "blocks"),
-    "timm-dinov2": Spec(_timm_dinov2, (3, 28, 28), 3.0, "model.blocks"),
+    "timm-dinov2": Spec(_timm_dinov2, (3, 28, 28), 3.0, "blocks"),
     "hf-dinov2": Spec(_hf_dinov2(False), (3, 28, 28), 1.0, "model.encoder.layer"),
     "hf-dinov2-hidden": Spec(_hf_dinov2(True), (3, 28, 28), 1.0, "model.encoder.layer"),
     "segmenter": Spec(_segmenter, (1, 64, 64), 2.0, "blocks", batch=8, pixels=True),

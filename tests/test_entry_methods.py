@@ -207,3 +207,32 @@ def test_the_command_line_entry(tmp_path):
     assert refused.exit_code != 0
     assert "has no method nope" in refused.output
     assert len(refused.output.strip().splitlines()) == 1
+
+
+def _image_embeddings(out) -> Tensor:
+    """HF's ``get_image_features``: a tensor, or (newer transformers) an output whose
+    ``pooler_output`` is it; a compressed graph gives that output as a dict."""
+    return out if isinstance(out, Tensor) else out["pooler_output"]
+
+
+def test_hf_get_image_features_as_the_entry(image):
+    from transformers import CLIPConfig, CLIPModel
+
+    vision = dict(image_size=28, patch_size=4, hidden_size=64, intermediate_size=128)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = CLIPConfig(
+        text_config=text,
+        vision_config={**vision, "num_hidden_layers": 4, "num_attention_heads": 2},
+        projection_dim=16,
+    )
+    torch.manual_seed(0)
+    clip = sharpen(CLIPModel(config))
+    with torch.no_grad():
+        expected = _image_embeddings(clip.get_image_features(image))
+        exact = compressed(clip, "etps", 1.0, entry="get_image_features")
+        reduced = compressed(clip, "etps", 0.7, entry="get_image_features")
+        torch.testing.assert_close(_image_embeddings(exact(image)), expected, atol=1e-5, rtol=0)
+        by_name = _image_embeddings(reduced.get_image_features(pixel_values=image))
+        torch.testing.assert_close(by_name, _image_embeddings(reduced(image)))
+    assert by_name.shape == expected.shape
+    assert not hasattr(reduced, "forward_features")

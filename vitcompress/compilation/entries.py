@@ -218,6 +218,23 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+# The names a base's method may give its image argument, when it is passed by name.
+_IMAGE_KEYWORDS = ("x", "pixel_values", "images", "image")
+
+
+def _image_argument(
+    name: str, args: tuple, kwargs: dict[str, Any]
+) -> tuple[Any, tuple, dict[str, Any]]:
+    """The image, the other positional arguments and the keyword ones of a call."""
+    if args:
+        return args[0], tuple(args[1:]), kwargs
+    for keyword in _IMAGE_KEYWORDS:
+        if keyword in kwargs:
+            rest = {key: value for key, value in kwargs.items() if key != keyword}
+            return kwargs[keyword], (), rest
+    raise EntryError(f"{name}: pass the image first, e.g. model.{name}(x)")
+
+
 def _call_base_method(model: CompressedGraphModule, name: str, *args: Any, **kwargs: Any) -> Any:
     methods: BaseMethods | None = getattr(model, BASE_METHODS_ATTRIBUTE, None)
     if methods is None or methods.skeleton is None:
@@ -233,14 +250,13 @@ def _call_base_method(model: CompressedGraphModule, name: str, *args: Any, **kwa
         tie_tensors(compiled.base, tensors)  # buffers are new tensors after a .to()
         compiled.base.train(model.training)
         return getattr(compiled.base, name)(*args, **kwargs)
-    image, *rest = args
-    rest_args = tuple(rest)
+    image, rest_args, kwargs = _image_argument(name, args, kwargs)
     if name == entry_of(model) and not rest_args and not kwargs:
         return model(image)
     key = _key(name, rest_args, kwargs)
     if key not in compiled.entries:
         # Captured on the CPU, as compress() does, with copies of the current weights.
-        cpu = {name: _on_cpu(tensor) for name, tensor in tensors.items()}
+        cpu = {path: _on_cpu(tensor) for path, tensor in tensors.items()}
         entry = methods.compile_entry(
             methods.base_on(cpu, torch.device("cpu")), name, rest_args, kwargs, model
         )
