@@ -27,6 +27,7 @@ from vitcompress.measure.models import (
     speedup,
     tokens_per_block,
 )
+from vitcompress.measure.residual_scale import near_zero_residuals
 from vitcompress.modules.restore import TokenRestore
 from vitcompress.status import step, warn
 from vitcompress.variants import BEFORE_BLOCK
@@ -109,6 +110,10 @@ def _compress_and_measure(
     info = compression_info(model)
     assert info is not None  # the compression attached it
     _warn_if_no_cheaper(measured["base"].macs, measured["compressed"].macs)
+    # A base whose residual branches are scaled near zero (LayerScale at its init) gives the same
+    # outputs as any compressed model of it: said, so a cosine of 1 is not read as a result.
+    if (near_zero := near_zero_residuals(loaded.model)) is not None:
+        warn(near_zero.text())
     result = ApplyResult(
         base=measured["base"],
         compressed=measured["compressed"],
