@@ -93,13 +93,19 @@ class IndexRun(fx.Interpreter):
             module = self.module.get_submodule(str(n.target))
             if isinstance(module, _PER_TOKEN_MODULES):
                 return True
-            return _identity_in_eval(module, ops.shape(n))
+            taken = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+            in_shape = ops.shape(taken) if taken is not None else None
+            return _identity_in_eval(module, in_shape, ops.shape(n))
         return False
 
 
-def _identity_in_eval(module: nn.Module, shape: tuple | None) -> bool:
-    """A parameterless module that returns its input in eval mode (a drop path)."""
-    if shape is None or any(True for _ in module.parameters()) or module.training:
+def _identity_in_eval(module: nn.Module, shape: tuple | None, out_shape: tuple | None) -> bool:
+    """A parameterless module that returns its input in eval mode (a drop path). Probed at the
+    input's shape, which must be the output's: an adaptive pool to 7 x 7 returns a 7 x 7 input
+    as it is but pools an 8 x 8 one (CSATv2's spatial attention at 512 pixels)."""
+    if shape is None or shape != out_shape or any(True for _ in module.parameters()):
+        return False
+    if module.training:
         return False
     probe = torch.randn(shape)
     try:
