@@ -294,3 +294,14 @@ def projection_of(gm: fx.GraphModule, operand: fx.Node) -> fx.Node | None:
         inputs = node.all_input_nodes
         node = inputs[0] if inputs else None
     return None
+
+
+def op_name(gm: fx.GraphModule, node: fx.Node) -> str:
+    """The name of what ``node`` calls: a module's class, a method, a function's last part."""
+    if node.op == "call_module":
+        return type(gm.get_submodule(str(node.target))).__name__
+    if node.op == "call_method":
+        return str(node.target)
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    return str(name).split(".")[-1] if "." in str(name) else str(name)

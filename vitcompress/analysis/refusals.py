@@ -1,0 +1,186 @@
+"""Refusals and what is left whole: the model-level refusals the analysis raises as
+:class:`MappingError` (windowed attention on batched 3-D tensors, attention over channels, a
+windowed block that reads its grid in its MLP) and, for every attention core no block maps, why
+it runs whole (the model map's ``left_whole``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch.fx as fx
+
+from vitcompress.analysis import ops
+from vitcompress.analysis.cores import Residual, find_window_axis_attention
+from vitcompress.analysis.model_map import AttentionCore, Block
+from vitcompress.analysis.windows import is_windowed, pooling_blocker, window_tokens
+from vitcompress.errors import UserError
+
+
+class MappingError(UserError):
+    """The graph does not look like a ViT this tool can rewrite; says what was found and missing."""
+
+
+def placeholder(gm: fx.GraphModule) -> fx.Node:
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            return node
+    raise MappingError("the graph has no input")
+
+
+def windowed_batched_attention(gm: fx.GraphModule, image_batch: int) -> str | None:
+    """The windowed refusal for attention written on 3-D (batch x heads, N, D) tensors (SAM):
+    such a core is not a token-attention core, but where the tokens entering its projection are
+    batched as images x windows, the model attends within windows all the same."""
+    for node in gm.graph.nodes:
+        if ops.is_sdpa(node):
+            query = node.args[0]
+        elif ops.is_softmax(node, gm):
+            query = ops.walk_back(node.args[0], lambda n: ops.is_matmul(n) or ops.is_einsum(n), 8)
+        else:
+            continue
+        shape = ops.shape(query) if query is not None else None
+        if shape is None or len(shape) != 3:
+            continue
+        projection = ops.projection_of(gm, query)
+        tokens = ops.shape(projection.args[0]) if projection is not None else None
+        if tokens is None or len(tokens) < 3:
+            continue
+        if tokens[0] > image_batch and tokens[0] % image_batch == 0:
+            per_window = math.prod(tokens[1:-1])
+            return (
+                f"windowed attention: tokens cannot be dropped without breaking the windows "
+                f"({ops.module_path(node)} attends within {tokens[0] // image_batch} windows "
+                f"of {per_window} tokens per image)"
+            )
+    return None
+
+
+def channel_attention(
+    gm: fx.GraphModule, cores: list[AttentionCore], residuals: list[Residual]
+) -> str | None:
+    """The refusal for attention over channels (XCiT's cross-covariance attention): a core whose
+    query and key vectors run along the token axis of the residual it lies in, so that its
+    softmax weighs channels against channels (C/h x C/h per head) and no token attends to
+    another. There is no token attention to score nor a token axis for it to reduce."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for core in cores:
+        reason = over_channels(core, by_name, residuals)
+        if reason is not None:
+            return f"cross-covariance attention over channels at {core.path or core.node}: {reason}"
+    return None
+
+
+def over_channels(
+    core: AttentionCore, by_name: dict[str, fx.Node], residuals: list[Residual]
+) -> str | None:
+    """Why ``core`` attends over channels, not tokens, or ``None``."""
+    node = by_name[core.node]
+    if core.kind == "sdpa":
+        query = node.args[0]
+    elif core.kind == "matmul_softmax" and core.logits_node is not None:
+        query = by_name[core.logits_node].args[0]
+    else:
+        return None
+    q_shape = ops.shape(query) if isinstance(query, fx.Node) else None
+    if q_shape is None or len(q_shape) < 3:
+        return None
+    for residual in residuals:
+        tokens = ops.shape(residual.skip)[1]
+        if node not in residual.nodes or core.query_tokens == tokens:
+            continue
+        # The product contracts the tokens: (.., C/h, N) @ (.., N, C/h).
+        if q_shape[-1] == tokens and q_shape[-2] == core.query_tokens:
+            return (
+                f"its softmax weighs {core.query_tokens} x {core.key_tokens} channels per "
+                f"head over all {tokens} tokens, so there is no token attention to score "
+                "or reduce"
+            )
+    return None
+
+
+def unmapped(
+    gm: fx.GraphModule,
+    found: list[AttentionCore],
+    blocks: list[Block],
+    residuals: list[Residual],
+    image_batch: int,
+) -> dict[str, str]:
+    """Every attention core no block maps, with why: each runs whole, and the model map says so
+    (``left_whole``, printed by ``vitcompress inspect``) rather than leaving it out silently."""
+    mapped = {b.attention.node for b in blocks} | {c.node for b in blocks for c in b.parallel_cores}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    on_axis = {w.node.name: w for w in find_window_axis_attention(gm, image_batch)}
+    reasons: dict[str, str] = {}
+    for core in found:
+        if core.node in mapped:
+            continue
+        reason = pooling_blocker(core, is_windowed(core, image_batch)) or over_channels(
+            core, by_name, residuals
+        )
+        if reason is None and core.node in on_axis:
+            axis = on_axis[core.node]
+            reason = (
+                f"it attends within {axis.windows} windows of {axis.tokens} tokens per image "
+                "laid out on an axis of their own, which no block is mapped from"
+            )
+        if reason is None:
+            reason = _queries_fewer_than_tokens(gm, core, by_name, image_batch)
+        if reason is None:
+            reason = (
+                "no block is mapped around it (no attention residual followed by an MLP "
+                "residual on its tokens)"
+            )
+        reasons[core.node] = f"{core.path or core.node}: {reason}"
+    for name, axis in on_axis.items():  # 5-D attention no core was found for
+        if name in mapped or name in reasons:
+            continue
+        keys = ops.shape(axis.node.args[1]) if ops.is_sdpa(axis.node) else None
+        if keys is not None and len(keys) == 5 and keys[3] != axis.tokens:  # Hiera's
+            reason = (
+                f"its queries are pooled ({axis.tokens} queries against {keys[3]} keys per "
+                "window), so the block changes the token count and its windows cannot be "
+                "reduced alike"
+            )
+        else:
+            reason = (
+                f"it attends within {axis.windows} windows of {axis.tokens} tokens per image "
+                "laid out on an axis of their own, which no block is mapped from"
+            )
+        reasons[name] = f"{axis.path or name}: {reason}"
+    return reasons
+
+
+def _queries_fewer_than_tokens(
+    gm: fx.GraphModule, core: AttentionCore, by_name: dict[str, fx.Node], image_batch: int
+) -> str | None:
+    """Why an attention over the whole grid that pools its queries and keys alike (MViTv2's
+    stage-1 transition: 3136 tokens in, 784 queries against 784 keys) is left whole: it gives
+    out fewer tokens than it takes; ``None`` where it does not."""
+    taken = window_tokens(gm, by_name[core.node])
+    shape = ops.shape(taken) if taken is not None else None
+    if (
+        shape is None
+        or len(shape) != 3
+        or shape[0] != image_batch
+        or core.batch != image_batch
+        or core.query_tokens is None
+        or core.query_tokens >= shape[1]
+    ):
+        return None
+    return (
+        f"its queries are pooled ({shape[1]} tokens in, {core.query_tokens} queries), so the "
+        "block changes the token count and no reduction keeps it"
+    )
+
+
+def check_windowed_block(block: Block) -> None:
+    """A windowed block runs its MLP on the kept tokens of every window: a conv or a position
+    table there would need the grid, which it does not have."""
+    mlp_ops = [op for op in block.grid_ops if op.branch == "mlp"]
+    mlp_tables = [use for use in block.position_uses if use.branch == "mlp"]
+    if mlp_ops or mlp_tables:
+        what = f"the {mlp_ops[0].kind} {mlp_ops[0].path}" if mlp_ops else mlp_tables[0].table
+        raise MappingError(
+            f"windowed block {block.index} ({block.path}) reads the token grid in its MLP "
+            f"({what}); reducing within its windows is not supported there"
+        )
