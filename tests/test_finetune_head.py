@@ -296,3 +296,19 @@ def test_validation_is_announced_in_log_lines_and_bounded_by_val_images(tmp_path
         progress=LogLines(every=100, stream=full),
     )
     assert "validating 16 images" in full.getvalue().splitlines()
+
+
+def test_a_run_with_a_replaced_head_resumes(tmp_path):
+    # The resumed run replaces the head again, then the checkpoint gives it its trained weights.
+    data = _blocks(tmp_path / "idx", 4, 2)
+    args = ["finetune", "--model", TINY, *WIDE_CLI, "--variant", "etps", "--data",
+            "fashion-mnist", "--data-dir", data, "--batch-size", 8, "--lr", "0.001",
+            "--warmup-epochs", 0, "--out", tmp_path / "ft", "--json"]  # fmt: skip
+    first = run(*args, "--max-steps", 2)
+    assert first.exit_code == 0, first.output
+    resumed = run(*args, "--max-steps", 4, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads(resumed.stdout)["steps"] == 4
+    model = vitcompress.load(tmp_path / "ft")
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 32, 32)).shape == (1, 10)

@@ -136,9 +136,11 @@ class RichProgress(FinetuneProgress):
 
 
 class LogLines(FinetuneProgress):
-    """One plain line every ``every`` optimizer steps and one per epoch, flushed at once:
+    """One plain line every ``every`` optimizer steps, one as each validation starts and one per
+    epoch, flushed at once:
 
         step 20/80 (epoch 1/4): loss 0.6931, lr 2.50e-04, 118 img/s
+        validating 512 images
         epoch 1/4 done at step 20: train loss 0.7012, lr 2.50e-04, 120 img/s, val top-1 51.20%
 
     The images/s of a step line is the record's: the images over the wall time since the last

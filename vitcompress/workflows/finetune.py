@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
-from vitcompress.data import AugmentConfig, DataError
+from vitcompress.data import AugmentConfig, DataConfig, DataError
 from vitcompress.loading import LoadedModel
 from vitcompress.status import warn
 from vitcompress.training.config import (  # noqa: F401 - tests import the checks here
@@ -223,7 +223,7 @@ def _datasets(
     out: str,
     spec: str,
     progress: FinetuneProgress | None,
-) -> tuple[dict[str, Any], Any]:
+) -> tuple[dict[str, Any], DataConfig]:
     """The training and validation sets, brought as ``student`` expects its images, and the data
     config used, which becomes the model's own (the artifact records it, docs/data.md)."""
     from vitcompress.compilation.metadata import attach
