@@ -1,5 +1,6 @@
-"""The fused select -> gather -> squeeze kernel (``vitcompress.kernels``): equal to the method's
-composition, by hand on a small case, inside compressed models, and as one op under compile.
+"""The fused kernels (``vitcompress.kernels``): select -> gather -> squeeze and ToMe's matching
+and merge, each equal to the method's composition, by hand on a small case, inside compressed
+models, and as one op under compile.
 
 The first test to run builds the C++ extension (about a minute on 2 cores; cached afterwards).
 """
@@ -21,6 +22,8 @@ from vitcompress.kernels import (
     enable_fused_kernels,
     select_squeeze,
     select_squeeze_reference,
+    tome_merge,
+    tome_merge_reference,
 )
 
 SIZE = (3, 32, 32)
@@ -95,6 +98,49 @@ def test_scores_that_require_grad_do_not_reach_the_op() -> None:
     want, _ = select_squeeze_reference(x, scores, 1, 6)
     assert not tokens.requires_grad and not want.requires_grad
     torch.testing.assert_close(tokens, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("protected", [0, 1, 2, 5])
+@pytest.mark.parametrize("r", [1, 6, 40])  # 40: clamped to half the unprotected tokens
+@pytest.mark.parametrize("with_sizes", [False, True])
+def test_tome_kernel_equals_the_method(protected: int, r: int, with_sizes: bool) -> None:
+    x = torch.randn(3, 23, 16)
+    metric = torch.randn(3, 23, 8)
+    sizes = torch.randint(1, 5, (3, 23)).float() if with_sizes else None
+    tokens, new_sizes, index = tome_merge(x, metric, sizes, r, protected)
+    want_tokens, want_sizes, want_index = tome_merge_reference(x, metric, sizes, r, protected)
+    merged = min(r, (23 - protected) // 2)
+    assert tokens.shape == (3, 23 - merged, 16) and tokens.dtype == x.dtype
+    assert torch.equal(index, want_index) and torch.equal(new_sizes, want_sizes)
+    torch.testing.assert_close(tokens, want_tokens, atol=1e-5, rtol=1e-5)
+    assert torch.equal(index[:, :protected], torch.arange(protected).expand(3, -1))
+    assert (new_sizes.sum(dim=1) == (23 if sizes is None else sizes.sum(dim=1))).all()
+
+
+def test_tome_kernel_by_hand() -> None:
+    """Tokens a0 b0 a1 b1 (even a, odd b), r = 1: a1's metric is b0's, a0's is orthogonal to
+    both b, so a1 merges into b0 with sizes 1 and 3: (x1 + 3 x2) / 4, size 4; ToMe's order keeps
+    a0, then b0 and b1."""
+    x = torch.tensor([[[1.0, 0.0], [0.0, 4.0], [8.0, 0.0], [2.0, 2.0]]])
+    metric = torch.tensor([[[0.0, 0.0, 1.0], [1.0, 0.0, 0.0], [2.0, 0.0, 0.0], [0.0, 1.0, 0.0]]])
+    sizes = torch.tensor([[1.0, 1.0, 3.0, 2.0]])
+    tokens, new_sizes, index = tome_merge(x, metric, sizes, 1, 0)
+    assert index.tolist() == [[0, 1, 3]] and new_sizes.tolist() == [[1.0, 4.0, 2.0]]
+    want = torch.tensor([[[1.0, 0.0], [(0.0 + 24.0) / 4, 4.0 / 4], [2.0, 2.0]]])
+    torch.testing.assert_close(tokens, want, atol=1e-6, rtol=1e-6)
+
+
+def test_tome_kernel_ties_and_half_precision_as_the_method() -> None:
+    """Equal best scores (repeated metric rows) merge the earlier token first; bf16 tokens are
+    merged in float32 and returned in bf16, as the method does; r = 0 merges nothing."""
+    metric = torch.randn(2, 5, 8).repeat(1, 4, 1)  # every row four times
+    x = torch.randn(2, 20, 16).to(torch.bfloat16)
+    tokens, new_sizes, index = tome_merge(x, metric, None, 7, 1)
+    want_tokens, want_sizes, want_index = tome_merge_reference(x, metric, None, 7, 1)
+    assert tokens.dtype == torch.bfloat16 and torch.equal(index, want_index)
+    assert torch.equal(new_sizes, want_sizes)
+    torch.testing.assert_close(tokens.float(), want_tokens.float(), atol=1e-2, rtol=1e-2)
+    assert tome_merge(x, metric, None, 0, 1) is None
 
 
 @pytest.mark.parametrize("prefix", [-1, 12])
@@ -199,6 +245,26 @@ def test_compiled_as_one_graph_with_the_kernel_as_one_call() -> None:
         torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
     assert sum("vitcompress.select_squeeze" in t for t in targets) == 2
+
+
+def test_tome_compiled_as_one_graph_with_the_kernel_as_one_call() -> None:
+    torch.manual_seed(0)
+    base = sharpen(timm_small("vit_small_patch16_224"))
+    model = vitcompress.compress(base, "tome", keep=0.7, locs=[1], input_size=SIZE).eval()
+    assert enable_fused_kernels(model) == 3  # blocks 1, 2 and 3
+    targets: list[str] = []
+
+    def backend(graph_module: torch.fx.GraphModule, example_inputs):
+        targets.extend(str(node.target) for node in graph_module.graph.nodes)
+        return graph_module.forward
+
+    x = torch.randn(2, *SIZE)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    assert sum("vitcompress.tome_merge" in t for t in targets) == 3
 
 
 def test_export_traces_the_methods_path_and_restores_the_switch(tmp_path) -> None:

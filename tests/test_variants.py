@@ -172,7 +172,7 @@ def test_the_built_in_variants_are_registered_objects() -> None:
         True,
     )
     # What callers ask, answered by the parts.
-    assert dtps.fused_kernel and not evit.fused_kernel and not tome.fused_kernel
+    assert dtps.fused_kernel and tome.fused_kernel and not evit.fused_kernel
     assert dtps.keeps_grid_positions and not evit.keeps_grid_positions
     assert all(v.searchable for v in (dtps, evit, tome))
     assert tome.settings == {} and get_variant("tome", {"r": 4}).settings == {"r": 4}

@@ -1,8 +1,10 @@
 """Fused kernels: compiled C++ versions of method compositions, for serving on the CPU.
 
-Optional and off by default: the first use builds the extension with the machine's C++ compiler
-(about a minute, cached afterwards under torch's extensions directory). Each kernel is registered
-as a ``torch.library`` custom op, so ``torch.compile(fullgraph=True)`` keeps it as one call.
+The default eval path on the CPU wherever the extensions build (:func:`kernel_runs`): the first
+use builds them with the machine's C++ compiler and ninja (about a minute, cached afterwards under
+torch's extensions directory); where they cannot be built the method's ops run, with the same
+results. Each kernel is registered as a ``torch.library`` custom op with a fake implementation,
+so ``torch.compile(fullgraph=True)`` keeps it as one call.
 """
 
 from vitcompress.kernels.ops import (
@@ -10,9 +12,12 @@ from vitcompress.kernels.ops import (
     build_fused_kernels,
     enable_fused_kernels,
     fused_kernels_available,
+    kernel_runs,
     method_path,
     select_squeeze,
     select_squeeze_reference,
+    tome_merge,
+    tome_merge_reference,
 )
 
 __all__ = [
@@ -20,7 +25,10 @@ __all__ = [
     "build_fused_kernels",
     "enable_fused_kernels",
     "fused_kernels_available",
+    "kernel_runs",
     "method_path",
     "select_squeeze",
     "select_squeeze_reference",
+    "tome_merge",
+    "tome_merge_reference",
 ]

@@ -1,8 +1,16 @@
-"""``vitcompress::select_squeeze``: top-k -> gather -> squeeze as one op (TPS at inference, CPU).
+"""The fused ops: ``vitcompress::select_squeeze`` (select -> gather -> squeeze, dTPS, eTPS and
+DynamicViT) and ``vitcompress::tome_merge`` (ToMe's matching and merge), each one C++ kernel on
+the CPU at inference.
 
-:func:`select_squeeze_reference` is the same computation from the method's functions; the kernel
-must equal it. The kernel serves inference only: it has no backward, and training keeps the
-method's path (dTPS trains on masks, eTPS needs the gradients of its gathers).
+:func:`select_squeeze_reference` and :func:`tome_merge_reference` are the same computations from
+the method's functions; the kernels must equal them. The kernels serve inference only: they have
+no backward, and training keeps the method's path (dTPS trains on masks, eTPS and ToMe need the
+gradients of their gathers and sums).
+
+Which path a reducer takes is its switch (``fused_kernel``): ``True`` (:func:`enable_fused_kernels`)
+always the kernel when autograd does not record, ``False`` always the method's ops, ``None`` (the
+default) the kernel where it can serve (:func:`kernel_runs`): on the CPU, outside autograd, outside
+a compiler's or an exporter's trace, once the extension is built here.
 """
 
 from __future__ import annotations
@@ -14,59 +22,100 @@ from types import ModuleType
 
 import torch
 from torch import Tensor, nn
+from torch.utils.flop_counter import register_flop_formula
 
 from vitcompress.errors import UserError
-from vitcompress.method import gather_tokens, split_by_score, squeeze
+from vitcompress.method import (
+    bipartite_soft_matching,
+    gather_tokens,
+    merge_count,
+    merge_tokens,
+    split_by_score,
+    squeeze,
+)
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "select_squeeze.cpp"
+_SOURCES = Path(__file__).resolve().parent / "csrc"
+# extension name -> its source (one extension each: a change to one rebuilds only that one)
+_EXTENSIONS = {
+    "vitcompress_select_squeeze": _SOURCES / "select_squeeze.cpp",
+    "vitcompress_tome_merge": _SOURCES / "tome_merge.cpp",
+}
 
 
 class FusedKernelError(RuntimeError, UserError):
     """The fused kernels cannot be built or used here (a user error: one line)."""
 
 
-# The built extension, or the error its build raised: either way the build is tried once per
+# Each built extension, or the error its build raised: either way a build is tried once per
 # process (a failed build takes as long as a good one).
 _built: dict[str, ModuleType | FusedKernelError] = {}
 
 
-def _extension() -> ModuleType:
-    if "extension" not in _built:
+def _extension(name: str = "vitcompress_select_squeeze") -> ModuleType:
+    if name not in _built:
         from torch.utils.cpp_extension import load
 
         try:
-            _built["extension"] = load(
-                name="vitcompress_select_squeeze",
-                sources=[str(_SOURCE)],
-                extra_cflags=["-O3"],
-                verbose=False,
+            _built[name] = load(
+                name=name, sources=[str(_EXTENSIONS[name])], extra_cflags=["-O3"], verbose=False
             )
         except Exception as error:  # noqa: BLE001 - a compiler's failure has many types
             text = str(error).strip()
             first = text.splitlines()[0] if text else type(error).__name__
-            _built["extension"] = FusedKernelError(
+            _built[name] = FusedKernelError(
                 f"the fused kernels could not be built (they need a C++ compiler and ninja): "
                 f"{first}"
             )
-    built = _built["extension"]
+    built = _built[name]
     if isinstance(built, FusedKernelError):
         raise built
     return built
 
 
 def build_fused_kernels() -> None:
-    """Build the extension now (about a minute the first time; cached on disk afterwards), so
-    that a machine that cannot build it fails here, in one line (:class:`FusedKernelError`)."""
-    _extension()
+    """Build the extensions now (about a minute each the first time; cached on disk afterwards),
+    so that a machine that cannot build them fails here, in one line (:class:`FusedKernelError`)."""
+    for name in _EXTENSIONS:
+        _extension(name)
 
 
 def fused_kernels_available() -> bool:
-    """Whether the extension builds (or is built) here."""
+    """Whether the extensions build (or are built) here."""
     try:
-        _extension()
+        build_fused_kernels()
     except FusedKernelError:
         return False
     return True
+
+
+def _tracing() -> bool:
+    """Whether a compiler, an exporter or ``torch.fx`` traces the forward now: the default path
+    is then the method's (no build inside a trace, and exporters have no form for the ops)."""
+    return (
+        torch.compiler.is_compiling()
+        or torch.compiler.is_exporting()
+        or torch.onnx.is_in_onnx_export()
+        or torch.jit.is_tracing()
+        or torch.fx._symbolic_trace.is_fx_tracing()
+    )
+
+
+def kernel_runs(setting: bool | None, x: Tensor) -> bool:
+    """Whether a reducer whose switch is ``setting`` runs its fused op on ``x`` (at inference;
+    the reducer has checked training, recording and restores). ``True``: whenever autograd does
+    not record ``x`` (another device is refused by the op, in one line). ``None``: where the
+    kernel serves: on the CPU, outside autograd and any trace, the extensions built here."""
+    if setting is False:
+        return False
+    if setting is True:
+        return not x.requires_grad
+    if _tracing() or x.device.type != "cpu" or x.requires_grad:
+        return False
+    return fused_kernels_available()
+
+
+# ---------------------------------------------------------------------------------------------
+# vitcompress::select_squeeze
 
 
 @torch.library.custom_op("vitcompress::select_squeeze", mutates_args=())
@@ -86,6 +135,16 @@ def _(
         x.new_empty(batch, prefix_tokens + keep_tokens, channels),
         x.new_empty(batch, keep_tokens, dtype=torch.long),
     )
+
+
+@register_flop_formula(torch.ops.vitcompress.select_squeeze)
+def _select_squeeze_flops(
+    x_shape, scores_shape, prefix_tokens, keep_tokens, squeeze, *args, out_shape=None, **kwargs
+) -> int:
+    """The method's one counted product: each pruned token against each kept one (2 per MAC)."""
+    batch, tokens, channels = x_shape
+    pruned = tokens - prefix_tokens - keep_tokens
+    return 2 * batch * pruned * keep_tokens * channels if squeeze and pruned > 0 else 0
 
 
 def select_squeeze(
@@ -117,12 +176,79 @@ def select_squeeze_reference(
 _squeeze = squeeze  # the parameter named ``squeeze`` shadows the method's function above
 
 
-def enable_fused_kernels(model: nn.Module, enabled: bool = True) -> int:
-    """Let the model's dTPS/DynamicViT/eTPS reducers use the fused kernel at inference.
+# ---------------------------------------------------------------------------------------------
+# vitcompress::tome_merge
 
-    Builds the kernel first, so a machine that cannot build it fails here, in one line, and not
-    in the middle of a forward. Returns how many reducers were switched. Training and autograd
-    still take the method's path; a model on another device is refused at its first forward.
+
+@torch.library.custom_op("vitcompress::tome_merge", mutates_args=())
+def _tome_merge_op(
+    x: Tensor, metric: Tensor, sizes: Tensor | None, r: int, protected: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    tokens, new_sizes, index = _extension("vitcompress_tome_merge").tome_merge(
+        x, metric, sizes, r, protected
+    )
+    return tokens, new_sizes, index
+
+
+@_tome_merge_op.register_fake
+def _(
+    x: Tensor, metric: Tensor, sizes: Tensor | None, r: int, protected: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    batch, tokens, channels = x.shape
+    return (
+        x.new_empty(batch, tokens - r, channels),
+        x.new_empty(batch, tokens - r, dtype=torch.float32),
+        x.new_empty(batch, tokens - r, dtype=torch.long),
+    )
+
+
+@register_flop_formula(torch.ops.vitcompress.tome_merge)
+def _tome_merge_flops(
+    x_shape, metric_shape, sizes_shape, r, protected, *args, out_shape=None, **kwargs
+) -> int:
+    """The method's one counted product: the even tokens' metric against the odd ones'."""
+    batch, tokens, width = metric_shape
+    return 2 * batch * ((tokens + 1) // 2) * (tokens // 2) * width
+
+
+def tome_merge(
+    x: Tensor, metric: Tensor, sizes: Tensor | None, r: int, protected: int = 0
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """ToMe's step on ``x`` (B, t, C) by ``metric`` (B, t, D), ``sizes`` (B, t) or ``None`` (all
+    1): ``(tokens, sizes, index)`` as :func:`tome_merge_reference`; ``None`` where the clamped
+    ``r`` merges nothing (the tokens pass as they came)."""
+    if x.device.type != "cpu":
+        raise FusedKernelError(f"the fused kernels run on the CPU only, not on {x.device}")
+    r = merge_count(x.shape[1], r, protected)
+    if r == 0 or x.shape[1] < 2:
+        return None
+    sizes = None if sizes is None else sizes.detach()
+    return _tome_merge_op(x, metric.detach(), sizes, r, protected)
+
+
+def tome_merge_reference(
+    x: Tensor, metric: Tensor, sizes: Tensor | None, r: int, protected: int = 0
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """:func:`tome_merge` composed from the method's functions (what ``MergeReducer`` runs)."""
+    matching = bipartite_soft_matching(metric, r, protected)
+    if matching.src.shape[1] == 0:
+        return None
+    if sizes is None:
+        sizes = x.new_ones(x.shape[:2], dtype=torch.float32)
+    return merge_tokens(x, sizes, matching)
+
+
+# ---------------------------------------------------------------------------------------------
+# The switch
+
+
+def enable_fused_kernels(model: nn.Module, enabled: bool | None = True) -> int:
+    """Set the fused-kernel switch of the model's dTPS/DynamicViT/eTPS/ToMe reducers.
+
+    ``True`` builds the kernels first, so a machine that cannot build them fails here, in one
+    line, and not in the middle of a forward; ``False`` keeps the method's ops; ``None`` is the
+    default (the kernel where it serves, :func:`kernel_runs`). Returns how many reducers were
+    switched. Training and autograd take the method's path whatever the switch.
     """
     if enabled:
         build_fused_kernels()
@@ -137,12 +263,16 @@ def enable_fused_kernels(model: nn.Module, enabled: bool = True) -> int:
 @contextlib.contextmanager
 def method_path(model: nn.Module) -> Iterator[None]:
     """Within the block, every reducer of ``model`` runs the method's ops (export traces them;
-    the custom op has no ONNX or ``torch.export`` form); the switches are restored afterwards."""
-    switched = [m for m in model.modules() if getattr(m, "fused_kernel", False)]
-    for module in switched:
+    the custom ops have no ONNX or ``torch.export`` form); the switches are restored afterwards."""
+    switched = [
+        (module, module.fused_kernel)
+        for module in model.modules()
+        if getattr(module, "supports_fused_kernel", False)
+    ]
+    for module, _ in switched:
         module.fused_kernel = False
     try:
         yield
     finally:
-        for module in switched:
-            module.fused_kernel = True
+        for module, setting in switched:
+            module.fused_kernel = setting

@@ -46,6 +46,7 @@ class TokenFuse(Protocol):
     adds_token: bool
     fused_kernel: bool
     takes_pruned: bool
+    weighs_pruned: bool
 
     def fuse(
         self, prefix: Tensor, kept: Tensor, pruned: Tensor, pruned_scores: Tensor
@@ -54,10 +55,24 @@ class TokenFuse(Protocol):
     def fuse_masked(self, patches: Tensor, host_mask: Tensor, donor_mask: Tensor) -> Tensor: ...
 
     def kernel(
-        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int
-    ) -> tuple[Tensor, Tensor]: ...
+        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int, setting: bool | None
+    ) -> tuple[Tensor, Tensor] | None: ...
 
     def masked_hosts(self, patches: Tensor, host_mask: Tensor) -> Tensor | None: ...
+
+
+class MergeFuse(Protocol):
+    """What ``MergeReducer`` asks of ToMe's fuse: its fused op, where it runs."""
+
+    def merge_kernel(
+        self,
+        x: Tensor,
+        metric: Tensor,
+        sizes: Tensor | None,
+        r: int,
+        protected: int,
+        setting: bool | None,
+    ) -> tuple[Tensor, Tensor, Tensor] | None: ...
 
 
 @dataclass
@@ -125,6 +140,18 @@ class RecordsAssignment:
         )
 
 
+def _kernel_may_run(reducer: RecordsAssignment) -> bool:
+    """Whether a reducer may hand its step to a fused op (which decides whether it runs): at
+    inference, with its switch not off, neither recording nor tracing for a restore (the
+    kernels keep no record of what they remove)."""
+    return (
+        reducer.fused_kernel is not False
+        and not reducer.training
+        and not reducer.record
+        and reducer.restore_rule is None
+    )
+
+
 def _kept_positions(positions: Tensor | None, keep_index: Tensor) -> Tensor:
     """Grid positions of the kept tokens. Without ``positions`` the tokens are still in grid
     order, so the kept tokens' indices are their positions."""
@@ -145,10 +172,11 @@ class FusingReducer(RecordsAssignment, nn.Module):
         self.keep_ratio = keep_ratio
         self.fuse = fuse
         self.policy = policy
-        # Set by vitcompress.kernels.enable_fused_kernels: select -> gather -> fuse as one op
-        # at inference. Not state: a saved model loads with the method's path. A fuse without a
-        # kernel (EViT's) keeps the method's path.
-        self.fused_kernel = False
+        # select -> gather -> fuse as one op at inference: None (the default) where the fuse's
+        # kernel serves (vitcompress.kernels.kernel_runs), True or False as
+        # vitcompress.kernels.enable_fused_kernels sets it. Not state: a saved model loads with
+        # the default. A fuse without a kernel (EViT's) keeps the method's path.
+        self.fused_kernel: bool | None = None
         self.supports_fused_kernel = fuse.fused_kernel
 
     def extra_repr(self) -> str:
@@ -169,15 +197,11 @@ class FusingReducer(RecordsAssignment, nn.Module):
         """Keep the ``k`` patch tokens first in ``order``; the fuse takes the rest (weighted by
         ``scores`` where it weighs them). Returns ``(tokens, None, positions, trace)``."""
         p = self.prefix_tokens
-        if (
-            self.fused_kernel
-            and not self.training
-            and not x.requires_grad
-            and not self.record
-            and self.restore_rule is None  # the kernel keeps no record of the pruned
-        ):
-            tokens, keep_index = self.fuse.kernel(x, order, p, k)
-            return tokens, None, _kept_positions(positions, keep_index), trace
+        if _kernel_may_run(self):
+            fused = self.fuse.kernel(x, order, p, k, self.fused_kernel)
+            if fused is not None:
+                tokens, keep_index = fused
+                return tokens, None, _kept_positions(positions, keep_index), trace
         prefix, patches = x[:, :p], x[:, p:]
         keep_index, prune_index = split_by_score(order, k)
         kept = gather_tokens(patches, keep_index)
@@ -187,9 +211,9 @@ class FusingReducer(RecordsAssignment, nn.Module):
         pruned = gather_tokens(patches, prune_index) if gather_pruned else patches[:, :0]
         positions = _kept_positions(positions, keep_index)
         fuse_pruned = pruned if self.fuse.takes_pruned else patches[:, :0]
-        tokens, host_index = self.fuse.fuse(
-            prefix, kept, fuse_pruned, scores.gather(1, prune_index)
-        )
+        # The pruned tokens' scores only where the fuse weighs them (EViT): one gather fewer.
+        pruned_scores = scores.gather(1, prune_index) if self.fuse.weighs_pruned else scores[:, :0]
+        tokens, host_index = self.fuse.fuse(prefix, kept, fuse_pruned, pruned_scores)
         self._recorded(x, keep_index=keep_index, prune_index=prune_index, host_index=host_index)
         if self.fuse.adds_token:  # a token on no grid position
             positions = torch.cat([positions, positions.new_full((x.shape[0], 1), -1)], dim=1)
@@ -321,10 +345,16 @@ class MergeReducer(RecordsAssignment, nn.Module):
     proportional attention of the blocks after it. ``None`` sizes mean all 1 (nothing merged yet).
     """
 
-    def __init__(self, prefix_tokens: int, r: int, keep: float | None = None) -> None:
+    def __init__(
+        self, prefix_tokens: int, r: int, keep: float | None = None, fuse: MergeFuse | None = None
+    ) -> None:
         super().__init__()
         self.prefix_tokens = prefix_tokens
         self.r = r
+        # The matching and merge as one op at inference, as FusingReducer's select and fuse.
+        self.fuse = fuse
+        self.fused_kernel: bool | None = None
+        self.supports_fused_kernel = fuse is not None
         # Given, r is read off the tokens that arrive: round(n * (1 - keep)). A windowed block
         # with padded windows reduces its groups of windows (49, 35, 25 real tokens) with this
         # one module, and each group must keep its share, not lose a full window's r.
@@ -352,6 +382,14 @@ class MergeReducer(RecordsAssignment, nn.Module):
         sizes: Tensor | None = None,
         trace: tuple = (),
     ) -> tuple[Tensor, None, Tensor | None, Tensor | None, tuple]:
+        p = self.prefix_tokens
+        if self.fuse is not None and _kernel_may_run(self):
+            merged = self.fuse.merge_kernel(
+                x, metric, sizes, self.merged(metric.shape[1]), p, self.fused_kernel
+            )
+            if merged is not None:
+                tokens, sizes, index = merged
+                return tokens, None, _kept_positions(positions, index[:, p:] - p), sizes, trace
         matching = bipartite_soft_matching(metric, self.merged(metric.shape[1]), self.prefix_tokens)
         self._recorded(x, matching=matching)
         if matching.src.shape[1] == 0:  # r = 0 merges nothing: the tokens pass as they came
@@ -359,7 +397,6 @@ class MergeReducer(RecordsAssignment, nn.Module):
         if sizes is None:
             sizes = x.new_ones(x.shape[:2], dtype=torch.float32)
         tokens, sizes, index = merge_tokens(x, sizes, matching)
-        p = self.prefix_tokens
         patch_index = index[:, p:] - p
         positions = _kept_positions(positions, patch_index)
         removal = None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vitcompress.kernels.ops import select_squeeze
+from vitcompress.kernels.ops import kernel_runs, select_squeeze, tome_merge
 from vitcompress.method import (
     evit_fuse,
     masked_host_index,
@@ -47,6 +47,7 @@ class Fuse:
     # A token taken in at one location stays in its host's group at the next (ToMe's merges).
     groups_grow: bool = False
     takes_pruned: bool = True  # :meth:`fuse` reads the pruned tokens (else it gets them empty)
+    weighs_pruned: bool = False  # :meth:`fuse` reads the pruned tokens' scores (else empty)
     added_token_legend: str = ""  # the legend's line for the token it adds, where it adds one
     # How a token it removed comes back where the model reads tokens by position (dense outputs,
     # grid ops; method/restore.py): the rules that apply, and the default (docs/dense.md has the
@@ -56,8 +57,10 @@ class Fuse:
 
     @property
     def fused_kernel(self) -> bool:
-        """Whether select -> gather -> fuse runs as one fused op (``--fused-kernels``)."""
-        return type(self).kernel is not Fuse.kernel
+        """Whether the reduction runs as one fused op at inference (select -> gather -> fuse,
+        or ToMe's matching and merge; ``vitcompress.kernels``)."""
+        kind = type(self)
+        return kind.kernel is not Fuse.kernel or kind.merge_kernel is not Fuse.merge_kernel
 
     def fuse(
         self, prefix: Tensor, kept: Tensor, pruned: Tensor, pruned_scores: Tensor
@@ -71,10 +74,23 @@ class Fuse:
         return patches
 
     def kernel(
-        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int
-    ) -> tuple[Tensor, Tensor]:
-        """The fused op: ``(tokens, keep_index)``. Only where :attr:`fused_kernel` is true."""
-        raise NotImplementedError(f"{self.label}: no fused kernel")
+        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int, setting: bool | None
+    ) -> tuple[Tensor, Tensor] | None:
+        """The fused op's ``(tokens, keep_index)``, or ``None`` where it does not run for the
+        reducer's switch ``setting`` (``vitcompress.kernels.kernel_runs``) or does not exist."""
+        return None
+
+    def merge_kernel(
+        self,
+        x: Tensor,
+        metric: Tensor,
+        sizes: Tensor | None,
+        r: int,
+        protected: int,
+        setting: bool | None,
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """ToMe's fused op's ``(tokens, sizes, index)``, or ``None``, as :meth:`kernel`."""
+        return None
 
     def masked_hosts(self, patches: Tensor, host_mask: Tensor) -> Tensor | None:
         """While a predictor trains: each token's host among the N (B, N), for a restore by the
@@ -99,8 +115,10 @@ class Drop(Fuse):
     takes_pruned: bool = False  # the reducer need not gather them
 
     def kernel(
-        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int
-    ) -> tuple[Tensor, Tensor]:
+        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int, setting: bool | None
+    ) -> tuple[Tensor, Tensor] | None:
+        if not kernel_runs(setting, x):
+            return None
         return select_squeeze(x, scores, prefix_tokens, keep, False)
 
 
@@ -125,8 +143,10 @@ class Squeeze(Fuse):
         return masked_host_index(patches, host_mask)
 
     def kernel(
-        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int
-    ) -> tuple[Tensor, Tensor]:
+        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int, setting: bool | None
+    ) -> tuple[Tensor, Tensor] | None:
+        if not kernel_runs(setting, x):
+            return None
         return select_squeeze(x, scores, prefix_tokens, keep, True)
 
     def macs(self, removed: int, kept: int, dim: int) -> float:
@@ -143,6 +163,7 @@ class FuseOne(Fuse):
 
     label: str = "fused into one extra token"
     adds_token: bool = True
+    weighs_pruned: bool = True  # its token is the pruned ones' sum weighted by their scores
     added_token_legend: str = "+1: EViT's fused token of the pruned ones (no cell)"
 
     def fuse(
@@ -169,6 +190,19 @@ class Merge(Fuse):
     groups_grow: bool = True
     restore_rules: tuple[str, ...] = (DELTA, HOST, VALUE, ZERO)
     restore_default: str = DELTA  # ToMe's unmerge (host), with each token's own offset
+
+    def merge_kernel(
+        self,
+        x: Tensor,
+        metric: Tensor,
+        sizes: Tensor | None,
+        r: int,
+        protected: int,
+        setting: bool | None,
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        if not kernel_runs(setting, x):
+            return None
+        return tome_merge(x, metric, sizes, r, protected)
 
     def explain(self, assignment: Assignment, present: list[int], groups: Hosts) -> Hosts:
         """Folds this block's merges into ``groups`` (position -> positions merged into it so

@@ -232,7 +232,10 @@ class TokenMerging(Variant):
         padded = block.windows is not None and block.windows.padded
         share = location.keep if padded and self.r is None else None
         return MergeReducer(
-            prefix_tokens=block.prefix_tokens, r=location.merge_tokens or 0, keep=share
+            prefix_tokens=block.prefix_tokens,
+            r=location.merge_tokens or 0,
+            keep=share,
+            fuse=self.fuse,
         )
 
 

@@ -1,0 +1,100 @@
+"""Counting the ATen ops one eval forward dispatches: what a reduction location adds.
+
+At small batches on a GPU every dispatched op is a kernel launch, so the ops a method adds per
+location are its launch overhead. The rule (docs/results.md, "Ops per location (CPU)"):
+
+- one forward under ``torch.inference_mode()``, on the CPU, the model in eval mode;
+- every op that reaches the dispatcher's Python mode counts once (a custom op registered through
+  ``torch.library`` with its own kernel is one op, as it is one kernel), except views: an op
+  whose schema returns an alias of an input without writing it (``OpOverload.is_view``:
+  ``view``, ``t``, ``slice``, ``expand``, ``unsqueeze``, ``select``, ``transpose``, ``detach``,
+  ``_unsafe_view``, ...), which launches nothing;
+- per location = (ops of the compressed model - ops of its base, on the same input) / locations.
+  The blocks after a location run fewer tokens, not fewer ops, so the difference is what the
+  method adds. ToMe acts in every block from its first, so its figure is per block.
+
+``python -m tests.op_count`` prints the figures of docs/results.md's table.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def is_view(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func`` only makes an alias of an input (its schema's first return aliases an
+    input and is not written): such an op moves no data and launches no kernel."""
+    return bool(getattr(func, "is_view", False))
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched while it is active, views left out (``counts`` by op name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if not is_view(func):
+            self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def count_ops(model: nn.Module, x: torch.Tensor) -> Counter[str]:
+    """The ops (views excluded) one eval forward of ``model`` on ``x`` dispatches."""
+    model.eval()
+    with torch.inference_mode(), OpCounter() as counter:
+        model(x)
+    return counter.counts
+
+
+def ops_added(compressed: nn.Module, base: nn.Module, x: torch.Tensor) -> int:
+    """Ops the compressed model dispatches beyond its base's, on the same input."""
+    return sum(count_ops(compressed, x).values()) - sum(count_ops(base, x).values())
+
+
+# The issue's configuration: deit_small, blocks 3, 6, 9, keep 0.7; ToMe r = 13 in every block.
+DEIT_SMALL = "deit_small_patch16_224"
+LOCATIONS = [3, 6, 9]
+KEEP = 0.7
+TOME_R = 13
+METHODS = ("dtps", "etps", "dynamicvit", "evit", "tome")
+
+
+def deit_small_ops_per_location(method: str, fused: bool | None = None) -> float:
+    """Ops ``method`` adds per location (ToMe: per block it merges in) to a random-init
+    deit_small, batch 1. ``fused``: switch the fused kernels on or off (``None``: as
+    ``compress`` leaves them, the default eval path)."""
+    import timm
+
+    import vitcompress
+    from vitcompress.kernels import enable_fused_kernels
+
+    torch.manual_seed(0)
+    base = timm.create_model(DEIT_SMALL, pretrained=False).eval()
+    if method == "tome":
+        model = vitcompress.compress(base, "tome", variant_args={"r": TOME_R})
+    else:
+        model = vitcompress.compress(base, method, keep=KEEP, locs=LOCATIONS)
+    if fused is not None:
+        enable_fused_kernels(model, fused)
+    locations = sum(1 for m in model.modules() if hasattr(m, "restore_rule"))
+    x = torch.randn(1, 3, 224, 224)
+    return ops_added(model, base, x) / locations
+
+
+def main() -> None:
+    for method in METHODS:
+        print(f"{method:11s} {deit_small_ops_per_location(method):6.1f}")
+
+
+if __name__ == "__main__":
+    main()
