@@ -17,6 +17,9 @@ from tests.models import FIXTURES
 from tests.test_data import write_image_folder
 from vitcompress.cli.main import cli
 
+# The first-check subset (pytest -m quick, README): the CLI, bad input and measurement.
+pytestmark = pytest.mark.quick
+
 MHA = f"{FIXTURES}:mha_vit"
 SMALL = ["--model-arg", "depth=2", "--model-arg", "dim=32"]
 CNN_SOURCE = """

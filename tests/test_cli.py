@@ -12,6 +12,9 @@ from click.testing import CliRunner
 from tests.models import FIXTURES
 from vitcompress.cli.main import cli
 
+# The first-check subset (pytest -m quick, README): the CLI, bad input and measurement.
+pytestmark = pytest.mark.quick
+
 MHA = f"{FIXTURES}:mha_vit"
 EINSUM = f"{FIXTURES}:einsum_vit"
 FAST = ["--batch-size", "4", "--warmup", "1", "--runs", "2"]

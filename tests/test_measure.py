@@ -24,6 +24,9 @@ from vitcompress.measure import (
     paired_ratio,
 )
 
+# The first-check subset (pytest -m quick, README): the CLI, bad input and measurement.
+pytestmark = pytest.mark.quick
+
 # --------------------------------------------------------------------------------------------------
 # A tiny hand-written ViT whose MACs can be written down by hand
 # --------------------------------------------------------------------------------------------------

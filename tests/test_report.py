@@ -13,6 +13,9 @@ from tests.test_data import write_image_folder
 from vitcompress.cli.main import cli
 from vitcompress.workflows.report import MARKDOWN_COLUMNS, ReportRow, merge_rows
 
+# The first-check subset (pytest -m quick, README): the CLI, bad input and measurement.
+pytestmark = pytest.mark.quick
+
 MHA = f"{FIXTURES}:mha_vit"
 # The data's two classes: eval refuses a model whose head predicts another number of them.
 TWO_CLASSES = ("--model-arg", "num_classes=2")

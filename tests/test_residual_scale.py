@@ -13,6 +13,9 @@ from tests.models import FIXTURES
 from vitcompress.cli.main import cli
 from vitcompress.measure.residual_scale import NEAR_ZERO_SCALE, near_zero_residuals
 
+# The first-check subset (pytest -m quick, README): the CLI, bad input and measurement.
+pytestmark = pytest.mark.quick
+
 SMALL_DINOV2 = [
     "--model",
     "vit_small_patch14_dinov2",
