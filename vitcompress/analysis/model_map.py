@@ -16,6 +16,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# How a block's attentions' token scores combine (``Block.score_combination``; ``None``: one core).
+MEAN = "mean"  # parallel attentions: their scores averaged
+DIFFERENCE = (
+    "difference"  # differential attention: the first's minus a coefficient times the second's
+)
+
 ATTENTION_KINDS = ("sdpa", "matmul_softmax", "einsum_softmax", "multihead_attention")
 
 
@@ -74,6 +80,13 @@ class PositionUse:
     # The value a token without a grid position (EViT's fused token) takes on the table's rows:
     # what leaves the op unchanged (0 added, 1 multiplied); ``None`` when no such value is known.
     neutral: float | None = None
+
+    def gather_layout(
+        self, rank: int, tokens: int, prefix_tokens: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
+        """Where the table is gathered when read against a rank-``rank`` tensor of ``tokens``
+        tokens (``prefix_tokens`` of them first): see :func:`gather_layout`."""
+        return gather_layout(self.shape, rank, self.kind, tokens, prefix_tokens)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -308,8 +321,8 @@ class Block:
     parallel_mlp: bool = False
     # Further attention cores in the attention residual (parallel attentions, the second softmax
     # of differential attention): hooked like ``attention``; their token scores combine by
-    # ``score_combination`` ("mean", or "difference": ``attention``'s minus ``score_coefficient``
-    # times this list's one).
+    # ``score_combination`` (``MEAN``, or ``DIFFERENCE``: ``attention``'s minus
+    # ``score_coefficient`` times this list's one).
     parallel_cores: list[AttentionCore] = field(default_factory=list)
     score_combination: str | None = None
     score_coefficient: str | float | None = None  # a graph node's name, or a number
@@ -507,3 +520,49 @@ class ModelMap:
 def _grid(values: list[int]) -> tuple[int, ...]:
     """A grid as JSON wrote it: (H, W), or of any rank (a video's (T, H, W))."""
     return tuple(int(v) for v in values)
+
+
+# --- How a table laid out by token position is gathered by the kept tokens ------------------
+
+
+def gather_layout(
+    shape: tuple[int, ...], rank: int, kind: str, tokens: int, prefix_tokens: int
+) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
+    """Where a table of ``shape``, read against a rank-``rank`` tensor of ``tokens`` tokens
+    (``prefix_tokens`` of them first), is gathered: (its token dims once right-aligned to that
+    rank, the prefix rows each holds); or why it cannot be, as a phrase for the refusal.
+
+    An attention bias lies on the logits' last two dims (queries, keys), either of which may be
+    broadcast (1: a key-only or query-only bias); any other table has one token dim before its
+    last (the last is its channel axis, as RoPE's D).
+    """
+    if len(shape) > rank:
+        return f"its {len(shape)} dims do not line up with the {rank} of the tokens it meets"
+    padded = (1,) * (rank - len(shape)) + tuple(shape)
+    if padded[0] != 1:
+        return f"its first dim ({padded[0]}) is not broadcast over the images"
+    rows = {tokens - prefix_tokens: 0, tokens: prefix_tokens}  # rows before the patch tokens
+    if kind == "attention bias":
+        last_two = (rank - 2, rank - 1)
+        dims = tuple(d for d in last_two if padded[d] in rows)
+        if rank < 3 or not dims or any(padded[d] not in rows and padded[d] != 1 for d in last_two):
+            return f"its last two dims {padded[-2:]} are not the queries and keys"
+    else:
+        dims = tuple(d for d in range(1, rank - 1) if padded[d] in rows and padded[d] > 1)
+        pair = pair_dims(padded, set(rows)) if kind == "query/key table" else None
+        if pair is not None:
+            dims = pair  # a table of (query, key) pairs: both follow the kept tokens
+        elif len(dims) != 1:
+            return f"{len(dims)} of its dims {padded} could be the token axis"
+    return dims, tuple(rows[padded[d]] for d in dims)
+
+
+def pair_dims(shape: tuple, counts: set[int]) -> tuple[int, int] | None:
+    """The (queries, keys) dims of an unbatched pairwise table: two adjacent token dims of one
+    size before the last (its channel axis), the first dim 1, no other token dim."""
+    if len(shape) < 4 or shape[0] != 1:
+        return None
+    dims = [d for d in range(1, len(shape) - 1) if shape[d] in counts]
+    if len(dims) != 2 or dims[1] != dims[0] + 1 or shape[dims[0]] != shape[dims[1]]:
+        return None
+    return dims[0], dims[1]

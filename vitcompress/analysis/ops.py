@@ -305,3 +305,19 @@ def op_name(gm: fx.GraphModule, node: fx.Node) -> str:
     target = node.target
     name = getattr(target, "__name__", str(target))
     return str(name).split(".")[-1] if "." in str(name) else str(name)
+
+
+def shape_read(node: fx.Node, of: fx.Node) -> int | None:
+    """The axis of ``of``'s shape that ``node`` reads (``x.shape[i]``), or ``None``."""
+    if not (node.op == "call_function" and node.target is operator.getitem):
+        return None
+    source, axis = node.args[0], node.args[1]
+    if not (
+        isinstance(source, fx.Node)
+        and source.op == "call_function"
+        and source.target is getattr
+        and source.args == (of, "shape")
+        and isinstance(axis, int)
+    ):
+        return None
+    return axis

@@ -24,10 +24,7 @@ import torch
 import torch.fx as fx
 
 from vitcompress.analysis import ops
-from vitcompress.analysis.model_map import AttentionCore
-
-MEAN = "mean"
-DIFFERENCE = "difference"
+from vitcompress.analysis.model_map import DIFFERENCE, MEAN, AttentionCore
 
 _SUB = ({operator.sub, operator.isub, torch.sub, torch.subtract}, {"sub", "sub_", "subtract"})
 _MUL = ({operator.mul, operator.imul, torch.mul, torch.multiply}, {"mul", "mul_", "multiply"})

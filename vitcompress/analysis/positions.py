@@ -27,7 +27,7 @@ import operator
 import torch.fx as fx
 
 from vitcompress.analysis import ops
-from vitcompress.analysis.model_map import AttentionCore, PositionUse
+from vitcompress.analysis.model_map import AttentionCore, PositionUse, gather_layout, pair_dims
 
 CONSTANT_PREFIX = "_tensor_constant"  # how torch.fx names tensors it folds into the graph
 
@@ -195,21 +195,10 @@ def _pair_source(softmax: fx.Node, counts: set[int]) -> fx.Node | None:
         seen.add(node)
         inputs = [n for n in node.all_input_nodes if n.meta.get("carries_tensor", True)]
         shape = ops.shape(node)
-        if not inputs and shape is not None and _pair_dims(shape, counts) is not None:
+        if not inputs and shape is not None and pair_dims(shape, counts) is not None:
             sources.append(node)
         stack.extend(inputs)
     return sources[0] if len(sources) == 1 else None
-
-
-def _pair_dims(shape: tuple, counts: set[int]) -> tuple[int, int] | None:
-    """The (queries, keys) dims of an unbatched pairwise table: two adjacent token dims of one
-    size before the last (its channel axis), the first dim 1, no other token dim."""
-    if len(shape) < 4 or shape[0] != 1:
-        return None
-    dims = [d for d in range(1, len(shape) - 1) if shape[d] in counts]
-    if len(dims) != 2 or dims[1] != dims[0] + 1 or shape[dims[0]] != shape[dims[1]]:
-        return None
-    return dims[0], dims[1]
 
 
 def _positional_use(
@@ -293,38 +282,6 @@ def _elementwise(node: fx.Node) -> str | None:
 
 def _attn_mask(node: fx.Node) -> object:
     return node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-
-
-def gather_layout(
-    shape: tuple[int, ...], rank: int, kind: str, tokens: int, prefix_tokens: int
-) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
-    """Where a table of ``shape``, read against a rank-``rank`` tensor of ``tokens`` tokens
-    (``prefix_tokens`` of them first), is gathered: (its token dims once right-aligned to that
-    rank, the prefix rows each holds); or why it cannot be, as a phrase for the refusal.
-
-    An attention bias lies on the logits' last two dims (queries, keys), either of which may be
-    broadcast (1: a key-only or query-only bias); any other table has one token dim before its
-    last (the last is its channel axis, as RoPE's D).
-    """
-    if len(shape) > rank:
-        return f"its {len(shape)} dims do not line up with the {rank} of the tokens it meets"
-    padded = (1,) * (rank - len(shape)) + tuple(shape)
-    if padded[0] != 1:
-        return f"its first dim ({padded[0]}) is not broadcast over the images"
-    rows = {tokens - prefix_tokens: 0, tokens: prefix_tokens}  # rows before the patch tokens
-    if kind == "attention bias":
-        last_two = (rank - 2, rank - 1)
-        dims = tuple(d for d in last_two if padded[d] in rows)
-        if rank < 3 or not dims or any(padded[d] not in rows and padded[d] != 1 for d in last_two):
-            return f"its last two dims {padded[-2:]} are not the queries and keys"
-    else:
-        dims = tuple(d for d in range(1, rank - 1) if padded[d] in rows and padded[d] > 1)
-        pair = _pair_dims(padded, set(rows)) if kind == "query/key table" else None
-        if pair is not None:
-            dims = pair  # a table of (query, key) pairs: both follow the kept tokens
-        elif len(dims) != 1:
-            return f"{len(dims)} of its dims {padded} could be the token axis"
-    return dims, tuple(rows[padded[d]] for d in dims)
 
 
 def _blocker(

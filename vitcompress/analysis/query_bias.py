@@ -42,22 +42,6 @@ def _queries(core: fx.Node) -> set[fx.Node]:
     return found
 
 
-def shape_read(node: fx.Node, of: fx.Node) -> int | None:
-    """The axis of ``of``'s shape that ``node`` reads (``x.shape[i]``), or ``None``."""
-    if not (node.op == "call_function" and node.target is operator.getitem):
-        return None
-    source, axis = node.args[0], node.args[1]
-    if not (
-        isinstance(source, fx.Node)
-        and source.op == "call_function"
-        and source.target is getattr
-        and source.args == (of, "shape")
-        and isinstance(axis, int)
-    ):
-        return None
-    return axis
-
-
 def find_query_bias(
     gm: fx.GraphModule, core: fx.Node, entering: fx.Node, tokens: int, image_batch: int
 ) -> QueryBias | str | None:
@@ -85,7 +69,7 @@ def find_query_bias(
     shape = ops.shape(entering) or ()
     sizes: dict[fx.Node, int] = {}
     for node in sorted(inputs - set(source), key=lambda n: n.name):  # one line, every run
-        axis = shape_read(node, entering)
+        axis = ops.shape_read(node, entering)
         if axis is not None and -len(shape) <= axis < len(shape):
             sizes[node] = int(shape[axis])
         else:
@@ -102,7 +86,7 @@ def find_query_bias(
     tables = tuple(sorted(str(n.target) for n in made if n.op == "get_attr"))
     order = [node for node in gm.graph.nodes if node in made]
     probe = ops.shape(query)
-    reads_batch = any(shape_read(node, entering) in (0, -len(shape)) for node in sizes)
+    reads_batch = any(ops.shape_read(node, entering) in (0, -len(shape)) for node in sizes)
     if probe and not reads_batch and probe[0] % image_batch == 0:
         probe = (probe[0] // image_batch, *probe[1:])  # one image's windows: less memory
     try:

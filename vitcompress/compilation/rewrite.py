@@ -31,9 +31,7 @@ import torch.fx as fx
 from torch import nn
 
 from vitcompress.analysis import ops
-from vitcompress.analysis.model_map import Block, ModelMap
-from vitcompress.analysis.parallel import DIFFERENCE
-from vitcompress.analysis.positions import gather_layout
+from vitcompress.analysis.model_map import DIFFERENCE, Block, ModelMap
 from vitcompress.compilation.graph_edits import copy_between, erase_unused, getitems, replace_uses
 from vitcompress.compilation.naming import HOOK_PREFIX, REDUCER_PREFIX, RewriteError
 from vitcompress.compilation.plan import Plan
@@ -394,9 +392,7 @@ class _Rewriter(WindowRewrites):
             if use.branch != branch:
                 continue
             meeting, table = self.nodes[use.node], self.nodes[use.table_node]
-            layout = gather_layout(
-                use.shape, len(ops.shape(meeting)), use.kind, block.tokens, block.prefix_tokens
-            )
+            layout = use.gather_layout(len(ops.shape(meeting)), block.tokens, block.prefix_tokens)
             if use.blocker is not None or isinstance(layout, str):
                 raise RewriteError(
                     f"the position table {use.table} of block {block.index} ({use.path}) cannot "

@@ -16,7 +16,6 @@ import torch.fx as fx
 
 from vitcompress.analysis import ops
 from vitcompress.analysis.model_map import Block, PerTokenBranch, Windows
-from vitcompress.analysis.query_bias import shape_read
 from vitcompress.compilation.graph_edits import copy_between, erase_unused, getitems, replace_uses
 from vitcompress.compilation.naming import REDUCER_PREFIX
 from vitcompress.modules.restore import TokenRestore
@@ -321,7 +320,7 @@ class WindowRewrites:
         for name in windows.full_window_reads:
             user = self.nodes[name]
             for read in list(user.all_input_nodes):
-                axis = shape_read(read, handed)
+                axis = ops.shape_read(read, handed)
                 if axis is None:
                     continue
                 if axis not in full:

@@ -11,7 +11,6 @@ import torch.fx as fx
 from vitcompress.analysis import ops
 from vitcompress.analysis.cores import Ancestry
 from vitcompress.analysis.model_map import AttentionCore
-from vitcompress.analysis.query_bias import shape_read
 
 
 def spatial_reads(entering: fx.Node) -> list[fx.Node]:
@@ -41,7 +40,7 @@ def size_reads(entering: fx.Node) -> list[fx.Node]:
         read
         for shape in entering.users
         for read in shape.users
-        if shape_read(read, entering) in (1, -2)
+        if ops.shape_read(read, entering) in (1, -2)
     ]
 
 
