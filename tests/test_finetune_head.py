@@ -144,6 +144,8 @@ def run(*args: str):
 
 
 def test_the_issues_run_replaces_the_head_and_bounds_validation(tmp_path):
+    for command in ("finetune", "eval"):
+        assert "--val-images" in run(command, "--help").output
     data = _blocks(tmp_path / "idx", 4, 10)  # 100 validation images
     fashion = ["--data", "fashion-mnist", "--data-dir", data]
     art = tmp_path / "x"
