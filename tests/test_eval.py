@@ -365,3 +365,12 @@ def test_eval_cli_val_images_scores_that_many_images_spread_over_the_split(folde
     dataset, _ = DataRequest(str(folder)).for_model(model, (3, 32, 32))
     expected = evaluate(model, spread_subset(dataset, 4), batch_size=3)
     assert data["top1"] == expected["top1"] and data["top5"] == expected["top5"]
+
+
+def test_a_base_whose_head_does_not_fit_the_data_is_named(folder):
+    two = ["--model-arg", "num_classes=2"]
+    result = run("eval", "--model", EINSUM, *two, "--data", str(folder), "--base", MHA,
+                 "--no-throughput")  # fmt: skip
+    assert result.exit_code == 2, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith(f"error: --base {MHA}: the model predicts 10 classes but the data has 2")

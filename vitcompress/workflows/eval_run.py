@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
-from vitcompress.data import DataConfig, check_task
+from vitcompress.data import DataConfig, DataError, check_task
 from vitcompress.data.config import defaults_note
 from vitcompress.data.segmentation import SEGMENTATION
 from vitcompress.loading import LoadedModel
@@ -224,7 +224,10 @@ def _compare_with_base(
     base_config = base_set.data_config
     # The same images when both configs agree (equality ignores where each value came from).
     evaluated = dataset if base_config == config else spread_subset(base_set, images)
-    accuracy = score(task, base.model, evaluated, loader, progress(f"base {request.spec}"))
+    try:
+        accuracy = score(task, base.model, evaluated, loader, progress(f"base {request.spec}"))
+    except DataError as e:  # say which of the two models it is about
+        raise DataError(f"--base {request.spec}: {e}") from e
     models = {"base": base.model, "model": loaded.model}
     measured, environment = measure_models(models, loaded.input_size, timing)
     # What was compared: "source" stands for the artifact's recorded base, so name that.
