@@ -11,7 +11,9 @@
 # PARTS: finetune, bench (the default pair), compiled (eager vs compiled alike, COMPILE_MODE,
 # default reduce-overhead: CUDA graphs), sweep (bench --batch-sizes on the GPU), resume (a bf16
 # finetune through Accelerate stopped by SIGTERM, then resumed), windowed (compressed Swin-T
-# against Swin-T, every method at keep 0.7). COMPILE_VARIANTS narrows the compiled part.
+# against Swin-T, every method at keep 0.7), ladder (benchmarks/gpu_ladder.py: 6 models, every
+# method, against base and ideal slicing, two processes), ladder-compiled (its compiled cells,
+# a lease of their own). COMPILE_VARIANTS narrows the compiled part.
 #
 # Runs from the repository root without installing the package (PYTHONPATH=.), so a machine
 # with torch, timm, accelerate, click, rich, safetensors and pyyaml needs nothing else.
@@ -137,6 +139,32 @@ step "headline, bf16 autocast, batch 256, eager and compiled ($COMPILE_MODE)"
 check timeout 240 python3 benchmarks/tps_speed.py --part headline --device cuda --amp bf16 \
     --batch-size 256 --rounds 2 --runs 20 --warmup 3 --compile --eager-too \
     --compile-mode "$COMPILE_MODE" --json-out "$OUT/headline_bf16_b256_eager_and_compiled.json"
+fi
+if [[ " $PARTS " == *" ladder "* || " $PARTS " == *" ladder-compiled "* ]]; then
+# Issue 40: every method against its base and ideal slicing, in two fresh processes (medians),
+# JSON records to $OUT/ladder-RUN.json and a table and plot ($OUT/ladder.md, .png) for the docs
+# (copy the JSON to benchmarks/results/gpu/ and render it with benchmarks/gpu_ladder_report.py).
+# The first process runs cells in priority order within LADDER_SECONDS (estimated per cell from
+# its GMACs at the rate measured so far, plus compilation), the second the same cells within a
+# fifth more: about 2.2 x LADDER_SECONDS plus two starts, under 6 minutes at the default 140.
+LADDER_RUN=${LADDER_RUN:-$(date +%Y%m%d-%H%M)}
+LADDER_SECONDS=${LADDER_SECONDS:-140}
+if [[ " $PARTS " == *" ladder "* ]]; then
+    step "ladder $LADDER_RUN: 6 models, every method, bf16 and fp32, batches 1-256, eager first"
+    check timeout 355 python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN" \
+        --budget-seconds "$LADDER_SECONDS" --json-out "$OUT/ladder-$LADDER_RUN.json"
+fi
+if [[ " $PARTS " == *" ladder-compiled "* ]]; then
+    # Compiling every model of a cell (base, 5 methods, 5 ideal) takes minutes: its own lease.
+    step "ladder $LADDER_RUN-compiled: deit_small and vit_base, bf16, batch 64 and 256, compiled"
+    check timeout 355 python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN-compiled" \
+        --models deit_small,vit_base --dtypes bf16 --batches 64,256 --modes compiled \
+        --budget-seconds "$LADDER_SECONDS" --json-out "$OUT/ladder-$LADDER_RUN-compiled.json"
+fi
+for json in "$OUT"/ladder-"$LADDER_RUN"*.json; do
+    [[ -f "$json" ]] && check python3 benchmarks/gpu_ladder_report.py "$json" \
+        --doc "$OUT/ladder.md" --plot "${json%.json}.png"
+done
 fi
 
 step "done, status $status"

@@ -1,0 +1,119 @@
+"""The GPU ladder script (benchmarks/gpu_ladder.py) and its renderer (gpu_ladder_report.py), on
+the CPU: ideal slicing runs the compressed model's token counts, the cells come in priority
+order, records combine as medians of the processes, a tiny two-process run writes the records
+the docs read, and the renderer puts them in a doc between its markers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vitcompress
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+FIELDS = {
+    "model", "method", "dtype", "batch", "mode", "img_per_s", "base_img_per_s",
+    "speedup_vs_base", "of_ideal",
+}  # fmt: skip
+
+
+def _script(name: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def ladder():
+    return _script("gpu_ladder")
+
+
+@pytest.fixture(scope="module")
+def report():
+    return _script("gpu_ladder_report")
+
+
+@pytest.mark.parametrize("method", ["dtps", "evit", "tome"])
+def test_ideal_slicing_runs_the_compressed_models_token_counts(ladder, method: str) -> None:
+    base, size = ladder.build_base("deit_small", tiny=True)
+    compressed = vitcompress.compress(base, method, keep=0.7, locs=[1, 2], input_size=size)
+    counts = ladder.attention_and_mlp_tokens(compressed.eval(), base, size)
+    assert counts != ladder.attention_and_mlp_tokens(base, base, size)  # something was reduced
+    ideal = ladder.ideal_slicing(base, counts)
+    assert ladder.attention_and_mlp_tokens(ideal, base, size) == counts
+    with torch.no_grad():  # the base itself is left whole
+        assert ladder.attention_and_mlp_tokens(base, base, size)[-1][0] == 65
+
+
+def test_cells_come_eager_first_then_bf16_then_the_batches_in_question(ladder) -> None:
+    args = ladder.parse_args(["--models", "deit_tiny,vit_large", "--batches", "1,8,64,256"])
+    cells = ladder.ladder_cells(args)
+    assert len(cells) == 2 * 2 * 4 * 2
+    assert [c["mode"] for c in cells[:16]] == ["eager"] * 16
+    assert [c["dtype"] for c in cells[:8]] == ["bf16"] * 8
+    assert [c["batch"] for c in cells[:8:2]] == [64, 256, 8, 1]
+    assert [c["model"] for c in cells[:2]] == ["deit_tiny", "vit_large"]
+    # On a CPU there is no bf16 autocast to time.
+    assert ladder.parse_args(["--device", "cpu"]).dtypes == "fp32"
+
+
+def test_records_combine_as_the_median_of_the_processes(ladder) -> None:
+    def record(speedup: float, ideal: float | None) -> dict:
+        return {
+            "model": "m", "method": "dtps", "dtype": "bf16", "batch": 8, "mode": "eager",
+            "img_per_s": 100 * speedup, "base_img_per_s": 100.0, "speedup_vs_base": speedup,
+            "of_ideal": ideal, "ideal_img_per_s": None if ideal is None else 120.0,
+            "warnings": [],
+        }  # fmt: skip
+
+    combined = ladder.combine([[record(0.8, 0.9)], [record(1.0, 0.95)], [record(1.3, 0.7)]])
+    assert len(combined) == 1
+    assert combined[0]["speedup_vs_base"] == 1.0
+    assert combined[0]["speedup_vs_base_processes"] == [0.8, 1.0, 1.3]
+    assert combined[0]["of_ideal"] == 0.9 and combined[0]["processes"] == 3
+    (no_ideal,) = ladder.combine([[record(0.8, None)], [record(1.0, None)]])
+    assert no_ideal["of_ideal"] is None and no_ideal["speedup_vs_base"] == pytest.approx(0.9)
+
+
+def test_a_tiny_ladder_in_two_processes_writes_the_records(ladder, report, tmp_path) -> None:
+    out = tmp_path / "ladder-test.json"
+    code = ladder.main(
+        [
+            "--device", "cpu", "--tiny", "--models", "deit_tiny,swin_tiny",
+            "--methods", "etps,tome", "--batches", "2", "--modes", "eager", "--runs", "2",
+            "--warmup", "0", "--run", "test", "--json-out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    records = json.loads(out.read_text())
+    assert isinstance(records, list) and len(records) == 2 * 2
+    for r in records:
+        assert FIELDS <= set(r)
+        assert r["processes"] == 2 and len(r["img_per_s_processes"]) == 2
+        assert r["mode"] == "eager" and r["dtype"] == "fp32" and r["batch"] == 2
+        assert r["speedup_vs_base"] > 0 and r["img_per_s"] > 0
+        # Swin has no ideal model; a plain ViT has.
+        assert (r["of_ideal"] is None) == (r["model"] == "swin_tiny")
+    tome = next(r for r in records if r["model"] == "deit_tiny" and r["method"] == "tome")
+    etps = next(r for r in records if r["model"] == "deit_tiny" and r["method"] == "etps")
+    assert tome["gmacs"] < tome["base_gmacs"] and etps["gmacs"] < etps["base_gmacs"]
+
+    doc = tmp_path / "serving.md"
+    doc.write_text("# Serving\n\ntext before\n")
+    plot = tmp_path / "img" / "ladder.png"
+    report.main([str(out), "--doc", str(doc), "--plot", str(plot)])
+    report.main([str(out), "--doc", str(doc), "--plot", str(plot)])  # replaced, not added twice
+    text = doc.read_text()
+    assert text.startswith("# Serving\n\ntext before\n")
+    assert text.count("<!-- ladder:test:start -->") == 1
+    assert "| deit_tiny | fp32 | eager | tome |" in text and "](img/ladder.png)" in text
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
