@@ -96,7 +96,7 @@ class FinetuneRun:
         progress: FinetuneProgress | None = None,
     ) -> None:
         self.student, self.teacher = student, teacher
-        self.train_set = train_set  # validated on --val-images images spread over val_set:
+        self.train_set = train_set
         self.val_set = spread_subset(val_set, config.val_images) if val_set is not None else None
         self.out, self.config, self.signals = Path(out), config, signals
         self.on_step = on_step
