@@ -314,3 +314,25 @@ def test_a_run_with_a_replaced_head_resumes(tmp_path):
     model = vitcompress.load(tmp_path / "ft")
     with torch.no_grad():
         assert model(torch.randn(1, 3, 32, 32)).shape == (1, 10)
+
+
+def test_the_cli_teacher_keeps_logit_distillation(tmp_path):
+    data = _blocks(tmp_path / "idx", 2, 1)
+    args = ["finetune", "--model", TINY, *WIDE_CLI, "--variant", "etps", "--data",
+            "fashion-mnist", "--data-dir", data, "--batch-size", 8, "--max-steps", 1,
+            "--warmup-epochs", 0, "--json"]  # fmt: skip
+    teacher = [
+        "--teacher",
+        TINY,
+        *[a.replace("--model-arg", "--teacher-model-arg") for a in WIDE_CLI],
+    ]
+    result = run(*args, *teacher, "--teacher-model-arg", "num_classes=10", "--out", tmp_path / "a")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["loss_weights"]["distill"] == 0.5
+    assert "logit distillation is off" not in result.stderr
+    wrong = run(*args, *teacher, "--out", tmp_path / "b")  # the teacher's 1000 classes
+    assert wrong.exit_code == 2
+    [line] = wrong.output.strip().splitlines()
+    assert "--teacher" in line and "predicts 1000 classes but the data has 10" in line
+    alone = run(*args, "--teacher-checkpoint", tmp_path / "w.pt", "--out", tmp_path / "c")
+    assert alone.exit_code == 2 and "need --teacher" in alone.output

@@ -277,10 +277,8 @@ def fit_head_and_teacher(
     classes = num_classes(train_set)
     image = train_set[0][0]
     student, change = fit_head(student, classes, image, keep_head)
-    say = progress.note if progress is not None else log.warning
-    if change is not None:
-        say(change.line())
-    if teacher_request is not None:
+    lines = [change.line()] if change is not None else []
+    if teacher_request is not None:  # checked before anything is said about the head
         loaded = replace(teacher_request, input_size=student.input_size).load()
         outputs = model_outputs(loaded.model, image)
         if outputs != classes:
@@ -288,14 +286,17 @@ def fit_head_and_teacher(
                 f"--teacher {teacher_request.spec} predicts {outputs} classes but the data has "
                 f"{classes}: a teacher must predict the data's classes"
             )
-        return student, loaded.model, config
-    if change is not None and config.distill_weight:
-        say(
+        teacher = loaded.model
+    elif change is not None and config.distill_weight:
+        lines.append(
             f"logit distillation is off: the base's head predicts {change.before} classes, "
             f"not the data's {change.after} (--teacher names a model that predicts them); "
             "token distillation from the base stays"
         )
         config = replace(config, distill_weight=0.0)
+    say = progress.note if progress is not None else log.warning
+    for line in lines:
+        say(line)
     return student, teacher, config
 
 
