@@ -8,7 +8,9 @@ interleaved round-robin in this one process, so machine noise hits them alike):
     evit) the compressed model is timed against an *idealised* model that only slices the
     residual stream to the same token counts at the same places: no scoring, no predictor, no
     matching, no fusing. Their ratio is the throughput the selection + squeezing machinery keeps;
-    the target is >= 0.95 for every variant. The verdict is taken on the batch-by-batch paired
+    the target is >= 0.95 for every variant. The compressed model runs the default eval path: the
+    fused kernel where it builds (dtps, dynamicvit, etps; ``--method-ops`` adds a twin on the
+    method's ATen ops, ``NAME+method``). The verdict is taken on the batch-by-batch paired
     ratios with a bootstrap 95% interval of their median: yes, no or undecided.
 
 ``--part headline``
@@ -173,6 +175,7 @@ def tokens_per_block(model: nn.Module, depth: int) -> list[tuple[int, int]]:
 
 COMPILED = "@compiled"  # suffix of a model's compiled twin when eager and compiled are timed
 FUSED = "+fused"  # suffix of a compressed model whose reducers use the fused C++ kernel
+METHOD = "+method"  # suffix of a compressed model whose reducers run the method's ATen ops
 
 
 def with_compiled(models: dict[str, nn.Module], args: argparse.Namespace) -> dict[str, nn.Module]:
@@ -328,15 +331,25 @@ def part_overhead(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
                 raise SystemExit(f"{variant}: the fused kernel changes the logits by {difference}")
             models[variant + FUSED] = fused
             info[variant + FUSED] = info[variant]
+        if args.method_ops and variant in FUSABLE:
+            # The same weights on the method's ops, where the default takes the fused kernel.
+            method_ops = copy.deepcopy(compressed)
+            enable_fused_kernels(method_ops, False)
+            models[variant + METHOD] = method_ops
+            info[variant + METHOD] = info[variant]
 
     pooled, reports = timed_rounds(with_compiled(models, args), args, log)
     env = reports[-1]["environment"]
     modes = [""] + ([COMPILED] if args.compile and args.eager_too else [])
     rows = []
-    rows_of = [*args.variants] + [v + FUSED for v in args.variants if args.fused and v in FUSABLE]
+    twins = [(args.fused, FUSED), (args.method_ops, METHOD)]
+    rows_of = [*args.variants] + [
+        v + suffix for on, suffix in twins for v in args.variants if on and v in FUSABLE
+    ]
     for mode in modes:
         for variant in rows_of:
-            name, ideal_name = variant + mode, f"{variant.removesuffix(FUSED)}-ideal{mode}"
+            plain = variant.removesuffix(FUSED).removesuffix(METHOD)
+            name, ideal_name = variant + mode, f"{plain}-ideal{mode}"
             c, i = median(pooled[name]), median(pooled[ideal_name])
             pairs = paired_ratios(reports, name, ideal_name)
             interval = bootstrap_median_ci(pairs)
@@ -617,6 +630,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="overhead part: also time each dtps/dynamicvit/etps model with its reducers on the "
         "fused C++ kernel (NAME+fused; vitcompress.kernels), against the same sliced model",
+    )
+    p.add_argument(
+        "--method-ops",
+        action="store_true",
+        help="overhead part: also time each dtps/dynamicvit/etps model on the method's ATen ops "
+        "(NAME+method), where the default eval path takes the fused kernel where it builds",
     )
     p.add_argument(
         "--compile-mode",
