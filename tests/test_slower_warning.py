@@ -127,3 +127,38 @@ def test_bench_sweep_warns_on_cuda_with_the_crossover(
         assert warnings == []
     else:
         assert len(warnings) == 1 and warnings[0].startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("mode", "device", "counted", "warned"),
+    [
+        ("reduce-overhead", "cuda", True, True),
+        ("reduce-overhead", "cpu", True, False),  # no CUDA graphs on a CPU: counted, not said
+        ("default", "cuda", False, False),  # a mode without CUDA graphs: nothing to count
+    ],
+)
+def test_apply_counts_the_graphs_compiled_without_cuda_graphs(
+    monkeypatch: pytest.MonkeyPatch, mode: str, device: str, counted: bool, warned: bool
+) -> None:
+    from torch._dynamo.utils import counters
+
+    def fake(models, input_size, timing):
+        measured, _ = measure_models(models, input_size, None)
+        counters["inductor"]["cudagraph_skips"] += 2  # what inductor does when it skips
+        for measurement in measured.values():
+            measurement.samples = [100.0] * 3
+            measurement.throughput = 100.0
+        return measured, {"warnings": []}
+
+    monkeypatch.setattr(apply_workflow, "measure_models", fake)
+    timing = TimingOptions(batch_size=8, device=device, compile=True, compile_mode=mode)
+    with warnings_module.catch_warnings(record=True) as shown:
+        warnings_module.simplefilter("always")
+        report = apply_model(REQUEST, PLAN, None, timing, Bounds())
+    environment = report.to_json()["environment"]
+    assert environment.get("cuda_graph_skips") == (2 if counted else None)
+    said = [str(w.message) for w in shown if "without CUDA graphs" in str(w.message)]
+    assert said == (
+        ["inductor compiled 2 graphs without CUDA graphs (--compile-mode reduce-overhead): they "
+         "run kernel by kernel; TORCH_LOGS=perf_hints says why"] if warned else []
+    )  # fmt: skip

@@ -35,6 +35,7 @@ from vitcompress.workflows.batch_sweep import slower_than_base
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, GateResult, check_gates, require
 from vitcompress.workflows.identity import artifact_identity, model_identity, unsaved_identity
 from vitcompress.workflows.inputs import ModelRequest, PlanRequest
+from vitcompress.workflows.serving import cuda_graphs_counted
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,11 @@ def _compress_and_measure(
 ) -> tuple[ApplyResult, nn.Module]:
     compressed = compress_planned(loaded, variant, keep, locs, policy)
     model = compressed.model.eval()
-    measured, environment = measure_models(
-        {"base": loaded.model.eval(), "compressed": model}, loaded.input_size, timing
-    )
+    with cuda_graphs_counted(timing) as cuda_graphs:
+        measured, environment = measure_models(
+            {"base": loaded.model.eval(), "compressed": model}, loaded.input_size, timing
+        )
+    environment.update(cuda_graphs)
     info = compression_info(model)
     assert info is not None  # the compression attached it
     _warn_if_no_cheaper(measured["base"].macs, measured["compressed"].macs)

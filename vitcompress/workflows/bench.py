@@ -24,6 +24,7 @@ from vitcompress.workflows.batch_sweep import (
 from vitcompress.workflows.gates import Bounds, GateResult, check_gates, require
 from vitcompress.workflows.identity import model_identity
 from vitcompress.workflows.inputs import ModelRequest
+from vitcompress.workflows.serving import cuda_graphs_counted
 
 BASE, COMPRESSED, MODEL = "base", "compressed", "model"
 
@@ -121,9 +122,11 @@ def bench_model(
         loaded = request.load()
     identity = model_identity(loaded, request.spec)
     sweeping = batch_sizes is not None and timing is not None
-    measured, environment = measure_models(
-        {MODEL: loaded.model}, loaded.input_size, None if sweeping else timing
-    )
+    with cuda_graphs_counted(None if sweeping else timing) as cuda_graphs:
+        measured, environment = measure_models(
+            {MODEL: loaded.model}, loaded.input_size, None if sweeping else timing
+        )
+    environment.update(cuda_graphs)
     gates = check_gates(bounds, {"gmacs": measured[MODEL].macs / 1e9})
     if not sweeping:
         return BenchResult(
@@ -135,9 +138,11 @@ def bench_model(
     models = (
         {BASE: base.model, COMPRESSED: loaded.model} if base is not None else {MODEL: loaded.model}
     )
-    sweep = sweep_batch_sizes(
-        models, loaded.input_size, batch_sizes, timing, reference=BASE if base else None
-    )
+    with cuda_graphs_counted(timing) as cuda_graphs:
+        sweep = sweep_batch_sizes(
+            models, loaded.input_size, batch_sizes, timing, reference=BASE if base else None
+        )
+    sweep.environment.update(cuda_graphs)
     result = SweepResult(
         request.spec, identity, measured[MODEL], loaded.input_size, gates, sweep, list(models)
     )

@@ -10,6 +10,8 @@ value asked for becomes an unbacked symbol or a data-dependent guard) and lists 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,13 +20,15 @@ from torch import nn
 
 from vitcompress.analysis.capture import fast_paths_off
 from vitcompress.artifacts.fingerprint import eval_mode
-from vitcompress.workflows.export import _Inference, _inputs, _one_line
+from vitcompress.measure.models import TimingOptions
+from vitcompress.status import warn
 
 __all__ = [
     "CUDA_GRAPH_MODES",
     "HOST_SYNC_OPS",
     "HostSyncReport",
     "ServingCheck",
+    "cuda_graphs_counted",
     "host_sync_check",
     "serving_check",
 ]
@@ -105,6 +109,9 @@ def host_sync_check(
     kind (a model ``torch.export`` cannot trace at all) are raised."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+    # Imported here: bench and apply import this module for the CUDA-graph count alone.
+    from vitcompress.workflows.export import _Inference, _inputs
+
     example = _inputs(batch_size, tuple(input_size), seed=0)
     report = HostSyncReport()
     with eval_mode(model), torch.no_grad(), fast_paths_off():
@@ -114,6 +121,8 @@ def host_sync_check(
         except Exception as e:
             if not _data_dependent(e):
                 raise
+            from vitcompress.workflows.export import _one_line
+
             report.error = f"a Python decision on a tensor's value: {_one_line(e)}"
             return report
     for node in program.graph.nodes:
@@ -207,3 +216,31 @@ def serving_check(
         compile=compiled,
         host_sync=host_sync_check(model, input_size, batch_size=batch_size),
     )
+
+
+def _cuda_graph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
+@contextlib.contextmanager
+def cuda_graphs_counted(timing: TimingOptions | None) -> Iterator[dict[str, Any]]:
+    """Around timing compiled in a CUDA-graph mode: ``{"cuda_graph_skips": N}``, the graphs
+    inductor compiled without CUDA graphs meanwhile (its ``cudagraph_skips`` counter; on a CPU
+    every one, there being none), and on CUDA a warning when N > 0. Empty otherwise."""
+    counted: dict[str, Any] = {}
+    if timing is None or not timing.compile or timing.compile_mode not in CUDA_GRAPH_MODES:
+        yield counted
+        return
+    device, compile_mode = timing.device, timing.compile_mode
+    before = _cuda_graph_skips()
+    yield counted
+    skips = _cuda_graph_skips() - before
+    counted["cuda_graph_skips"] = skips
+    if skips and str(device).split(":", 1)[0] == "cuda":
+        warn(
+            f"inductor compiled {skips} graph{'s' if skips > 1 else ''} without CUDA graphs "
+            f"(--compile-mode {compile_mode}): they run kernel by kernel; TORCH_LOGS=perf_hints "
+            "says why"
+        )
