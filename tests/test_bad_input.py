@@ -320,3 +320,10 @@ def test_export_without_onnx_names_the_extra(
     line = assert_one_error(result, 2, "onnx", 'pip install -e ".[export]"')
     assert "onnxruntime" not in line  # installed here: only what is missing is named
     assert not list(tmp_path.iterdir())  # refused before any export work
+
+
+def test_the_bare_command_still_shows_its_help() -> None:
+    # No arguments at all is a request for help, not a usage error to shorten.
+    result = run()
+    assert "Usage:" in result.output and "Commands:" in result.output
+    assert "error:" not in result.output

@@ -50,6 +50,18 @@ class OneLineUsageError(click.UsageError):
         click.echo(f"error: {message} {hint}", file=file, err=file is None)
 
 
+# Usage errors not made one line: already one, or a bare command, which shows its help (click 8.2
+# and later raise NoArgsIsHelpError for it; 8.1 prints the help itself).
+_SHOWN_AS_CLICK_DOES: tuple[type[click.UsageError], ...] = (
+    OneLineUsageError,
+    *(
+        (click.exceptions.NoArgsIsHelpError,)
+        if hasattr(click.exceptions, "NoArgsIsHelpError")
+        else ()
+    ),
+)
+
+
 def _one_line(error: click.UsageError, ctx: click.Context | None = None) -> OneLineUsageError:
     """``error`` as one line, its help hint naming the command it came from: the error's own
     context, else the command the group was invoking (an option that failed to parse has none)."""
@@ -76,7 +88,7 @@ class VitcompressGroup(click.Group):
     ) -> click.Context:
         try:
             return super().make_context(info_name, args, parent, **extra)
-        except OneLineUsageError:
+        except _SHOWN_AS_CLICK_DOES:
             raise
         except click.UsageError as e:
             raise _one_line(e, parent) from e
@@ -84,7 +96,7 @@ class VitcompressGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except OneLineUsageError:
+        except _SHOWN_AS_CLICK_DOES:
             raise
         except click.UsageError as e:  # a command's options, or a command that does not exist
             raise _one_line(e, ctx) from e
