@@ -13,7 +13,8 @@
 # finetune through Accelerate stopped by SIGTERM, then resumed), windowed (compressed Swin-T
 # against Swin-T, every method at keep 0.7), ladder (benchmarks/gpu_ladder.py: 6 models, every
 # method, against base and ideal slicing, two processes), ladder-compiled (its compiled cells,
-# a lease of their own). COMPILE_VARIANTS narrows the compiled part.
+# a lease of their own), ladder-multiple (the eager ladder with --kept-multiple 8, its own lease).
+# COMPILE_VARIANTS narrows the compiled part.
 #
 # Runs from the repository root without installing the package (PYTHONPATH=.), so a machine
 # with torch, timm, accelerate, click, rich, safetensors and pyyaml needs nothing else.
@@ -140,7 +141,7 @@ check timeout 240 python3 benchmarks/tps_speed.py --part headline --device cuda 
     --batch-size 256 --rounds 2 --runs 20 --warmup 3 --compile --eager-too \
     --compile-mode "$COMPILE_MODE" --json-out "$OUT/headline_bf16_b256_eager_and_compiled.json"
 fi
-if [[ " $PARTS " == *" ladder "* || " $PARTS " == *" ladder-compiled "* ]]; then
+if [[ " $PARTS " == *" ladder"* ]]; then
 # Issue 40: every method against its base and ideal slicing, in two fresh processes (medians),
 # JSON records to $OUT/ladder-RUN.json and a table and plot ($OUT/ladder.md, .png) for the docs
 # (copy the JSON to benchmarks/results/gpu/ and render it with benchmarks/gpu_ladder_report.py).
@@ -160,6 +161,13 @@ if [[ " $PARTS " == *" ladder-compiled "* ]]; then
     check timeout 355 python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN-compiled" \
         --models deit_small,vit_base --dtypes bf16 --batches 64,256 --modes compiled \
         --budget-seconds "$LADDER_SECONDS" --json-out "$OUT/ladder-$LADDER_RUN-compiled.json"
+fi
+if [[ " $PARTS " == *" ladder-multiple "* ]]; then
+    # Issue 40 item 3: the eager ladder again with kept counts rounded to multiples of 8.
+    step "ladder $LADDER_RUN-multiple8: the eager ladder with --kept-multiple 8"
+    check timeout 355 python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN-multiple8" \
+        --modes eager --kept-multiple 8 --budget-seconds "$LADDER_SECONDS" \
+        --json-out "$OUT/ladder-$LADDER_RUN-multiple8.json"
 fi
 for json in "$OUT"/ladder-"$LADDER_RUN"*.json; do
     [[ -f "$json" ]] && check python3 benchmarks/gpu_ladder_report.py "$json" \
