@@ -224,7 +224,7 @@ def _pair_blocks(s: _Analysis) -> None:
     parallel block up to where its branches rejoin), and each windowed block, in graph order.
     DaViT alternates channel attention with windowed token attention: its channel blocks mix no
     tokens and are left whole; a model of channel attention only is refused."""
-    channel = channel_attention(s.gm, s.cores, s.residuals)
+    channel = channel_attention(s.by_name, s.cores, s.residuals)
     if channel is not None and not s.windowed:
         raise MappingError(channel)
     s.attn_residuals = [r for r in s.residuals if s.cores_in(r)]
@@ -510,7 +510,7 @@ def _find_per_token_branches(s: _Analysis) -> None:
 
 def _collect_left_whole(s: _Analysis) -> None:
     """Every core no block maps, with why it runs whole (``refusals.unmapped``)."""
-    reasons = unmapped(s.gm, s.found_cores, s.blocks, s.all_residuals, s.image_batch)
+    reasons = unmapped(s.gm, s.found_cores, s.blocks, s.all_residuals, s.image_batch, s.by_name)
     s.left_whole.update(
         (node, reason) for node, reason in reasons.items() if node not in s.left_whole
     )

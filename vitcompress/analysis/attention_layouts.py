@@ -17,6 +17,7 @@ graph is left as it was.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -97,73 +98,103 @@ def mask_units_before_projection(gm: fx.GraphModule) -> int:
     rewritten = 0
     graph = gm.graph
     for node in list(graph.nodes):
-        if not ops.is_sdpa(node) or len(node.args) != 3 or set(node.kwargs) - {"dropout_p"}:
-            continue
-        shape = ops.shape(node.args[0])
-        projection = ops.projection_of(gm, node.args[0])
-        if shape is None or len(shape) != 5 or projection is None or projection.op != "call_module":
-            continue
-        tokens = projection.args[0] if projection.args else None
-        cut = _only_user(projection)
-        order = _only_user(cut) if cut is not None else None
-        if not isinstance(tokens, fx.Node) or cut is None or order is None:
-            continue
-        layout, cut_shape = ops.shape(tokens), ops.shape(cut)
-        if (
-            layout is None
-            or len(layout) != 3
-            or cut_shape is None
-            or len(cut_shape) != 6
-            or cut.op != "call_method"
-            or cut.target not in ("reshape", "view")
-            or order.op != "call_method"
-            or order.target != "permute"
-            or tuple(_shape_args(order)) != (3, 0, 4, 2, 1, 5)
-        ):
-            continue
-        batch, inner, windows, three, heads, dim = cut_shape
-        if (batch, inner * windows) != tuple(layout[:2]) or three != 3 or windows < 2:
-            continue
-        leaving = _only_user(node)
-        back = _only_user(leaving) if leaving is not None else None
-        if (
-            leaving is None
-            or back is None
-            or leaving.op != "call_method"
-            or leaving.target != "transpose"
-            or sorted(_shape_args(leaving)) != [1, 3]
-            or back.op != "call_method"
-            or back.target not in ("reshape", "view")
-            or ops.shape(back) != (batch, inner * windows, heads * dim)
-        ):
-            continue
-        channels = layout[-1]
-        with graph.inserting_before(projection):
-            sizes = graph.call_function(getattr, (tokens, "shape"))
-            images = graph.call_function(operator.getitem, (sizes, 0))
-            split = graph.call_method("reshape", (tokens, images, -1, windows, channels))
-            in_windows = graph.call_method("transpose", (split, 1, 2))
-            projected = graph.node_copy(
-                projection,
-                lambda arg, old=tokens, new=in_windows: new if arg is old else arg,
-            )
-            recut = graph.call_method("reshape", (projected, images, windows, -1, 3, heads, dim))
-            reordered = graph.call_method("permute", (recut, 3, 0, 4, 1, 2, 5))
-        order.replace_all_uses_with(reordered)
-        with graph.inserting_before(leaving):
-            moved = graph.call_method("permute", (node, 0, 2, 3, 1, 4))
-            out_windows = graph.call_method("reshape", (moved, images, windows, -1, heads * dim))
-            interleaved = graph.call_method("transpose", (out_windows, 1, 2))
-            flat = graph.call_method("reshape", (interleaved, images, -1, heads * dim))
-        back.replace_all_uses_with(flat)
-        for dead in (back, leaving, order, cut, projection):
-            if not dead.users:
-                graph.erase_node(dead)
-        rewritten += 1
+        match = _mask_unit_attention(gm, node)
+        if match is not None:
+            _cut_before_projection(graph, node, match)
+            rewritten += 1
     if rewritten:
         graph.lint()
         gm.recompile()
     return rewritten
+
+
+@dataclass(frozen=True)
+class _MaskUnits:
+    """Hiera's mask-unit attention as matched: its nodes from the tokens to the output put back,
+    and its sizes."""
+
+    tokens: fx.Node  # (B, L, C), entering the projection
+    projection: fx.Node
+    cut: fx.Node  # the reshape to (B, n, W, 3, heads, D)
+    order: fx.Node  # its permute (3, 0, 4, 2, 1, 5)
+    leaving: fx.Node  # the output's transpose(1, 3)
+    back: fx.Node  # its reshape to (B, L, C)
+    windows: int
+    heads: int
+    dim: int
+
+
+def _mask_unit_attention(gm: fx.GraphModule, node: fx.Node) -> _MaskUnits | None:
+    """``node`` as Hiera's mask-unit attention (``mask_units_before_projection``), or ``None``."""
+    if not ops.is_sdpa(node) or len(node.args) != 3 or set(node.kwargs) - {"dropout_p"}:
+        return None
+    shape = ops.shape(node.args[0])
+    projection = ops.projection_of(gm, node.args[0])
+    if shape is None or len(shape) != 5 or projection is None or projection.op != "call_module":
+        return None
+    tokens = projection.args[0] if projection.args else None
+    cut = _only_user(projection)
+    order = _only_user(cut) if cut is not None else None
+    if not isinstance(tokens, fx.Node) or cut is None or order is None:
+        return None
+    layout, cut_shape = ops.shape(tokens), ops.shape(cut)
+    if (
+        layout is None
+        or len(layout) != 3
+        or cut_shape is None
+        or len(cut_shape) != 6
+        or cut.op != "call_method"
+        or cut.target not in ("reshape", "view")
+        or order.op != "call_method"
+        or order.target != "permute"
+        or tuple(_shape_args(order)) != (3, 0, 4, 2, 1, 5)
+    ):
+        return None
+    batch, inner, windows, three, heads, dim = cut_shape
+    if (batch, inner * windows) != tuple(layout[:2]) or three != 3 or windows < 2:
+        return None
+    leaving = _only_user(node)
+    back = _only_user(leaving) if leaving is not None else None
+    if (
+        leaving is None
+        or back is None
+        or leaving.op != "call_method"
+        or leaving.target != "transpose"
+        or sorted(_shape_args(leaving)) != [1, 3]
+        or back.op != "call_method"
+        or back.target not in ("reshape", "view")
+        or ops.shape(back) != (batch, inner * windows, heads * dim)
+    ):
+        return None
+    return _MaskUnits(tokens, projection, cut, order, leaving, back, windows, heads, dim)
+
+
+def _cut_before_projection(graph: fx.Graph, node: fx.Node, m: _MaskUnits) -> None:
+    """Cut the windows before the projection and give the output its (B, W, n, C) layout
+    before putting it back (``mask_units_before_projection``)."""
+    channels = ops.shape(m.tokens)[-1]
+    windows, heads, dim = m.windows, m.heads, m.dim
+    with graph.inserting_before(m.projection):
+        sizes = graph.call_function(getattr, (m.tokens, "shape"))
+        images = graph.call_function(operator.getitem, (sizes, 0))
+        split = graph.call_method("reshape", (m.tokens, images, -1, windows, channels))
+        in_windows = graph.call_method("transpose", (split, 1, 2))
+        projected = graph.node_copy(
+            m.projection,
+            lambda arg, old=m.tokens, new=in_windows: new if arg is old else arg,
+        )
+        recut = graph.call_method("reshape", (projected, images, windows, -1, 3, heads, dim))
+        reordered = graph.call_method("permute", (recut, 3, 0, 4, 1, 2, 5))
+    m.order.replace_all_uses_with(reordered)
+    with graph.inserting_before(m.leaving):
+        moved = graph.call_method("permute", (node, 0, 2, 3, 1, 4))
+        out_windows = graph.call_method("reshape", (moved, images, windows, -1, heads * dim))
+        interleaved = graph.call_method("transpose", (out_windows, 1, 2))
+        flat = graph.call_method("reshape", (interleaved, images, -1, heads * dim))
+    m.back.replace_all_uses_with(flat)
+    for dead in (m.back, m.leaving, m.order, m.cut, m.projection):
+        if not dead.users:
+            graph.erase_node(dead)
 
 
 def windows_into_batch(gm: fx.GraphModule) -> int:

@@ -39,13 +39,44 @@ def find_factorised_blocks(
     MLP residual that reach its input) is two or more attentions over differently batched
     windows, none closed by a residual add of its own; each as a block of one window. Returns
     the blocks and the nodes of the attention cores they hold."""
-    by_name = {n.name: n for n in gm.graph.nodes}
+    found = _factorised_groups(gm, cores, residuals, image_batch, anc)
+    # Where each block's scoring attention holds its tokens: one index run for all the blocks.
+    # The last attention before each MLP (TimeSformer's space attention) scores.
+    probes = {
+        i: _slot_probe(gm, group[-1], ops.shape(mlp.skip)[1], image_batch, anc.by_name)
+        for i, (mlp, group, _) in enumerate(found)
+    }
+    probes = {i: probe for i, probe in probes.items() if probe is not None}
+    run = None
+    if probes:
+        seeds = {
+            source: grid_index(ops.shape(source), dtype=example.dtype)
+            for _, source in probes.values()
+        }
+        run = run_indices(gm, example, seeds, [windows_in for windows_in, _ in probes.values()])
+    blocks: list[WindowedBlock] = []
+    for i, (mlp, group, entry) in enumerate(found):
+        slots = None
+        if run is not None and i in probes:
+            slots = _score_slots(run, probes[i], group[-1], image_batch, anc)
+        blocks.append(_factorised_block(mlp, group, entry, slots, image_batch, anc))
+    return blocks, {c.node for _, group, _ in found for c in group}
+
+
+def _factorised_groups(
+    gm: fx.GraphModule,
+    cores: list[AttentionCore],
+    residuals: list[Residual],
+    image_batch: int,
+    anc: Ancestry,
+) -> list[tuple[Residual, list[AttentionCore], fx.Node]]:
+    """Each MLP residual whose attention part is factorised, with its attentions and the
+    block's entry, in graph order."""
+    by_name = anc.by_name
     inside = {n.name for r in residuals for n in r.nodes}
     core_nodes = {c.node for c in cores}
     free = [c for c in cores if c.node not in inside]
-    blocks: list[WindowedBlock] = []
     found: list[tuple[Residual, list[AttentionCore], fx.Node]] = []  # MLP, attentions, entry
-    taken: set[str] = set()
     boundary: fx.Node | None = None  # the previous residual add: a block starts after it
     for mlp in sorted(residuals, key=lambda r: anc.index[r.add]):
         shape = ops.shape(mlp.skip)
@@ -73,59 +104,48 @@ def find_factorised_blocks(
         if entry is None or ops.shape(entry) != shape:
             continue
         found.append((mlp, group, entry))
-    # Where each block's scoring attention holds its tokens: one index run for all the blocks.
-    # The last attention before each MLP (TimeSformer's space attention) scores.
-    probes = {
-        i: _slot_probe(gm, group[-1], ops.shape(mlp.skip)[1], image_batch, by_name)
-        for i, (mlp, group, _) in enumerate(found)
-    }
-    probes = {i: probe for i, probe in probes.items() if probe is not None}
-    run = None
-    if probes:
-        seeds = {
-            source: grid_index(ops.shape(source), dtype=example.dtype)
-            for _, source in probes.values()
-        }
-        run = run_indices(gm, example, seeds, [windows_in for windows_in, _ in probes.values()])
-    for i, (mlp, group, entry) in enumerate(found):
-        taken.update(c.node for c in group)
-        paths = ", ".join(c.path or c.node for c in group)
-        windows = ", ".join(f"{c.batch // image_batch} windows of {c.query_tokens}" for c in group)
-        tokens = ops.shape(mlp.skip)[1]
-        scorer = group[-1]
-        slots = (
-            _score_slots(run, probes[i], scorer, image_batch, anc)
-            if run is not None and i in probes
-            else None
-        )
-        blocks.append(
-            WindowedBlock(
-                core=scorer,
-                attn=Residual(mlp.skip, entry, mlp.skip, anc.between(entry, mlp.skip)),
-                mlp=mlp,
-                windows=Windows(
-                    count=1,
-                    tokens=tokens,
-                    order=tuple(range(tokens)),
-                    mlp_input_node=mlp.skip.name,
-                    attention_blocker=(
-                        f"factorised attention ({paths}: {windows} per image), added back by "
-                        "ops no residual add describes, so its attention part runs on every "
-                        "token"
-                    ),
-                    score_slots=slots,
-                ),
-                score_blocker=None
-                if slots is not None
-                else (
-                    f"its attention is factorised ({paths}, over different windows), and the "
-                    f"last ({scorer.path or scorer.node}) does not hold every token once after "
-                    "a leading prefix in each window, so no one attention scores all of the "
-                    "block's tokens"
-                ),
-            )
-        )
-    return blocks, taken
+    return found
+
+
+def _factorised_block(
+    mlp: Residual,
+    group: list[AttentionCore],
+    entry: fx.Node,
+    slots: tuple[int, ...] | None,
+    image_batch: int,
+    anc: Ancestry,
+) -> WindowedBlock:
+    """One window over the block's tokens whose attention part runs whole, scored by its last
+    attention where that holds every token once (``slots``)."""
+    paths = ", ".join(c.path or c.node for c in group)
+    windows = ", ".join(f"{c.batch // image_batch} windows of {c.query_tokens}" for c in group)
+    tokens = ops.shape(mlp.skip)[1]
+    scorer = group[-1]
+    return WindowedBlock(
+        core=scorer,
+        attn=Residual(mlp.skip, entry, mlp.skip, anc.between(entry, mlp.skip)),
+        mlp=mlp,
+        windows=Windows(
+            count=1,
+            tokens=tokens,
+            order=tuple(range(tokens)),
+            mlp_input_node=mlp.skip.name,
+            attention_blocker=(
+                f"factorised attention ({paths}: {windows} per image), added back by "
+                "ops no residual add describes, so its attention part runs on every "
+                "token"
+            ),
+            score_slots=slots,
+        ),
+        score_blocker=None
+        if slots is not None
+        else (
+            f"its attention is factorised ({paths}, over different windows), and the "
+            f"last ({scorer.path or scorer.node}) does not hold every token once after "
+            "a leading prefix in each window, so no one attention scores all of the "
+            "block's tokens"
+        ),
+    )
 
 
 def _entry(

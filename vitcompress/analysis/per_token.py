@@ -47,7 +47,7 @@ def find_per_token_branches(
     """Fill ``Block.per_token_after`` of every windowed block (not padded): the residual
     branches after it, before the next mapped block, on its tokens in its order, whose branch
     holds no attention and works on each token alone."""
-    by_name = {n.name: n for n in gm.graph.nodes}
+    by_name = anc.by_name
     taken = {name for b in blocks for name in (b.attn_add_node, b.output_node)}
     dtype = torch.float64 if example.dtype == torch.float64 else torch.float32
     for block, following in zip(blocks, blocks[1:] + [None], strict=True):

@@ -56,13 +56,12 @@ def windowed_batched_attention(gm: fx.GraphModule, image_batch: int) -> str | No
 
 
 def channel_attention(
-    gm: fx.GraphModule, cores: list[AttentionCore], residuals: list[Residual]
+    by_name: dict[str, fx.Node], cores: list[AttentionCore], residuals: list[Residual]
 ) -> str | None:
     """The refusal for attention over channels (XCiT's cross-covariance attention): a core whose
     query and key vectors run along the token axis of the residual it lies in, so that its
     softmax weighs channels against channels (C/h x C/h per head) and no token attends to
     another. There is no token attention to score nor a token axis for it to reduce."""
-    by_name = {n.name: n for n in gm.graph.nodes}
     for core in cores:
         reason = over_channels(core, by_name, residuals)
         if reason is not None:
@@ -104,11 +103,11 @@ def unmapped(
     blocks: list[Block],
     residuals: list[Residual],
     image_batch: int,
+    by_name: dict[str, fx.Node],
 ) -> dict[str, str]:
     """Every attention core no block maps, with why: each runs whole, and the model map says so
     (``left_whole``, printed by ``vitcompress inspect``) rather than leaving it out silently."""
     mapped = {b.attention.node for b in blocks} | {c.node for b in blocks for c in b.parallel_cores}
-    by_name = {n.name: n for n in gm.graph.nodes}
     on_axis = {w.node.name: w for w in find_window_axis_attention(gm, image_batch)}
     reasons: dict[str, str] = {}
     for core in found:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Iterator
 
 import torch.fx as fx
 from torch import nn
@@ -22,7 +23,7 @@ def _closed_windows(
 ) -> tuple[fx.Node, tuple[fx.Node, fx.Node, fx.Node]] | None:
     """The tokens entering ``core``'s query projection, laid out as its windows, and the
     residual add closing it (``residual_after``); ``None`` where either is not found."""
-    node = next(n for n in gm.graph.nodes if n.name == core.node)
+    node = anc.by_name[core.node]
     if core.batch is None or core.query_tokens is None:
         return None
     windows_in = None
@@ -113,17 +114,23 @@ def window_axis(node: fx.Node, batch: int, tokens: int) -> bool:
     return len(shape) == 4 and shape[0] * shape[1] == batch and shape[2] == tokens
 
 
+def _adds_after(start: fx.Node, anc: Ancestry) -> Iterator[tuple[fx.Node, list[fx.Node]]]:
+    """The adds after ``start`` that depend on it, of two tensors of one shape, in graph order:
+    each with its two operands (a residual add's candidates)."""
+    for node in anc.nodes[anc.index[start] + 1 :]:
+        if not ops.is_add(node) or not anc.is_ancestor(start, node):
+            continue
+        args = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        if len(args) == 2 and ops.shape(args[0]) == ops.shape(args[1]):
+            yield node, args
+
+
 def residual_after(
     core: fx.Node, windows_in: fx.Node, anc: Ancestry
 ) -> tuple[fx.Node, fx.Node, fx.Node] | None:
     """The add closing the core's residual: ``(add, skip, branch)``, the skip an ancestor of the
     window tokens, the branch a descendant of the core, both of one shape."""
-    for node in anc.nodes[anc.index[core] + 1 :]:
-        if not ops.is_add(node) or not anc.is_ancestor(core, node):
-            continue
-        args = [a for a in node.args[:2] if isinstance(a, fx.Node)]
-        if len(args) != 2 or ops.shape(args[0]) != ops.shape(args[1]):
-            continue
+    for node, args in _adds_after(core, anc):
         for skip, branch in (args, args[::-1]):
             if anc.is_ancestor(skip, windows_in) and (
                 branch is core or anc.is_ancestor(core, branch)
@@ -257,12 +264,7 @@ def grid_residual_after(start: fx.Node, anc: Ancestry) -> Residual | None:
     """The residual whose skip is ``start`` (or a view of it) on tokens of any layout with the
     channels last, the first one after it: a block's MLP residual on its (B, H, W, C) grid."""
     shape = ops.shape(start)
-    for node in anc.nodes[anc.index[start] + 1 :]:
-        if not ops.is_add(node) or not anc.is_ancestor(start, node):
-            continue
-        args = [a for a in node.args[:2] if isinstance(a, fx.Node)]
-        if len(args) != 2 or ops.shape(args[0]) != ops.shape(args[1]):
-            continue
+    for node, args in _adds_after(start, anc):
         for skip, branch in (args, args[::-1]):
             if (
                 through_layout(skip, start)
