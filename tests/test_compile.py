@@ -83,6 +83,17 @@ def test_inductor_compiles_the_variant_fullgraph(variant: str) -> None:
     assert result["max_abs_diff"] < 1e-4
 
 
+@pytest.mark.slow  # inductor's code generation on 2 cores: about a minute
+def test_reduce_overhead_compiles_on_the_cpu_as_one_graph() -> None:
+    # No CUDA graphs on a CPU: inductor compiles the mode as its default one, still one graph.
+    result = compile_check(
+        compressed("etps"), SIZE, batch_size=2, backend="inductor", mode="reduce-overhead"
+    )
+    assert result["mode"] == "reduce-overhead" and not result["graph_break"], result["reason"]
+    assert result["frames"] == 1 and result["recompiles"] == 0
+    assert result["max_abs_diff"] < 1e-4
+
+
 class Breaks(nn.Module):
     """A model dynamo must split in two: a Python branch on a tensor's value."""
 

@@ -318,7 +318,8 @@ def timing_options(command: Callable) -> Callable:
             "--compile-mode",
             type=click.Choice(COMPILE_MODES),
             default=None,
-            help="With --compile: torch.compile's mode (default: torch's).",
+            help="With --compile: torch.compile's mode (default: torch's); reduce-overhead "
+            "serves with CUDA graphs on a GPU (docs/serving.md).",
         ),
         click.option(
             "--fused-kernels",
