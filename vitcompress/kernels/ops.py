@@ -96,7 +96,7 @@ def _tracing() -> bool:
         or torch.compiler.is_exporting()
         or torch.onnx.is_in_onnx_export()
         or torch.jit.is_tracing()
-        or torch.fx._symbolic_trace.is_fx_tracing()
+        or torch.fx._symbolic_trace.is_fx_symbolic_tracing()
     )
 
 
