@@ -126,6 +126,21 @@ def test_switched_off_or_under_autograd_the_methods_ops_run() -> None:
 
 
 @needs_kernels
+def test_a_float64_model_keeps_the_methods_ops_and_its_precision() -> None:
+    """The kernels compute in float32: at keep 1 a float64 model must stay exact."""
+    torch.manual_seed(0)
+    base = sharpen(timm_small("vit_small_patch16_224")).double()
+    x = torch.randn(2, *SIZE, dtype=torch.float64)
+    for method in ("dtps", "tome"):
+        model = vitcompress.compress(base, method, keep=1.0 if method == "dtps" else 0.7, locs=[1])
+        counts = count_ops(model, x)
+        assert counts["vitcompress.select_squeeze"] + counts["vitcompress.tome_merge"] == 0
+    model = vitcompress.compress(base, "dtps", keep=1.0, locs=[1, 2])
+    with torch.inference_mode():
+        assert (model(x) - base(x)).abs().max() <= 1e-9 * base(x).abs().max()
+
+
+@needs_kernels
 def test_compiled_default_path_is_the_methods_ops_in_one_graph() -> None:
     """Under a compiler the default (switch None) takes the method's ops: no build or custom op
     inside a trace unless the kernels were switched on."""

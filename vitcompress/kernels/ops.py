@@ -100,16 +100,23 @@ def _tracing() -> bool:
     )
 
 
+# The kernels compute in float32 and return the tokens' dtype: exact for these, where the method
+# computes in float32 too; a float64 model keeps the method's ops, which keep what they gather
+# (and a kept token) in float64.
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def kernel_runs(setting: bool | None, x: Tensor) -> bool:
     """Whether a reducer whose switch is ``setting`` runs its fused op on ``x`` (at inference;
     the reducer has checked training, recording and restores). ``True``: whenever autograd does
     not record ``x`` (another device is refused by the op, in one line). ``None``: where the
-    kernel serves: on the CPU, outside autograd and any trace, the extensions built here."""
+    kernel serves: float32 or half-precision tokens on the CPU, outside autograd and any trace,
+    the extensions built here."""
     if setting is False:
         return False
     if setting is True:
         return not x.requires_grad
-    if _tracing() or x.device.type != "cpu" or x.requires_grad:
+    if _tracing() or x.device.type != "cpu" or x.requires_grad or x.dtype not in _KERNEL_DTYPES:
         return False
     return fused_kernels_available()
 
