@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 import torch.fx as fx
 
+from vitcompress.analysis.cores import Ancestry
 from vitcompress.analysis.model_map import AttentionCore
 from vitcompress.analysis.windows import ATTENTION_CHECKS, attention_blocker
 from vitcompress.analysis.windows.checks import WindowFacts
@@ -43,8 +44,7 @@ def _facts(**changes) -> WindowFacts:
         tables=[],
         made=set(),
         full=set(),
-        by_name={},
-        anc=None,
+        anc=Ancestry(graph),
     )
     return replace(facts, **changes)
 

@@ -193,22 +193,10 @@ def _windowed_block(
     if query is not None:
         made |= query_path(query, core, by_name)
     full = full_window_reads(size_reads(entering), made, back, anc)
-    facts = WindowFacts(
-        core=core,
-        core_node=core_node,
-        windows_in=windows_in,
-        entering=entering,
-        order=order,
-        count=count,
-        window_axis=axis,
-        query_bias=bias,
-        query_blocker=p.query_blocker if query is None else None,
-        tables=tables,
-        made=made,
-        full=full,
-        by_name=by_name,
-        anc=anc,
-    )
+    blocker = p.query_blocker if query is None else None
+    # In WindowFacts' field order.
+    found = (core, core_node, windows_in, entering, order, count, axis, bias, blocker)
+    facts = WindowFacts(*found, tables, made, full, anc)
     windows = Windows(
         count=count,
         tokens=core.query_tokens,

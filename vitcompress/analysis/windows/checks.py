@@ -159,8 +159,11 @@ class WindowFacts:
     tables: list[PositionUse]
     made: set[fx.Node]  # the ops that make a term from the queries by window position
     full: set[fx.Node]  # the size reads that see the full window
-    by_name: dict[str, fx.Node]
     anc: Ancestry
+
+    @property
+    def by_name(self) -> dict[str, fx.Node]:
+        return self.anc.by_name
 
 
 @dataclass(frozen=True)
