@@ -16,6 +16,7 @@ a compiler's or an exporter's trace, once the extension is built here.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -33,6 +34,7 @@ from vitcompress.method import (
     split_by_score,
     squeeze,
 )
+from vitcompress.status import step
 
 _SOURCES = Path(__file__).resolve().parent / "csrc"
 # extension name -> its source (one extension each: a change to one rebuilds only that one)
@@ -51,14 +53,34 @@ class FusedKernelError(RuntimeError, UserError):
 _built: dict[str, ModuleType | FusedKernelError] = {}
 
 
+@contextlib.contextmanager
+def _quiet_cpp_extension() -> Iterator[None]:
+    """Importing ``torch.utils.cpp_extension`` on a machine without a CUDA runtime logs "No CUDA
+    runtime is found": true and beside the point for a CPU kernel, and it would land on every
+    command's stderr (JSON readers included) now that the kernels are the default path."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _extension(name: str = "vitcompress_select_squeeze") -> ModuleType:
     if name not in _built:
-        from torch.utils.cpp_extension import load
-
         try:
-            _built[name] = load(
-                name=name, sources=[str(_EXTENSIONS[name])], extra_cflags=["-O3"], verbose=False
-            )
+            with _quiet_cpp_extension():
+                from torch.utils.cpp_extension import load
+            # The first build on a machine takes about a minute (cached on disk afterwards): said
+            # as a step, so that a command does not seem to hang at its first forward.
+            with step(f"building the fused CPU kernel {name} (once per machine)"):
+                _built[name] = load(
+                    name=name,
+                    sources=[str(_EXTENSIONS[name])],
+                    extra_cflags=["-O3"],
+                    verbose=False,
+                )
         except Exception as error:  # noqa: BLE001 - a compiler's failure has many types
             text = str(error).strip()
             first = text.splitlines()[0] if text else type(error).__name__
