@@ -21,12 +21,8 @@ import vitcompress
 from tests.fixtures import dense_models
 from tests.models import timm_small
 from vitcompress.cli.main import cli
-from vitcompress.workflows.export import (
-    PORTABLE_ATTRIBUTES,
-    PORTABLE_OPS,
-    export_model,
-    onnx_op_audit,
-)
+from vitcompress.workflows.export import export_model
+from vitcompress.workflows.onnx_file import PORTABLE_ATTRIBUTES, PORTABLE_OPS, onnx_op_audit
 
 SIZE = (3, 32, 32)
 METHODS = ("dtps", "etps", "dynamicvit", "evit", "tome")

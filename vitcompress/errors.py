@@ -20,3 +20,10 @@ class UserError(Exception):
     """
 
     exit_code: int = EXIT_USAGE
+
+
+def one_line(error: BaseException) -> str:
+    """``Type: first line of the message``: how a caught exception is quoted in a result or a
+    refusal, where a traceback would be noise."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")

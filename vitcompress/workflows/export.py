@@ -25,10 +25,11 @@ from torch import Tensor, nn
 
 from vitcompress.analysis.capture import fast_paths_off
 from vitcompress.artifacts.fingerprint import eval_mode
-from vitcompress.errors import UserError
+from vitcompress.errors import UserError, one_line
 from vitcompress.kernels import method_path
 from vitcompress.measure.onnx_runtime import onnx_session, require_export_extra
 from vitcompress.model_copy import copy_model
+from vitcompress.workflows.onnx_file import onnx_op_audit, onnx_static_shapes, onnx_structure
 
 FORMATS = ("onnx", "torchscript", "exported-program")
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
@@ -80,11 +81,6 @@ def _inputs(batch_size: int, input_size: tuple[int, ...], seed: int) -> Tensor:
 
 def _max_diff(a: Tensor, b: Tensor) -> float:
     return float((a.detach().float() - b.detach().float()).abs().max())
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,161 +248,6 @@ def _at_dtype(model: nn.Module, dtype: str, float32_convs: bool = False) -> nn.M
     return copied
 
 
-def onnx_structure(path: str | Path, dtype: str) -> dict[str, Any]:
-    """A check of an ONNX file that does not run it: ``onnx.checker`` with ``full_check`` (every
-    node's types against its schema at the file's opset, and strict shape inference), the image
-    input's and the logits output's element types, and the element types of the weights.
-    ``passed`` when the checker accepts it and the input and output are at ``dtype``."""
-    import onnx
-
-    model = onnx.load(str(path))
-    result: dict[str, Any] = {"checker": "passed", "error": None}
-    try:
-        onnx.checker.check_model(model, full_check=True)
-    except Exception as e:  # onnx raises ValidationError, or InferenceError for types
-        result.update(checker="failed", error=_one_line(e))
-    names = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
-    graph = model.graph
-    result["input_dtype"] = names[graph.input[0].type.tensor_type.elem_type]
-    result["output_dtype"] = names[graph.output[0].type.tensor_type.elem_type]
-    weights: dict[str, int] = {}
-    for tensor in graph.initializer:
-        kind = names[tensor.data_type]
-        weights[kind] = weights.get(kind, 0) + 1
-    result["weight_dtypes"] = dict(sorted(weights.items()))
-    result["passed"] = (
-        result["checker"] == "passed"
-        and result["input_dtype"] == dtype
-        and result["output_dtype"] == dtype
-    )
-    return result
-
-
-def onnx_static_shapes(path: Path) -> bool:
-    """Whether every input and output of an ONNX file has only constant dimensions."""
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
-    return all(
-        dim.HasField("dim_value")
-        for value in list(graph.input) + list(graph.output)
-        for dim in value.type.tensor_type.shape.dim
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# The op audit: which ONNX ops a file uses, and whether each is one a deployment runtime's core
-# runs. The reference is TensorRT's ONNX parser, the strictest common target: the operators its
-# docs/operators.md (onnx-tensorrt, TensorRT 10.15) marks supported, in the default domain.
-PORTABLE_REFERENCE = "TensorRT 10.15 ONNX parser, onnx-tensorrt docs/operators.md"
-PORTABLE_OPS = frozenset(
-    """
-    Abs Acos Acosh Add And ArgMax ArgMin Asin Asinh Atan Atanh Attention AveragePool
-    BatchNormalization BlackmanWindow Cast CastLike Ceil Celu Clip Concat Constant ConstantOfShape
-    Conv ConvTranspose Cos Cosh CumSum DeformConv DepthToSpace DequantizeLinear Div Dropout Einsum
-    Elu Equal Erf Exp Expand EyeLike Flatten Floor Gather GatherElements GatherND Gelu Gemm
-    GlobalAveragePool GlobalLpPool GlobalMaxPool Greater GreaterOrEqual GridSample
-    GroupNormalization GRU HammingWindow HannWindow HardSigmoid HardSwish Hardmax Identity If
-    ImageScaler InstanceNormalization IsInf IsNaN LayerNormalization LeakyRelu Less LessOrEqual Log
-    LogSoftmax Loop LRN LSTM LpNormalization LpPool MatMul Max MaxPool Mean
-    MeanVarianceNormalization Min Mish Mod Mul Neg NonMaxSuppression NonZero Not OneHot Or Pad
-    ParametricSoftplus Pow PRelu QuantizeLinear RandomNormal RandomNormalLike RandomUniform
-    RandomUniformLike Range Reciprocal ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp ReduceMax
-    ReduceMean ReduceMin ReduceProd ReduceSum ReduceSumSquare Relu Reshape Resize ReverseSequence
-    RMSNormalization RNN RoiAlign RotaryEmbedding Round STFT ScaledTanh Scan Scatter
-    ScatterElements ScatterND Selu Shape Shrink Sigmoid Sign Sin Sinh Size Slice Softmax Softplus
-    Softsign SpaceToDepth Split Sqrt Squeeze Sub Sum Tan Tanh TensorScatter ThresholdedRelu Tile
-    TopK Transpose Trilu Unsqueeze Upsample Where Xor
-    """.split()
-)
-# Attributes that decide whether a listed op runs in TensorRT's core: a value other than the
-# one given needs a plugin or is refused. Scatter reductions: the core runs ScatterElements and
-# ScatterND only without one (NVIDIA/TensorRT #2396, #3650; the ScatterElements plugin's README;
-# operators.md's ScatterND row). TopK: "sorted must be 1".
-PORTABLE_ATTRIBUTES: dict[str, dict[str, Any]] = {
-    "ScatterElements": {"reduction": "none"},
-    "ScatterND": {"reduction": "none"},
-    "TopK": {"sorted": 1},
-}
-# The ONNX defaults of those attributes, for nodes that leave them out.
-_ATTRIBUTE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "ScatterElements": {"reduction": "none"},
-    "ScatterND": {"reduction": "none"},
-    "TopK": {"sorted": 1},
-}
-
-
-def _graph_nodes(graph: Any) -> Iterator[Any]:
-    """Every node of ``graph`` and of the subgraphs its nodes hold (If, Loop, Scan bodies)."""
-    import onnx
-
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _graph_nodes(attribute.g)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for sub in attribute.graphs:
-                    yield from _graph_nodes(sub)
-
-
-def _op_name(node: Any) -> str:
-    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
-
-
-def onnx_op_audit(path: str | Path) -> dict[str, Any]:
-    """The ops an ONNX file uses and whether all are portable (:data:`PORTABLE_OPS`, with the
-    attribute values of :data:`PORTABLE_ATTRIBUTES`).
-
-    ``ops``: node count per op type (``domain::Op`` outside the default domain), subgraphs
-    included; ``attributes``: for the ops whose attributes decide portability, the count per
-    value (``{"ScatterElements": {"reduction": {"add": 6}}}``, ONNX defaults filled in);
-    ``not_portable``: one entry per op type, or op type and attribute value, outside the list;
-    ``portable``: whether that is empty.
-    """
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
-    ops: dict[str, int] = {}
-    attributes: dict[str, dict[str, dict[str, int]]] = {}
-    for node in _graph_nodes(graph):
-        name = _op_name(node)
-        ops[name] = ops.get(name, 0) + 1
-        if name not in PORTABLE_ATTRIBUTES:
-            continue
-        given = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        for key, default in _ATTRIBUTE_DEFAULTS[name].items():
-            value = given.get(key, default)
-            value = value.decode() if isinstance(value, bytes) else value
-            counts = attributes.setdefault(name, {}).setdefault(key, {})
-            counts[str(value)] = counts.get(str(value), 0) + 1
-    not_portable = [
-        {"op": name, "count": count, "why": f"not among {PORTABLE_REFERENCE}'s operators"}
-        for name, count in sorted(ops.items())
-        if name not in PORTABLE_OPS
-    ]
-    for name, keys in sorted(attributes.items()):
-        for key, values in sorted(keys.items()):
-            wanted = str(PORTABLE_ATTRIBUTES[name][key])
-            not_portable += [
-                {
-                    "op": name,
-                    "count": count,
-                    "attribute": {key: value},
-                    "why": f"{key}={value}: {PORTABLE_REFERENCE} runs only {key}={wanted}",
-                }
-                for value, count in sorted(values.items())
-                if value != wanted
-            ]
-    return {
-        "reference": PORTABLE_REFERENCE,
-        "ops": dict(sorted(ops.items())),
-        "attributes": attributes,
-        "portable": not not_portable,
-        "not_portable": not_portable,
-    }
-
-
 def _export_torchscript(module: nn.Module, example: Tensor, out: Path) -> Callable:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -501,7 +342,7 @@ def export_model(
         except OSError as e:
             raise ExportError(f"cannot write {out}: {e.strerror or e}") from e
         except Exception as e:
-            raise ExportError(f"{fmt} export failed: {_one_line(e)}") from e
+            raise ExportError(f"{fmt} export failed: {one_line(e)}") from e
         seconds = time.perf_counter() - start
         result: dict[str, Any] = {
             "format": fmt,
@@ -550,14 +391,14 @@ def _check(
             if fmt == "onnx" and dtype != "float32":
                 # onnxruntime's CPU kernels cover few ops at half precision (bfloat16 hardly
                 # any): a runtime's gap, not the file's, so the file is checked as a file.
-                _structural(result, dtype, _one_line(e))
+                _structural(result, dtype, one_line(e))
                 return
             if len(check_batches) == 1 and batch == trace_batch:
                 raise
             # A batch read as a constant somewhere in the graph fails here.
             raise ExportCheckError(
                 f"the {fmt} file does not run at batch {batch} (traced at "
-                f"{trace_batch}): {_one_line(e)}"
+                f"{trace_batch}): {one_line(e)}"
             ) from e
         expected = reference(fresh)
         diff = max(diff, _max_diff(got, expected))
@@ -634,7 +475,7 @@ def compile_check(
         try:
             outputs = [compiled(x) for x in batches]
         except Exception as e:  # dynamo raises on a graph break under fullgraph
-            result.update(graph_break=True, reason=_one_line(e))
+            result.update(graph_break=True, reason=one_line(e))
         else:
             result["max_abs_diff"] = max(
                 _max_diff(o, module(x)) for o, x in zip(outputs, batches, strict=True)

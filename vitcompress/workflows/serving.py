@@ -20,6 +20,7 @@ from torch import nn
 
 from vitcompress.analysis.capture import fast_paths_off
 from vitcompress.artifacts.fingerprint import eval_mode
+from vitcompress.errors import one_line
 from vitcompress.measure.models import TimingOptions
 from vitcompress.status import warn
 
@@ -121,9 +122,8 @@ def host_sync_check(
         except Exception as e:
             if not _data_dependent(e):
                 raise
-            from vitcompress.workflows.export import _one_line
 
-            report.error = f"a Python decision on a tensor's value: {_one_line(e)}"
+            report.error = f"a Python decision on a tensor's value: {one_line(e)}"
             return report
     for node in program.graph.nodes:
         if node.op != "call_function":
