@@ -48,6 +48,26 @@ class OpCounter(TorchDispatchMode):
         return sum(self.counts.values())
 
 
+def compiled_targets(model: nn.Module, x: torch.Tensor) -> list[str]:
+    """The call targets of the graph ``torch.compile(model, fullgraph=True)`` captures on ``x``
+    (under inference mode), after checking that the compiled output equals the eager one: which
+    ops a compiler sees, a custom op as one call."""
+    targets: list[str] = []
+
+    def backend(graph_module: torch.fx.GraphModule, example_inputs: list) -> object:
+        targets.extend(str(node.target) for node in graph_module.graph.nodes)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():
+            compiled = torch.compile(model, fullgraph=True, backend=backend)
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+    finally:
+        torch._dynamo.reset()
+    return targets
+
+
 def count_ops(model: nn.Module, x: torch.Tensor) -> Counter[str]:
     """The ops (views excluded) one eval forward of ``model`` on ``x`` dispatches."""
     model.eval()

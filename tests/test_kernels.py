@@ -16,6 +16,7 @@ from torch import nn
 
 import vitcompress
 from tests.models import timm_small
+from tests.op_count import compiled_targets
 from tests.test_positions import sharpen
 from vitcompress.kernels import (
     FusedKernelError,
@@ -232,18 +233,7 @@ def test_training_and_autograd_keep_the_methods_path() -> None:
 def test_compiled_as_one_graph_with_the_kernel_as_one_call() -> None:
     model = _compressed("etps")
     enable_fused_kernels(model)
-    targets: list[str] = []
-
-    def backend(graph_module: torch.fx.GraphModule, example_inputs):
-        targets.extend(str(node.target) for node in graph_module.graph.nodes)
-        return graph_module.forward
-
-    x = torch.randn(2, *SIZE)
-    torch._dynamo.reset()
-    with torch.inference_mode():
-        compiled = torch.compile(model, fullgraph=True, backend=backend)
-        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
-    torch._dynamo.reset()
+    targets = compiled_targets(model, torch.randn(2, *SIZE))
     assert sum("vitcompress.select_squeeze" in t for t in targets) == 2
 
 
@@ -252,18 +242,7 @@ def test_tome_compiled_as_one_graph_with_the_kernel_as_one_call() -> None:
     base = sharpen(timm_small("vit_small_patch16_224"))
     model = vitcompress.compress(base, "tome", keep=0.7, locs=[1], input_size=SIZE).eval()
     assert enable_fused_kernels(model) == 3  # blocks 1, 2 and 3
-    targets: list[str] = []
-
-    def backend(graph_module: torch.fx.GraphModule, example_inputs):
-        targets.extend(str(node.target) for node in graph_module.graph.nodes)
-        return graph_module.forward
-
-    x = torch.randn(2, *SIZE)
-    torch._dynamo.reset()
-    with torch.inference_mode():
-        compiled = torch.compile(model, fullgraph=True, backend=backend)
-        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
-    torch._dynamo.reset()
+    targets = compiled_targets(model, torch.randn(2, *SIZE))
     assert sum("vitcompress.tome_merge" in t for t in targets) == 3
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import vitcompress
 from tests.models import timm_small
-from tests.op_count import OpCounter, count_ops, deit_small_ops_per_location
+from tests.op_count import OpCounter, compiled_targets, count_ops, deit_small_ops_per_location
 from tests.test_positions import sharpen
 from vitcompress.kernels import enable_fused_kernels, fused_kernels_available, method_path
 from vitcompress.measure import count_macs
@@ -145,16 +145,5 @@ def test_compiled_default_path_is_the_methods_ops_in_one_graph() -> None:
     """Under a compiler the default (switch None) takes the method's ops: no build or custom op
     inside a trace unless the kernels were switched on."""
     model = _compressed("tome", 0.7)
-    targets: list[str] = []
-
-    def backend(graph_module: torch.fx.GraphModule, example_inputs):
-        targets.extend(str(node.target) for node in graph_module.graph.nodes)
-        return graph_module.forward
-
-    x = torch.randn(2, *SIZE)
-    torch._dynamo.reset()
-    with torch.inference_mode():
-        compiled = torch.compile(model, fullgraph=True, backend=backend)
-        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
-    torch._dynamo.reset()
+    targets = compiled_targets(model, torch.randn(2, *SIZE))
     assert targets and not any("vitcompress" in t for t in targets)
