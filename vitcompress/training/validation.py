@@ -24,6 +24,31 @@ from vitcompress.training.interrupt import StopSignals
 __all__ = ["validation_metrics", "validation_miou", "validation_top1"]
 
 
+def _one_process(
+    evaluation: Callable[..., dict[str, float]],
+    metric: str,
+    net: nn.Module,
+    accelerator: Any,
+    val_set: Dataset | None,
+    config: FinetuneConfig,
+    signals: StopSignals,
+    progress: EvalProgress | None,
+) -> float:
+    """``metric`` as a fraction from the project's own ``evaluation`` (the numbers of the
+    ``eval`` command), stopped at once by a signal (nothing there can be torn), with
+    ``progress`` told of each batch."""
+    with signals.immediate():
+        result = evaluation(
+            accelerator.unwrap_model(net),
+            val_set,
+            batch_size=config.batch_size,
+            device=str(accelerator.device),
+            num_workers=config.num_workers,
+            progress=progress,
+        )
+    return result[metric] / 100
+
+
 def validation_top1(
     net: nn.Module,
     accelerator: Any,
@@ -33,21 +58,11 @@ def validation_top1(
     signals: StopSignals,
     progress: EvalProgress | None = None,
 ) -> float:
-    """Top-1 as a fraction. One process: the project's ``evaluate`` (the numbers of the
-    ``eval`` command), stopped at once by a signal (nothing there can be torn), with
-    ``progress`` told of each batch; several: a loop over ``batches`` (the prepared loader with a
-    safe point per batch) that gathers predictions from every process."""
+    """Top-1 as a fraction. One process: :func:`_one_process` with ``evaluate``; several: a loop
+    over ``batches`` (the prepared loader with a safe point per batch) that gathers predictions
+    from every process."""
     if accelerator.num_processes == 1:
-        with signals.immediate():
-            result = evaluate(
-                accelerator.unwrap_model(net),
-                val_set,
-                batch_size=config.batch_size,
-                device=str(accelerator.device),
-                num_workers=config.num_workers,
-                progress=progress,
-            )
-        return result["top1"] / 100
+        return _one_process(evaluate, "top1", net, accelerator, val_set, config, signals, progress)
     return evaluate_top1(net, batches, accelerator)
 
 
@@ -63,16 +78,9 @@ def validation_miou(
     """Mean IoU as a fraction, as :func:`validation_top1` measures top-1: one process, the
     ``eval --task segmentation`` numbers; several, the per-pixel predictions gathered."""
     if accelerator.num_processes == 1:
-        with signals.immediate():
-            result = evaluate_segmentation(
-                accelerator.unwrap_model(net),
-                val_set,
-                batch_size=config.batch_size,
-                device=str(accelerator.device),
-                num_workers=config.num_workers,
-                progress=progress,
-            )
-        return result["miou"] / 100
+        return _one_process(
+            evaluate_segmentation, "miou", net, accelerator, val_set, config, signals, progress
+        )
     return evaluate_miou(net, batches, accelerator, num_classes(val_set))
 
 
