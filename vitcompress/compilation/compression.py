@@ -321,27 +321,14 @@ def compile_entry(
 
 
 def compress_copy(
-    model: nn.Module,
-    captured: CapturedGraph,
-    model_map: ModelMap,
-    size: tuple[int, ...],
-    method: Variant,
-    keep: Keep,
-    locs: list[int] | None,
-    policy: str,
+    model: nn.Module, captured: CapturedGraph, model_map: ModelMap, *settings: Any, **named: Any
 ) -> nn.Module:
     """:func:`compress_mapped` on copies of ``captured`` and ``model_map``, which compressing
     consumes: one capture of ``model`` then makes as many compressed models as asked (a search's
-    candidates, the keeps a budget fit tries)."""
+    candidates, the keeps a budget fit tries). ``settings`` and ``named`` are the rest of
+    :func:`compress_mapped`'s arguments (size, method, keep, locs, policy)."""
     return compress_mapped(
-        model,
-        copy.deepcopy(captured),
-        copy.deepcopy(model_map),
-        size,
-        method,
-        keep,
-        locs,
-        policy,
+        model, copy.deepcopy(captured), copy.deepcopy(model_map), *settings, **named
     )
 
 
