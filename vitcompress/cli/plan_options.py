@@ -90,24 +90,23 @@ def keep_cumulative_option(command: Callable) -> Callable:
     The two exclude each other. One from a recipe and one from the command line is no conflict:
     the command line wins, as it does for every option.
     """
-    command = click.option(
+    option = click.option(
         "--keep-cumulative",
         default=None,
         metavar="A,B,C",
         help="Instead of --keep (dtps, dynamicvit): the fraction of the initial patch count kept "
         "after each location, as official configs give it (0.7,0.49,0.343 = --keep 0.7; "
         "int(N0 * fraction) tokens). Restarts at each stage of a pyramid.",
-    )(command)
-
-    @functools.wraps(command)
-    def wrapper(*args, keep, keep_cumulative, **kwargs):
-        conflict = "--keep and --keep-cumulative exclude each other; give one"
-        keep = _fold_keep_form(
-            keep, keep_cumulative, "keep_cumulative", ("keep",), conflict, parse_keep_cumulative
-        )
-        return command(*args, keep=keep, **kwargs)
-
-    return wrapper
+    )
+    conflict = "--keep and --keep-cumulative exclude each other; give one"
+    fold = functools.partial(
+        _fold_keep_form,
+        name="keep_cumulative",
+        others=("keep",),
+        conflict=conflict,
+        parse=parse_keep_cumulative,
+    )
+    return _as_keep(option(command), "keep_cumulative", fold)
 
 
 def keep_for_gmacs_option(command: Callable) -> Callable:
@@ -117,7 +116,7 @@ def keep_for_gmacs_option(command: Callable) -> Callable:
     ``keep`` (a :class:`GmacsRatio`). It excludes ``--keep`` and ``--keep-cumulative`` as they
     exclude each other: one from a recipe or plan file yields to the other typed on the command
     line. Apply it below :func:`keep_cumulative_option`."""
-    command = click.option(
+    option = click.option(
         "--keep-for-gmacs-ratio",
         "keep_for_gmacs_ratio",
         default=None,
@@ -125,20 +124,26 @@ def keep_for_gmacs_option(command: Callable) -> Callable:
         help="Instead of --keep: the largest keep (in steps of 0.01, the same at every "
         "location) whose compressed model needs at most R times the base's GMACs, found by "
         "compressing and counting (0.85: 85%).",
-    )(command)
+    )
+    conflict = "--keep-for-gmacs-ratio excludes --keep and --keep-cumulative; give one"
+    fold = functools.partial(
+        _fold_keep_form,
+        name="keep_for_gmacs_ratio",
+        others=("keep", "keep_cumulative"),
+        conflict=conflict,
+        parse=lambda text: GmacsRatio(_parse_ratio(text)),
+    )
+    return _as_keep(option(command), "keep_for_gmacs_ratio", fold)
+
+
+def _as_keep(command: Callable, parameter: str, fold: Callable[[Any, str | None], Any]) -> Callable:
+    """``command`` with its ``parameter`` (another form of the keep ratios) folded into its
+    ``keep`` by ``fold(keep, value)``, so that the command sees only ``keep``."""
 
     @functools.wraps(command)
-    def wrapper(*args, keep, keep_for_gmacs_ratio, **kwargs):
-        conflict = "--keep-for-gmacs-ratio excludes --keep and --keep-cumulative; give one"
-        keep = _fold_keep_form(
-            keep,
-            keep_for_gmacs_ratio,
-            "keep_for_gmacs_ratio",
-            ("keep", "keep_cumulative"),
-            conflict,
-            lambda text: GmacsRatio(_parse_ratio(text)),
-        )
-        return command(*args, keep=keep, **kwargs)
+    def wrapper(*args, keep, **kwargs):
+        value = kwargs.pop(parameter)
+        return command(*args, keep=fold(keep, value), **kwargs)
 
     return wrapper
 
