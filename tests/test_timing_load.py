@@ -20,6 +20,7 @@ from vitcompress.measure.throughput import (
     STARVATION_FACTOR,
     ThreadChoice,
     _Rounds,
+    _Schedule,
     choose_threads,
     measure_callables,
     measure_throughput,
@@ -58,11 +59,7 @@ def timings(monkeypatch: pytest.MonkeyPatch, rate_at: Mapping[int, float]) -> li
 
     def interleave(
         runners: Mapping[str, Callable[[], Any]],
-        batch_size: int,
-        warmup: int,
-        runs: int,
-        time_budget: float | None,
-        on_round: Any,
+        schedule: _Schedule,
         synchronize: Callable[[], None],
         load_before: float | None = None,
     ) -> _Rounds:
@@ -72,16 +69,8 @@ def timings(monkeypatch: pytest.MonkeyPatch, rate_at: Mapping[int, float]) -> li
             run()  # the runner really runs, at the threads set
         loads = [load_before if load_before is not None else throughput.load_average()]
         loads.append(throughput.load_average())
-        return _Rounds(
-            samples={name: [rate_at[threads]] * runs for name in runners},
-            warmup=warmup,
-            runs=runs,
-            warmed=warmup,
-            timed=runs,
-            time_budget=time_budget,
-            seconds=0.0,
-            loads=loads,
-        )
+        samples = {name: [rate_at[threads]] * schedule.runs for name in runners}
+        return _Rounds(samples, schedule, schedule.warmup, schedule.runs, 0.0, loads)
 
     monkeypatch.setattr(throughput, "_interleave", interleave)
     return passes

@@ -202,11 +202,8 @@ def measure_throughput(
             "input_size must be (channels, height, width) or of higher rank (a video's "
             f"(channels, frames, height, width)), got {tuple(input_size)}"
         )
-    if batch_size < 1 or runs < 1 or warmup < 0:
-        raise ValueError("batch_size and runs must be >= 1 and warmup >= 0")
+    schedule = _Schedule(batch_size, warmup, runs, time_budget, on_round)
     compiled_names = _compiled_names(compile, models)
-    if time_budget is not None and time_budget <= 0:
-        raise ValueError(f"time_budget must be > 0 seconds, got {time_budget}")
     device = torch.device(device)
     if amp:
         if device.type != "cuda":
@@ -250,19 +247,10 @@ def measure_throughput(
                     lambda model=runnable[name]: forward(model), device
                 )
             rounds = _interleave(
-                runners,
-                batch_size,
-                warmup,
-                runs,
-                time_budget,
-                on_round,
-                lambda: _synchronize(device),
-                load_before=choice.load,
+                runners, schedule, lambda: _synchronize(device), load_before=choice.load
             )
             if threads is None and device.type == "cpu":
-                choice, rounds = _check_starvation(
-                    choice, rounds, runners, batch_size, warmup, runs, time_budget, on_round
-                )
+                choice, rounds = _check_starvation(choice, rounds, runners, schedule)
     finally:
         # eval() above changed the caller's models whenever no copy was needed.
         for name, model in models.items():
@@ -305,11 +293,7 @@ def _check_starvation(
     choice: ThreadChoice,
     rounds: _Rounds,
     runners: Mapping[str, Callable[[], Any]],
-    batch_size: int,
-    warmup: int,
-    runs: int,
-    time_budget: float | None,
-    on_round: Callable[[RoundProgress], None] | None,
+    schedule: _Schedule,
 ) -> tuple[ThreadChoice, _Rounds]:
     """After timing at ``choice.threads``: when more than 1 thread ran and the load average seen
     while timing says the machine was full (this process's threads and others' work over its
@@ -321,7 +305,8 @@ def _check_starvation(
     name, run = next(iter(runners.items()))
     rate = statistics.median(rounds.samples[name])
     with torch_threads(1):
-        probe = _interleave({name: run}, batch_size, 1, STARVATION_RUNS, None, None, lambda: None)
+        probe_schedule = _Schedule(schedule.batch_size, 1, STARVATION_RUNS, None)
+        probe = _interleave({name: run}, probe_schedule, lambda: None)
     one_thread_rate = statistics.median(probe.samples[name])
     check = StarvationCheck(
         name, choice.threads, rate, one_thread_rate, one_thread_rate > STARVATION_FACTOR * rate
@@ -329,9 +314,7 @@ def _check_starvation(
     if not check.starved:
         return dataclasses.replace(choice, starvation=check), rounds
     with torch_threads(1):
-        retimed = _interleave(
-            runners, batch_size, warmup, runs, time_budget, on_round, lambda: None
-        )
+        retimed = _interleave(runners, schedule, lambda: None)
     return dataclasses.replace(choice, threads=1, reason="starved", starvation=check), retimed
 
 
@@ -354,24 +337,12 @@ def measure_callables(
     starvation check: the runners cannot be re-threaded. None: torch's count as it is."""
     if not runners:
         raise ValueError("no runners to time")
-    if batch_size < 1 or runs < 1 or warmup < 0:
-        raise ValueError("batch_size and runs must be >= 1 and warmup >= 0")
-    if time_budget is not None and time_budget <= 0:
-        raise ValueError(f"time_budget must be > 0 seconds, got {time_budget}")
+    schedule = _Schedule(batch_size, warmup, runs, time_budget, on_round)
     if threads is None:
         count = torch.get_num_threads()
         threads = ThreadChoice(count, available_cpus(), load_average(), 0.0, count, "fixed")
     with torch_threads(threads.threads):
-        rounds = _interleave(
-            runners,
-            batch_size,
-            warmup,
-            runs,
-            time_budget,
-            on_round,
-            lambda: None,
-            load_before=threads.load,
-        )
+        rounds = _interleave(runners, schedule, lambda: None, load_before=threads.load)
     return rounds.report(
         environment("cpu", torch.float32, batch_size)
         | {"threads": threads.threads, "thread_choice": threads.to_json()}
@@ -381,18 +352,47 @@ def measure_callables(
     )
 
 
-@dataclass
-class _Rounds:
-    """What :func:`_interleave` timed, and how far it got."""
+@dataclass(frozen=True)
+class _Schedule:
+    """What to time: rounds of one batch of ``batch_size`` images per runner, ``warmup`` rounds
+    then ``runs`` timed ones, within ``time_budget`` seconds (None: no bound); ``on_round`` is
+    told of each round."""
 
-    samples: dict[str, list[float]]
+    batch_size: int
     warmup: int
     runs: int
+    time_budget: float | None
+    on_round: Callable[[RoundProgress], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.runs < 1 or self.warmup < 0:
+            raise ValueError("batch_size and runs must be >= 1 and warmup >= 0")
+        if self.time_budget is not None and self.time_budget <= 0:
+            raise ValueError(f"time_budget must be > 0 seconds, got {self.time_budget}")
+
+
+@dataclass
+class _Rounds:
+    """What :func:`_interleave` timed of its schedule, and how far it got."""
+
+    samples: dict[str, list[float]]
+    schedule: _Schedule
     warmed: int
     timed: int
-    time_budget: float | None
     seconds: float
     loads: list[float | None]
+
+    @property
+    def warmup(self) -> int:
+        return self.schedule.warmup
+
+    @property
+    def runs(self) -> int:
+        return self.schedule.runs
+
+    @property
+    def time_budget(self) -> float | None:
+        return self.schedule.time_budget
 
     def report(
         self, env: dict[str, Any], warnings: list[str], threads: int | None = None
@@ -425,16 +425,14 @@ class _Rounds:
 
 def _interleave(
     runners: Mapping[str, Callable[[], Any]],
-    batch_size: int,
-    warmup: int,
-    runs: int,
-    time_budget: float | None,
-    on_round: Callable[[RoundProgress], None] | None,
+    schedule: _Schedule,
     synchronize: Callable[[], None],
     load_before: float | None = None,
 ) -> _Rounds:
     """Warm-up rounds, then timed rounds, each one batch of every runner in turn.
     ``load_before``: the load average already read for the thread choice (else read here)."""
+    batch_size, warmup, runs = schedule.batch_size, schedule.warmup, schedule.runs
+    time_budget, on_round = schedule.time_budget, schedule.on_round
     samples: dict[str, list[float]] = {name: [] for name in runners}
     loads = [load_before if load_before is not None else load_average()]
     began = time.perf_counter()
@@ -473,16 +471,7 @@ def _interleave(
         timed += 1
         report_round(False, timed, runs)
     loads.append(load_average())
-    return _Rounds(
-        samples=samples,
-        warmup=warmup,
-        runs=runs,
-        warmed=warmed,
-        timed=timed,
-        time_budget=time_budget,
-        seconds=time.perf_counter() - began,
-        loads=loads,
-    )
+    return _Rounds(samples, schedule, warmed, timed, time.perf_counter() - began, loads)
 
 
 def _compiled_names(compile: bool | Collection[str], models: Mapping[str, nn.Module]) -> list[str]:
