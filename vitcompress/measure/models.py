@@ -18,6 +18,7 @@ from vitcompress.loading import LoadedModel
 from vitcompress.measure import (
     PairedRatio,
     RoundProgress,
+    ThroughputReport,
     count_macs,
     count_params,
     measure_throughput,
@@ -67,6 +68,14 @@ class TimingOptions:
             time_budget=self.seconds,
         )
 
+    def measure(
+        self, models: dict[str, nn.Module], input_size: tuple[int, ...], **compile_extra: Any
+    ) -> ThroughputReport:
+        """``models`` timed interleaved under these options, each round shown as progress."""
+        return measure_throughput(
+            models, input_size, **self.throughput_arguments(**compile_extra), on_round=show_round
+        )
+
 
 @dataclass
 class Measurement:
@@ -106,12 +115,7 @@ def measure_models(
             f"timing {' and '.join(models)} (batch {timing.batch_size}, at most "
             + (f"{timing.seconds:g} s)" if timing.seconds else "no time limit)")
         ):
-            report = measure_throughput(
-                models,
-                input_size,
-                **timing.throughput_arguments(),
-                on_round=show_round,
-            )
+            report = timing.measure(models, input_size)
         for name in models:
             results[name].throughput = report.results[name].median
             results[name].samples = list(report.results[name].samples)

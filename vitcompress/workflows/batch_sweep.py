@@ -19,8 +19,8 @@ from typing import Any
 from torch import nn
 
 from vitcompress.errors import UserError
-from vitcompress.measure import PairedRatio, measure_throughput, paired_ratio, verdict
-from vitcompress.measure.models import TimingOptions, show_round, use_fused_kernels
+from vitcompress.measure import PairedRatio, paired_ratio, verdict
+from vitcompress.measure.models import TimingOptions, use_fused_kernels
 from vitcompress.status import step, warn
 
 __all__ = [
@@ -188,12 +188,7 @@ def sweep_batch_sizes(
             f"timing {' and '.join(models)} at batch {batch_size}"
             + (f" (at most {options.seconds:g} s)" if options.seconds else "")
         ):
-            report = measure_throughput(
-                models,
-                input_size,
-                **options.throughput_arguments(dynamic=False),
-                on_round=show_round,
-            )
+            report = options.measure(models, input_size, dynamic=False)
         point = SweepPoint(
             batch_size=batch_size,
             throughput={name: result.median for name, result in report.results.items()},
