@@ -279,6 +279,17 @@ def runs_option(help_text: str) -> Callable:
     )
 
 
+def compile_options(compile_help: str, mode_help: str) -> list[Callable]:
+    """``--compile`` (reaching the command as ``use_compile``) and ``--compile-mode``, worded for
+    the command that compiles."""
+    return [
+        click.option("--compile", "use_compile", is_flag=True, help=compile_help),
+        click.option(
+            "--compile-mode", type=click.Choice(COMPILE_MODES), default=None, help=mode_help
+        ),
+    ]
+
+
 def bench_seconds_option(help_text: str) -> Callable:
     return click.option(
         "--bench-seconds",
@@ -308,17 +319,9 @@ def timing_options(command: Callable) -> Callable:
             "Time budget of the throughput step (warm-up and timed rounds): no "
             "round starts after S seconds; at least one is timed."
         ),
-        click.option(
-            "--compile",
-            "use_compile",
-            is_flag=True,
-            help="torch.compile every model timed, alike (inductor); compilation is not timed.",
-        ),
-        click.option(
-            "--compile-mode",
-            type=click.Choice(COMPILE_MODES),
-            default=None,
-            help="With --compile: torch.compile's mode (default: torch's); reduce-overhead "
+        *compile_options(
+            "torch.compile every model timed, alike (inductor); compilation is not timed.",
+            "With --compile: torch.compile's mode (default: torch's); reduce-overhead "
             "serves with CUDA graphs on a GPU (docs/serving.md).",
         ),
         click.option(
@@ -389,23 +392,13 @@ def serving_compile_options(command: Callable) -> Callable:
             raise ModelLoadError("--compile-mode sets how the model is compiled: add --compile")
         return (compile_mode or "reduce-overhead") if use_compile else None
 
-    options = [
-        click.option(
-            "--compile",
-            "use_compile",
-            is_flag=True,
-            help="Also check the serving path: torch.compile(fullgraph=True) at --batch-size "
-            "(static shapes), one graph, outputs as eager, and no host synchronisation (.item(), "
-            "nonzero, data-dependent shapes) in the forward.",
-        ),
-        click.option(
-            "--compile-mode",
-            type=click.Choice(COMPILE_MODES),
-            default=None,
-            help="With --compile: torch.compile's mode (default reduce-overhead: CUDA graphs on "
-            "a GPU; on the CPU inductor compiles it as its default mode).",
-        ),
-    ]
+    options = compile_options(
+        "Also check the serving path: torch.compile(fullgraph=True) at --batch-size "
+        "(static shapes), one graph, outputs as eager, and no host synchronisation (.item(), "
+        "nonzero, data-dependent shapes) in the forward.",
+        "With --compile: torch.compile's mode (default reduce-overhead: CUDA graphs on "
+        "a GPU; on the CPU inductor compiles it as its default mode).",
+    )
     return folded_options("serving_mode", options, fold)(command)
 
 
