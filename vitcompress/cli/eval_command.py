@@ -1,4 +1,5 @@
-"""``eval``: accuracy of a model, optionally against its base."""
+"""``eval``: accuracy of a model, optionally against its base; of an ONNX file in onnxruntime,
+optionally against a reference (argmax agreement)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,11 @@ from vitcompress.cli.options import (
     timing_options,
     workers_option,
 )
+from vitcompress.loading import ModelLoadError
 from vitcompress.measure.models import TimingOptions
+from vitcompress.measure.onnx_eval import is_onnx_path
 from vitcompress.training.evaluate import EvalProgress
+from vitcompress.workflows.eval_onnx import OnnxEvalResult, eval_onnx
 from vitcompress.workflows.eval_run import EvalResult, eval_model
 from vitcompress.workflows.gates import Bounds
 from vitcompress.workflows.inputs import BaseRequest, DataRequest, ModelRequest
@@ -44,6 +48,14 @@ from vitcompress.workflows.inputs import BaseRequest, DataRequest, ModelRequest
     metavar="N",
     help="Evaluate N images spread evenly over the split (default: all).",
 )
+@click.option(
+    "--reference",
+    default=None,
+    metavar="SPEC",
+    help="With --model FILE.onnx: the model to compare predictions with, on the same images "
+    "(the float32 ONNX file, or the compressed model directory it was exported from): its "
+    "top-1 and the argmax agreement.",
+)
 @timing_options
 @gate_options
 @json_option("Print the results as JSON.")
@@ -56,6 +68,7 @@ def eval_command(
     base: BaseRequest | None,
     workers: int,
     val_images: int | None,
+    reference: str | None,
     timing: TimingOptions | None,
     bounds: Bounds,
     as_json: bool,
@@ -66,6 +79,10 @@ def eval_command(
     timm pretrained_cfg); --mean/--std/--interpolation/--crop-pct override it for both.
     With --task segmentation: mean IoU and pixel accuracy (--max-acc-drop then bounds the mIoU
     points lost).
+
+    --model FILE.onnx runs the file in onnxruntime (CPU) with the preprocessing it records, so
+    the accuracy measured is that of what is deployed; --reference adds the agreement with
+    another model.
     """
     # --batch-size and --device belong to timing_options, which folds them into `timing` (None
     # with --no-throughput); read them from the parsed parameters so evaluation always has them.
@@ -77,6 +94,21 @@ def eval_command(
     # A bar per evaluated model where someone watches a terminal.
     show_bar = not as_json and sys.stdout.isatty() and sys.stderr.isatty()
     progress = _bar if show_bar else _no_bar
+    if is_onnx_path(model.spec):
+        _refuse_with_onnx(ctx, model, task, base, bounds)
+        onnx_result = eval_onnx(model.spec, data, loader, reference, val_images, progress)
+        if as_json:
+            emit_json(onnx_result.to_json())
+        else:
+            _print_onnx_result(onnx_result)
+        for note in onnx_result.notes:
+            click.echo(note, err=True)
+        return
+    if reference is not None:
+        raise ModelLoadError(
+            "--reference compares an ONNX --model's predictions; to compare two PyTorch "
+            "models use --base"
+        )
     result = eval_model(model, data, base, loader, timing, bounds, task, val_images, progress)
     if as_json:
         emit_json(result.to_json())
@@ -86,6 +118,73 @@ def eval_command(
     for note in result.notes:
         click.echo(note, err=True)
     finish_gates(result.gates, as_json)
+
+
+def _refuse_with_onnx(
+    ctx: click.Context,
+    model: ModelRequest,
+    task: str,
+    base: BaseRequest | None,
+    bounds: Bounds,
+) -> None:
+    """One line for an option an ONNX file has no use for: the file fixes the model, its input
+    size and its weights, and runs on the CPU."""
+    fixed = [
+        flag
+        for flag, used in (
+            ("--model-arg", model.args),
+            ("--checkpoint", model.checkpoint),
+            ("--pretrained", model.pretrained),
+            ("--input-size", model.input_size),
+            ("--entry", model.entry != "forward"),
+        )
+        if used
+    ]
+    if fixed:
+        raise ModelLoadError(
+            f"--model {model.spec} is an ONNX file, which fixes the model, its input size and "
+            f"weights: drop {', '.join(fixed)}"
+        )
+    if base is not None:
+        raise ModelLoadError(
+            "--base compares two PyTorch models; with an ONNX --model use --reference"
+        )
+    if task != "classification":
+        raise ModelLoadError(f"--task {task}: an ONNX --model is evaluated as a classifier")
+    if bounds:
+        raise ModelLoadError("the CI gates take PyTorch models; with an ONNX --model drop them")
+    if not str(ctx.params["device"]).startswith("cpu"):
+        raise ModelLoadError("an ONNX --model runs in onnxruntime on the CPU: drop --device")
+
+
+def _print_onnx_result(result: OnnxEvalResult) -> None:
+    facts = result.facts
+    batch = "dynamic batch" if facts.batch is None else f"batch {facts.batch}"
+    console.print(
+        f"[bold]{result.spec}[/] (onnxruntime, {batch}, {facts.bytes / 1e6:.2f} MB) on "
+        f"{result.data} ({result.split}, {result.accuracy['images']} images, input "
+        f"{tuple(facts.input_size)})"
+    )
+    console.print(f"[dim]data config: {describe(result.data_config)}[/]", highlight=False)
+    reference = result.reference
+    if reference is not None and reference.data_config != result.data_config:
+        console.print(
+            f"[dim]reference data config: {describe(reference.data_config)}[/]", highlight=False
+        )
+    table = Table(show_edge=False)
+    for column in ("", "top-1 (%)", "top-5 (%)", "agreement (%)"):
+        table.add_column(column, justify="left" if not column else "right")
+    table.add_row(
+        result.spec, f"{result.accuracy['top1']:.2f}", f"{result.accuracy['top5']:.2f}", ""
+    )
+    if reference is not None:
+        table.add_row(
+            f"reference {reference.spec} ({reference.runtime})",
+            f"{reference.accuracy['top1']:.2f}",
+            f"{reference.accuracy['top5']:.2f}",
+            f"{reference.agreement:.2f} ({reference.disagreements} differ)",
+        )
+    console.print(table)
 
 
 def _bar(description: str) -> EvalProgress:
