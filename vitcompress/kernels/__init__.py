@@ -4,7 +4,8 @@ The default eval path on the CPU wherever the extensions build (:func:`kernel_ru
 use builds them with the machine's C++ compiler and ninja (about a minute, cached afterwards under
 torch's extensions directory); where they cannot be built the method's ops run, with the same
 results. Each kernel is registered as a ``torch.library`` custom op with a fake implementation,
-so ``torch.compile(fullgraph=True)`` keeps it as one call.
+so ``torch.compile(fullgraph=True)`` keeps it as one call. ``select_squeeze`` has a CUDA
+implementation in Triton too (``triton_select_squeeze.py``), run where a reducer's switch is on.
 """
 
 from vitcompress.kernels.ops import (
@@ -18,6 +19,7 @@ from vitcompress.kernels.ops import (
     select_squeeze_reference,
     tome_merge,
     tome_merge_reference,
+    triton_available,
 )
 
 __all__ = [
@@ -31,4 +33,5 @@ __all__ = [
     "select_squeeze_reference",
     "tome_merge",
     "tome_merge_reference",
+    "triton_available",
 ]

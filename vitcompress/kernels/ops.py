@@ -1,6 +1,7 @@
 """The fused ops: ``vitcompress::select_squeeze`` (select -> gather -> squeeze, dTPS, eTPS and
 DynamicViT) and ``vitcompress::tome_merge`` (ToMe's matching and merge), each one C++ kernel on
-the CPU at inference.
+the CPU at inference; ``select_squeeze`` also has a CUDA implementation in Triton
+(``kernels/triton_select_squeeze.py``, imported on its first CUDA call only).
 
 :func:`select_squeeze_reference` and :func:`tome_merge_reference` are the same computations from
 the method's functions; the kernels must equal them. The kernels serve inference only: they have
@@ -10,12 +11,14 @@ gradients of their gathers and sums).
 Which path a reducer takes is its switch (``fused_kernel``): ``True`` (:func:`enable_fused_kernels`)
 always the kernel when autograd does not record, ``False`` always the method's ops, ``None`` (the
 default) the kernel where it can serve (:func:`kernel_runs`): on the CPU, outside autograd, outside
-a compiler's or an exporter's trace, once the extension is built here.
+a compiler's or an exporter's trace, once the extension is built here. The CUDA kernel runs only
+when switched on (``True``): it has not been timed on a GPU yet, so it is not the default there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,6 +158,21 @@ def _select_squeeze_op(
     return tokens, keep_index
 
 
+@_select_squeeze_op.register_kernel("cuda")
+def _select_squeeze_cuda(
+    x: Tensor, scores: Tensor, prefix_tokens: int, keep_tokens: int, squeeze: bool
+) -> tuple[Tensor, Tensor]:
+    # Imported here: a CPU-only install never imports Triton for the kernels.
+    from vitcompress.kernels.triton_select_squeeze import select_squeeze_triton
+
+    return select_squeeze_triton(x, scores, prefix_tokens, keep_tokens, squeeze)
+
+
+def triton_available() -> bool:
+    """Whether Triton is installed (found, not imported): the CUDA kernel of select_squeeze."""
+    return importlib.util.find_spec("triton") is not None
+
+
 @_select_squeeze_op.register_fake
 def _(
     x: Tensor, scores: Tensor, prefix_tokens: int, keep_tokens: int, squeeze: bool
@@ -180,9 +198,13 @@ def select_squeeze(
     x: Tensor, scores: Tensor, prefix_tokens: int, keep_tokens: int, squeeze: bool = True
 ) -> tuple[Tensor, Tensor]:
     """Keep the ``keep_tokens`` best-scored of ``x``'s non-prefix tokens; with ``squeeze``, fuse
-    the rest into them. Returns ``(tokens (B, P + K, C), keep_index (B, K))``, as the reference."""
-    if x.device.type != "cpu":
-        raise FusedKernelError(f"the fused kernels run on the CPU only, not on {x.device}")
+    the rest into them. Returns ``(tokens (B, P + K, C), keep_index (B, K))``, as the reference.
+    On the CPU the C++ kernel, on CUDA the Triton one (where Triton is installed)."""
+    if x.device.type != "cpu" and not (x.device.type == "cuda" and triton_available()):
+        raise FusedKernelError(
+            f"select_squeeze runs on the CPU only, or on CUDA with Triton installed; not on "
+            f"{x.device}"
+        )
     if not 0 <= prefix_tokens <= x.shape[1]:
         raise ValueError(f"prefix_tokens must be in 0..{x.shape[1]}, got {prefix_tokens}")
     # The scores only choose indices (no gradient reaches them in the method either); detached,
