@@ -1,0 +1,334 @@
+"""int8 ONNX files of compressed models: what quantization costs in accuracy, how often it changes
+the predicted class, and what it buys in onnxruntime speed.
+
+On the Fashion-MNIST base of docs/results.md "Choosing a method" (90.29%) and each of the five
+methods at keep 0.7 (ToMe at the MMACs of keep 0.7, r = 8, as the table has it), compressed
+without fine-tuning (the fine-tuned models of that table are not kept on disk), every step goes
+through the command line, as a user runs it:
+
+1. ``apply`` compresses the base (the locations of the table's runs);
+2. ``export --format onnx`` writes the float32 file, ``--quantize int8`` the dynamic int8 one and
+   ``--quantize int8-static --data fashion-mnist --calibration-images 256`` the static one, all at
+   batch 32; each command's seconds are kept, with the file sizes;
+3. ``eval --model FILE.onnx`` scores each file on the 10,000 test images, the float32 file against
+   the PyTorch model it was exported from and each int8 file against the float32 file (argmax
+   agreement);
+4. the three files of a model are timed in onnxruntime, one thread, batch 32, interleaved round by
+   round in this process (paired ratios over float32 with their 95% intervals).
+
+deit_small (random weights) at 224 x 224 is timed the same way (step 4; no accuracy: its
+weights are random), for what int8 does to a model of ImageNet size.
+
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/int8_accuracy.py
+
+Results: ``benchmarks/results/int8/int8.json`` (and one JSON per model); the page is
+docs/results-int8.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import timm
+from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the checkout's vitcompress, also where it is not installed
+CHOOSING = ROOT / "benchmarks" / "results" / "choosing"
+BASE_WEIGHTS = CHOOSING / "base.safetensors"
+RESULTS = ROOT / "benchmarks" / "results" / "int8"
+# The base of fashion_mnist_repro.py (base.json's settings.model_args, checked in main).
+SPEC = "vit_small_patch16_224"
+MODEL_ARGS: dict[str, Any] = dict(
+    img_size=28,
+    patch_size=4,
+    in_chans=1,
+    num_classes=10,
+    embed_dim=64,
+    depth=6,
+    num_heads=2,
+    mlp_ratio=2.0,
+)
+# What the base was trained and scored with (build_dataset without a data config): ImageNet's
+# mean and std averaged over RGB for one channel, bicubic, Fashion-MNIST never cropped. The timm
+# name alone would state its pretrained_cfg's 0.5 / 0.5 and crop 0.9 instead.
+DATA_CONFIG: dict[str, Any] = {
+    "mean": [sum(IMAGENET_DEFAULT_MEAN) / 3],
+    "std": [sum(IMAGENET_DEFAULT_STD) / 3],
+    "interpolation": "bicubic",
+    "crop_pct": 1.0,
+}
+METHODS = ("dynamicvit", "evit", "dtps", "etps", "tome")
+KEEP = 0.7
+MODES = ("fp32", "int8", "int8-static")
+FILE_NAMES = {"fp32": "fp32.onnx", "int8": "int8.onnx", "int8-static": "int8-static.onnx"}
+BATCH = 32
+DEIT = "deit_small_patch16_224"
+
+
+def fashion_mnist_base() -> Any:
+    """The base's architecture stating the preprocessing it was trained with (``--model
+    benchmarks/int8_accuracy.py:fashion_mnist_base --checkpoint base.safetensors``)."""
+    model = timm.create_model(SPEC, pretrained=False, **MODEL_ARGS)
+    model.data_config = dict(DATA_CONFIG)
+    return model
+
+
+def fashion_mnist_base_trained() -> Any:
+    """The base with its trained weights: a spec with no options, what ``eval --reference``
+    takes."""
+    from safetensors.torch import load_file
+
+    model = fashion_mnist_base()
+    model.load_state_dict(load_file(str(BASE_WEIGHTS)))
+    return model
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", default=str(Path("~/.cache/vitcompress/int8").expanduser()),
+                   help="artifacts and ONNX files; a step whose output is there is not redone")  # fmt: skip
+    p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--methods", type=lambda s: [m for m in s.split(",") if m],
+                   default=["base", *METHODS])  # fmt: skip
+    p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
+    p.add_argument("--val-images", type=int, default=None, help="default: all 10,000")
+    p.add_argument("--calibration-images", type=int, default=256)
+    p.add_argument("--runs", type=int, default=20, help="timed rounds per model")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--deit-methods", type=lambda s: [m for m in s.split(",") if m],
+                   default=["base", "etps"], help="deit_small models timed ('' for none)")  # fmt: skip
+    p.add_argument("--deit-runs", type=int, default=6)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line, as a user runs it
+
+
+def cli(*args: str) -> tuple[dict[str, Any] | None, float]:
+    """``vitcompress ARGS`` in a subprocess (one thread): its ``--json`` output (None without
+    ``--json``) and its wall seconds. A failure stops the benchmark with the command's error."""
+    command = [sys.executable, "-m", "vitcompress.cli.main", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"failed ({done.returncode}): vitcompress {' '.join(args)}\n"
+                         f"{done.stderr.strip()}")  # fmt: skip
+    return (json.loads(done.stdout) if "--json" in args else None), seconds
+
+
+def cached(path: Path, make: Any, *args: Any) -> dict[str, Any]:
+    """The JSON at ``path``, made by ``make(*args)`` when it is not there yet."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    value = make(*args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=2) + "\n")
+    return value
+
+
+def tome_r_and_locs() -> tuple[int, list[int]]:
+    """ToMe's r at keep 0.7's MMACs and the locations of the table's runs (from its seed-0 run)."""
+    run = json.loads((CHOOSING / "runs" / f"tome_keep{KEEP}_seed0.json").read_text())
+    return int(run["matched"]["tome_r"]), [int(v) for v in run["settings"]["locs"]]
+
+
+def base_model_options() -> list[str]:
+    return ["--model", f"{Path(__file__).resolve()}:fashion_mnist_base",
+            "--checkpoint", str(BASE_WEIGHTS)]  # fmt: skip
+
+
+def apply(options: list[str], artifact: Path) -> dict[str, Any]:
+    """``apply OPTIONS --out ARTIFACT``: its seconds."""
+    _, seconds = cli("apply", *options, "--out", str(artifact), "--no-throughput")
+    return {"apply_seconds": seconds}
+
+
+def compress(method: str, work: Path) -> dict[str, Any]:
+    """``apply`` of ``method`` to the base (its artifact in ``work/method``): the model options
+    export takes, the spec ``eval --reference`` takes, and apply's seconds."""
+    if method == "base":
+        trained = f"{Path(__file__).resolve()}:fashion_mnist_base_trained"
+        return {"model": base_model_options(), "reference": trained, "apply_seconds": 0.0}
+    artifact = work / method
+    r, locs = tome_r_and_locs()
+    plan = ["--variant", "tome", "--variant-arg", f"r={r}"] if method == "tome" else [
+        "--variant", method, "--keep", str(KEEP)]  # fmt: skip
+
+    options = [*base_model_options(), *plan, "--locs", ",".join(map(str, locs))]
+    made = cached(work / f"{method}.apply.json", apply, options, artifact)
+    return {"model": ["--model", str(artifact)], "reference": str(artifact), **made}
+
+
+def export(model: list[str], mode: str, out: Path, data: list[str], calibration: int) -> dict:
+    """``export`` of ``model`` as ``mode`` to ``out`` at batch 32: the command's seconds and JSON."""
+    quantize = [] if mode == "fp32" else ["--quantize", mode]
+    if mode == "int8-static":
+        quantize += [*data, "--calibration-images", str(calibration)]
+    result, seconds = cli("export", *model, "--format", "onnx", "--out", str(out),
+                          "--batch-size", str(BATCH), *quantize, "--json")  # fmt: skip
+    return {"seconds": seconds, "bytes": out.stat().st_size, "export": result}
+
+
+def data_config_options() -> list[str]:
+    """The preprocessing stated on the command line, for files that record none."""
+    return [
+        "--mean", ",".join(map(str, DATA_CONFIG["mean"])),
+        "--std", ",".join(map(str, DATA_CONFIG["std"])),
+        "--interpolation", DATA_CONFIG["interpolation"],
+        "--crop-pct", str(DATA_CONFIG["crop_pct"]),
+    ]  # fmt: skip
+
+
+def evaluate(path: Path, reference: str, data: list[str], images: int | None) -> dict[str, Any]:
+    bounded = ["--val-images", str(images)] if images else []
+    result, seconds = cli("eval", "--model", str(path), *data, *bounded, "--reference", reference,
+                          *data_config_options(), "--batch-size", str(BATCH), "--json")  # fmt: skip
+    assert result is not None
+    return {**result, "eval_seconds": seconds}
+
+
+# ---------------------------------------------------------------------------------------------
+# Speed: the files of one model, interleaved
+
+
+def time_files(files: dict[str, Path], input_size: tuple[int, ...], warmup: int, runs: int) -> dict:
+    """Images/s of each file in onnxruntime (one thread, batch 32, the same random batch),
+    interleaved round by round; each int8 file's paired ratio over float32."""
+    import torch
+
+    from vitcompress.measure import measure_callables
+    from vitcompress.measure.onnx_runtime import onnx_runner
+
+    batch = torch.randn((BATCH, *input_size), generator=torch.Generator().manual_seed(0))
+    runners = {mode: onnx_runner(path, batch, threads=1) for mode, path in files.items()}
+    report = measure_callables(runners, BATCH, warmup=warmup, runs=runs)
+    result: dict[str, Any] = {
+        "img_per_s": {mode: report.results[mode].median for mode in files},
+        "samples": {mode: report.results[mode].samples for mode in files},
+        "environment": report.environment,
+        "warnings": report.warnings,
+    }
+    if "fp32" in files:
+        result["speedup_over_fp32"] = {
+            mode: report.paired(mode, "fp32").to_json() for mode in files if mode != "fp32"
+        }
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The two parts
+
+
+def fashion_mnist_part(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    data = ["--data", "fashion-mnist"]
+    rows: dict[str, Any] = {}
+    for method in args.methods:
+        folder = work / "files" / method
+        folder.mkdir(parents=True, exist_ok=True)
+        made = compress(method, work)
+        row: dict[str, Any] = {"apply_seconds": made["apply_seconds"], "modes": {}}
+        for mode in args.modes:
+            path = folder / FILE_NAMES[mode]
+            record = cached(
+                folder / f"{mode}.export.json",
+                export, made["model"], mode, path, data, args.calibration_images,
+            )  # fmt: skip
+            # The float32 file against the PyTorch model it came from; int8 against float32.
+            reference = str(folder / "fp32.onnx")
+            if mode == "fp32":
+                reference = made["reference"]
+            scored = cached(
+                folder / f"{mode}.eval.json", evaluate, path, reference, data, args.val_images
+            )
+            row["modes"][mode] = {
+                "top1": scored["top1"],
+                "agreement": scored.get("agreement"),
+                "reference": scored.get("reference", {}).get("spec"),
+                "reference_top1": scored.get("reference", {}).get("top1"),
+                "images": scored["images"],
+                "bytes": record["bytes"],
+                "export_seconds": record["seconds"],
+                "eval_seconds": scored["eval_seconds"],
+            }
+            print(f"{method} {mode}: top-1 {scored['top1']:.2f}%, agreement "
+                  f"{scored.get('agreement')}, {record['bytes'] / 1e6:.2f} MB", flush=True)  # fmt: skip
+        files = {mode: folder / FILE_NAMES[mode] for mode in args.modes}
+        row["speed"] = time_files(files, (1, 28, 28), args.warmup, args.runs)
+        print(f"{method} speed: {row['speed']['img_per_s']}", flush=True)
+        rows[method] = row
+        (Path(args.out_dir) / f"fmnist_{method}.json").write_text(json.dumps(row, indent=2) + "\n")
+    return rows
+
+
+def deit_part(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """deit_small at 224, random weights: the three files of each model timed (calibrated on
+    Fashion-MNIST brought to 3 x 224 x 224: ranges, not accuracy, are what it sets here)."""
+    data = ["--data", "fashion-mnist"]
+    rows: dict[str, Any] = {}
+    for method in args.deit_methods:
+        folder = work / "deit" / method
+        folder.mkdir(parents=True, exist_ok=True)
+        model = ["--model", DEIT]
+        apply_seconds = 0.0
+        if method != "base":
+            artifact = work / "deit" / f"{method}.artifact"
+
+            plan = ["--variant", method, "--keep", str(KEEP)]
+            made = cached(folder / "apply.json", apply, [*model, *plan], artifact)
+            apply_seconds = made["apply_seconds"]
+            model = ["--model", str(artifact)]
+        row: dict[str, Any] = {"apply_seconds": apply_seconds, "modes": {}}
+        for mode in args.modes:
+            path = folder / FILE_NAMES[mode]
+            record = cached(
+                folder / f"{mode}.export.json",
+                export, model, mode, path, data, args.calibration_images,
+            )  # fmt: skip
+            row["modes"][mode] = {"bytes": record["bytes"], "export_seconds": record["seconds"]}
+        files = {mode: folder / FILE_NAMES[mode] for mode in args.modes}
+        row["speed"] = time_files(files, (3, 224, 224), 1, args.deit_runs)
+        print(f"deit_small {method} speed: {row['speed']['img_per_s']}", flush=True)
+        rows[method] = row
+        (Path(args.out_dir) / f"deit_{method}.json").write_text(json.dumps(row, indent=2) + "\n")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    recorded = json.loads((CHOOSING / "base.json").read_text())["settings"]["model_args"]
+    if recorded != MODEL_ARGS:
+        raise SystemExit(
+            f"{CHOOSING / 'base.json'} records model args {recorded}, not {MODEL_ARGS}"
+        )
+    work = Path(args.work)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    result = {
+        "command": "OMP_NUM_THREADS=1 nice -n 10 python benchmarks/int8_accuracy.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "keep": KEEP,
+        "batch": BATCH,
+        "calibration_images": args.calibration_images,
+        "data_config": DATA_CONFIG,
+        "fashion_mnist": fashion_mnist_part(args, work),
+        "deit_small": deit_part(args, work),
+    }
+    result["seconds"] = time.perf_counter() - started
+    (Path(args.out_dir) / "int8.json").write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
