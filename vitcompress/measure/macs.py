@@ -80,25 +80,16 @@ def _attention_backward_flops(q_shape: Any, k_shape: Any, v_shape: Any) -> int:
     return 2 * rows * s_k * (3 * int(q_shape[-1]) + 2 * int(v_shape[-1]))
 
 
+# torch's flop formulas are called with the op's arguments as shapes, then ``out_shape`` and
+# any other keyword; only the attention's query, key and value shapes matter here.
 def _sdpa_forward_flop(
-    query_shape: Any,
-    key_shape: Any,
-    value_shape: Any,
-    *args: Any,
-    out_shape: Any = None,
-    **kwargs: Any,
+    query_shape: Any, key_shape: Any, value_shape: Any, *_: Any, **__: Any
 ) -> int:
     return _attention_flops(query_shape, key_shape, value_shape)
 
 
 def _sdpa_backward_flop(
-    grad_out_shape: Any,
-    query_shape: Any,
-    key_shape: Any,
-    value_shape: Any,
-    *args: Any,
-    out_shape: Any = None,
-    **kwargs: Any,
+    grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *_: Any, **__: Any
 ) -> int:
     return _attention_backward_flops(query_shape, key_shape, value_shape)
 
@@ -197,23 +188,29 @@ def _batch_norm_flop(
     return 2 * _prod(input_shape) * (2 if weight is not None else 1)
 
 
-def _norm_formulas() -> dict[Any, Callable[..., int]]:
-    # Only leaf kernels: FlopCounterMode decomposes composite ops first and counts what they become,
-    # so listing e.g. both ``native_batch_norm`` and its decomposition cannot double count.
-    table = {
-        "native_layer_norm": _layer_norm_flop,
-        "native_group_norm": _group_norm_flop,
-        "native_batch_norm": _batch_norm_flop,
-        "_native_batch_norm_legit": _batch_norm_flop,
-        "_native_batch_norm_legit_no_training": _batch_norm_flop,
-        "cudnn_batch_norm": _batch_norm_flop,
-        "miopen_batch_norm": _batch_norm_flop,
-    }
+def _existing_ops(table: dict[str, Callable[..., int]]) -> dict[Any, Callable[..., int]]:
+    """``table``'s formulas keyed by their aten ops, leaving out the ops this torch build lacks."""
     return {
         getattr(_aten, name): formula
         for name, formula in table.items()
         if getattr(_aten, name, None) is not None
     }
+
+
+def _norm_formulas() -> dict[Any, Callable[..., int]]:
+    # Only leaf kernels: FlopCounterMode decomposes composite ops first and counts what they become,
+    # so listing e.g. both ``native_batch_norm`` and its decomposition cannot double count.
+    return _existing_ops(
+        {
+            "native_layer_norm": _layer_norm_flop,
+            "native_group_norm": _group_norm_flop,
+            "native_batch_norm": _batch_norm_flop,
+            "_native_batch_norm_legit": _batch_norm_flop,
+            "_native_batch_norm_legit_no_training": _batch_norm_flop,
+            "cudnn_batch_norm": _batch_norm_flop,
+            "miopen_batch_norm": _batch_norm_flop,
+        }
+    )
 
 
 _NORM_FORMULAS = _norm_formulas()
@@ -282,15 +279,12 @@ def _encoder_layer_flop(
 
 
 def _fused_formulas() -> dict[Any, Callable[..., int]]:
-    table = {
-        "_native_multi_head_attention": _native_mha_flop,
-        "_transformer_encoder_layer_fwd": _encoder_layer_flop,
-    }
-    return {
-        getattr(_aten, name): formula
-        for name, formula in table.items()
-        if getattr(_aten, name, None) is not None
-    }
+    return _existing_ops(
+        {
+            "_native_multi_head_attention": _native_mha_flop,
+            "_transformer_encoder_layer_fwd": _encoder_layer_flop,
+        }
+    )
 
 
 _COUNTER_FORMULAS = {**_NORM_FORMULAS, **_fused_formulas()}
