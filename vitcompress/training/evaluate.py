@@ -3,6 +3,8 @@ set, mean IoU and pixel accuracy from a confusion matrix over all pixels."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -69,6 +71,49 @@ def _loader(dataset: Dataset, batch_size: int, device: str, num_workers: int) ->
     )
 
 
+def _classes_or_none(dataset: Dataset) -> int | None:
+    """The data's classes; None for a plain dataset without ``.classes`` (nothing to check the
+    model's outputs against)."""
+    try:
+        return num_classes(dataset)
+    except DataError:
+        return None
+
+
+Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+
+
+@contextlib.contextmanager
+def _evaluation(
+    model: nn.Module,
+    dataset: Dataset,
+    batch_size: int,
+    device: str,
+    num_workers: int,
+    progress: EvalProgress | None,
+) -> Iterator[Batches]:
+    """The set's (images, labels) batches on ``device``, in order; meanwhile ``model`` runs in
+    eval mode on ``device`` under ``inference_mode`` and is put back in its previous mode after,
+    also on an error. ``progress`` hears of each batch once the caller has scored it."""
+    loader = _loader(dataset, batch_size, device, num_workers)
+    was_training = model.training
+    model.eval().to(device)
+    progress = progress or EvalProgress()
+
+    def batches(shown: EvalProgress) -> Batches:
+        for images, labels in loader:
+            yield images.to(device), labels.to(device)
+            shown.advance(labels.shape[0])
+
+    progress.start(len(dataset))  # type: ignore[arg-type]
+    try:
+        with torch.inference_mode():
+            yield batches(progress)
+    finally:
+        model.train(was_training)
+        progress.stop()
+
+
 def evaluate(
     model: nn.Module,
     dataset: Dataset,
@@ -88,35 +133,19 @@ def evaluate(
     ``exact_head``, one with more too (its extra classes would be scored as wrong answers).
     ``progress`` hears of the images as they are done.
     """
-    loader = _loader(dataset, batch_size, device, num_workers)
-    was_training = model.training
-    model.eval().to(device)
-    progress = progress or EvalProgress()
+    classes = _classes_or_none(dataset)
     correct1 = correct5 = total = 0
-    try:
-        classes: int | None = num_classes(dataset)
-    except DataError:  # a plain dataset without .classes: no check against the model's outputs
-        classes = None
-    progress.start(len(dataset))  # type: ignore[arg-type]
-    try:
-        with torch.inference_mode():
-            for images, labels in loader:
-                images, labels = images.to(device), labels.to(device)
-                logits = unwrap_logits(model(images))
-                outputs = logits.shape[-1]
-                if classes is not None and (
-                    outputs < classes or (exact_head and outputs != classes)
-                ):
-                    raise _head_mismatch(outputs, classes)
-                top = logits.topk(min(5, outputs), dim=-1).indices
-                hits = top == labels[:, None]
-                correct1 += int(hits[:, 0].sum())
-                correct5 += int(hits.any(dim=-1).sum())
-                total += labels.numel()
-                progress.advance(labels.shape[0])
-    finally:
-        model.train(was_training)
-        progress.stop()
+    with _evaluation(model, dataset, batch_size, device, num_workers, progress) as batches:
+        for images, labels in batches:
+            logits = unwrap_logits(model(images))
+            outputs = logits.shape[-1]
+            if classes is not None and (outputs < classes or (exact_head and outputs != classes)):
+                raise _head_mismatch(outputs, classes)
+            top = logits.topk(min(5, outputs), dim=-1).indices
+            hits = top == labels[:, None]
+            correct1 += int(hits[:, 0].sum())
+            correct5 += int(hits.any(dim=-1).sum())
+            total += labels.numel()
     return {"top1": 100.0 * correct1 / total, "top5": 100.0 * correct5 / total, "images": total}
 
 
@@ -206,30 +235,16 @@ def evaluate_segmentation(
     The confusion matrix covers K = the larger of the model's outputs and the data's classes.
     The model runs in eval mode under ``inference_mode`` and is put back in its previous mode.
     """
-    loader = _loader(dataset, batch_size, device, num_workers)
-    was_training = model.training
-    model.eval().to(device)
-    try:
-        classes: int | None = num_classes(dataset)
-    except DataError:
-        classes = None
+    classes = _classes_or_none(dataset)
     confusion: torch.Tensor | None = None
     images_seen = 0
-    progress = progress or EvalProgress()
-    progress.start(len(dataset))  # type: ignore[arg-type]
-    try:
-        with torch.inference_mode():
-            for images, labels in loader:
-                images, labels = images.to(device), labels.to(device)
-                logits = _pixel_logits(model(images), labels, classes)
-                size = max(logits.shape[1], classes or 0)
-                counts = confusion_matrix(logits.argmax(1), labels, size)
-                confusion = counts if confusion is None else confusion + counts
-                images_seen += labels.shape[0]
-                progress.advance(labels.shape[0])
-    finally:
-        model.train(was_training)
-        progress.stop()
+    with _evaluation(model, dataset, batch_size, device, num_workers, progress) as batches:
+        for images, labels in batches:
+            logits = _pixel_logits(model(images), labels, classes)
+            size = max(logits.shape[1], classes or 0)
+            counts = confusion_matrix(logits.argmax(1), labels, size)
+            confusion = counts if confusion is None else confusion + counts
+            images_seen += labels.shape[0]
     assert confusion is not None
     return {**segmentation_scores(confusion), "images": images_seen}
 
