@@ -15,6 +15,7 @@ from vitcompress.cli.app import (
     json_option,
     print_environment,
 )
+from vitcompress.cli.data_options import data_options
 from vitcompress.cli.options import (
     bench_seconds_option,
     model_options,
@@ -30,7 +31,8 @@ from vitcompress.workflows.export_run import (
     ExportTiming,
     export_request,
 )
-from vitcompress.workflows.inputs import ModelRequest
+from vitcompress.workflows.inputs import DataRequest, ModelRequest
+from vitcompress.workflows.onnx_quantize import DEFAULT_CALIBRATION_IMAGES, QUANTIZE_MODES
 
 
 @cli.command()
@@ -87,6 +89,29 @@ from vitcompress.workflows.inputs import ModelRequest
     help="ONNX of a compressed model: also export its base next to FILE (NAME.base.onnx) and time "
     "both in onnxruntime and in eager PyTorch, interleaved, at --batch-size.",
 )
+@click.option(
+    "--quantize",
+    type=click.Choice(QUANTIZE_MODES),
+    default=None,
+    help="ONNX: quantize the file with onnxruntime.quantization, the reducers kept in float. "
+    "int8: weights int8 per channel, activations quantized at run time; int8-static: "
+    "activations calibrated on --data. FILE is then the int8 file, NAME.fp32.onnx the float32 "
+    "one beside it; with --bench, the base is exported and quantized alike and the four files "
+    "are timed in onnxruntime.",
+)
+@data_options(
+    "train",
+    "--quantize int8-static: the split the calibration images are read from.",
+    required=False,
+)
+@click.option(
+    "--calibration-images",
+    default=DEFAULT_CALIBRATION_IMAGES,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="--quantize int8-static: images of --data to calibrate on, evenly spread, brought to "
+    "the model by its own preprocessing.",
+)
 @serving_compile_options
 @warmup_option()
 @runs_option("--bench: timed rounds (one batch of every runner per round) at most.")
@@ -102,6 +127,9 @@ def export(
     dtype: str,
     no_check: bool,
     bench: bool,
+    quantize: str | None,
+    data: DataRequest,
+    calibration_images: int,
     serving_mode: str | None,
     warmup: int,
     runs: int,
@@ -119,9 +147,11 @@ def export(
         dtype=dtype,
         compile=serving_mode is not None,
         compile_mode=serving_mode,
+        quantize=quantize,
+        calibration_images=calibration_images,
     )
     timing = ExportTiming(warmup, runs, bench_seconds) if bench else None
-    result = export_request(model, settings, timing)
+    result = export_request(model, settings, timing, data)
     if as_json:
         emit_json(result.to_json())
         return
@@ -139,6 +169,8 @@ def _print_export(result: ExportResult, dynamic_batch: bool) -> None:
     )
     if written["checked"] and dynamic_batch:
         checked += f" at batch sizes {', '.join(map(str, written['checked_batch_sizes']))}"
+    if result.quantized is not None:
+        checked = f"int8; its float32 file {checked}"
     console.print(
         f"[bold]{written['format']}[/] {written['out']}  {written.get('dtype', 'float32')} input "
         f"{tuple(written['input_shape'])} ({written['batch']} batch)  "
@@ -148,10 +180,60 @@ def _print_export(result: ExportResult, dynamic_batch: bool) -> None:
         console.print(f"onnxruntime: {written['onnxruntime_error']}", style="dim", highlight=False)
     if "op_audit" in written:
         console.print(audit_text(written["op_audit"]), highlight=False)
+    if result.quantized is not None:
+        console.print(quantized_text(result.quantized, written["fp32"]), highlight=False)
     if result.serving is not None:
         console.print(result.serving.text(), highlight=False)
-    if result.bench is not None:
+    if result.bench is not None and result.quantized is not None:
+        _print_quantized_bench(result.bench)
+    elif result.bench is not None:
         _print_bench(result.bench)
+
+
+def quantized_text(quantized: dict[str, Any], fp32: dict[str, Any]) -> str:
+    """What ``--quantize`` did, in two lines: ops quantized and kept float, the error against
+    the float32 file, and where that file is."""
+    ops = quantized["quantized_ops"]
+    check = quantized["check"]
+    return (
+        f"{quantized['mode']} ({quantized['format']}, weights {quantized['weights']}): "
+        f"{ops['quantized']} of {ops['matmul_gemm']} MatMul/Gemm quantized, "
+        f"{quantized['float_nodes']['count']} nodes of the inserted modules kept float; "
+        f"max |diff| to the float32 file {check['max_abs_diff_to_fp32']:.2e} "
+        f"(output scale {check['fp32_output_scale']:.2g})\n"
+        f"float32 file: {fp32['out']}  {fp32['bytes'] / 1e6:.1f} MB"
+    )
+
+
+def _print_quantized_bench(bench: dict[str, Any]) -> None:
+    table = Table(show_edge=False)
+    for column in ("onnxruntime", "img/s", "over float32 base [95% CI]"):
+        table.add_column(column)
+    speedups = bench["speedup"]["onnxruntime"]
+    for name, throughput in bench["throughput"]["onnxruntime"].items():
+        ratio = "1" if name == bench["reference"] else paired_text(speedups[name])
+        table.add_row(_RUNNER_LABELS.get(name, name), fmt_throughput(throughput), ratio)
+    console.print(table)
+    console.print(
+        "; ".join(
+            f"{_pair_label(pair)}: {paired_text(ratio)}" for pair, ratio in bench["paired"].items()
+        ),
+        highlight=False,
+    )
+    print_environment(bench["environment"] | {"warnings": bench["warnings"]})
+
+
+_RUNNER_LABELS = {
+    "base": "float32 base",
+    "compressed": "float32 compressed",
+    "base.int8": "int8 base",
+    "compressed.int8": "int8 compressed",
+}
+
+
+def _pair_label(pair: str) -> str:
+    a, b = pair.split("/")
+    return f"{_RUNNER_LABELS.get(a, a)} over {_RUNNER_LABELS.get(b, b)}"
 
 
 def _print_bench(bench: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ paired per-round ratios with their 95% intervals, for each runtime, side by side
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,34 +41,42 @@ def bench_exported(
     runs: int = 10,
     seconds: float | None = None,
     on_round: Callable[[RoundProgress], None] | None = None,
+    also_paired: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
-    """Images/s of each model eager (``torch.inference_mode``, float32, CPU) and of its ONNX file
-    in onnxruntime (CPU), all interleaved, and every model's speed-up over ``reference`` in each
-    runtime; plus each model's onnxruntime/PyTorch ratio. Plain data, ready for ``json.dump``.
+    """Images/s of each model eager (``torch.inference_mode``, float32, CPU) and of each ONNX
+    file in onnxruntime (CPU), all interleaved, and every model's speed-up over ``reference`` in
+    each runtime; plus each model's onnxruntime/PyTorch ratio. Plain data, ready for
+    ``json.dump``.
 
-    ``models`` and ``onnx_files`` have the same names; each file must take a batch of
-    ``batch_size`` (exported at that batch, or with a dynamic batch).
+    ``onnx_files`` names every file; ``models`` the PyTorch models timed alongside, each under
+    its file's name (none: onnxruntime alone, e.g. int8 files, which have no PyTorch twin). Each
+    file must take a batch of ``batch_size`` (exported at that batch, or with a dynamic batch).
+    ``also_paired``: further ``(a, b)`` pairs of files whose onnxruntime ratio a/b is reported
+    in ``paired`` under ``"a/b"`` (the int8 compressed model over the int8 base).
     """
-    if set(models) != set(onnx_files):
+    if not set(models) <= set(onnx_files):
         raise ValueError(f"models {sorted(models)} and ONNX files {sorted(onnx_files)} differ")
-    if reference not in models:
+    if reference not in onnx_files or (models and reference not in models):
         raise ValueError(f"the reference {reference!r} is not among the models {sorted(models)}")
+    for pair in also_paired:
+        if not set(pair) <= set(onnx_files):
+            raise ValueError(f"the pair {pair} names a file not among {sorted(onnx_files)}")
+    runtimes = RUNTIMES if models else ("onnxruntime",)
     generator = torch.Generator().manual_seed(0)
     batch = torch.randn((batch_size, *input_size), generator=generator)
     # Chosen before the sessions are made, which fixes their threads: both runtimes get the same
     # count, no more than the free cores.
     threads = thread_choice()
     runners: dict[str, Callable[[], Any]] = {}
-    for name, model in models.items():
+    for name, path in onnx_files.items():
+        if name in models:
 
-        def eager(model: nn.Module = model) -> None:
-            with torch.inference_mode():
-                model(batch)
+            def eager(model: nn.Module = models[name]) -> None:
+                with torch.inference_mode():
+                    model(batch)
 
-        runners[runner_name("pytorch", name)] = eager
-        runners[runner_name("onnxruntime", name)] = onnx_runner(
-            onnx_files[name], batch, threads.threads
-        )
+            runners[runner_name("pytorch", name)] = eager
+        runners[runner_name("onnxruntime", name)] = onnx_runner(path, batch, threads.threads)
     with contextlib.ExitStack() as modes:
         for model in models.values():
             modes.enter_context(eval_mode(model))  # each submodule's own mode back afterwards
@@ -90,20 +98,29 @@ def bench_exported(
     def paired(a: str, b: str) -> dict[str, Any]:
         return paired_ratio(report.results[a].samples, report.results[b].samples).to_json()
 
+    def timed(runtime: str) -> list[str]:
+        return list(onnx_files if runtime == "onnxruntime" else models)
+
     return {
         "reference": reference,
         "batch_size": batch_size,
         "throughput": {
-            runtime: {name: report.results[runner_name(runtime, name)].median for name in models}
-            for runtime in RUNTIMES
+            runtime: {
+                name: report.results[runner_name(runtime, name)].median for name in timed(runtime)
+            }
+            for runtime in runtimes
         },
         "speedup": {
             runtime: {
                 name: paired(runner_name(runtime, name), runner_name(runtime, reference))
-                for name in models
+                for name in timed(runtime)
                 if name != reference
             }
-            for runtime in RUNTIMES
+            for runtime in runtimes
+        },
+        "paired": {
+            f"{a}/{b}": paired(runner_name("onnxruntime", a), runner_name("onnxruntime", b))
+            for a, b in also_paired
         },
         "onnxruntime_vs_pytorch": {
             name: paired(runner_name("onnxruntime", name), runner_name("pytorch", name))

@@ -1,5 +1,6 @@
-"""``vitcompress export`` as one workflow: write the model's inference path, check it, and with
-``bench`` time a compressed ONNX file against its base's in onnxruntime and PyTorch."""
+"""``vitcompress export`` as one workflow: write the model's inference path, check it, with
+``quantize`` quantize the ONNX file to int8, and with ``bench`` time a compressed ONNX file
+against its base's in onnxruntime (and PyTorch, unquantized)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from vitcompress.measure.models import base_for_timing, show_round
 from vitcompress.status import step, warn
 from vitcompress.workflows.export import ExportError, export_model
 from vitcompress.workflows.export_bench import bench_exported
-from vitcompress.workflows.inputs import ModelRequest
+from vitcompress.workflows.export_int8 import (
+    QuantizedExport,
+    QuantizeSettings,
+    check_quantize_request,
+)
+from vitcompress.workflows.inputs import DataRequest, ModelRequest
+from vitcompress.workflows.onnx_quantize import DEFAULT_CALIBRATION_IMAGES
 from vitcompress.workflows.serving import ServingCheck, serving_check
 
 # ``export --compile`` without ``--compile-mode``: inductor's CUDA-graph mode, the serving path.
@@ -34,6 +41,10 @@ class ExportSettings:
     compile: bool = False
     compile_mode: str | None = None
     compile_backend: str = "inductor"
+    # ``--quantize``: int8 (dynamic) or int8-static (calibrated on ``calibration_images`` images
+    # of ``--data``); the file at ``out`` is then the int8 one, the float32 one beside it.
+    quantize: str | None = None
+    calibration_images: int = DEFAULT_CALIBRATION_IMAGES
 
     def export(self, loaded: LoadedModel, model: Any, out: str | Path, fmt: str) -> dict:
         return export_model(
@@ -46,6 +57,17 @@ class ExportSettings:
             check=self.check,
             dynamic_batch=self.dynamic_batch,
             dtype=self.dtype,
+        )
+
+    def quantize_settings(self, loaded: LoadedModel) -> QuantizeSettings:
+        assert self.quantize is not None
+        return QuantizeSettings(
+            self.quantize,
+            self.out,
+            self.batch_size,
+            self.dynamic_batch,
+            self.calibration_images,
+            lambda model, path: self.export(loaded, model, path, "onnx"),
         )
 
 
@@ -64,9 +86,12 @@ class ExportResult:
     export: dict[str, Any]  # export_model's result
     bench: dict[str, Any] | None = None
     serving: ServingCheck | None = None  # ``--compile``'s check of the serving path
+    quantized: dict[str, Any] | None = None  # ``--quantize``: what was quantized, what kept float
 
     def to_json(self) -> dict[str, Any]:
         data = {**self.export, "model": self.spec}
+        if self.quantized is not None:
+            data["quantize"] = self.quantized
         if self.bench is not None:
             data["bench"] = self.bench
         if self.serving is not None:
@@ -75,20 +100,32 @@ class ExportResult:
 
 
 def export_request(
-    request: ModelRequest, settings: ExportSettings, timing: ExportTiming | None = None
+    request: ModelRequest,
+    settings: ExportSettings,
+    timing: ExportTiming | None = None,
+    data: DataRequest | None = None,
 ) -> ExportResult:
     """Export ``request``'s model as ``settings`` say; with ``timing``, also export its base
-    beside the file and time both (``--bench``)."""
+    beside the file and time both (``--bench``); with ``settings.quantize``, quantize the file
+    (calibrated on ``data`` for int8-static) and, with ``timing``, time the four files."""
     if timing is not None and settings.fmt != "onnx":
         raise ExportError("--bench times ONNX files in onnxruntime: use --format onnx")
     if timing is not None and settings.dtype != "float32":
         # The timed runners feed float32 batches to both runtimes.
         raise ExportError("--bench times float32 files: drop --dtype or time without --bench")
+    check_quantize_request(settings.quantize, settings.fmt, settings.dtype, data)
     loaded = request.load()
     base = _base_to_bench(loaded) if timing is not None else None  # before minutes of exporting
-    result = ExportResult(
-        request.spec, settings.export(loaded, loaded.model, settings.out, settings.fmt)
-    )
+    quantized = None
+    if settings.quantize is not None:
+        quantized = QuantizedExport(  # reads --data before writing anything
+            settings.quantize_settings(loaded), loaded, data, base
+        )
+        result = ExportResult(request.spec, quantized.export(), quantized=quantized.summary)
+    else:
+        result = ExportResult(
+            request.spec, settings.export(loaded, loaded.model, settings.out, settings.fmt)
+        )
     if settings.compile:
         mode = settings.compile_mode or SERVING_MODE
         with step(f"compiling the model (fullgraph, {mode}, batch {settings.batch_size})"):
@@ -101,7 +138,9 @@ def export_request(
             )
         if not result.serving.passed:
             warn(result.serving.text())
-    if base is not None and timing is not None:
+    if quantized is not None and timing is not None:
+        result.bench = quantized.bench(timing.warmup, timing.runs, timing.seconds)
+    elif base is not None and timing is not None:
         result.bench = _bench(loaded, base, settings, timing)
     return result
 
