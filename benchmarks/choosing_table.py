@@ -12,7 +12,7 @@ on the claimed side of zero, "contradicted" when wholly on the other, "not shown
 Throughput: the base and one model per (method, keep) (the first seed's: every seed has the same
 architecture and keep) are timed interleaved in this process, and the ratio to the base is given.
 
-Example (the run in docs/results.md)::
+Example (the run in docs/results-accuracy.md)::
 
     python benchmarks/choosing_table.py --cache ~/.cache/vitcompress/fmnist_choosing \\
         --md-out benchmarks/results/choosing/table.md --json-out \\

@@ -30,7 +30,7 @@ Augmentation: both training phases see the images through vitcompress's Fashion-
 2 pixels and a horizontal flip, applied to tensors: the light preset's intent, at a fraction of the
 per-image PIL cost, which would otherwise be a fifth of this machine's time per epoch.
 
-Example (the run recorded in docs/results.md)::
+Example (the run recorded in docs/results-accuracy.md)::
 
     python benchmarks/fashion_mnist_repro.py --md-out benchmarks/cache/fmnist.md \\
         --plot docs/img/fmnist_acc_vs_gmacs.png --json-out benchmarks/cache/fmnist.json

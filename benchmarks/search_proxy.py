@@ -13,7 +13,7 @@ On the Fashion-MNIST base of ``benchmarks/fashion_mnist_repro.py`` (its cached
 3. Reported: the Spearman rank correlation between the search score and the fine-tuned top-1 (the
    issue's target is >= 0.7), and the searched plan's fine-tuned top-1 against the paper-default
    placement's of the same variant at the same budget, with the noise of one fine-tune
-   (``--noise``, docs/results.md: about 0.6 points).
+   (``--noise``, docs/results-accuracy.md: about 0.6 points).
 
 4. With ``--proxy-steps N``, a stronger proxy beside the search's score: each fine-tuned
    configuration is also fine-tuned for N steps only (its own cosine schedule) on the training

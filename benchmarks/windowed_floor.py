@@ -1,5 +1,5 @@
 """How low a reduction within windows can take each windowed family's GMACs at keep 0.7
-(docs/windowed.md, "How low keep 0.7 can go").
+(docs/results-windowed.md, "How low keep 0.7 can go").
 
 A method here reduces inside the blocks the analysis maps (their windows' attention and MLP);
 everything else (MBConv, convolutional stems, DaViT's channel-attention blocks, patch merging,
@@ -13,7 +13,7 @@ after those blocks (``Block.per_token_after``: DaViT's channel blocks' MLPs, whi
 blocks' choice by default, ``carry_branches``) on 0.7 of their tokens too:
 ``floor_at_keep_0.7_carrying``.
 
-Example (the run in docs/windowed.md)::
+Example (the run in docs/results-windowed.md)::
 
     python benchmarks/windowed_floor.py --json-out benchmarks/results/windowed/floor.json
 """

@@ -1,7 +1,8 @@
 """Counting the ATen ops one eval forward dispatches: what a reduction location adds.
 
 At small batches on a GPU every dispatched op is a kernel launch, so the ops a method adds per
-location are its launch overhead. The rule (docs/results.md, "Ops per location (CPU)"):
+location are its launch overhead. The rule (docs/results-speed-cpu.md, "Ops per location
+(CPU)"):
 
 - one forward under ``torch.inference_mode()``, on the CPU, the model in eval mode;
 - every op that reaches the dispatcher's Python mode counts once (a custom op registered through
@@ -13,7 +14,7 @@ location are its launch overhead. The rule (docs/results.md, "Ops per location (
   The blocks after a location run fewer tokens, not fewer ops, so the difference is what the
   method adds. ToMe acts in every block from its first, so its figure is per block.
 
-``python -m tests.op_count`` prints the figures of docs/results.md's table.
+``python -m tests.op_count`` prints the figures of docs/results-speed-cpu.md's table.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Ops dispatched per reduction location (tests/op_count.py's rule), and the default eval path
 that keeps them few: the fused kernels where they serve, with the method's results.
 
-The figures are docs/results.md's "Ops per location (CPU)"; at small batches on a GPU every op is
-a kernel launch, so the limit is what a location may cost in launches.
+The figures are docs/results-speed-cpu.md's "Ops per location (CPU)"; at small batches on a GPU
+every op is a kernel launch, so the limit is what a location may cost in launches.
 """
 
 from __future__ import annotations
