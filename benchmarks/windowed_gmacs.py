@@ -1,4 +1,4 @@
-"""GMACs at keep 0.7 against the base for the windowed families (docs/windowed.md, "Families").
+"""GMACs at keep 0.7 against the base for the windowed families (docs/results-windowed.md).
 
 For each model: ``count_macs(compress(model, method, keep=[0.7]), size) / count_macs(model,
 size)`` at its default locations (every windowed block), randomly initialised (the count does
@@ -9,7 +9,7 @@ With ``--keep-for-gmacs-ratio R`` it reports instead, per method, the largest ke
 0.01) whose compressed model costs at most R of the base's GMACs, and that cost
 (``vitcompress.measure.keep_fit.compress_within_gmacs``).
 
-Example (the run in docs/windowed.md)::
+Example (the run in docs/results-windowed.md, "GMACs at keep 0.7, by family")::
 
     python benchmarks/windowed_gmacs.py --json-out benchmarks/results/windowed/gmacs.json
 """
