@@ -151,44 +151,14 @@ def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationReco
             f"visualize draws 2-D token grids on an image; this model's grid is "
             f"{'x'.join(map(str, flat[0]))} ({len(flat[0])}-D, a video's T x H x W)"
         )
-    method = info.plan.method
     records: list[LocationRecord] = []
     failures: list[BaseException] = []
     groups: dict[int, list[int]] = {}  # ToMe: merged so far, by the position merged into
 
     def make_hook(i: int) -> Callable[..., None]:
-        location = info.plan.locations[i]
-
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             try:
-                x = args[0] if args else kwargs["x"]
-                n = x.shape[1] - module.prefix_tokens
-                given = _input_positions(method, args, kwargs)
-                present = list(range(n)) if given is None else given[0].tolist()
-                after = output[2]
-                out_positions = list(range(n)) if after is None else after[0].tolist()
-                kept = [p for p in out_positions if p >= 0]
-                kept_set = set(kept)
-                record = LocationRecord(
-                    index=i,
-                    block=location.block,
-                    stage=location.stage,
-                    grid=_location_grid(info, location),
-                    variant=info.plan.variant,
-                    present=[p for p in present if p >= 0],
-                    kept=kept,
-                    pruned=[p for p in present if p >= 0 and p not in kept_set],
-                    # A fuse that adds a token does so whenever it prunes (the reducer returns
-                    # x unchanged when there is nothing to prune)
-                    fused_token=method.fuse.adds_token and output[0] is not x,
-                )
-                # What the reducer recorded of its own assignment, as its method explains it.
-                assignment = module.assignment
-                if assignment is not None:
-                    hosts = method.fuse.explain(assignment, present, groups)
-                    if hosts is not None:
-                        record.hosts = {pos: hosts[pos] for pos in kept if pos in hosts}
-                records.append(record)
+                records.append(_location_record(info, i, module, args, kwargs, output, groups))
             except Exception as e:  # noqa: BLE001 - re-raised after the forward pass
                 failures.append(e)
 
@@ -212,6 +182,55 @@ def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationReco
         model.train(was_training)
     if failures:
         raise failures[0]
+    return _one_per_location(records, len(reducers)), logits
+
+
+def _location_record(
+    info: CompressionInfo,
+    i: int,
+    reducer: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    output: Any,
+    groups: dict[int, list[int]],
+) -> LocationRecord:
+    """What location ``i``'s reducer did on one call (``args``, ``kwargs`` -> ``output``):
+    the grid positions present, kept and pruned, and the hosts of the kept ones where its
+    method's fuse explains its assignment (``groups``: merged so far, updated)."""
+    method = info.plan.method
+    location = info.plan.locations[i]
+    x = args[0] if args else kwargs["x"]
+    n = x.shape[1] - reducer.prefix_tokens
+    given = _input_positions(method, args, kwargs)
+    present = list(range(n)) if given is None else given[0].tolist()
+    after = output[2]
+    out_positions = list(range(n)) if after is None else after[0].tolist()
+    kept = [p for p in out_positions if p >= 0]
+    kept_set = set(kept)
+    record = LocationRecord(
+        index=i,
+        block=location.block,
+        stage=location.stage,
+        grid=_location_grid(info, location),
+        variant=info.plan.variant,
+        present=[p for p in present if p >= 0],
+        kept=kept,
+        pruned=[p for p in present if p >= 0 and p not in kept_set],
+        # A fuse that adds a token does so whenever it prunes (the reducer returns x unchanged
+        # when there is nothing to prune)
+        fused_token=method.fuse.adds_token and output[0] is not x,
+    )
+    # What the reducer recorded of its own assignment, as its method explains it.
+    assignment = reducer.assignment
+    if assignment is not None:
+        hosts = method.fuse.explain(assignment, present, groups)
+        if hosts is not None:
+            record.hosts = {pos: hosts[pos] for pos in kept if pos in hosts}
+    return record
+
+
+def _one_per_location(records: list[LocationRecord], locations: int) -> list[LocationRecord]:
+    """``records`` in location order, refused unless each of the ``locations`` ran once."""
     records.sort(key=lambda r: r.index)
     repeated = [r.block for r in records if sum(o.index == r.index for o in records) > 1]
     if repeated:  # padded windows, reduced group by group (docs/windowed.md)
@@ -219,9 +238,9 @@ def record_locations(model: nn.Module, image: Tensor) -> tuple[list[LocationReco
             f"block {repeated[0]} reduces its windows in groups of different sizes (its grid "
             "does not divide into its windows); visualize draws one reduction per location"
         )
-    if len(records) != len(reducers):
-        raise VisualizeError(f"only {len(records)} of {len(reducers)} locations ran")
-    return records, logits
+    if len(records) != locations:
+        raise VisualizeError(f"only {len(records)} of {locations} locations ran")
+    return records
 
 
 # --------------------------------------------------------------------------------------------------
@@ -296,8 +315,6 @@ def draw_locations(
     """The input image, then one panel per location: pruned cells blanked (DynamicViT/EViT), or
     each host and its donors in one colour (TPS; hosts outlined)."""
     plt = import_pyplot()
-    from matplotlib.patches import Rectangle
-
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     panels = len(records) + 1
@@ -311,54 +328,7 @@ def draw_locations(
     # TPS panels on a grey copy so the group colours read clearly.
     grey = image.convert("L")
     for ax, record in zip(axes[1:], records, strict=True):
-        if record.hosts:
-            ax.imshow(grey, cmap="gray", vmin=0, vmax=255)
-        else:
-            ax.imshow(image)
-        box = _cell_boxes(record.grid, image.size)
-        gh, gw = record.grid
-        present = set(record.present)
-        kept = set(record.kept)
-        for pos in range(gh * gw):
-            if pos not in present or (pos not in kept and not record.hosts):
-                x0, y0, w, h = box(pos)
-                ax.add_patch(
-                    Rectangle(
-                        (x0, y0),
-                        w,
-                        h,
-                        facecolor="white",
-                        edgecolor="none",
-                        alpha=0.92 if pos in present else 1.0,
-                    )
-                )
-        groups = [(host, donors) for host, donors in record.hosts.items() if donors]
-        for k, (host, donors) in enumerate(groups):
-            colour = palette[k % len(palette)]
-            for pos in donors:
-                x0, y0, w, h = box(pos)
-                ax.add_patch(
-                    Rectangle((x0, y0), w, h, facecolor=colour, edgecolor="none", alpha=0.55)
-                )
-            x0, y0, w, h = box(host)
-            ax.add_patch(
-                Rectangle(
-                    (x0, y0), w, h, facecolor=colour, edgecolor="black", linewidth=1.0, alpha=0.8
-                )
-            )
-        n0 = gh * gw
-        if record.hosts and _fuse(record).groups_grow:
-            what = f"{len(record.pruned)} merged here; {len(groups)} merged tokens"
-        elif record.hosts:
-            what = f"{len(groups)} hosts take {len(record.pruned)}"
-        else:
-            what = f"{len(record.pruned)} pruned"
-        extra = " +1 fused" if record.fused_token else ""
-        ax.set_title(
-            f"block {record.block} (stage {record.stage}): "
-            f"{len(record.kept)}/{n0} kept{extra}\n{what}",
-            fontsize=9,
-        )
+        _draw_panel(ax, record, image, grey, palette)
     for ax in axes:
         ax.set_xticks([])
         ax.set_yticks([])
@@ -376,3 +346,53 @@ def draw_locations(
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _draw_panel(ax: Any, record: LocationRecord, image: Any, grey: Any, palette: Any) -> None:
+    """One location's panel on ``ax``: pruned cells blanked over ``image``, or each host and its
+    donors in one colour of ``palette`` over ``grey``; titled with its counts."""
+    from matplotlib.patches import Rectangle
+
+    if record.hosts:
+        ax.imshow(grey, cmap="gray", vmin=0, vmax=255)
+    else:
+        ax.imshow(image)
+    box = _cell_boxes(record.grid, image.size)
+    gh, gw = record.grid
+    present = set(record.present)
+    kept = set(record.kept)
+    for pos in range(gh * gw):
+        if pos not in present or (pos not in kept and not record.hosts):
+            x0, y0, w, h = box(pos)
+            ax.add_patch(
+                Rectangle(
+                    (x0, y0),
+                    w,
+                    h,
+                    facecolor="white",
+                    edgecolor="none",
+                    alpha=0.92 if pos in present else 1.0,
+                )
+            )
+    groups = [(host, donors) for host, donors in record.hosts.items() if donors]
+    for k, (host, donors) in enumerate(groups):
+        colour = palette[k % len(palette)]
+        for pos in donors:
+            x0, y0, w, h = box(pos)
+            ax.add_patch(Rectangle((x0, y0), w, h, facecolor=colour, edgecolor="none", alpha=0.55))
+        x0, y0, w, h = box(host)
+        ax.add_patch(
+            Rectangle((x0, y0), w, h, facecolor=colour, edgecolor="black", linewidth=1.0, alpha=0.8)
+        )
+    n0 = gh * gw
+    if record.hosts and _fuse(record).groups_grow:
+        what = f"{len(record.pruned)} merged here; {len(groups)} merged tokens"
+    elif record.hosts:
+        what = f"{len(groups)} hosts take {len(record.pruned)}"
+    else:
+        what = f"{len(record.pruned)} pruned"
+    extra = " +1 fused" if record.fused_token else ""
+    ax.set_title(
+        f"block {record.block} (stage {record.stage}): {len(record.kept)}/{n0} kept{extra}\n{what}",
+        fontsize=9,
+    )
