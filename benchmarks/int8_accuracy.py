@@ -305,6 +305,56 @@ def deit_part(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return rows
 
 
+def _speed_cell(row: dict[str, Any], mode: str) -> str:
+    speed = row["speed"]
+    shown = f"{speed['img_per_s'][mode]:.0f}"
+    paired = speed.get("speedup_over_fp32", {}).get(mode)
+    if paired:
+        interval = (
+            f" [{paired['low']:.2f}, {paired['high']:.2f}]" if paired.get("low") is not None else ""
+        )
+        shown += f" ({paired['median']:.2f}×{interval})"
+    return shown
+
+
+def _size_and_cost(row: dict[str, Any], mode: str) -> str:
+    made = row["modes"][mode]
+    return f"{made['bytes'] / 1e6:.2f} MB | {row['apply_seconds'] + made['export_seconds']:.0f}"
+
+
+def tables(result: dict[str, Any]) -> str:
+    """The page's tables (markdown) from ``int8.json``."""
+    lines = [
+        "| model | file | top-1 (%) | Δ top-1 vs fp32 | agreement with fp32 (%) | "
+        "img/s (× fp32) | size | seconds to make |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for method, row in result["fashion_mnist"].items():
+        fp32 = row["modes"].get("fp32")
+        for mode, scored in row["modes"].items():
+            delta = (
+                "" if mode == "fp32" or fp32 is None else f"{scored['top1'] - fp32['top1']:+.2f}"
+            )
+            agreement = scored["agreement"]
+            agreement_text = f"{agreement:.2f}" + (" (vs PyTorch)" if mode == "fp32" else "")
+            lines.append(
+                f"| {method} | {mode} | {scored['top1']:.2f} | {delta} | {agreement_text} | "
+                f"{_speed_cell(row, mode)} | {_size_and_cost(row, mode)} |"
+            )
+    if result.get("deit_small"):
+        lines += [
+            "",
+            "| deit_small (random weights, 224) | file | img/s (× fp32) | size | seconds to make |",
+            "|---|---|---|---|---|",
+        ]
+        for method, row in result["deit_small"].items():
+            for mode in row["modes"]:
+                lines.append(
+                    f"| {method} | {mode} | {_speed_cell(row, mode)} | {_size_and_cost(row, mode)} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     recorded = json.loads((CHOOSING / "base.json").read_text())["settings"]["model_args"]
@@ -318,6 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {
         "command": "OMP_NUM_THREADS=1 nice -n 10 python benchmarks/int8_accuracy.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
         "keep": KEEP,
         "batch": BATCH,
         "calibration_images": args.calibration_images,
@@ -327,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     result["seconds"] = time.perf_counter() - started
     (Path(args.out_dir) / "int8.json").write_text(json.dumps(result, indent=2) + "\n")
+    (Path(args.out_dir) / "table.md").write_text(tables(result))
     return 0
 
 
