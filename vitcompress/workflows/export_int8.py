@@ -176,6 +176,7 @@ class QuantizedExport:
                 calibration=calibration,
             )
         if calibration is not None:  # in-distribution images, where the ranges were set
+            calibration.rewind()  # the quantizer read them all
             images = calibration.get_next()["image"]  # type: ignore[index]
         else:
             batch = 1 if settings.dynamic_batch else settings.batch_size

@@ -5,7 +5,7 @@ Two modes (:data:`QUANTIZE_MODES`): ``int8``, ``quantize_dynamic`` (weights int8
 channel, activations quantized per tensor at run time), and ``int8-static``, ``quantize_static``
 in the QDQ format with activation ranges calibrated on images (:class:`ImageCalibration`).
 Only ``MatMul`` and ``Gemm`` with a constant weight are quantized (:data:`QUANTIZED_OPS`,
-``MatMulConstBOnly``): the linear layers, which hold nearly all of a ViT's work. Everything
+:func:`weight_layers`): the linear layers, which hold nearly all of a ViT's work. Everything
 else, the attention's activation-by-activation products included, stays float.
 
 What a reducer decides must not move by quantization: its scores, its top-k, the gathers of
@@ -55,6 +55,7 @@ __all__ = [
     "float_node_names",
     "inserted_module_scopes",
     "quantize_onnx_file",
+    "weight_layers",
 ]
 
 
@@ -101,6 +102,21 @@ def float_node_names(graph: Any, scopes: dict[str, str]) -> tuple[list[str], lis
             names.append(node.name)
             found |= hits
     return names, [name for name in scopes if name not in found]
+
+
+def weight_layers(graph: Any, excluded: Sequence[str]) -> list[str]:
+    """The ``MatMul`` and ``Gemm`` nodes of ``graph`` whose second input is a weight (an
+    initializer), less ``excluded``: the linear layers, the nodes quantized."""
+    weights = {tensor.name for tensor in graph.initializer}
+    skip = set(excluded)
+    return [
+        node.name
+        for node in graph.node
+        if node.op_type in QUANTIZED_OPS
+        and node.name not in skip
+        and len(node.input) > 1
+        and node.input[1] in weights
+    ]
 
 
 def calibration_indices(length: int, count: int) -> list[int]:
@@ -189,7 +205,10 @@ def quantize_onnx_file(
         "op_types_to_quantize": list(QUANTIZED_OPS),
         "per_channel": per_channel,
         "weight_type": QuantType.QInt8,
-        "nodes_to_exclude": excluded,
+        # Named, not left to MatMulConstBOnly, which the QDQ quantizer does not read: the same
+        # layers are quantized in both modes.
+        "nodes_to_quantize": _with_gemm_splits(graph, weight_layers(graph, excluded)),
+        "nodes_to_exclude": _with_gemm_splits(graph, excluded),
         "extra_options": {"MatMulConstBOnly": True},
     }
     try:
@@ -221,6 +240,16 @@ def quantize_onnx_file(
         "fp32_bytes": source.stat().st_size,
         "bytes": target.stat().st_size,
     }
+
+
+# quantize_dynamic first rewrites each Gemm as a MatMul named ``<name>_MatMul`` (and an Add),
+# then picks nodes by name: a Gemm is listed under both names.
+_GEMM_SPLIT = "_MatMul"
+
+
+def _with_gemm_splits(graph: Any, names: Sequence[str]) -> list[str]:
+    gemms = {node.name for node in graph.node if node.op_type == "Gemm"}
+    return list(names) + [name + _GEMM_SPLIT for name in names if name in gemms]
 
 
 @contextlib.contextmanager
@@ -274,7 +303,12 @@ def _float_nodes(source: Any, target: Any, excluded: Sequence[str]) -> dict[str,
     quantized unnoticed)."""
     kept = {node.name: node.op_type for node in target.node}
     wanted = {node.name: node.op_type for node in source.node if node.name in set(excluded)}
-    changed = [name for name, op in wanted.items() if kept.get(name) != op]
+    changed = [
+        name
+        for name, op in wanted.items()
+        if kept.get(name) != op
+        and not (op == "Gemm" and kept.get(name + _GEMM_SPLIT) == "MatMul")  # split, float
+    ]
     changed += sorted(set(wanted) & _fed_by_dequantize(target))
     if changed:
         raise QuantizeError(f"the reducer node {changed[0]} was quantized despite its exclusion")
