@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -283,11 +284,10 @@ def make_plan(
     placements, :func:`default_locs`), keeping ``keep`` of the tokens at each (one ratio for
     all locations, or one per location); :func:`default_keep` gives the paper's ratio. A method
     made with a setting that replaces keep ratios (ToMe's ``r``) reads it instead."""
-    variant = method.name
     if policy not in method.policies:
         known = policy in POLICIES
         raise PlanError(
-            f"{policy!r} is {'not defined for ' + variant if known else 'unknown'}; "
+            f"{policy!r} is {'not defined for ' + method.name if known else 'unknown'}; "
             f"choose from {', '.join(method.policies)}",
             "policy",
         )
@@ -295,6 +295,40 @@ def make_plan(
         raise PlanError(f"must be a list of keep ratios, got {keep!r}", "keep")
     if locs is not None and not isinstance(locs, list | tuple):
         raise PlanError(f"must be a list of block indices or None, got {locs!r}", "locs")
+    checked_locs = _checked_locs(model_map, method, locs)
+    keeps = _checked_keeps(keep, len(checked_locs))
+    locations = _locations(model_map, method, checked_locs, keeps)
+    try:
+        locations = method.plan_locations(model_map, locations)
+    except VariantRefusal as e:
+        raise PlanError(e.detail, e.parameter) from None
+    if method.carry_windows:
+        locations = _carry_windows(model_map, locations, method.carry_branches)
+    elif method.carry_branches:
+        locations = _carry_branches(model_map, locations)
+    rounded_from: dict[int, tuple[int, int]] = {}
+    if method.kept_multiple is not None:
+        if method.keep_setting is not None:
+            raise PlanError(
+                f"kept_multiple rounds the counts keep ratios give; {method.name}'s "
+                f"{method.keep_setting} fixes its counts itself: give one",
+                "variant_args",
+            )
+        locations, rounded_from = round_kept_counts(model_map, method, locations)
+    plan = Plan(method=method, policy=policy, locations=locations, rounded_from=rounded_from)
+    refusal = (
+        method.refusal(model_map, plan)
+        or position_refusal(model_map, plan)
+        or method.reduction_refusal(plan)
+    )
+    if refusal is not None:
+        raise PlanError(refusal)
+    return plan
+
+
+def _checked_locs(model_map: ModelMap, method: Variant, locs: Sequence[int] | None) -> list[int]:
+    """``locs`` (None: :func:`default_locs`) as block indices, each a block with tokens of its
+    own to reduce, strictly increasing; anything else is a ``PlanError`` naming ``locs``."""
     depth = len(model_map.blocks)
     locs = list(default_locs(model_map, method.carry_windows) if locs is None else locs)
     if not locs:
@@ -319,11 +353,17 @@ def make_plan(
     locs = [int(loc) for loc in locs]
     if sorted(set(locs)) != locs:
         raise PlanError(f"must be strictly increasing without duplicates, got {locs}", "locs")
+    return locs
+
+
+def _checked_keeps(keep: Sequence[float], locations: int) -> list[float]:
+    """One keep ratio in (0, 1] per location (one ratio given: the same at all); anything else
+    is a ``PlanError`` naming ``keep``."""
     if not keep:
         raise PlanError("must not be empty", "keep")
-    keeps = list(keep) * len(locs) if len(keep) == 1 else list(keep)
-    if len(keeps) != len(locs):
-        raise PlanError(f"has {len(keeps)} values for {len(locs)} locations", "keep")
+    keeps = list(keep) * locations if len(keep) == 1 else list(keep)
+    if len(keeps) != locations:
+        raise PlanError(f"has {len(keeps)} values for {locations} locations", "keep")
     for rho in keeps:
         if isinstance(rho, bool) or not isinstance(rho, numbers.Real):
             raise PlanError(f"must be numbers, got {rho!r}", "keep")
@@ -331,6 +371,15 @@ def make_plan(
     for rho in keeps:
         if not (0.0 < rho <= 1.0) or math.isnan(rho):
             raise PlanError(f"must be in (0, 1], got {rho}", "keep")
+    return keeps
+
+
+def _locations(
+    model_map: ModelMap, method: Variant, locs: list[int], keeps: list[float]
+) -> list[Location]:
+    """A location per block of ``locs`` keeping its ratio of ``keeps``: of each window's tokens
+    in a windowed block, else of the stage's patch tokens, cumulatively over the stage's earlier
+    locations."""
     locations: list[Location] = []
     for block_index, rho in zip(locs, keeps, strict=True):
         block = model_map.blocks[block_index]
@@ -366,32 +415,7 @@ def make_plan(
                 keep_tokens=keep_tokens,
             )
         )
-    try:
-        locations = method.plan_locations(model_map, locations)
-    except VariantRefusal as e:
-        raise PlanError(e.detail, e.parameter) from None
-    if method.carry_windows:
-        locations = _carry_windows(model_map, locations, method.carry_branches)
-    elif method.carry_branches:
-        locations = _carry_branches(model_map, locations)
-    rounded_from: dict[int, tuple[int, int]] = {}
-    if method.kept_multiple is not None:
-        if method.keep_setting is not None:
-            raise PlanError(
-                f"kept_multiple rounds the counts keep ratios give; {variant}'s "
-                f"{method.keep_setting} fixes its counts itself: give one",
-                "variant_args",
-            )
-        locations, rounded_from = round_kept_counts(model_map, method, locations)
-    plan = Plan(method=method, policy=policy, locations=locations, rounded_from=rounded_from)
-    refusal = (
-        method.refusal(model_map, plan)
-        or position_refusal(model_map, plan)
-        or method.reduction_refusal(plan)
-    )
-    if refusal is not None:
-        raise PlanError(refusal)
-    return plan
+    return locations
 
 
 def _cumulative(earlier: list[float], rho: float) -> float:
