@@ -33,7 +33,7 @@ class Ancestry:
     def __init__(self, graph: fx.Graph) -> None:
         self.nodes = list(graph.nodes)
         self.index = {n: i for i, n in enumerate(self.nodes)}
-        self.by_name = {n.name: n for n in self.nodes}
+        self.by_name = ops.nodes_by_name(graph)
         self.bits: dict[fx.Node, int] = {}
         for n in self.nodes:
             acc = 0

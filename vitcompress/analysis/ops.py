@@ -147,6 +147,12 @@ def shape(node: fx.Node) -> tuple | None:
     return None
 
 
+def nodes_by_name(graph: fx.Graph) -> dict[str, fx.Node]:
+    """``graph``'s nodes by their names, which fx keeps unique within a graph. The map is not
+    updated when the graph is edited: build it after the edits it must see."""
+    return {node.name: node for node in graph.nodes}
+
+
 def input_nodes(node: fx.Node) -> list[fx.Node]:
     return list(node.all_input_nodes)
 

@@ -116,7 +116,7 @@ def find_position_uses(
     """
     # A count of 1 is no position (a class-attention block's single query token).
     counts = {c for c in (tokens, tokens - prefix_tokens) if c > 1}
-    nodes = {n.name: n for n in gm.graph.nodes}
+    nodes = ops.nodes_by_name(gm.graph)
     parameters = {name for name, _ in gm.named_parameters()}
     batch = (ops.shape(image) or (None,))[0] if per_image else None
     found: list[PositionUse] = []

@@ -60,7 +60,7 @@ class _Rewriter(WindowRewrites):
         self.graph = gm.graph
         self.map = model_map
         self.plan = plan
-        self.nodes = {n.name: n for n in gm.graph.nodes}
+        self.nodes = ops.nodes_by_name(gm.graph)
         # Registered up front: fx checks that a call_module target exists when it is created.
         self.hooks = nn.Module()
         self.reducers = nn.Module()
@@ -121,14 +121,14 @@ class _Rewriter(WindowRewrites):
             state.node = self.nodes[block.output_node]
             for reader in block.readers:
                 self._restore_for(
-                    self.nodes[reader.node],
-                    self.nodes[reader.tokens_node],
-                    reader.axis,
-                    reader.prefix_tokens,
+                    reader.node,
+                    reader.tokens_node,
                     state,
                     block.prefix_tokens,
                     f"restore{block.index}_{reader.node}",
                     f"{reader.what} at {reader.path}",
+                    axis=reader.axis,
+                    prefix_tokens=reader.prefix_tokens,
                 )
         self._restore_stage_exit(self.map.stages[stage], state)
         self.graph.lint()
@@ -148,35 +148,36 @@ class _Rewriter(WindowRewrites):
         features) get the full grid back, in grid order."""
         if not state.reduced or stage.exit_grid_node is None:
             return
+        where = f"stage {stage.index}'s exit grid"
         self._restore_for(
-            self.nodes[stage.exit_grid_node],
-            self.nodes[stage.exit_tokens_node],
-            1,
-            0,
+            stage.exit_grid_node,
+            stage.exit_tokens_node,
             state,
             stage.prefix_tokens,
             f"exit{stage.index}",
-            f"stage {stage.index}'s exit grid",
+            where,
         )
 
     def _restore_for(
         self,
-        reader: fx.Node,
-        tokens: fx.Node,
-        axis: int,
-        prefix_tokens: int,
+        reader_name: str,
+        tokens_name: str,
         state: _Stream,
         stream_prefix: int,
         name: str,
         where: str,
+        axis: int = 1,
+        prefix_tokens: int = 0,
         in_block: bool = False,
     ) -> None:
-        """Make ``reader`` read ``tokens`` with the stage's full token set back (a no-op before
-        any reduction in the stage). ``tokens`` derives from the residual stream ``state.node``
+        """Make the node ``reader_name`` read the node ``tokens_name`` with the stage's full token
+        set back, on ``axis`` after ``prefix_tokens`` (a no-op before any reduction in the
+        stage). ``tokens`` derives from the residual stream ``state.node``
         through per-token ops; a rule that reads recorded stream values restores the stream and
         recomputes those ops on the copy, unless (``in_block``: a grid op inside a block) one of
         them is a layer, which would then run twice: there the variant's local rule restores
         where the tokens are read."""
+        reader, tokens = self.nodes[reader_name], self.nodes[tokens_name]
         if not state.reduced or tokens not in reader.all_input_nodes:
             return  # nothing reduced yet, or already restored (CvT's q, k, v share one grid)
         method = self.plan.method
@@ -414,10 +415,8 @@ class _Rewriter(WindowRewrites):
             if op.branch != branch:
                 continue
             self._restore_for(
-                self.nodes[op.to_grid_node],
-                self.nodes[op.tokens_node],
-                1,
-                0,
+                op.to_grid_node,
+                op.tokens_node,
                 state,
                 block.prefix_tokens,
                 f"restore{block.index}_{op.op_node}",

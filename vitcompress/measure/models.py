@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from vitcompress.analysis.capture import annotate_shapes
+from vitcompress.analysis.ops import nodes_by_name
 from vitcompress.api import load_model
 from vitcompress.artifacts.artifact import ArtifactError, base_source, load_artifact_base, read_meta
 from vitcompress.compilation.metadata import compression_info
@@ -176,7 +177,7 @@ def tokens_per_block(model: nn.Module, input_size: tuple[int, ...]) -> list[int]
         annotate_shapes(model, torch.zeros(1, *input_size))
     finally:
         model.train(was_training)
-    nodes = {n.name: n for n in model.graph.nodes}
+    nodes = nodes_by_name(model.graph)
     # Tokens of any layout, channels last: a windowed block takes the (B, H, W, C) grid.
     return [math.prod(nodes[name].meta["shape"][1:-1]) for name in block_nodes]
 
