@@ -156,7 +156,18 @@ class WindowCarry(nn.Module):
         return tokens, None, record.keep_index, (carried,)
 
 
-class WindowTableGather(nn.Module):
+class _AtKeptPositions(nn.Module):
+    """An op on a tensor laid out by window slot, given the slots each window kept, (B * windows,
+    K). Given no slots (nothing reduced: a predictor trains with masks), the tensor as it is."""
+
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        return x if positions is None else self.at_kept(x, positions)
+
+    def at_kept(self, x: Tensor, positions: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class WindowTableGather(_AtKeptPositions):
     """A table an attention within windows adds to its logits by window position (Swin's
     relative-position bias, its shifted windows' mask), laid out for logits batched as
     (B * windows, heads, N, N) or viewed as (B, windows, heads, N, N) (``rank`` 4 or 5): its
@@ -170,9 +181,7 @@ class WindowTableGather(nn.Module):
     def extra_repr(self) -> str:
         return f"windows={self.windows}, rank={self.rank}"
 
-    def forward(self, table: Tensor, positions: Tensor | None = None) -> Tensor:
-        if positions is None:  # nothing reduced (a predictor trains with masks)
-            return table
+    def at_kept(self, table: Tensor, positions: Tensor) -> Tensor:
         rows, kept = positions.shape
         lead = (rows,) if self.rank == 4 else (rows // self.windows, self.windows)
         table = table.reshape((1,) * (self.rank - table.dim()) + tuple(table.shape))
@@ -184,7 +193,7 @@ class WindowTableGather(nn.Module):
         return picked.gather(-1, index.unsqueeze(-2).expand(*lead, heads, kept, kept))
 
 
-class WindowQueryScatter(nn.Module):
+class WindowQueryScatter(_AtKeptPositions):
     """The kept queries of each window, (B * windows [* heads], K, D), put back in their slots
     of a full window of ``tokens`` (zeros elsewhere), for a term made row by row from the
     queries by window position (SAM's decomposed relative position; ``analysis/query_bias.py``):
@@ -198,9 +207,7 @@ class WindowQueryScatter(nn.Module):
     def extra_repr(self) -> str:
         return f"tokens={self.tokens}"
 
-    def forward(self, queries: Tensor, positions: Tensor | None = None) -> Tensor:
-        if positions is None:  # nothing reduced (a predictor trains with masks)
-            return queries
+    def at_kept(self, queries: Tensor, positions: Tensor) -> Tensor:
         rows, kept = positions.shape
         *lead, _, dim = queries.shape
         grouped = queries.reshape(rows, -1, kept, dim)  # windows first, then heads
@@ -209,14 +216,12 @@ class WindowQueryScatter(nn.Module):
         return full.scatter(2, index, grouped).reshape(*lead, self.tokens, dim)
 
 
-class WindowQueryGather(nn.Module):
+class WindowQueryGather(_AtKeptPositions):
     """Queries made without the window tokens (GCViT's global query), (B * windows, heads, N,
     D) with their rows by window slot: the rows of each window's kept slots, (B * windows,
     heads, K, D)."""
 
-    def forward(self, queries: Tensor, positions: Tensor | None = None) -> Tensor:
-        if positions is None:  # nothing reduced (a predictor trains with masks)
-            return queries
+    def at_kept(self, queries: Tensor, positions: Tensor) -> Tensor:
         rows, kept = positions.shape
         *lead, tokens, dim = queries.shape
         grouped = queries.reshape(rows, -1, tokens, dim)
