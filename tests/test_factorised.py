@@ -13,6 +13,7 @@ from torch import nn
 
 from tests.fixtures import hf_models
 from vitcompress import compress, map_model
+from vitcompress.analysis.window_map import WholeAttention
 from vitcompress.compilation.metadata import compression_info
 from vitcompress.errors import UserError
 from vitcompress.workflows.export import export_model
@@ -52,7 +53,7 @@ def test_each_block_is_one_window_whose_factorised_attention_runs_whole(timesfor
         assert block.path == layer and block.tokens == 65 and block.prefix_tokens == 1
         windows = block.windows
         assert (windows.count, windows.tokens, windows.order) == (1, 65, tuple(range(65)))
-        assert windows.attention_blocker == (
+        assert windows.attention == WholeAttention(
             f"factorised attention ({layer}.temporal_attention.attention, "
             f"{layer}.attention.attention: 16 windows of 4, 4 windows of 17 per image), added "
             "back by ops no residual add describes, so its attention part runs on every token"

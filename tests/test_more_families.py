@@ -242,7 +242,7 @@ def test_mvitv2_blocks_map_as_one_window_over_their_grid_whose_attention_runs_wh
         assert block.tokens == side * side and block.grid == (side, side)
         assert (windows.count, windows.tokens) == (1, side * side)
         assert windows.order == tuple(range(side * side)) and not windows.padded
-        assert windows.attention_blocker.startswith(
+        assert windows.attention.reason.startswith(
             f"pooling attention at {block.path}.attn.pool_q: the conv pools queries, keys or "
             f"values split into {heads} head{'s' if heads > 1 else ''} on the {side}x{side}"
         )

@@ -19,9 +19,22 @@ from torch import nn
 from tests.fixtures import dense_models, hf_models
 from vitcompress import compress, map_model
 from vitcompress.analysis.analyse import MappingError
+from vitcompress.analysis.window_map import (
+    SlotInput,
+    SlotKind,
+    WholeAttention,
+    WindowLayout,
+    Windows,
+)
 from vitcompress.compilation.metadata import compression_info
 from vitcompress.measure import count_macs
 from vitcompress.workflows.export import export_model
+
+
+def _slots(windows: Windows, kind: SlotKind) -> list[SlotInput]:
+    """What the window attention reads by slot, of one kind (none where it runs whole)."""
+    return [s for s in getattr(windows.attention, "slot_inputs", ()) if s.kind is kind]
+
 
 METHODS = ("dtps", "etps", "dynamicvit", "evit", "tome")
 PREDICTORS = ("dtps", "dynamicvit")
@@ -274,7 +287,7 @@ def test_hiera_mask_units_map_and_the_blocks_left_whole_are_listed_with_why():
     assert mapped == [f"blocks.{i}" for i in (0, 2, 4, 5, 6, 7, 8, 9, 11)]
     first, second = model_map.blocks[0].windows, model_map.blocks[1].windows
     assert (first.count, first.tokens, second.count, second.tokens) == (4, 64, 4, 16)
-    assert first.window_axis and second.window_axis
+    assert first.attention.layout is second.attention.layout is WindowLayout.WINDOW_AXIS
     assert list(first.order) == [i * 4 + w for w in range(4) for i in range(64)]
     assert list(second.order) == [i * 4 + w for w in range(4) for i in range(16)]
     listed = {line.split(":")[0]: line for line in model_map.left_whole}
@@ -319,9 +332,9 @@ def test_gcvit_windows_are_found_and_its_global_query_follows_the_kept_slots():
     assert list(blocks[0].windows.order) == window_order(16, 16, 2)
     # At 64 pixels stages 2 and 3 are one window each: their global query blocks map too.
     assert [b.windows.count for b in blocks] == [64, 64, 16, 16] + [1] * 8
-    assert [b.windows.global_query is not None for b in blocks] == [False, True] * 6
+    assert [bool(_slots(b.windows, SlotKind.QUERY_ROWS)) for b in blocks] == [False, True] * 6
     assert model_map.left_whole == []
-    assert all(b.windows.attention_blocker is None for b in blocks)
+    assert all(b.windows.attention_reducible for b in blocks)
     compressed = compress(model, "dtps", keep=[0.7], input_size=size)
     seen = []
     gathers = [m for n, m in compressed.named_modules() if type(m).__name__ == "WindowQueryGather"]
@@ -448,8 +461,8 @@ def test_sam2_hiera_pooled_query_blocks_are_left_whole_and_the_rest_map():
     ]
     assert list(model_map.blocks[0].windows.order) == window_order(16, 16, 4)
     assert list(model_map.blocks[1].windows.order) == window_order(8, 8, 4)
-    assert all(b.windows.spatial_product for b in model_map.blocks)
-    assert all(b.windows.attention_blocker is None for b in model_map.blocks)
+    assert all(b.windows.attention.layout is WindowLayout.SPATIAL for b in model_map.blocks)
+    assert all(b.windows.attention_reducible for b in model_map.blocks)
     assert model_map.left_whole == [
         *(
             f"blocks.{i}.attn: its queries are pooled (4 queries against 16 keys per window), "
@@ -489,18 +502,18 @@ def test_sam_vit_windows_are_found_and_a_predictor_hands_its_attention_the_kept_
     gives it its heads axis back, so the windowed blocks (4 windows of 4 x 4) and the global
     block (one window of the 8 x 8 grid) map. Its decomposed relative position is a term made
     row by row from the queries and tables indexed by row and column offsets: it is found as
-    such (``Windows.query_bias``), and a predictor hands the attention each window's kept
+    such (a ``QueryTermInput``), and a predictor hands the attention each window's kept
     tokens as K x 1 "windows", the term made at the full window."""
     model, size = _build("sam_vit")
     blocks = map_model(model, size).blocks
     assert [(b.windows.count, b.windows.tokens) for b in blocks] == [(4, 16), (4, 16), (1, 64)]
     assert list(blocks[0].windows.order) == window_order(8, 8, 4)
     assert [b.attention.heads for b in blocks] == [2, 2, 2]
-    assert [b.windows.query_bias.tables for b in blocks] == [
-        (f"blocks.{i}.attn.rel_pos_h", f"blocks.{i}.attn.rel_pos_w") for i in range(3)
+    assert [[s.what for s in _slots(b.windows, SlotKind.QUERY_TERM)] for b in blocks] == [
+        [f"blocks.{i}.attn.rel_pos_h, blocks.{i}.attn.rel_pos_w"] for i in range(3)
     ]
-    assert all(b.windows.spatial_product for b in blocks)
-    assert all(b.windows.attention_blocker is None for b in blocks)
+    assert all(b.windows.attention.layout is WindowLayout.SPATIAL for b in blocks)
+    assert all(b.windows.attention_reducible for b in blocks)
     for method in PREDICTORS:
         compressed = compress(model, method, keep=[0.7], input_size=size)
         kept = dict(compressed.named_modules())["tps.0"].keep_tokens
@@ -578,10 +591,10 @@ def test_a_query_made_term_that_mixes_tokens_keeps_the_attention_whole(mix, monk
     monkeypatch.setattr(sam, "get_decomposed_rel_pos_bias", lambda q, *args: made(mix(q), *args))
     model, size = _build("sam_vit")
     windows = map_model(model, size).blocks[0].windows
-    assert windows.query_bias is None
-    assert "\n" not in windows.attention_blocker
+    assert isinstance(windows.attention, WholeAttention)
+    assert "\n" not in windows.attention.reason
     assert "a term made from its queries that mixes queries of different tokens" in (
-        windows.attention_blocker
+        windows.attention.reason
     )
     images = _images(size)
     compressed = compress(model, "dtps", keep=[0.7], input_size=size)
@@ -611,7 +624,7 @@ def test_nest_windows_on_their_own_axis_are_found_and_a_predictor_keeps_that_axi
     # block's token s.
     assert list(blocks[0].windows.order) == list(range(256))
     assert list(blocks[2].windows.order) == list(range(64))
-    assert all(b.windows.window_axis and not b.windows.spatial_product for b in blocks)
+    assert all(b.windows.attention.layout is WindowLayout.WINDOW_AXIS for b in blocks)
     compressed = compress(model, "dtps", keep=[0.7], input_size=size)
     seen = {}
     modules = dict(compressed.named_modules())
@@ -692,7 +705,7 @@ def test_an_attention_that_reads_its_windows_size_as_a_product_takes_a_predictor
     images = _images(size, torch.float64)
     blocks = map_model(volo, size).blocks
     windowed = [b for b in blocks if b.windows is not None]
-    assert windowed and all(b.windows.spatial_product for b in windowed)
+    assert windowed and all(b.windows.attention.layout is WindowLayout.SPATIAL for b in windowed)
     with torch.no_grad():
         base = volo(images)
         for method in PREDICTORS:
@@ -731,7 +744,7 @@ def test_an_attention_that_reads_a_windows_row_alone_runs_whole_under_a_predicto
         block.attn = _RowScaledAttention(block.attn)
     size = (3, 64, 64)
     blocks = map_model(volo, size).blocks
-    blockers = [b.windows.attention_blocker for b in blocks if b.path.startswith("network.2.")]
+    blockers = [b.windows.attention.reason for b in blocks if b.path.startswith("network.2.")]
     assert len(blockers) == len(volo.network[2])
     assert all(blocker and "\n" not in blocker for blocker in blockers)
     assert all(
@@ -834,8 +847,8 @@ def test_hf_sam_encoder_makes_its_query_term_at_the_full_window():
     model, size = _build("hf_sam")
     blocks = map_model(model, size).blocks
     assert [b.windows.count for b in blocks] == [4, 1, 4, 1]
-    assert all(b.windows.query_bias is not None for b in blocks)
-    assert all(b.windows.attention_blocker is None for b in blocks)
+    assert all(_slots(b.windows, SlotKind.QUERY_TERM) for b in blocks)
+    assert all(b.windows.attention_reducible for b in blocks)
     compressed = compress(model, "dtps", keep=[0.7], input_size=size)
     seen: list[tuple[int, ...]] = []
     qkv = dict(compressed.named_modules())["encoder.layers.0.attn.qkv"]

@@ -46,7 +46,6 @@ from vitcompress.analysis.model_map import (
     ModelMap,
     Stage,
     TokenReader,
-    Windows,
 )
 from vitcompress.analysis.parallel import Combination, block_end, combine_cores
 from vitcompress.analysis.per_token import find_per_token_branches
@@ -68,6 +67,7 @@ from vitcompress.analysis.stages import (
     through_identities,
 )
 from vitcompress.analysis.token_readers import find_token_readers
+from vitcompress.analysis.window_map import WholeAttention, Windows
 from vitcompress.analysis.windows import (
     WindowedBlock,
     WindowError,
@@ -342,7 +342,7 @@ def _block_windows(
             tokens=tokens,
             order=tuple(range(tokens)),
             mlp_input_node=mlp.skip.name,
-            attention_blocker=pooling,
+            attention=WholeAttention(pooling),
         )
     if windows is not None and stage.prefix_tokens:
         # A class token beside the grid (``mvitv2_*_cls``, TimeSformer's) leads the one window

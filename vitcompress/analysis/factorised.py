@@ -7,7 +7,7 @@ then an MLP residual on every token.
 No reduction can follow the tokens through windows that cut them two ways, so such a block is
 mapped as one window over all its tokens whose attention part runs whole: a method reduces its
 MLP and the block gives every token back before its output, as a windowed block whose attention
-cannot take fewer tokens does (``Windows.attention_blocker``). The last attention before the MLP
+cannot take fewer tokens does (``WholeAttention``). The last attention before the MLP
 (TimeSformer's space attention) scores the tokens where its windows hold each of them once after
 one leading prefix slot: where each sits there is read by an index run (``Windows.score_slots``).
 Elsewhere the methods scored by attention are refused (``score_blocker``); a learned predictor
@@ -23,7 +23,8 @@ from torch import Tensor
 from vitcompress.analysis import ops
 from vitcompress.analysis.cores import Ancestry, Residual
 from vitcompress.analysis.index_run import IndexRun, grid_index, run_indices
-from vitcompress.analysis.model_map import AttentionCore, Windows
+from vitcompress.analysis.model_map import AttentionCore
+from vitcompress.analysis.window_map import WholeAttention, Windows
 from vitcompress.analysis.windows import WindowedBlock, closes_no_residual, window_tokens
 
 
@@ -130,7 +131,7 @@ def _factorised_block(
             tokens=tokens,
             order=tuple(range(tokens)),
             mlp_input_node=mlp.skip.name,
-            attention_blocker=(
+            attention=WholeAttention(
                 f"factorised attention ({paths}: {windows} per image), added back by "
                 "ops no residual add describes, so its attention part runs on every "
                 "token"

@@ -5,9 +5,8 @@ or attribute name. Node names refer to nodes of the captured ``torch.fx.GraphMod
 rewriter can find the places again without re-running the analysis.
 
 ``to_json`` writes what the map says about the model, without the node names (they mean nothing
-outside the captured graph); ``ModelMap.from_json`` reads that back. A map read back describes the
-model (blocks, tokens, stages, grid ops, position tables) but names no nodes, so it cannot be
-used to rewrite a graph (``ModelMap.has_nodes``).
+outside the captured graph); ``ModelMap.from_json`` reads that back. A windowed block's record
+(``Windows``, what its attention reads by window slot) is in ``window_map.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +14,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+# A windowed block's record is part of the map, kept in its own module.
+from vitcompress.analysis.window_map import Windows
 
 # How a block's attentions' token scores combine (``Block.score_combination``; ``None``: one core).
 MEAN = "mean"  # parallel attentions: their scores averaged
@@ -161,126 +163,6 @@ class AttentionCore:
     # Keys pooled on the token grid (PVT's, MViTv2's): the pooling op's kernel, stride and
     # padding per grid dim, which say which tokens each key reads (``key_scores_to_tokens``).
     key_pool: KeyPool | None = None
-
-
-@dataclass
-class QueryBias:
-    """A term a window attention adds to its logits, made row by row from its queries and tables
-    indexed by where each query and key sits in the window (SAM's decomposed relative position;
-    ``query_bias.py``): with fewer tokens per window it is made at the full window, from the
-    kept queries put back in their slots, and gathered by the kept positions."""
-
-    tables: tuple[str, ...]  # the parameters it is made from
-    query_node: str  # the queries it is made from, (B * windows [* heads], N, D)
-    mask_node: str  # the term as it meets the attention
-    nodes: tuple[str, ...]  # the ops that make it
-
-    def to_json(self) -> dict[str, Any]:
-        return {"tables": list(self.tables)}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> QueryBias:
-        return cls(tuple(data["tables"]), "", "", ())
-
-
-@dataclass
-class Windows:
-    """A block whose attention runs within windows (``windows.py``): a reduction keeps the same
-    number of tokens in each window, and the block gives every token back before its output."""
-
-    count: int  # windows per image
-    tokens: int  # tokens per window
-    # For each window slot (windows one after another), the index of the token it holds among
-    # the block's MLP input tokens, -1 for a padded slot; a shifted window's order differs from
-    # a plain partition's.
-    order: tuple[int, ...]
-    mlp_input_node: str  # the (B, L, C) tokens entering the block's MLP residual
-    # The windows as the attention takes them, (B * count, tokens, C), and its output there: a
-    # method acting before the block (a predictor) reduces and restores the attention between.
-    attention_input_node: str = ""
-    attention_output_node: str = ""
-    # The tables laid out by window position the attention reads (relative-position bias, the
-    # shifted windows' mask): gathered by the kept positions of each window.
-    tables: list[PositionUse] = field(default_factory=list)
-    # Why the attention cannot run on fewer tokens per window (a table that cannot follow them).
-    attention_blocker: str | None = None
-    # The attention reads the windows' spatial sizes, only as their product (``B, H, W, C =
-    # x.shape`` then ``reshape(B, H * W, ...)``): a predictor hands it (B * count, K, 1, C).
-    spatial_product: bool = False
-    # The windows enter the attention on an axis of their own, (B, count, tokens, C) (NesT's):
-    # a predictor hands it (B, count, K, C).
-    window_axis: bool = False
-    # A term made from the queries by window position (``QueryBias``), and the ops that read
-    # the windows' sizes that must read them at the full window when the windows enter reduced
-    # (what makes that term, guards on the sizes, a layout of the restored output).
-    query_bias: QueryBias | None = None
-    full_window_reads: tuple[str, ...] = ()
-    # GCViT's global query, (B * windows, heads, N, D) as its logits take it: made without the
-    # window tokens, its rows are gathered by each window's kept slots.
-    global_query: str | None = None
-    # A factorised attention's block (TimeSformer's, one window over its tokens): its attention
-    # scores the tokens in another order (frame by frame, a class token leading each frame).
-    # For each of the window's tokens after its prefix, the slot of its score among the scoring
-    # attention's, the windows' prefix slots left out, windows one after another.
-    score_slots: tuple[int, ...] | None = None
-    # Prefix tokens (a class token) leading the window, never reduced: only one window over all
-    # of a block's tokens holds them (MViTv2 with a class token, TimeSformer).
-    prefix_tokens: int = 0
-
-    @property
-    def padded(self) -> bool:
-        """Whether the grid does not divide into the windows (some slots hold padding)."""
-        return any(index < 0 for index in self.order)
-
-    def groups(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """The windows grouped by how many tokens they hold: for each group (fullest first),
-        ``(slots, tokens)``, its windows' real slots and the tokens they hold, windows one after
-        another. Unpadded windows are one group: every slot, in :attr:`order`. A reduction after
-        the attention reduces each group alike, so each keeps a static shape and no padding is
-        touched."""
-        by_count: dict[int, tuple[list[int], list[int]]] = {}
-        for window in range(self.count):
-            start = window * self.tokens
-            slots = [start + s for s in range(self.tokens) if self.order[start + s] >= 0]
-            group = by_count.setdefault(len(slots), ([], []))
-            group[0].extend(slots)
-            group[1].extend(self.order[slot] for slot in slots)
-        return [
-            (tuple(slots), tuple(tokens))
-            for _, (slots, tokens) in sorted(by_count.items(), reverse=True)
-        ]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "count": self.count,
-            "tokens": self.tokens,
-            "order": list(self.order),
-            "tables": [use.to_json() for use in self.tables],
-            "attention_blocker": self.attention_blocker,
-            "spatial_product": self.spatial_product,
-            "window_axis": self.window_axis,
-            "query_bias": self.query_bias.to_json() if self.query_bias else None,
-            "global_query": self.global_query is not None,
-            **({"score_slots": list(self.score_slots)} if self.score_slots is not None else {}),
-            **({"prefix_tokens": self.prefix_tokens} if self.prefix_tokens else {}),
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Windows:
-        return cls(
-            data["count"],
-            data["tokens"],
-            tuple(data["order"]),
-            "",
-            tables=[PositionUse.from_json(use) for use in data.get("tables", [])],
-            attention_blocker=data.get("attention_blocker"),
-            spatial_product=bool(data.get("spatial_product")),
-            window_axis=bool(data.get("window_axis")),
-            query_bias=QueryBias.from_json(data["query_bias"]) if data.get("query_bias") else None,
-            global_query="" if data.get("global_query") else None,
-            score_slots=tuple(data["score_slots"]) if data.get("score_slots") else None,
-            prefix_tokens=int(data.get("prefix_tokens", 0)),
-        )
 
 
 @dataclass

@@ -14,14 +14,25 @@ every unchanged row must come out unchanged.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from vitcompress.analysis import ops
-from vitcompress.analysis.model_map import QueryBias
 
 _FOLDS = ("unflatten", "view", "reshape")
+
+
+@dataclass(frozen=True)
+class QueryBias:
+    """A term made from the queries that can be made at the full window: the map records it
+    as a ``QueryTermInput`` (``window_map.py``)."""
+
+    tables: tuple[str, ...]  # the parameters it is made from
+    query_node: str  # the queries it is made from, (B * windows [* heads], N, D)
+    mask_node: str  # the term as it meets the attention
+    nodes: tuple[str, ...]  # the ops that make it
 
 
 def sdpa_mask(core: fx.Node) -> fx.Node | None:

@@ -10,12 +10,22 @@ one idea of its own: it uses the rewriter's graph, node table, plan, reducer and
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from vitcompress.analysis import ops
-from vitcompress.analysis.model_map import Block, PerTokenBranch, Windows
+from vitcompress.analysis.model_map import Block, PerTokenBranch
+from vitcompress.analysis.window_map import (
+    QueryTermInput,
+    ReducedAttention,
+    SlotInput,
+    SlotKind,
+    WindowLayout,
+    Windows,
+)
 from vitcompress.compilation.graph_edits import copy_between, erase_unused, getitems, replace_uses
 from vitcompress.compilation.naming import REDUCER_PREFIX
 from vitcompress.modules.restore import TokenRestore
@@ -45,7 +55,7 @@ class WindowRewrites:
         A method scored by the attention (or matching on its keys) reduces after it: the MLP
         runs on the kept tokens. A predictor reduces the windows entering the attention; the
         MLP's input is then reduced by the same choice (``WindowReplay``). Where the attention
-        cannot run on fewer tokens (``Windows.attention_blocker``), a predictor chooses on the
+        cannot run on fewer tokens (``WholeAttention``), a predictor chooses on the
         MLP's input instead and the attention runs whole. Returns the trace of the choice, for
         the blocks that carry it (:meth:`_carry_in_windows`)."""
         method = self.plan.method
@@ -55,7 +65,7 @@ class WindowRewrites:
         self.reducers.add_module(str(index), module)
         target = f"{REDUCER_PREFIX}.{index}"
         restore = self._window_restore(block)
-        if method.placement == BEFORE_BLOCK and windows.attention_blocker is None:
+        if method.placement == BEFORE_BLOCK and windows.attention_reducible:
             module.also_restores = method.local_restore_rule  # the window attention's restore
             trace = self._reduce_window_attention(block, target)
             restored, trace = self._replay_window_mlp(block, trace, restore)
@@ -83,7 +93,7 @@ class WindowRewrites:
         position no gathered table follows, else it runs whole), then its MLP; each restores
         by the method's rules. Nothing is scored or fused here. Returns the trace."""
         restore = self._window_restore(block)
-        if block.windows.attention_blocker is None:
+        if block.windows.attention_reducible:
             trace = self._reduce_window_attention(block, None, carried=trace)
         restored, trace = self._replay_window_mlp(block, trace, restore)
         self._merge_windows(block, restored, block.windows.order)
@@ -224,19 +234,21 @@ class WindowRewrites:
     ) -> fx.Node:
         """A predictor's reduction of the windows entering a windowed block's attention (the
         reducer ``target``), or the choice a location made carried to this block (its trace,
-        ``carried``): the attention runs on the kept tokens of each window (its position tables
-        gathered by them, the removed keys masked while training) and its output comes back to
-        every token by the rule that reads only the output (host, else zero). Returns the
-        trace."""
+        ``carried``): the attention runs on the kept tokens of each window (what it reads by
+        window slot made to follow them, the removed keys masked while training) and its output
+        comes back to every token by the rule that reads only the output (host, else zero).
+        Returns the trace."""
         windows = block.windows
+        attention = windows.attention
+        assert isinstance(attention, ReducedAttention)  # the callers check attention_reducible
         method = self.plan.method
-        entering = self.nodes[windows.attention_input_node]
-        leaving = self.nodes[windows.attention_output_node]
+        entering = self.nodes[attention.input_node]
+        leaving = self.nodes[attention.output_node]
         window_shape = ops.shape(leaving)
         flat = entering
         # NesT's (B, windows, N, C): the windows as a batch; MaxViT's (B * windows, h, w, C):
         # the window's tokens as one axis. Either way (B * windows, N, C).
-        flattened = (0, 1) if windows.window_axis else (1, -2)
+        flattened = (0, 1) if attention.layout is WindowLayout.WINDOW_AXIS else (1, -2)
         if len(ops.shape(entering)) > 3:
             with self.graph.inserting_after(entering):
                 flat = self.graph.call_method("flatten", (entering, *flattened))
@@ -249,40 +261,13 @@ class WindowRewrites:
                 )
                 reducer = self.graph.call_module(carry, (flat, carried))
         tokens, keep_mask, positions, trace = getitems(self.graph, reducer, 4)
-        handed = tokens
-        if windows.window_axis:  # back to (B, windows, K, C)
-            with self.graph.inserting_after(tokens):
-                handed = self.graph.call_method("unflatten", (tokens, 0, (-1, windows.count)))
-        elif windows.spatial_product:  # it reads B, H, W, C off its input: K x 1 "windows"
-            spatial = (-1,) + (1,) * (len(ops.shape(entering)) - 3)
-            with self.graph.inserting_after(tokens):
-                handed = self.graph.call_method("unflatten", (tokens, 1, spatial))
+        handed = self._hand_kept(attention.layout, windows, entering, tokens)
         replace_uses(entering, handed, {reducer, flat})
-        self._read_full_window(windows, entering, handed)
-        if windows.query_bias is not None:
-            self._query_bias_at_full_window(block, positions)
-        if windows.global_query is not None:  # GCViT's: its rows by the kept slots
-            query = self.nodes[windows.global_query]
-            gather = self._add_hook(f"windowquery{block.index}", WindowQueryGather())
-            with self.graph.inserting_after(query):
-                gathered = self.graph.call_module(gather, (query, positions))
-            replace_uses(query, gathered, {gathered})
-        # The tables first: one may meet the core itself (MaxViT's SDPA mask), which the hook
-        # replaces.
-        for number, use in enumerate(windows.tables):
-            meeting, table = self.nodes[use.node], self.nodes[use.table_node]
-            rank = len(ops.shape(meeting))
-            gather = self._add_hook(
-                f"windowtables{block.index}_{number}", WindowTableGather(windows.count, rank)
-            )
-            with self.graph.inserting_before(meeting):
-                # A table laid out by sizes read off the tokens (HF Swin reshapes its shift
-                # mask to the window's token count) is built at the full window, then gathered.
-                whole = copy_between(self.graph, tokens, table, flat) or table
-                gathered = self.graph.call_module(gather, (whole, positions))
-            meeting.replace_input_with(table, gathered)
-            if whole is not table:  # the table built at the reduced size must not run
-                erase_unused(self.graph, table)
+        kept = _KeptSlots(entering, flat, tokens, handed, positions)
+        for kind, handle in _SLOT_HANDLERS.items():
+            slots = [slot for slot in attention.slot_inputs if slot.kind is kind]
+            for number, slot in enumerate(slots):
+                handle(self, block, slot, number, kept)
         sizes = None
         # Each kept key weighed by the tokens squeezed into it: dTPS's window_sizes, and ToMe's
         # proportional attention over the tokens a location merged, carried.
@@ -308,47 +293,117 @@ class WindowRewrites:
         replace_uses(leaving, back, {out})
         return trace
 
-    def _read_full_window(self, windows: Windows, entering: fx.Node, handed: fx.Node) -> None:
-        """The ops that must see the full window's sizes (``Windows.full_window_reads``: what
-        makes a term from the queries, guards, what follows the restored output) read them off
-        the windows as they came, not off the reduced windows handed to the attention."""
-        if not windows.full_window_reads:
-            return
-        with self.graph.inserting_after(entering):
-            shape = self.graph.call_function(getattr, (entering, "shape"))
-        full: dict[int, fx.Node] = {}
-        for name in windows.full_window_reads:
-            user = self.nodes[name]
-            for read in list(user.all_input_nodes):
-                axis = ops.shape_read(read, handed)
-                if axis is None:
-                    continue
-                if axis not in full:
-                    with self.graph.inserting_after(shape):
-                        full[axis] = self.graph.call_function(operator.getitem, (shape, axis))
-                user.replace_input_with(read, full[axis])
+    def _hand_kept(
+        self, layout: WindowLayout, windows: Windows, entering: fx.Node, tokens: fx.Node
+    ) -> fx.Node:
+        """The kept tokens, (B * count, K, C), laid out as the attention takes its windows."""
+        if layout is WindowLayout.BATCH:
+            return tokens
+        if layout is WindowLayout.WINDOW_AXIS:  # back to (B, windows, K, C)
+            args = (tokens, 0, (-1, windows.count))
+        else:  # it reads B, H, W, C off its input: K x 1 "windows"
+            args = (tokens, 1, (-1,) + (1,) * (len(ops.shape(entering)) - 3))
+        with self.graph.inserting_after(tokens):
+            return self.graph.call_method("unflatten", args)
 
-    def _query_bias_at_full_window(self, block: Block, positions: fx.Node) -> None:
-        """A term made from the queries by window position (``QueryBias``) made at the full
-        window, from the kept queries put back in their slots, and its kept rows' kept columns
-        handed to the attention."""
+    def _read_full_window(
+        self, block: Block, slot: SlotInput, number: int, kept: _KeptSlots
+    ) -> None:
+        """An op that must see the full window's sizes (what makes a term from the queries,
+        guards, what follows the restored output) reads them off the windows as they came, not
+        off the reduced windows handed to the attention."""
+        user = self.nodes[slot.reader]
+        for read in list(user.all_input_nodes):
+            axis = ops.shape_read(read, kept.handed)
+            if axis is None:
+                continue
+            if kept.shape is None:
+                with self.graph.inserting_after(kept.entering):
+                    kept.shape = self.graph.call_function(getattr, (kept.entering, "shape"))
+            if axis not in kept.full_sizes:
+                with self.graph.inserting_after(kept.shape):
+                    kept.full_sizes[axis] = self.graph.call_function(
+                        operator.getitem, (kept.shape, axis)
+                    )
+            user.replace_input_with(read, kept.full_sizes[axis])
+
+    def _query_term_at_full_window(
+        self, block: Block, slot: SlotInput, number: int, kept: _KeptSlots
+    ) -> None:
+        """A term made from the queries by window position made at the full window, from the
+        kept queries put back in their slots, and its kept rows' kept columns handed to the
+        attention."""
+        assert isinstance(slot, QueryTermInput)
         windows = block.windows
-        bias = windows.query_bias
-        query = self.nodes[bias.query_node]
-        made = {self.nodes[name] for name in bias.nodes}
+        query = self.nodes[slot.queries]
+        made = {self.nodes[name] for name in slot.makers}
         scatter = self._add_hook(f"windowqueries{block.index}", WindowQueryScatter(windows.tokens))
         with self.graph.inserting_after(query):
-            queries = self.graph.call_module(scatter, (query, positions))
+            queries = self.graph.call_module(scatter, (query, kept.positions))
         for user in list(query.users):
             if user in made:
                 user.replace_input_with(query, queries)
-        mask, core = self.nodes[bias.mask_node], self.nodes[block.attention.node]
+        mask, core = self.nodes[slot.source], self.nodes[slot.reader]
         gather = self._add_hook(
-            f"windowbias{block.index}", WindowTableGather(windows.count, len(ops.shape(mask)))
+            f"windowbias{block.index}", WindowTableGather(windows.count, slot.gather_dims[-1] + 1)
         )
         with self.graph.inserting_before(core):
-            gathered = self.graph.call_module(gather, (mask, positions))
+            gathered = self.graph.call_module(gather, (mask, kept.positions))
         core.replace_input_with(mask, gathered)
+
+    def _gather_query_rows(
+        self, block: Block, slot: SlotInput, number: int, kept: _KeptSlots
+    ) -> None:
+        """Queries made without the window tokens (GCViT's global query): their rows by the
+        kept slots."""
+        query = self.nodes[slot.source]
+        gather = self._add_hook(f"windowquery{block.index}", WindowQueryGather())
+        with self.graph.inserting_after(query):
+            gathered = self.graph.call_module(gather, (query, kept.positions))
+        replace_uses(query, gathered, {gathered})
+
+    def _gather_table(self, block: Block, slot: SlotInput, number: int, kept: _KeptSlots) -> None:
+        """A table added to the logits by window position: its rows and columns gathered by the
+        kept slots, where it meets them."""
+        meeting, table = self.nodes[slot.reader], self.nodes[slot.source]
+        gather = self._add_hook(
+            f"windowtables{block.index}_{number}",
+            WindowTableGather(block.windows.count, slot.gather_dims[-1] + 1),
+        )
+        with self.graph.inserting_before(meeting):
+            # A table laid out by sizes read off the tokens (HF Swin reshapes its shift
+            # mask to the window's token count) is built at the full window, then gathered.
+            whole = copy_between(self.graph, kept.tokens, table, kept.flat) or table
+            gathered = self.graph.call_module(gather, (whole, kept.positions))
+        meeting.replace_input_with(table, gathered)
+        if whole is not table:  # the table built at the reduced size must not run
+            erase_unused(self.graph, table)
+
+
+@dataclass
+class _KeptSlots:
+    """The reduced windows as the slot handlers read them: the windows as they came
+    (``entering``, and flat), the kept tokens flat and as handed to the attention, their
+    positions in each window; the full window's sizes read so far."""
+
+    entering: fx.Node
+    flat: fx.Node
+    tokens: fx.Node
+    handed: fx.Node
+    positions: fx.Node
+    shape: fx.Node | None = None
+    full_sizes: dict[int, fx.Node] = field(default_factory=dict)
+
+
+# What the rewrite does with each kind of slot input, in the order it does it: the size reads
+# first (nothing after may read the reduced sizes where the full are meant), the tables last
+# (one may meet the core itself, MaxViT's SDPA mask, which the attention's hook then replaces).
+_SLOT_HANDLERS: dict[SlotKind, Callable[..., None]] = {
+    SlotKind.FULL_SIZE_READ: WindowRewrites._read_full_window,
+    SlotKind.QUERY_TERM: WindowRewrites._query_term_at_full_window,
+    SlotKind.QUERY_ROWS: WindowRewrites._gather_query_rows,
+    SlotKind.TABLE: WindowRewrites._gather_table,
+}
 
 
 def group_tokens(windows: Windows, slots: tuple[int, ...]) -> int:

@@ -63,7 +63,7 @@ def windowed_candidates(
     locs = list(found.locs)
     target = GmacsRatio(budget / base_macs)
     windows = [builder.model_map.blocks[i].windows for i in locs]
-    warmable = all(w is None or (not w.padded and w.attention_blocker is None) for w in windows)
+    warmable = all(w is None or (not w.padded and w.attention_reducible) for w in windows)
     for variant in variants:
         if get_variant(variant).learned and not warmable:
             found.left_out[variant] = LEARNED_LEFT_OUT_WHY

@@ -275,7 +275,7 @@ class Variant:
             for loc in plan.locations
             if loc.windows
             for index in (loc.block, *loc.carried)
-            if blocks[index].windows is not None and blocks[index].windows.attention_blocker is None
+            if blocks[index].windows is not None and blocks[index].windows.attention_reducible
         ]
         if reduced:
             return None

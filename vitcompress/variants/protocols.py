@@ -21,7 +21,7 @@ class Block(Protocol):
     grid: tuple[int, ...]
     attention: Any  # AttentionCore: kind, key_tokens, path
     parallel_cores: Sequence[Any]  # further attention cores of a parallel block (AttentionCore)
-    windows: Any  # Windows where it attends within windows (count, padded, attention_blocker)
+    windows: Any  # Windows where it attends within windows (count, padded, attention_reducible)
 
 
 class Location(Protocol):

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from vitcompress.analysis.window_map import WholeAttention
 from vitcompress.artifacts.artifact import (
     ArtifactError,
     describe_source,
@@ -174,7 +175,8 @@ def _attention_whole(info: CompressionInfo, block: int) -> str | None:
     windows = info.model_map.blocks[block].windows
     if info.plan.method.placement != BEFORE_BLOCK or windows is None:
         return None
-    return windows.attention_blocker
+    attention = windows.attention
+    return attention.reason if isinstance(attention, WholeAttention) else None
 
 
 def restore_points(model: nn.Module) -> list[dict[str, str]]:

@@ -17,8 +17,9 @@ that mixes tokens on the way) is refused in one line naming it.
 The package, by what each module does: ``attention`` (what a windowed attention is, how a refusal
 names it), ``paths`` (where its tokens enter and leave it, its residuals), ``order`` (what the
 index run reads off: the window order, the way back), ``sizes`` (how the attention reads its
-windows' sizes), ``checks`` (why its windows cannot be reduced before it, in order) and
-``blocks`` (``find_windowed_blocks``, which ties them together).
+windows' sizes), ``checks`` (why its windows cannot be reduced before it, in order), ``slots``
+(what it reads by window slot: one finder per family's way, in order) and ``blocks``
+(``find_windowed_blocks``, which ties them together).
 """
 
 from vitcompress.analysis.windows.attention import (
@@ -39,15 +40,19 @@ from vitcompress.analysis.windows.paths import (
     window_tokens,
 )
 from vitcompress.analysis.windows.sizes import spatial_reads
+from vitcompress.analysis.windows.slots import SLOT_FINDERS, SlotFinder, find_slot_inputs
 
 __all__ = [
     "ATTENTION_CHECKS",
+    "SLOT_FINDERS",
     "AttentionCheck",
+    "SlotFinder",
     "WindowError",
     "WindowedBlock",
     "attention_at",
     "attention_blocker",
     "closes_no_residual",
+    "find_slot_inputs",
     "find_windowed_blocks",
     "is_windowed",
     "on_grid",

@@ -5,7 +5,7 @@ each block's window order and its attention's blockers off that run."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -14,9 +14,16 @@ from torch import Tensor
 from vitcompress.analysis import ops
 from vitcompress.analysis.cores import Ancestry, Residual
 from vitcompress.analysis.index_run import IndexRun, grid_index, run_indices
-from vitcompress.analysis.model_map import AttentionCore, QueryBias, Windows
+from vitcompress.analysis.model_map import AttentionCore
 from vitcompress.analysis.positions import find_position_uses
-from vitcompress.analysis.query_bias import find_query_bias
+from vitcompress.analysis.query_bias import QueryBias, find_query_bias
+from vitcompress.analysis.window_map import (
+    ReducedAttention,
+    WholeAttention,
+    WindowAttention,
+    WindowLayout,
+    Windows,
+)
 from vitcompress.analysis.windows.attention import (
     WindowedBlock,
     WindowError,
@@ -45,6 +52,7 @@ from vitcompress.analysis.windows.sizes import (
     size_reads,
     spatial_reads,
 )
+from vitcompress.analysis.windows.slots import find_slot_inputs
 
 GLOBAL_QUERY = (
     "its queries do not come from its window tokens (a global query), so the windows entering "
@@ -187,8 +195,7 @@ def _windowed_block(
     core_node = by_name[core.node]
     axis = all(window_axis(n, core.batch, core.query_tokens) for n in (windows_in, entering, back))
     bias = find_query_bias(gm, core_node, entering, core.query_tokens, image_batch)
-    query_bias = bias if isinstance(bias, QueryBias) else None
-    made = {by_name[name] for name in query_bias.nodes} if query_bias else set()
+    made = {by_name[name] for name in bias.nodes} if isinstance(bias, QueryBias) else set()
     query = global_query(core, by_name, entering) if p.query_blocker is not None else None
     if query is not None:
         made |= query_path(query, core, by_name)
@@ -196,20 +203,27 @@ def _windowed_block(
     blocker = p.query_blocker if query is None else None
     # In WindowFacts' field order.
     found = (core, core_node, windows_in, entering, order, count, axis, bias, blocker)
-    facts = WindowFacts(*found, tables, made, full, anc)
+    facts = WindowFacts(*found, tables, made, full, anc, query)
+    facts = replace(facts, slot_inputs=find_slot_inputs(facts))
+    reason = attention_blocker(facts)
+    attention: WindowAttention = (
+        WholeAttention(reason)
+        if reason is not None
+        else ReducedAttention(_layout(axis, entering), facts.slot_inputs, entering.name, back.name)
+    )
     windows = Windows(
         count=count,
         tokens=core.query_tokens,
         order=tuple(order.tolist()),
+        attention=attention,
         mlp_input_node=p.mlp.skip.name,
-        attention_input_node=entering.name,
-        attention_output_node=back.name,
-        tables=tables,
-        attention_blocker=attention_blocker(facts),
-        spatial_product=not axis and bool(spatial_reads(entering)),
-        window_axis=axis,
-        query_bias=query_bias,
-        global_query=query.name if query is not None else None,
-        full_window_reads=tuple(sorted(n.name for n in full)),
     )
     return WindowedBlock(core=core, attn=attn, mlp=p.mlp, windows=windows)
+
+
+def _layout(axis: bool, entering: fx.Node) -> WindowLayout:
+    """How the windows enter the attention: on an axis of their own, read as spatial sizes
+    (only as their product: the checks refuse any other read), or as a batch."""
+    if axis:
+        return WindowLayout.WINDOW_AXIS
+    return WindowLayout.SPATIAL if spatial_reads(entering) else WindowLayout.BATCH

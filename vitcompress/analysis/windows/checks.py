@@ -7,7 +7,7 @@ family that shaped it and why it is there."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -15,8 +15,10 @@ from torch import Tensor
 
 from vitcompress.analysis import ops
 from vitcompress.analysis.cores import Ancestry
-from vitcompress.analysis.model_map import AttentionCore, PositionUse, QueryBias
+from vitcompress.analysis.model_map import AttentionCore, PositionUse
 from vitcompress.analysis.positions import gather_layout
+from vitcompress.analysis.query_bias import QueryBias
+from vitcompress.analysis.window_map import QueryTermInput, SlotInput, SlotKind
 from vitcompress.analysis.windows.sizes import (
     only_product_or_layout,
     spatial_reads,
@@ -76,26 +78,36 @@ def spatial_shape_blocker(
     )
 
 
+def term_makers(slot_inputs: tuple[SlotInput, ...]) -> set[str]:
+    """The ops that make a term from the queries, of every such slot input."""
+    return {
+        name for slot in slot_inputs if isinstance(slot, QueryTermInput) for name in slot.makers
+    }
+
+
 def unexplained_mask_blocker(
-    core: fx.Node, tables: list[PositionUse], by_name: dict[str, fx.Node], made: set[fx.Node]
+    core: fx.Node,
+    slot_inputs: tuple[SlotInput, ...],
+    by_name: dict[str, fx.Node],
+    made: set[fx.Node],
 ) -> str | None:
     """Why the attention cannot run on fewer or reordered tokens per window because of a term it
-    adds to its logits that no table found by position explains, or ``None``. SAM's decomposed
+    adds to its logits that nothing found by window slot explains, or ``None``. SAM's decomposed
     relative position is such a term: a bias made from the queries and two tables indexed by
     row and column offsets, laid out by where each query and key sits in its window, which a
     reduction would silently shuffle. Any parameter or buffer the mask is built from, other than
-    through the queries, keys and values, must be one the found tables are built from, or make a
-    term from the queries by window position (``made``: see ``query_bias.py``)."""
+    through the queries, keys and values, must be one a slot input (``slots.py``) is built from,
+    or make a term from the queries by window position (``made``: see ``query_bias.py``)."""
     if not ops.is_sdpa(core):
         return None
     mask = core.args[3] if len(core.args) > 3 else core.kwargs.get("attn_mask")
     if not isinstance(mask, fx.Node):
         return None
     explained = set(made)
-    for use in tables:
-        table = by_name.get(use.table_node)
-        if table is not None:
-            explained |= ops.ancestors(table)
+    for slot in slot_inputs:
+        source = by_name.get(slot.source) if slot.kind is not SlotKind.FULL_SIZE_READ else None
+        if source is not None:
+            explained |= ops.ancestors(source)
     # Not what reaches the mask through the queries, keys or values: that is everything
     # upstream (a position embedding, earlier blocks' tables).
     for operand in core.args[:3]:
@@ -113,13 +125,21 @@ def unexplained_mask_blocker(
 
 
 def tables_blocker(
-    tables: list[PositionUse], by_name: dict[str, fx.Node], batch: int, count: int
+    tables: list[PositionUse],
+    by_name: dict[str, fx.Node],
+    batch: int,
+    count: int,
+    in_terms: Collection[str] = frozenset(),
 ) -> str | None:
     """Why a window's attention cannot run on its kept tokens, or ``None``: every table it reads
     by position must be an attention bias on the logits, batched as the windows are, either
     (B * windows, heads, N, N) or viewed (B, windows, heads, N, N), so that each window's rows
-    and columns can be gathered by its own kept positions (``modules/windows.py``)."""
+    and columns can be gathered by its own kept positions (``modules/windows.py``). A table read
+    by an op in ``in_terms`` (one making a term from the queries, made at the full window) is
+    that term's."""
     for use in tables:
+        if use.node in in_terms:
+            continue
         shape = ops.shape(by_name[use.node]) or ()
         if use.kind != "attention bias":
             return f"the {use.kind} {use.table} meets its {use.path} elsewhere than the logits"
@@ -160,6 +180,9 @@ class WindowFacts:
     made: set[fx.Node]  # the ops that make a term from the queries by window position
     full: set[fx.Node]  # the size reads that see the full window
     anc: Ancestry
+    global_query: fx.Node | None = None  # GCViT's, as its logits take it
+    # What the attention reads by window slot, as the finders (``slots.SLOT_FINDERS``) found it.
+    slot_inputs: tuple[SlotInput, ...] = ()
 
     @property
     def by_name(self) -> dict[str, fx.Node]:
@@ -219,13 +242,15 @@ ATTENTION_CHECKS: tuple[AttentionCheck, ...] = (
         "position tables",
         "Swin (relative-position bias, shift mask)",
         "a table read by position that is not an attention bias batched as the windows are",
-        lambda f: tables_blocker(f.tables, f.by_name, f.core.batch, f.count),
+        lambda f: tables_blocker(
+            f.tables, f.by_name, f.core.batch, f.count, term_makers(f.slot_inputs)
+        ),
     ),
     AttentionCheck(
         "unexplained mask",
         "SAM (decomposed relative position)",
         "a term added to the logits that no table laid out by token position explains",
-        lambda f: unexplained_mask_blocker(f.core_node, f.tables, f.by_name, f.made),
+        lambda f: unexplained_mask_blocker(f.core_node, f.slot_inputs, f.by_name, f.made),
     ),
 )
 
