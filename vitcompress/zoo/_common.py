@@ -84,6 +84,14 @@ def attend(
     return (attn @ v).transpose(1, 2)
 
 
+def head_width(dim: int, num_heads: int) -> int:
+    """The width of one of ``num_heads`` attention heads over ``dim``; a width the heads do not
+    divide is refused."""
+    if dim % num_heads:
+        raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+    return dim // num_heads
+
+
 def drop_path_rates(drop_path_rate: float, depths: tuple[int, ...] | list[int]) -> list[float]:
     """Stochastic depth rates growing linearly over all blocks (plain Python so that building on
     the meta device works)."""

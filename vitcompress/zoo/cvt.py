@@ -33,6 +33,7 @@ from vitcompress.zoo._common import (
     attend,
     base_cfg,
     drop_path_rates,
+    head_width,
     init_weights,
     require_weight_source,
 )
@@ -76,10 +77,8 @@ class ConvAttention(nn.Module):
         proj_drop: float = 0.0,
     ) -> None:
         super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
-        self.head_dim = dim // num_heads
+        self.head_dim = head_width(dim, num_heads)
         # The original scales by the *full* width (``dim_out ** -0.5``), not the head width; the
         # released weights were trained that way, so it is kept.
         self.scale = dim**-0.5

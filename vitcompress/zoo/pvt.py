@@ -31,6 +31,7 @@ from vitcompress.zoo._common import (
     attend,
     base_cfg,
     drop_path_rates,
+    head_width,
     init_weights,
     require_weight_source,
 )
@@ -51,10 +52,8 @@ class SpatialReductionAttention(nn.Module):
         proj_drop: float = 0.0,
     ) -> None:
         super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
-        self.head_dim = dim // num_heads
+        self.head_dim = head_width(dim, num_heads)
         self.scale = self.head_dim**-0.5
         self.sr_ratio = sr_ratio
 
