@@ -661,3 +661,18 @@ def test_errors_pickle_like_normal_exceptions() -> None:
     # Worker processes send exceptions back pickled.
     error = pickle.loads(pickle.dumps(ModelLoadError("one line")))
     assert isinstance(error, ModelLoadError) and str(error) == "one line"
+
+
+@pytest.mark.parametrize(
+    "given,named",
+    [
+        ({"model_args": {"depth": 2}}, "drop model arguments"),
+        ({"checkpoint": "w.safetensors", "pretrained": True}, "drop --checkpoint, --pretrained"),
+    ],
+)
+def test_a_compressed_model_refuses_what_it_fixes(tmp_path: Path, given: dict, named: str) -> None:
+    # Refused before the artifact is read: a directory with only its marker file is enough.
+    (tmp_path / "vitcompress.json").write_text("{}")
+    with pytest.raises(ModelLoadError) as raised:
+        vitcompress.api.load_model(str(tmp_path), **given)
+    assert str(raised.value).endswith(named)

@@ -27,6 +27,7 @@ from vitcompress.compilation.compression import (
     resolve_input_size,
 )
 from vitcompress.compilation.entries import FORWARD, EntryError, entry_of, entry_view
+from vitcompress.errors import given_options
 from vitcompress.loading import LoadedModel, ModelLoadError, ModelSource, is_artifact_directory
 from vitcompress.loading.input_size import check_runs, checked_input_size
 
@@ -64,15 +65,13 @@ def load_model(
         return replace(loaded, model=entry_view(loaded.model, entry))
     size = checked_input_size(input_size)
     # An artifact fixes architecture and weights; silently ignoring these would mislead the user.
-    given = [
-        name
-        for name, used in (
+    given = given_options(
+        (
             ("model arguments", model_args),
             ("--checkpoint", checkpoint),
             ("--pretrained", pretrained),
         )
-        if used
-    ]
+    )
     if given:
         raise ModelLoadError(
             f"'{spec}' is a compressed model that already fixes its architecture and weights; "

@@ -2,11 +2,14 @@
 
 Every layer raises its own kind (``ModelLoadError``, ``PlanError``, ``DataError``, ...), each a
 subclass of :class:`UserError`; the command line catches this one class, prints the message as one
-line and exits with the error's ``exit_code``. This module imports nothing, so any layer may
-build on it.
+line and exits with the error's ``exit_code``. This module imports nothing of the project, so any
+layer may build on it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["EXIT_USAGE", "UserError"]
 
@@ -27,3 +30,9 @@ def one_line(error: BaseException) -> str:
     refusal, where a traceback would be noise."""
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def given_options(options: Iterable[tuple[str, Any]]) -> list[str]:
+    """The names of the ``(name, value)`` pairs whose value is given (truthy), in their order:
+    the options a refusal names when they do not apply."""
+    return [name for name, value in options if value]

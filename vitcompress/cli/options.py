@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from vitcompress.errors import UserError
+from vitcompress.errors import UserError, given_options
 from vitcompress.loading import ModelLoadError
 from vitcompress.loading.input_size import MAX_RANK, MIN_RANK
 from vitcompress.measure.models import DEFAULT_BENCH_SECONDS, TimingOptions
@@ -213,13 +213,13 @@ def base_options(command: Callable) -> Callable:
         base_pretrained: bool,
     ) -> BaseRequest | None:
         given = tuple(
-            flag
-            for flag, used in (
-                ("--base-model-arg", base_model_args),
-                ("--base-checkpoint", base_checkpoint),
-                ("--base-pretrained", base_pretrained),
+            given_options(
+                (
+                    ("--base-model-arg", base_model_args),
+                    ("--base-checkpoint", base_checkpoint),
+                    ("--base-pretrained", base_pretrained),
+                )
             )
-            if used
         )
         if base_spec is None:
             if given:

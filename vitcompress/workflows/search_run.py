@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vitcompress.compilation.metadata import compression_info
+from vitcompress.errors import given_options
 from vitcompress.measure.models import TimingOptions
 from vitcompress.search.driver import Budget, SearchConfig, SearchError, SearchResult, search
 from vitcompress.workflows.inputs import DataRequest, ModelRequest
@@ -47,14 +48,9 @@ def search_model(
 ) -> SearchResult:
     budget.check()  # before minutes of loading
     if timing is not None and budget.min_speedup is None:
-        timed_only = [
-            flag
-            for flag, given in (
-                ("--compile", timing.compile),
-                ("--fused-kernels", timing.fused_kernels),
-            )
-            if given
-        ]
+        timed_only = given_options(
+            (("--compile", timing.compile), ("--fused-kernels", timing.fused_kernels))
+        )
         if timed_only:
             raise SearchError(
                 f"{' and '.join(timed_only)} set how --min-speedup is timed; without "
