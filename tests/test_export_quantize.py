@@ -7,6 +7,7 @@ written."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import Counter
 from pathlib import Path
@@ -153,16 +154,24 @@ def test_scopes_not_found_are_refused(tmp_path: Path) -> None:
 def test_keep_one_int8_equals_int8_base(method: str, tmp_path: Path) -> None:
     base = sharpen(tiny_base(depth=3))
     compressed = vitcompress.compress(base, method, 1.0, [0, 1], SIZE).eval()
-    int8_base = export_and_quantize(base, tmp_path, "base", batch=4)
-    int8_compressed = export_and_quantize(compressed, tmp_path, method, batch=4)
+    # A control that must fail the bound: the base with its patch positions shifted by one.
+    shifted = copy.deepcopy(base)
+    with torch.no_grad():
+        shifted.pos_embed[:, 1:] = shifted.pos_embed[:, 1:].roll(1, dims=1)
     batch = torch.randn(4, *SIZE, generator=torch.Generator().manual_seed(3)).numpy()
-    fp32_base = ort_logits(tmp_path / "base.fp32.onnx", batch)
-    quantizer_error = np.abs(ort_logits(int8_base, batch) - fp32_base).max()
-    diff = np.abs(ort_logits(int8_compressed, batch) - ort_logits(int8_base, batch)).max()
-    # Measured: 0 (etps, dtps); the quantizer's own error is ~3% of the logits. A reducer that
-    # moved or mixed a token, or a quantized predictor, would be of the quantizer's order.
+    int8 = {
+        name: ort_logits(export_and_quantize(model, tmp_path, name, batch=4), batch)
+        for name, model in {"base": base, method: compressed, "shifted": shifted}.items()
+    }
+    quantizer_error = np.abs(int8["base"] - ort_logits(tmp_path / "base.fp32.onnx", batch)).max()
+    # eTPS at keep 1 passes its tokens on; dTPS reorders them, which moves float sums by ~1e-7
+    # and can flip a run-time rounding of the activations. Measured here: 0 for both. On
+    # deit_small, 12 blocks deep, dTPS's reordering reaches 0.37x the quantizer's error
+    # (docs/export.md), so this bound is for these small models only.
+    bound = 0.1 * quantizer_error
     assert quantizer_error > 1e-3
-    assert diff <= 0.05 * quantizer_error
+    assert np.abs(int8[method] - int8["base"]).max() <= bound
+    assert np.abs(int8["shifted"] - int8["base"]).max() > bound
 
 
 # ---------------------------------------------------------------------------------------------

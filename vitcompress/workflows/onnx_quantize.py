@@ -34,6 +34,7 @@ from vitcompress.errors import UserError, one_line
 
 QUANTIZE_MODES = ("int8", "int8-static")
 QUANTIZED_OPS = ("MatMul", "Gemm")
+WEIGHT_TYPES = ("int8", "uint8")
 DEFAULT_CALIBRATION_IMAGES = 256
 # The batch of calibration images fed to a file exported with a symbolic batch.
 DYNAMIC_CALIBRATION_BATCH = 8
@@ -171,6 +172,7 @@ def quantize_onnx_file(
     float_scopes: dict[str, str] | None = None,
     calibration: ImageCalibration | None = None,
     per_channel: bool = True,
+    weight_type: str = "int8",
 ) -> dict[str, Any]:
     """Quantize the float32 ONNX file ``source`` into ``target`` (``mode``: ``int8`` or
     ``int8-static``, which needs ``calibration``), keeping float every node in ``float_scopes``
@@ -180,7 +182,13 @@ def quantize_onnx_file(
     Returns plain data: the mode and format, the ops quantized (``quantized_ops``: the source's
     ``MatMul``/``Gemm`` count, how many became integer, ``integer_nodes`` per op type), the nodes
     kept float (``float_nodes``: count and per op type; ``float_scopes``), file sizes.
+    ``weight_type``: ``int8`` (the default: signed weights, onnxruntime's U8S8 kernels on x86)
+    or ``uint8``; ``per_channel``: a scale per output channel (else one per weight).
     """
+    if weight_type not in WEIGHT_TYPES:
+        raise QuantizeError(
+            f"unknown weight type {weight_type!r}; choose one of {', '.join(WEIGHT_TYPES)}"
+        )
     if mode not in QUANTIZE_MODES:
         raise QuantizeError(
             f"unknown --quantize {mode!r}; choose one of {', '.join(QUANTIZE_MODES)}"
@@ -204,7 +212,7 @@ def quantize_onnx_file(
     common: dict[str, Any] = {
         "op_types_to_quantize": list(QUANTIZED_OPS),
         "per_channel": per_channel,
-        "weight_type": QuantType.QInt8,
+        "weight_type": QuantType.QInt8 if weight_type == "int8" else QuantType.QUInt8,
         # Named, not left to MatMulConstBOnly, which the QDQ quantizer does not read: the same
         # layers are quantized in both modes.
         "nodes_to_quantize": _with_gemm_splits(graph, weight_layers(graph, excluded)),
@@ -221,7 +229,7 @@ def quantize_onnx_file(
                     target,
                     calibration,
                     quant_format=QuantFormat.QDQ,
-                    activation_type=QuantType.QInt8,
+                    activation_type=QuantType.QInt8 if weight_type == "int8" else QuantType.QUInt8,
                     **common,
                 )
     except Exception as e:
@@ -229,8 +237,10 @@ def quantize_onnx_file(
     return {
         "mode": mode,
         "format": "QOperator" if mode == "int8" else "QDQ",
-        "weights": "int8, per channel" if per_channel else "int8, per tensor",
-        "activations": "uint8, per tensor, at run time" if mode == "int8" else "int8, calibrated",
+        "weights": f"{weight_type}, per {'channel' if per_channel else 'tensor'}",
+        "activations": (
+            "uint8, per tensor, at run time" if mode == "int8" else f"{weight_type}, calibrated"
+        ),
         "calibration_images": None if calibration is None else len(calibration.indices),
         "quantized_ops": _quantized_ops(graph, onnx.load(str(target)).graph, excluded),
         "float_nodes": _float_nodes(graph, onnx.load(str(target)).graph, excluded),
