@@ -5,18 +5,20 @@ or attribute name. Node names refer to nodes of the captured ``torch.fx.GraphMod
 rewriter can find the places again without re-running the analysis.
 
 ``to_json`` writes what the map says about the model, without the node names (they mean nothing
-outside the captured graph); ``ModelMap.from_json`` reads that back. A windowed block's record
-(``Windows``, what its attention reads by window slot) is in ``window_map.py``.
+outside the captured graph); ``ModelMap.from_json`` reads that back, and the map read back equals
+the map written: node-name fields are left out of equality (``field(compare=False)``) and hold
+``GRAPH_NODE_ABSENT`` in a map read back, which cannot rewrite a graph (``ModelMap.has_nodes``).
+A windowed block's record (``Windows``, what its attention reads by window slot) is in
+``window_map.py``.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # A windowed block's record is part of the map, kept in its own module.
-from vitcompress.analysis.window_map import Windows
+from vitcompress.analysis.window_map import GRAPH_NODE_ABSENT, Windows
 
 # How a block's attentions' token scores combine (``Block.score_combination``; ``None``: one core).
 MEAN = "mean"  # parallel attentions: their scores averaged
@@ -39,10 +41,12 @@ class GridOp:
     kind: str  # "conv" or "pool"
     branch: str  # "attention" or "mlp"
     grid: tuple[int, ...]  # (H, W) the tokens are reshaped to; a video's (T, H, W)
-    to_grid_node: str  # node that turns (B, N, C) tokens into (B, C, H, W)
-    tokens_node: str  # the 3-D token tensor that feeds ``to_grid_node``
-    op_node: str  # the conv/pool node itself
-    from_grid_node: str | None = None  # a flatten back to tokens at the same resolution, if any
+    # The node that turns (B, N, C) tokens into (B, C, H, W).
+    to_grid_node: str = field(compare=False)
+    tokens_node: str = field(compare=False)  # the 3-D token tensor that feeds ``to_grid_node``
+    op_node: str = field(compare=False)  # the conv/pool node itself
+    # A flatten back to tokens at the same resolution, if any.
+    from_grid_node: str | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -59,9 +63,9 @@ class GridOp:
             kind=data["kind"],
             branch=data["branch"],
             grid=_grid(data["grid"]),
-            to_grid_node="",
-            tokens_node="",
-            op_node="",
+            to_grid_node=GRAPH_NODE_ABSENT,
+            tokens_node=GRAPH_NODE_ABSENT,
+            op_node=GRAPH_NODE_ABSENT,
         )
 
 
@@ -74,8 +78,8 @@ class PositionUse:
     kind: str  # "attention bias", "query/key table" or "token table"
     branch: str  # "attention" or "mlp"
     path: str  # module path of the op where it meets the tokens
-    node: str  # that op
-    table_node: str  # the position tensor as the op reads it
+    node: str = field(compare=False)  # that op
+    table_node: str = field(compare=False)  # the position tensor as the op reads it
     shape: tuple[int, ...]
     # Why the table cannot be gathered by the kept tokens (``None``: it can, see positions.py).
     blocker: str | None = None
@@ -108,8 +112,8 @@ class PositionUse:
             kind=data["kind"],
             branch=data["branch"],
             path=data["path"],
-            node="",
-            table_node="",
+            node=GRAPH_NODE_ABSENT,
+            table_node=GRAPH_NODE_ABSENT,
             shape=tuple(data["shape"]),
             blocker=data.get("blocker"),
             neutral=data.get("neutral"),
@@ -124,8 +128,8 @@ class TokenReader:
 
     what: str  # what reads them, in words
     path: str  # module path of the reader, or its node's name
-    node: str  # the reader
-    tokens_node: str  # the tensor it reads
+    node: str = field(compare=False)  # the reader
+    tokens_node: str = field(compare=False)  # the tensor it reads
     axis: int  # the token axis in that tensor
     prefix_tokens: int  # prefix tokens in that tensor (0 after ``x[:, 1:]``)
 
@@ -142,8 +146,8 @@ class TokenReader:
         return cls(
             what=data["what"],
             path=data["path"],
-            node="",
-            tokens_node="",
+            node=GRAPH_NODE_ABSENT,
+            tokens_node=GRAPH_NODE_ABSENT,
             axis=int(data["axis"]),
             prefix_tokens=int(data["prefix_tokens"]),
         )
@@ -152,17 +156,43 @@ class TokenReader:
 @dataclass
 class AttentionCore:
     kind: str  # one of ATTENTION_KINDS
-    node: str  # sdpa / softmax / MultiheadAttention node
+    node: str = field(compare=False)  # sdpa / softmax / MultiheadAttention node
     heads: int
     path: str  # module path of the attention (e.g. ``blocks.3.attn``)
     # For "matmul_softmax"/"einsum_softmax": the query-key product node that feeds the softmax.
-    logits_node: str | None = None
+    logits_node: str | None = field(default=None, compare=False)
     query_tokens: int | None = None
     key_tokens: int | None = None
     batch: int | None = None  # leading dim of q / logits: the image batch times any windows
     # Keys pooled on the token grid (PVT's, MViTv2's): the pooling op's kernel, stride and
     # padding per grid dim, which say which tokens each key reads (``key_scores_to_tokens``).
     key_pool: KeyPool | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A further core of a block (``Block.parallel_cores``); the block's own core is said in
+        the block's record (``attention``, ``attention_path``, ...)."""
+        return {
+            "kind": self.kind,
+            "heads": self.heads,
+            "path": self.path,
+            "query_tokens": self.query_tokens,
+            "key_tokens": self.key_tokens,
+            "batch": self.batch,
+            "key_pool": [list(v) for v in self.key_pool] if self.key_pool is not None else None,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AttentionCore:
+        return cls(
+            kind=data["kind"],
+            node=GRAPH_NODE_ABSENT,
+            heads=data["heads"],
+            path=data["path"],
+            query_tokens=data.get("query_tokens"),
+            key_tokens=data.get("key_tokens"),
+            batch=data.get("batch"),
+            key_pool=_key_pool(data.get("key_pool")),
+        )
 
 
 @dataclass
@@ -173,8 +203,8 @@ class PerTokenBranch:
     method's ``carry_branches`` setting, on by default)."""
 
     path: str
-    input_node: str  # the (B, L, C) tokens entering the residual
-    output_node: str  # the residual add
+    input_node: str = field(compare=False)  # the (B, L, C) tokens entering the residual
+    output_node: str = field(compare=False)  # the residual add
 
     def to_json(self) -> str:
         return self.path
@@ -191,11 +221,12 @@ class Block:
     stage: int
     grid: tuple[int, ...]  # patch grid of the block's stage: (H, W), a video's (T, H, W)
     prefix_tokens: int
-    input_node: str  # residual stream value entering the block
+    input_node: str = field(compare=False)  # residual stream value entering the block
     # Where an attention variant reduces: the residual add closing the attention branch, or the
     # block's output where its MLP runs beside the attention (``parallel_mlp``).
-    attn_add_node: str
-    output_node: str  # residual add closing the MLP branch (the block's last node)
+    attn_add_node: str = field(compare=False)
+    # The residual add closing the MLP branch (the block's last node).
+    output_node: str = field(compare=False)
     grid_ops: list[GridOp] = field(default_factory=list)
     position_uses: list[PositionUse] = field(default_factory=list)
     # Attention and MLP side by side on one residual (``x + attn(h) + mlp(h)``): the whole block
@@ -222,6 +253,8 @@ class Block:
             "dim": self.dim,
             "heads": self.heads,
             "attention": self.attention.kind,
+            "attention_path": self.attention.path,
+            "attention_batch": self.attention.batch,
             # Fewer query tokens than the block's own: class attention (CaiT), nothing to reduce.
             "query_tokens": self.attention.query_tokens,
             "key_tokens": self.attention.key_tokens,
@@ -234,13 +267,15 @@ class Block:
             "grid": list(self.grid),
             "prefix_tokens": self.prefix_tokens,
             "grid_ops": [op.to_json() for op in self.grid_ops],
-            # One entry per table and place (RoPE meets q and k with both its sin and cos rows).
-            "position_uses": list(
-                {json.dumps(u.to_json()): u.to_json() for u in self.position_uses}.values()
-            ),
+            # Every place a table meets the tokens (RoPE's sin and cos rows meet q and k: one
+            # entry each, alike but for the node), so that the map reads back whole.
+            "position_uses": [use.to_json() for use in self.position_uses],
             "parallel_mlp": self.parallel_mlp,
             "attention_cores": 1 + len(self.parallel_cores),
+            "parallel_cores": [core.to_json() for core in self.parallel_cores],
             "score_combination": self.score_combination,
+            # A number, or the name of the graph node that holds it.
+            "score_coefficient": self.score_coefficient,
             "score_blocker": self.score_blocker,
             "readers": [reader.to_json() for reader in self.readers],
             "windows": self.windows.to_json() if self.windows is not None else None,
@@ -253,12 +288,13 @@ class Block:
     def from_json(cls, data: dict[str, Any]) -> Block:
         attention = AttentionCore(
             kind=data["attention"],
-            node="",
+            node=GRAPH_NODE_ABSENT,
             heads=data["heads"],
-            path="",
+            path=data["attention_path"],
             query_tokens=data.get("query_tokens"),
             key_tokens=data.get("key_tokens"),
-            key_pool=tuple(tuple(v) for v in data["key_pool"]) if data.get("key_pool") else None,
+            batch=data["attention_batch"],
+            key_pool=_key_pool(data.get("key_pool")),
         )
         return cls(
             index=data["index"],
@@ -270,22 +306,22 @@ class Block:
             stage=data["stage"],
             grid=_grid(data["grid"]),
             prefix_tokens=data["prefix_tokens"],
-            input_node="",
-            attn_add_node="",
-            output_node="",
+            input_node=GRAPH_NODE_ABSENT,
+            attn_add_node=GRAPH_NODE_ABSENT,
+            output_node=GRAPH_NODE_ABSENT,
             grid_ops=[GridOp.from_json(op) for op in data.get("grid_ops", [])],
             position_uses=[PositionUse.from_json(use) for use in data.get("position_uses", [])],
             parallel_mlp=bool(data.get("parallel_mlp", False)),
-            # The further cores by count only: a map read back hooks nothing.
-            parallel_cores=[
-                AttentionCore(kind=data["attention"], node="", heads=data["heads"], path="")
-                for _ in range(int(data.get("attention_cores", 1)) - 1)
-            ],
+            parallel_cores=[AttentionCore.from_json(core) for core in data["parallel_cores"]],
             score_combination=data.get("score_combination"),
+            score_coefficient=data.get("score_coefficient"),
             score_blocker=data.get("score_blocker"),
             readers=[TokenReader.from_json(r) for r in data.get("readers", [])],
             windows=Windows.from_json(data["windows"]) if data.get("windows") else None,
-            per_token_after=[PerTokenBranch(p, "", "") for p in data.get("per_token_after", [])],
+            per_token_after=[
+                PerTokenBranch(p, GRAPH_NODE_ABSENT, GRAPH_NODE_ABSENT)
+                for p in data.get("per_token_after", [])
+            ],
         )
 
 
@@ -295,16 +331,18 @@ class Stage:
     grid: tuple[int, ...]  # (H, W), or of any rank: a video's (T, H, W)
     prefix_tokens: int
     blocks: list[int]  # block indices
-    entry_node: str  # token stream value as it enters the stage's first block
-    embed_node: str  # the (B, HW, C) patch tokens before prefix tokens are concatenated
+    # The token stream as it enters the stage's first block, and the (B, HW, C) patch tokens
+    # before prefix tokens are concatenated.
+    entry_node: str = field(compare=False)
+    embed_node: str = field(compare=False)
     # Node that flattens the (B, C, H, W) patch grid into tokens; absent when the model starts
     # from tokens.
-    patch_grid_node: str | None = None
+    patch_grid_node: str | None = field(default=None, compare=False)
     # Where the stage's output tokens are laid out as a grid again (a pyramid's next patch
     # embedding, or a pooled head): (3-D tokens node, first 4-D node). Reduced tokens are padded
     # back to the full grid here.
-    exit_tokens_node: str | None = None
-    exit_grid_node: str | None = None
+    exit_tokens_node: str | None = field(default=None, compare=False)
+    exit_grid_node: str | None = field(default=None, compare=False)
     # Where the stage's tokens reach the next stage without passing the exit grid (a pooling
     # over the token order, say): reduced tokens cannot follow them there.
     exit_bypass: str | None = None
@@ -316,8 +354,8 @@ class Stage:
             grid=_grid(data["grid"]),
             prefix_tokens=data["prefix_tokens"],
             blocks=list(data["blocks"]),
-            entry_node="",
-            embed_node="",
+            entry_node=GRAPH_NODE_ABSENT,
+            embed_node=GRAPH_NODE_ABSENT,
             exit_bypass=data.get("exit_bypass"),
         )
 
@@ -397,6 +435,11 @@ class ModelMap:
             cls_token=bool(data.get("cls_token")),
             final_norm=data.get("final_norm"),
         )
+
+
+def _key_pool(values: list[list[int]] | None) -> KeyPool | None:
+    """A key pool as JSON wrote it, or ``None``."""
+    return tuple(tuple(v) for v in values) if values else None
 
 
 def _grid(values: list[int]) -> tuple[int, ...]:
