@@ -9,7 +9,8 @@ location are its launch overhead. The rule (docs/results-speed-cpu.md, "Ops per 
   ``torch.library`` with its own kernel is one op, as it is one kernel), except views: an op
   whose schema returns an alias of an input without writing it (``OpOverload.is_view``:
   ``view``, ``t``, ``slice``, ``expand``, ``unsqueeze``, ``select``, ``transpose``, ``detach``,
-  ``_unsafe_view``, ...), which launches nothing;
+  ``_unsafe_view``, ...), which launches nothing. ``aten.to``'s schema may alias too, but where
+  it changes the dtype or the device it copies (``.float()``, autocast's casts): counted then;
 - per location = (ops of the compressed model - ops of its base, on the same input) / locations.
   The blocks after a location run fewer tokens, not fewer ops, so the difference is what the
   method adds. ToMe acts in every block from its first, so its figure is per block.
@@ -19,6 +20,7 @@ location are its launch overhead. The rule (docs/results-speed-cpu.md, "Ops per 
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import torch
@@ -32,6 +34,15 @@ def is_view(func: torch._ops.OpOverload) -> bool:
     return bool(getattr(func, "is_view", False))
 
 
+def _copied(args: tuple, out: object) -> bool:
+    """Whether a view-schema op made new data (``aten.to`` to another dtype or device): its
+    result does not share its first input's storage."""
+    source = args[0] if args else None
+    if not isinstance(source, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    return out.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the ops dispatched while it is active, views left out (``counts`` by op name)."""
 
@@ -40,9 +51,10 @@ class OpCounter(TorchDispatchMode):
         self.counts: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if not is_view(func):
+        out = func(*args, **(kwargs or {}))
+        if not is_view(func) or _copied(args, out):
             self.counts[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
     @property
     def total(self) -> int:
@@ -69,17 +81,22 @@ def compiled_targets(model: nn.Module, x: torch.Tensor) -> list[str]:
     return targets
 
 
-def count_ops(model: nn.Module, x: torch.Tensor) -> Counter[str]:
-    """The ops (views excluded) one eval forward of ``model`` on ``x`` dispatches."""
+def count_ops(model: nn.Module, x: torch.Tensor, autocast: bool = False) -> Counter[str]:
+    """The ops (views excluded) one eval forward of ``model`` on ``x`` dispatches; ``autocast``:
+    under CPU bfloat16 autocast (its casts counted: each is a kernel)."""
     model.eval()
-    with torch.inference_mode(), OpCounter() as counter:
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with amp, torch.inference_mode(), OpCounter() as counter:
         model(x)
     return counter.counts
 
 
-def ops_added(compressed: nn.Module, base: nn.Module, x: torch.Tensor) -> int:
+def ops_added(
+    compressed: nn.Module, base: nn.Module, x: torch.Tensor, autocast: bool = False
+) -> int:
     """Ops the compressed model dispatches beyond its base's, on the same input."""
-    return sum(count_ops(compressed, x).values()) - sum(count_ops(base, x).values())
+    added = sum(count_ops(compressed, x, autocast).values())
+    return added - sum(count_ops(base, x, autocast).values())
 
 
 # The issue's configuration: deit_small, blocks 3, 6, 9, keep 0.7; ToMe r = 13 in every block.
@@ -90,10 +107,13 @@ TOME_R = 13
 METHODS = ("dtps", "etps", "dynamicvit", "evit", "tome")
 
 
-def deit_small_ops_per_location(method: str, fused: bool | None = None) -> float:
+def deit_small_ops_per_location(
+    method: str, fused: bool | None = None, autocast: bool = False
+) -> float:
     """Ops ``method`` adds per location (ToMe: per block it merges in) to a random-init
     deit_small, batch 1. ``fused``: switch the fused kernels on or off (``None``: as
-    ``compress`` leaves them, the default eval path)."""
+    ``compress`` leaves them, the default eval path); ``autocast``: both models under CPU
+    bfloat16 autocast."""
     import timm
 
     import vitcompress
@@ -109,7 +129,7 @@ def deit_small_ops_per_location(method: str, fused: bool | None = None) -> float
         enable_fused_kernels(model, fused)
     locations = sum(1 for m in model.modules() if hasattr(m, "restore_rule"))
     x = torch.randn(1, 3, 224, 224)
-    return ops_added(model, base, x) / locations
+    return ops_added(model, base, x, autocast) / locations
 
 
 def main() -> None:

@@ -40,10 +40,24 @@ def _one_thread():
 def test_the_counter_counts_kernels_and_leaves_views_out() -> None:
     x = torch.randn(2, 3, 4)
     with torch.inference_mode(), OpCounter() as counter:
-        y = x.transpose(1, 2).reshape(2, 12)[:, :5].unsqueeze(0)  # views only
+        y = x.reshape(2, 12).transpose(0, 1)[:5].unsqueeze(0)  # views only
         z = (y + 1).sum()  # two kernels
+        x.float()  # already float32: the same tensor, no kernel
     assert counter.counts == {"aten.add": 1, "aten.sum": 1}
     assert z.shape == ()
+
+
+def test_the_counter_counts_a_view_schema_op_that_copies() -> None:
+    """``aten.to`` and ``aten.reshape`` may return an alias; where they cannot (another dtype, a
+    transposed tensor's new shape) they copy, a kernel each, and count; autocast's casts too."""
+    x = torch.randn(2, 3, 4)
+    with torch.inference_mode(), OpCounter() as counter:
+        x.bfloat16()
+        x.transpose(1, 2).reshape(2, 12)
+    assert counter.counts == {"aten.to": 1, "aten.reshape": 1}
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16), OpCounter() as amp:
+        x @ x.transpose(1, 2)
+    assert amp.counts == {"aten.to": 2, "aten.matmul": 1}
 
 
 @pytest.mark.parametrize("method", ["dtps", "etps", "dynamicvit", "evit", "tome"])

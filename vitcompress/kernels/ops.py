@@ -150,12 +150,21 @@ def kernel_runs(setting: bool | None, x: Tensor) -> bool:
 # vitcompress::select_squeeze
 
 
+def _without_autocast() -> contextlib.AbstractContextManager:
+    """The kernels' ATen calls (their batched products) outside CPU autocast: it would cast the
+    float32 product they read to bfloat16 (an error where they read it as float), and the
+    method computes its similarities in float32 under autocast too."""
+    if torch.is_autocast_enabled("cpu"):
+        return torch.autocast("cpu", enabled=False)
+    return contextlib.nullcontext()
+
+
 @torch.library.custom_op("vitcompress::select_squeeze", mutates_args=())
 def _select_squeeze_op(
     x: Tensor, scores: Tensor, prefix_tokens: int, keep_tokens: int, squeeze: bool
 ) -> tuple[Tensor, Tensor]:
-    tokens, keep_index = _extension().select_squeeze(x, scores, prefix_tokens, keep_tokens, squeeze)
-    return tokens, keep_index
+    with _without_autocast():
+        return tuple(_extension().select_squeeze(x, scores, prefix_tokens, keep_tokens, squeeze))
 
 
 @_select_squeeze_op.register_kernel("cuda")
@@ -235,10 +244,10 @@ _squeeze = squeeze  # the parameter named ``squeeze`` shadows the method's funct
 def _tome_merge_op(
     x: Tensor, metric: Tensor, sizes: Tensor | None, r: int, protected: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    tokens, new_sizes, index = _extension("vitcompress_tome_merge").tome_merge(
-        x, metric, sizes, r, protected
-    )
-    return tokens, new_sizes, index
+    with _without_autocast():
+        return tuple(
+            _extension("vitcompress_tome_merge").tome_merge(x, metric, sizes, r, protected)
+        )
 
 
 @_tome_merge_op.register_fake

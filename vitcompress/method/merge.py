@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from vitcompress.method.squeeze import SCATTER, index_sum, sum_form
+from vitcompress.method.squeeze import SCATTER, index_sum, product_outside_autocast, sum_form
 
 
 class Matching(NamedTuple):
@@ -61,7 +61,7 @@ def bipartite_soft_matching(metric: Tensor, r: int, protected: int = 0) -> Match
             none = torch.zeros(metric.shape[0], 0, dtype=torch.long, device=metric.device)
             unmerged = torch.arange(a.shape[1], device=metric.device).expand(metric.shape[0], -1)
             return Matching(src=none, dst=none, unmerged=unmerged, protected=protected)
-        scores = a @ b.transpose(-1, -2)  # (B, ta, tb)
+        scores = product_outside_autocast(a, b.transpose(-1, -2))  # (B, ta, tb)
         protected_a = (protected + 1) // 2  # sequence indices 0, 2, ... below `protected`
         protected_b = protected // 2  # 1, 3, ...
         if protected:  # a mask rather than slice assignments, which ONNX writes as ScatterND

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vitcompress.method.attention import add_attention_bias
+from vitcompress.method.squeeze import product_outside_autocast
 
 
 def cls_attention_score(
@@ -19,7 +20,8 @@ def cls_attention_score(
     ``q`` and ``k`` are ``(B, H, N, D)``. Only the cls row is computed, so a fused attention kernel
     never has to materialise the ``N x N`` matrix just to score tokens. ``bias``: the attention's
     own ``attn_mask`` (..., N, N) (a relative-position bias), so the score is the attention the
-    model computes.
+    model computes. Returned in float32, the softmax's dtype: a half-precision score would tie
+    tokens the float32 one orders, and be cast back wherever it weighs tokens (EViT).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # The product in the inputs' dtype: upcasting k first would copy all of it (B, H, N, D) when
@@ -29,18 +31,18 @@ def cls_attention_score(
     if bias is not None:
         logits = add_attention_bias(logits, bias[..., :1, :])
     probs = logits.softmax(dim=-1)
-    return probs[:, :, 0, prefix_tokens:].mean(dim=1).to(q.dtype)
+    return probs[:, :, 0, prefix_tokens:].mean(dim=1)
 
 
 def received_attention_score(
     q: Tensor, k: Tensor, prefix_tokens: int, scale: float | None = None, bias: Tensor | None = None
 ) -> Tensor:
     """Mean attention each non-prefix key receives, over heads and queries (models without cls);
-    ``bias`` as for :func:`cls_attention_score`."""
+    ``bias`` as for :func:`cls_attention_score`; float32, as it."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    logits = (q.float() @ k.float().transpose(-2, -1)) * scale
+    logits = product_outside_autocast(q.float(), k.float().transpose(-2, -1)) * scale
     probs = add_attention_bias(logits, bias).softmax(dim=-1)
-    return score_from_probs(probs, prefix_tokens, has_cls=False).to(q.dtype)
+    return score_from_probs(probs, prefix_tokens, has_cls=False)
 
 
 def score_from_probs(probs: Tensor, prefix_tokens: int, has_cls: bool) -> Tensor:

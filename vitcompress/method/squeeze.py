@@ -53,6 +53,17 @@ def index_sum_form(form: str) -> Iterator[None]:
         _forced_form.pop()
 
 
+def product_outside_autocast(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` in the inputs' own dtype, under autocast too. The method's products are sums it
+    keeps in float32 (similarities, index sums); autocast would cast float32 tokens to its
+    half-precision dtype for each (two casts a call) and round the sum, so a reducer would
+    choose other hosts than it does without autocast. Outside autocast a plain product."""
+    if torch.is_autocast_enabled(a.device.type):
+        with torch.autocast(a.device.type, enabled=False):
+            return a @ b
+    return a @ b
+
+
 def one_hot_index(index: Tensor, bins: int) -> Tensor:
     """``(B, m, bins)`` float32, 1 where ``index[b, i] == j``: a comparison with a range, which
     every runtime has (ONNX ``OneHot`` is not in every one)."""
@@ -69,7 +80,7 @@ def index_sum(values: Tensor, index: Tensor, bins: int, form: str | None = None)
         out = values.new_zeros(values.shape[0], bins, values.shape[-1])
         return out.scatter_add_(1, index.unsqueeze(-1).expand_as(values), values)
     if form == ONE_HOT:
-        return one_hot_index(index, bins).transpose(1, 2) @ values
+        return product_outside_autocast(one_hot_index(index, bins).transpose(1, 2), values)
     if form != SEGMENT:
         raise ValueError(f"form must be one of {SUM_FORMS}, got {form!r}")
     # Rows sorted by bin (stable: a bin's rows stay in their order); bin j's rows are the sorted
@@ -93,7 +104,7 @@ def cosine_similarity(donors: Tensor, hosts: Tensor) -> Tensor:
     h = hosts.float()
     d = d / (d.norm(dim=-1, keepdim=True) + _NORM_EPS)
     h = h / (h.norm(dim=-1, keepdim=True) + _NORM_EPS)
-    return d @ h.transpose(-2, -1)
+    return product_outside_autocast(d, h.transpose(-2, -1))
 
 
 def match_hosts(similarity: Tensor) -> tuple[Tensor, Tensor]:
@@ -112,7 +123,7 @@ def match_hosts_cosine(donors: Tensor, hosts: Tensor) -> tuple[Tensor, Tensor]:
     d = donors.float()
     h = hosts.float()
     h = h / (h.norm(dim=-1, keepdim=True) + _NORM_EPS)
-    best, host_index = (d @ h.transpose(-2, -1)).max(dim=-1)
+    best, host_index = product_outside_autocast(d, h.transpose(-2, -1)).max(dim=-1)
     return host_index, best / (d.norm(dim=-1) + _NORM_EPS)
 
 
@@ -203,7 +214,9 @@ def squeeze_dense(hosts: Tensor, donors: Tensor) -> Tensor:
     host_index, _ = match_hosts(similarity)
     match = torch.nn.functional.one_hot(host_index, hosts.shape[1]).float()  # (B, Np, Nr)
     weight = similarity.exp() * match
-    numerator = SELF_WEIGHT * hosts.float() + weight.transpose(1, 2) @ donors.float()
+    numerator = SELF_WEIGHT * hosts.float() + product_outside_autocast(
+        weight.transpose(1, 2), donors.float()
+    )
     denominator = SELF_WEIGHT + weight.sum(dim=1)  # (B, Nr)
     return (numerator / denominator.unsqueeze(-1)).to(hosts.dtype)
 
@@ -241,7 +254,9 @@ def squeeze_masked(x: Tensor, host_mask: Tensor, donor_mask: Tensor) -> Tensor:
     weight = (match * similarity).exp() * match  # W_ij: donor i -> host j
     denominator = (SELF_WEIGHT + weight.sum(dim=1)).unsqueeze(-1)  # (B, N hosts, 1)
     tokens = x.float()
-    fused = tokens * (SELF_WEIGHT / denominator) + (weight.transpose(1, 2) / denominator) @ tokens
+    fused = tokens * (SELF_WEIGHT / denominator) + product_outside_autocast(
+        weight.transpose(1, 2) / denominator, tokens
+    )
     return fused.to(x.dtype)
 
 
