@@ -95,6 +95,15 @@ def _keep_grid(ctx: click.Context, param: click.Parameter, value: str | None):
     type=click.IntRange(min=0),
     help="Predictor warm-up steps per learned candidate (dtps, dynamicvit).",
 )
+@click.option(
+    "--kept-multiple",
+    default=None,
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Round every candidate's tokens after each location (prefix tokens included) to the "
+    "nearest multiple of N its method can keep, as apply --kept-multiple does (8: tensor-core "
+    "tiles); costed, scored and written to plan.yaml rounded.",
+)
 @click.option("--seed", default=0, show_default=True, type=int)
 @timing_options
 @output_option(
@@ -118,6 +127,7 @@ def search_command(
     keep_grid: tuple[float, ...] | None,
     max_candidates: int,
     warmup_steps: int,
+    kept_multiple: int | None,
     seed: int,
     timing: TimingOptions | None,
     out: str,
@@ -132,7 +142,7 @@ def search_command(
     from vitcompress.search.driver import Budget
 
     named = ctx.get_parameter_source("variants") == click.core.ParameterSource.COMMANDLINE
-    space = SearchSpace(variants, keep_grid, max_candidates, named)
+    space = SearchSpace(variants, keep_grid, max_candidates, named, kept_multiple)
     calibration = Calibration(calib_images, ctx.params["batch_size"], warmup_steps, seed)
     budget = Budget(max_gmacs, max_gmacs_ratio, min_speedup)
     result = search_model(model, data, budget, space, calibration, timing, out)

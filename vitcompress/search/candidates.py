@@ -51,7 +51,7 @@ def analytic_space(
         DEFAULT_KEEP_GRID if config.keep_grid is None else config.keep_grid,
         single_location=[v for v in variants if get_variant(v).single_location],
     )
-    cost = _cost_function(cost_model, model_map)
+    cost = _cost_function(cost_model, model_map, config.method_settings)
     with step("enumerating the candidate space"):
         matched, smallest, size = _enumerate(space, variants, cost, budget)
     if not matched:
@@ -67,7 +67,11 @@ def analytic_space(
         matched=matched,
         cost=cost,
         warm_blocks=sorted({b for g in space.groups for b in g}),
-        info={"locations": space.describe(), "keep_grid": list(space.keep_grid)},
+        info={
+            "locations": space.describe(),
+            "keep_grid": list(space.keep_grid),
+            **_kept_multiple_info(config),
+        },
         size=size,
         space=space,
     )
@@ -108,6 +112,7 @@ def windowed_space(
             if config.keep_grid is None
             else f"the largest of {sorted(set(config.keep_grid))} within the budget",
             "out_of_reach": fitted.out_of_reach,
+            **_kept_multiple_info(config),
         },
         size=len(fitted.candidates),
     )
@@ -159,12 +164,20 @@ def _searchable(variants: Sequence[str], named: bool) -> tuple[list[str], list[s
     return out, left_out
 
 
-def _cost_function(cost_model: CostModel, model_map) -> Callable[[Candidate], float | None]:
+def _kept_multiple_info(config: SearchConfig) -> dict[str, Any]:
+    """The space's JSON says the rounding where one was asked."""
+    return {} if config.kept_multiple is None else {"kept_multiple": config.kept_multiple}
+
+
+def _cost_function(
+    cost_model: CostModel, model_map, settings: dict[str, Any] | None
+) -> Callable[[Candidate], float | None]:
+    """Analytic MACs of a candidate's plan (its counts rounded where ``settings`` say so)."""
     memo: dict[Candidate, float | None] = {}
 
     def cost(candidate: Candidate) -> float | None:
         if candidate not in memo:
-            plan = valid(candidate, model_map)
+            plan = valid(candidate, model_map, settings)
             memo[candidate] = None if plan is None else cost_model.macs(plan)
         return memo[candidate]
 

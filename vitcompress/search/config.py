@@ -81,6 +81,14 @@ class SearchConfig:
     identity: dict[str, Any] = field(default_factory=dict)
     # Called after each newly scored candidate (tests stop a search here to resume it).
     on_scored: Callable[[int], None] | None = None
+    # Every candidate's tokens after each location rounded to a multiple of this, as apply's
+    # --kept-multiple rounds them (the ``kept_multiple`` setting every method takes).
+    kept_multiple: int | None = None
+
+    @property
+    def method_settings(self) -> dict[str, Any] | None:
+        """The settings every candidate's method is made with (``None``: the defaults)."""
+        return None if self.kept_multiple is None else {"kept_multiple": self.kept_multiple}
 
 
 @dataclass

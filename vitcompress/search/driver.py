@@ -136,7 +136,7 @@ def _prepare(loaded: LoadedModel, config: SearchConfig) -> _Search:
     model = loaded.model.eval()
     size = loaded.input_size
     with step("capturing and profiling the base"):
-        builder = CandidateBuilder(model, size)
+        builder = CandidateBuilder(model, size, config.method_settings)
         model_map = builder.model_map
         # The analytic cost model counts a block's tokens, not a window's: windowed models'
         # candidates are counted instead (search/windowed.py).
@@ -169,6 +169,8 @@ def _calibrate(run: _Search, calibration_set: Dataset) -> None:
         "warmup_steps": config.warmup_steps,
         "warmup_batch": WARMUP_BATCH,
         "base_macs": run.base_macs,
+        # Only where given, so that a cache from before the setting existed still matches.
+        **({"kept_multiple": config.kept_multiple} if config.kept_multiple is not None else {}),
     }
     try:
         run.cache = ScoreCache(Path(config.out), settings)
@@ -366,11 +368,22 @@ def _score(
     metrics = score_model(model, calibration, config.batch_size)
     return {
         **candidate.to_json(),
+        **_rounding(model, config),
         "macs": cost(candidate),
         **metrics,
         "warmup_loss": warm_loss,
         "seconds": time.perf_counter() - started,
     }
+
+
+def _rounding(model: nn.Module, config: SearchConfig) -> dict[str, Any]:
+    """With --kept-multiple: the multiple, and each location whose count it changed, block ->
+    [patch tokens after it as the keep gave them, as rounded] (the plan's ``rounded_from``)."""
+    if config.kept_multiple is None:
+        return {}
+    plan = compression_info(model).plan
+    rounded = {str(block): list(counts) for block, counts in plan.rounded_from.items()}
+    return {"kept_multiple": config.kept_multiple, "rounded_from": rounded}
 
 
 def _warm(model: nn.Module, candidate: Candidate, signals, config: SearchConfig) -> list[float]:
@@ -405,6 +418,7 @@ def _row(candidate: Candidate, result: dict[str, Any], base_macs: int) -> dict[s
         "accuracy": result.get("accuracy"),
         "warmup_loss": result.get("warmup_loss"),
         "seconds": result.get("seconds"),
+        **{key: result[key] for key in ("kept_multiple", "rounded_from") if key in result},
     }
 
 

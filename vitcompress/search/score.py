@@ -103,16 +103,23 @@ class Calibration:
 class CandidateBuilder:
     """Compressed models of one base, from one capture of it."""
 
-    def __init__(self, model: nn.Module, input_size: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        input_size: tuple[int, ...],
+        settings: dict[str, Any] | None = None,
+    ) -> None:
         self.model = model.eval()
         self.input_size = input_size
+        self.settings = settings  # every named method's settings (a search's kept_multiple)
         captured, model_map = capture_and_map(self.model, input_size)
         self._captured: CapturedGraph = captured
         self.model_map: ModelMap = model_map
 
     def build(self, variant: str | Variant, keep: list[float], locs: list[int]) -> nn.Module:
-        """The base compressed by ``variant`` (a candidate's name, or the method itself)."""
-        method = resolve_variant(variant)
+        """The base compressed by ``variant`` (a candidate's name, made with the builder's
+        settings, or the method itself)."""
+        method = resolve_variant(variant, None if isinstance(variant, Variant) else self.settings)
         compressed = compress_copy(
             self.model, self._captured, self.model_map, self.input_size, method, keep, locs, "score"
         )

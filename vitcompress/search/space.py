@@ -25,7 +25,7 @@ from vitcompress.compilation.plan import (
     make_plan,
     token_stages,
 )
-from vitcompress.variants import get_variant
+from vitcompress.variants import VariantRefusal, get_variant
 
 DEFAULT_KEEP_GRID = tuple(round(0.3 + 0.05 * i, 2) for i in range(13))  # 0.3 .. 0.9
 MAX_LOCATIONS = 4
@@ -55,8 +55,10 @@ class Candidate:
             keep=tuple(float(k) for k in data["keep"]),
         )
 
-    def plan(self, model_map: ModelMap) -> Plan:
-        return make_plan(model_map, get_variant(self.variant), list(self.keep), list(self.locs))
+    def plan(self, model_map: ModelMap, settings: dict[str, Any] | None = None) -> Plan:
+        """The candidate's plan, its method made with ``settings`` (``kept_multiple``)."""
+        method = get_variant(self.variant, settings)
+        return make_plan(model_map, method, list(self.keep), list(self.locs))
 
 
 @dataclass
@@ -144,10 +146,13 @@ def build_space(
     )
 
 
-def valid(candidate: Candidate, model_map: ModelMap) -> Plan | None:
+def valid(
+    candidate: Candidate, model_map: ModelMap, settings: dict[str, Any] | None = None
+) -> Plan | None:
     """The candidate's plan, or None where make_plan refuses it (a position table, class
-    attention, a training mask that cannot reach)."""
+    attention, a training mask that cannot reach, a method whose own setting fixes its counts
+    where ``settings`` round them)."""
     try:
-        return candidate.plan(model_map)
-    except PlanError:
+        return candidate.plan(model_map, settings)
+    except (PlanError, VariantRefusal):
         return None

@@ -25,6 +25,7 @@ class SearchSpace:
     keep_grid: Sequence[float] | None
     max_candidates: int = 24
     named: bool = False
+    kept_multiple: int | None = None  # every candidate's counts rounded (--kept-multiple)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ def search_model(
         seed=calibration.seed,
         timing=timing,
         variants_named=space.named,
+        kept_multiple=space.kept_multiple,
         identity={
             "model": request.spec,
             "model_args": list(request.typed_args),
