@@ -330,3 +330,19 @@ def test_fused_kernels_without_timing_is_refused_in_one_line() -> None:
     result = _cli("bench", "--model", f"{FIXTURES}:mha_vit", "--no-throughput", "--fused-kernels")
     assert result.exit_code == 2
     assert result.stderr.strip().count("\n") == 0 and "--fused-kernels" in result.stderr
+
+
+def test_an_edit_of_the_shared_header_rebuilds_both_extensions(tmp_path, monkeypatch) -> None:
+    """cpp_extension rebuilds on a change of the sources it is given, not of a header they
+    include: the build name carries a hash of both, so an edited header gives new names."""
+    from vitcompress.kernels import ops
+
+    header = tmp_path / "norm.h"
+    header.write_bytes(ops._HEADERS[0].read_bytes())
+    monkeypatch.setattr(ops, "_HEADERS", (header,))
+    before = {name: ops._build_name(name) for name in ops._EXTENSIONS}
+    assert before == {name: ops._build_name(name) for name in ops._EXTENSIONS}  # deterministic
+    header.write_text(header.read_text() + "\n// edited\n")
+    after = {name: ops._build_name(name) for name in ops._EXTENSIONS}
+    assert all(before[name] != after[name] for name in ops._EXTENSIONS)
+    assert all(after[name].startswith(f"{name}_") for name in ops._EXTENSIONS)

@@ -18,6 +18,7 @@ when switched on (``True``): it has not been timed on a GPU yet, so it is not th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import logging
 from collections.abc import Iterator
@@ -45,6 +46,18 @@ _EXTENSIONS = {
     "vitcompress_select_squeeze": _SOURCES / "select_squeeze.cpp",
     "vitcompress_tome_merge": _SOURCES / "tome_merge.cpp",
 }
+# Included by both sources. cpp_extension rebuilds when a source it is given changes, not a header
+# it includes: each build's name carries a hash of its source and the headers (_build_name).
+_HEADERS = (_SOURCES / "norm.h",)
+
+
+def _build_name(name: str) -> str:
+    """``name`` with the first 10 hex digits of the SHA-256 of its source and the shared headers:
+    an edit of either gives another name, which cpp_extension builds afresh."""
+    digest = hashlib.sha256()
+    for path in (_EXTENSIONS[name], *_HEADERS):
+        digest.update(path.read_bytes())
+    return f"{name}_{digest.hexdigest()[:10]}"
 
 
 class FusedKernelError(RuntimeError, UserError):
@@ -79,8 +92,9 @@ def _extension(name: str = "vitcompress_select_squeeze") -> ModuleType:
             # as a step, so that a command does not seem to hang at its first forward.
             with step(f"building the fused CPU kernel {name} (once per machine)"):
                 _built[name] = load(
-                    name=name,
+                    name=_build_name(name),
                     sources=[str(_EXTENSIONS[name])],
+                    extra_include_paths=[str(_SOURCES)],
                     extra_cflags=["-O3"],
                     verbose=False,
                 )

@@ -10,6 +10,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "norm.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -21,21 +23,9 @@ namespace {
 constexpr float kSelfWeight = 2.718281828459045f;  // exp(1): a token's similarity to itself
 constexpr float kNormEps = 1e-6f;                  // added to a norm, as the reference code does
 
-// Eight partial sums, so that the compiler can vectorise the loop without reordering a single
-// floating-point sum (which it may not do on its own).
-float norm_of(const float* row, int64_t c) {
-  float partial[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t i = 0;
-  for (; i + 8 <= c; i += 8) {
-    for (int lane = 0; lane < 8; ++lane) partial[lane] += row[i + lane] * row[i + lane];
-  }
-  float sum = 0.f;
-  for (; i < c; ++i) sum += row[i] * row[i];
-  for (int lane = 0; lane < 8; ++lane) sum += partial[lane];
-  return std::sqrt(sum);
-}
-
 }  // namespace
+
+using vitcompress::norm_of;
 
 // x: (B, P + N, C); scores: (B, N). Returns the tokens (B, P + K, C) in x's dtype (prefix, then
 // the kept tokens in descending score order, donors fused in when `squeeze`) and the kept

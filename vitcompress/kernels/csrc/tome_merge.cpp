@@ -11,6 +11,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "norm.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -21,20 +23,9 @@ namespace {
 
 constexpr float kNormFloor = 1e-12f;  // the method's clamp_min on a metric row's norm
 
-// Eight partial sums, so that the compiler can vectorise without reordering one float sum.
-float norm_of(const float* row, int64_t c) {
-  float partial[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t i = 0;
-  for (; i + 8 <= c; i += 8) {
-    for (int lane = 0; lane < 8; ++lane) partial[lane] += row[i + lane] * row[i + lane];
-  }
-  float sum = 0.f;
-  for (; i < c; ++i) sum += row[i] * row[i];
-  for (int lane = 0; lane < 8; ++lane) sum += partial[lane];
-  return std::sqrt(sum);
-}
-
 }  // namespace
+
+using vitcompress::norm_of;
 
 // x: (B, T, C); metric: (B, T, D); sizes: (B, T) or undefined (all 1). `r` merged tokens
 // (already clamped by merge_count, >= 1, T >= 2), `protected_tokens` never merged.
