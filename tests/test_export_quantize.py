@@ -235,6 +235,21 @@ def test_static_export_command(tmp_path: Path) -> None:
         assert kept.get(name) == op, name
     assert written["op_audit"]["ops"]["QuantizeLinear"] > 0
     assert written["fp32"]["out"] == str(out.with_name("m.fp32.onnx"))
+    assert set(inserted_nodes(fp32)) <= set(quantize["float_nodes"]["names"])
+
+
+def test_export_quantize_prints_what_it_did(tmp_path: Path) -> None:
+    art = art_dir(tmp_path)
+    out = tmp_path / "m.onnx"
+    result = run("export", "--model", str(art), "--format", "onnx", "--out", str(out),
+                 "--quantize", "int8")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    # depth 1: four linear layers and the head
+    assert "int8 (QOperator, weights int8, per channel): 5 of" in text
+    assert "nodes of the inserted modules kept float" in text
+    assert f"float32 file: {out.with_name('m.fp32.onnx')}" in text
+    assert "NOT portable" in text and "MatMulInteger x5" in text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from vitcompress.artifacts.fingerprint import eval_mode
-from vitcompress.measure import RoundProgress, measure_callables, paired_ratio
+from vitcompress.measure import RoundProgress, ThroughputReport, measure_callables, paired_ratio
 from vitcompress.measure.onnx_runtime import onnx_runner, onnxruntime_version
 from vitcompress.measure.throughput import thread_choice
 
@@ -29,6 +29,41 @@ __all__ = ["RUNTIMES", "bench_exported", "runner_name"]
 
 def runner_name(runtime: str, model: str) -> str:
     return f"{runtime}:{model}"
+
+
+def _check_names(
+    models: Mapping[str, nn.Module],
+    onnx_files: Mapping[str, str | Path],
+    reference: str,
+    also_paired: Sequence[tuple[str, str]],
+) -> None:
+    if not set(models) <= set(onnx_files):
+        raise ValueError(f"models {sorted(models)} and ONNX files {sorted(onnx_files)} differ")
+    if reference not in onnx_files or (models and reference not in models):
+        raise ValueError(f"the reference {reference!r} is not among the models {sorted(models)}")
+    for pair in also_paired:
+        if not set(pair) <= set(onnx_files):
+            raise ValueError(f"the pair {pair} names a file not among {sorted(onnx_files)}")
+
+
+def _runners(
+    models: Mapping[str, nn.Module],
+    onnx_files: Mapping[str, str | Path],
+    batch: torch.Tensor,
+    threads: int,
+) -> dict[str, Callable[[], Any]]:
+    """One runner per file in onnxruntime and per model in PyTorch, by :func:`runner_name`."""
+    runners: dict[str, Callable[[], Any]] = {}
+    for name, path in onnx_files.items():
+        if name in models:
+
+            def eager(model: nn.Module = models[name]) -> None:
+                with torch.inference_mode():
+                    model(batch)
+
+            runners[runner_name("pytorch", name)] = eager
+        runners[runner_name("onnxruntime", name)] = onnx_runner(path, batch, threads)
+    return runners
 
 
 def bench_exported(
@@ -54,29 +89,13 @@ def bench_exported(
     ``also_paired``: further ``(a, b)`` pairs of files whose onnxruntime ratio a/b is reported
     in ``paired`` under ``"a/b"`` (the int8 compressed model over the int8 base).
     """
-    if not set(models) <= set(onnx_files):
-        raise ValueError(f"models {sorted(models)} and ONNX files {sorted(onnx_files)} differ")
-    if reference not in onnx_files or (models and reference not in models):
-        raise ValueError(f"the reference {reference!r} is not among the models {sorted(models)}")
-    for pair in also_paired:
-        if not set(pair) <= set(onnx_files):
-            raise ValueError(f"the pair {pair} names a file not among {sorted(onnx_files)}")
-    runtimes = RUNTIMES if models else ("onnxruntime",)
+    _check_names(models, onnx_files, reference, also_paired)
     generator = torch.Generator().manual_seed(0)
     batch = torch.randn((batch_size, *input_size), generator=generator)
     # Chosen before the sessions are made, which fixes their threads: both runtimes get the same
     # count, no more than the free cores.
     threads = thread_choice()
-    runners: dict[str, Callable[[], Any]] = {}
-    for name, path in onnx_files.items():
-        if name in models:
-
-            def eager(model: nn.Module = models[name]) -> None:
-                with torch.inference_mode():
-                    model(batch)
-
-            runners[runner_name("pytorch", name)] = eager
-        runners[runner_name("onnxruntime", name)] = onnx_runner(path, batch, threads.threads)
+    runners = _runners(models, onnx_files, batch, threads.threads)
     with contextlib.ExitStack() as modes:
         for model in models.values():
             modes.enter_context(eval_mode(model))  # each submodule's own mode back afterwards
@@ -94,6 +113,20 @@ def bench_exported(
             },
             threads=threads,
         )
+
+    return _summary(report, models, onnx_files, reference, batch_size, also_paired)
+
+
+def _summary(
+    report: ThroughputReport,
+    models: Mapping[str, nn.Module],
+    onnx_files: Mapping[str, str | Path],
+    reference: str,
+    batch_size: int,
+    also_paired: Sequence[tuple[str, str]],
+) -> dict[str, Any]:
+    """``bench_exported``'s result from the timing report."""
+    runtimes = RUNTIMES if models else ("onnxruntime",)
 
     def paired(a: str, b: str) -> dict[str, Any]:
         return paired_ratio(report.results[a].samples, report.results[b].samples).to_json()

@@ -181,7 +181,7 @@ def quantize_onnx_file(
 
     Returns plain data: the mode and format, the ops quantized (``quantized_ops``: the source's
     ``MatMul``/``Gemm`` count, how many became integer, ``integer_nodes`` per op type), the nodes
-    kept float (``float_nodes``: count and per op type; ``float_scopes``), file sizes.
+    kept float (``float_nodes``: count, per op type and their names; ``float_scopes``), file sizes.
     ``weight_type``: ``int8`` (the default: signed weights, onnxruntime's U8S8 kernels on x86)
     or ``uint8``; ``per_channel``: a scale per output channel (else one per weight).
     """
@@ -209,16 +209,7 @@ def quantize_onnx_file(
             f"no node of the inserted modules ({', '.join(scopes)}) found in {source.name} by "
             "name: the reducers cannot be kept float, so the file is not quantized"
         )
-    common: dict[str, Any] = {
-        "op_types_to_quantize": list(QUANTIZED_OPS),
-        "per_channel": per_channel,
-        "weight_type": QuantType.QInt8 if weight_type == "int8" else QuantType.QUInt8,
-        # Named, not left to MatMulConstBOnly, which the QDQ quantizer does not read: the same
-        # layers are quantized in both modes.
-        "nodes_to_quantize": _with_gemm_splits(graph, weight_layers(graph, excluded)),
-        "nodes_to_exclude": _with_gemm_splits(graph, excluded),
-        "extra_options": {"MatMulConstBOnly": True},
-    }
+    common = _quantizer_arguments(graph, excluded, per_channel, weight_type)
     try:
         with _quiet_quantizer():
             if mode == "int8":
@@ -249,6 +240,24 @@ def quantize_onnx_file(
         "scopes_without_nodes": missing,
         "fp32_bytes": source.stat().st_size,
         "bytes": target.stat().st_size,
+    }
+
+
+def _quantizer_arguments(
+    graph: Any, excluded: list[str], per_channel: bool, weight_type: str
+) -> dict[str, Any]:
+    """The arguments ``quantize_dynamic`` and ``quantize_static`` share."""
+    from onnxruntime.quantization import QuantType
+
+    return {
+        "op_types_to_quantize": list(QUANTIZED_OPS),
+        "per_channel": per_channel,
+        "weight_type": QuantType.QInt8 if weight_type == "int8" else QuantType.QUInt8,
+        # Named, not left to MatMulConstBOnly, which the QDQ quantizer does not read: the same
+        # layers are quantized in both modes.
+        "nodes_to_quantize": _with_gemm_splits(graph, weight_layers(graph, excluded)),
+        "nodes_to_exclude": _with_gemm_splits(graph, excluded),
+        "extra_options": {"MatMulConstBOnly": True},
     }
 
 
@@ -325,4 +334,4 @@ def _float_nodes(source: Any, target: Any, excluded: Sequence[str]) -> dict[str,
     ops: dict[str, int] = {}
     for op in wanted.values():
         ops[op] = ops.get(op, 0) + 1
-    return {"count": len(wanted), "ops": dict(sorted(ops.items()))}
+    return {"count": len(wanted), "ops": dict(sorted(ops.items())), "names": sorted(wanted)}
