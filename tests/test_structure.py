@@ -134,8 +134,6 @@ FUNCTION_LIMIT_PACKAGES = ("workflows", "analysis", "compilation")
 LONG_FUNCTIONS: dict[str, str] = {
     "vitcompress.workflows.export.export_model": "the export workflow is being split apart "
     "(reading, quantizing, benchmarking) in a change of its own",
-    "vitcompress.workflows.export_bench.bench_exported": "as export_model",
-    "vitcompress.workflows.onnx_quantize.quantize_onnx_file": "as export_model (int8 export)",
 }
 
 
