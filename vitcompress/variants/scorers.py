@@ -22,7 +22,7 @@ from vitcompress.variants.placement import (
 )
 
 if TYPE_CHECKING:
-    from vitcompress.variants.protocols import ModelMap, Plan
+    from vitcompress.variants.protocols import Block, ModelMap, Plan
 
 
 @dataclass(frozen=True)
@@ -82,22 +82,15 @@ class PredictorScorer(Scorer):
         attention over the patch tokens of the stage before) lies outside that mask: it would
         attend to pruned tokens in training and not at inference, so the fine-tune would learn
         another model than the one served."""
-        if not plan.locations:
-            return None
-        first = plan.locations[0]
-        for block in model_map.blocks[first.block :]:
-            keys = block.attention.key_tokens
-            # A windowed block's keys are its window's (a padded window may hold more slots
-            # than its grid has tokens), and it gives every token back itself.
-            if block.windows is not None:
-                continue
-            if block.stage != first.stage and keys is not None and keys > block.tokens:
-                return (
-                    f"block {block.index} ({block.path}) attends over {keys} keys from an earlier "
-                    f"stage, which {plan.variant}'s training path cannot mask after the reduction "
-                    f"at block {first.block}: fine-tuning would attend to pruned tokens, so "
-                    f"{plan.variant} is refused; use a method scored by attention"
-                )
+        found = keys_from_an_earlier_stage(model_map, plan)
+        if found is not None:
+            block, first = found
+            return (
+                f"block {block.index} ({block.path}) attends over {block.attention.key_tokens} "
+                f"keys from an earlier stage, which {plan.variant}'s training path cannot mask "
+                f"after the reduction at block {first}: fine-tuning would attend to pruned "
+                f"tokens, so {plan.variant} is refused; use a method scored by attention"
+            )
         return None
 
 
@@ -142,6 +135,25 @@ class AttentionScorer(Scorer):
                     "refused there (a learned predictor scores without them)"
                 )
         return None
+
+
+def keys_from_an_earlier_stage(model_map: ModelMap, plan: Plan) -> tuple[Block, int] | None:
+    """The first block from the plan's first location on that attends over more keys than it has
+    tokens, taken from an earlier stage (CaiT's class attention over the patch tokens), with that
+    first location's block; ``None`` where there is none. Such a block lies outside what a
+    reduction keeps track of (its training mask, ToMe's sizes). A windowed block's keys are its
+    window's (a padded window may hold more slots than its grid has tokens), and it gives every
+    token back itself: never one."""
+    if not plan.locations:
+        return None
+    first = plan.locations[0]
+    for block in model_map.blocks[first.block :]:
+        keys = block.attention.key_tokens
+        if block.windows is not None:
+            continue
+        if block.stage != first.stage and keys is not None and keys > block.tokens:
+            return block, first.block
+    return None
 
 
 # Attention cores whose keys the rewrite can hand a reducer.

@@ -31,7 +31,7 @@ from vitcompress.modules.reducers import MergeReducer
 from vitcompress.variants.base import Block, Location, ModelMap, Plan, Variant, VariantRefusal
 from vitcompress.variants.fuses import Fuse, Merge
 from vitcompress.variants.registry import register_variant
-from vitcompress.variants.scorers import MatchingScorer, Scorer
+from vitcompress.variants.scorers import MatchingScorer, Scorer, keys_from_an_earlier_stage
 
 
 def _merging_blocks(model_map: ModelMap, first: Location) -> list[Block]:
@@ -211,19 +211,14 @@ class TokenMerging(Variant):
                     f"keys for its {block.windows.tokens} tokens: tome matches tokens by their "
                     "keys, so it is refused there"
                 )
-        first = plan.locations[0] if plan.locations else None
-        for block in model_map.blocks[first.block :] if first else []:
-            keys = block.attention.key_tokens
-            # A windowed block's keys are its window's (a padded window may hold more slots
-            # than its grid has tokens), and it gives every token back itself.
-            if block.windows is not None:
-                continue
-            if block.stage != first.stage and keys is not None and keys > block.tokens:
-                return (
-                    f"block {block.index} ({block.path}) attends over {keys} keys from an "
-                    f"earlier stage, merged from block {first.block} on, without their sizes: "
-                    "proportional attention cannot reach it, so tome is refused"
-                )
+        found = keys_from_an_earlier_stage(model_map, plan)
+        if found is not None:
+            block, first = found
+            return (
+                f"block {block.index} ({block.path}) attends over {block.attention.key_tokens} "
+                f"keys from an earlier stage, merged from block {first} on, without their "
+                "sizes: proportional attention cannot reach it, so tome is refused"
+            )
         return None
 
     def build_reducer(self, block: Block, location: Location, plan: Plan) -> nn.Module:
