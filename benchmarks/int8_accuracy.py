@@ -107,6 +107,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--deit-methods", type=lambda s: [m for m in s.split(",") if m],
                    default=["base", "etps"], help="deit_small models timed ('' for none)")  # fmt: skip
     p.add_argument("--deit-runs", type=int, default=6)
+    p.add_argument("--tables", action="store_true",
+                   help="only write table.md again from the int8.json in --out-dir")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -227,6 +229,45 @@ def time_files(files: dict[str, Path], input_size: tuple[int, ...], warmup: int,
     return result
 
 
+def disagreements_by_margin(files: dict[str, Path], images: int | None) -> dict[str, Any]:
+    """Where the int8 files' disagreements with float32 fall: how many are among the tenth of
+    the test images on which the float32 file's top-2 logit margin is smallest, and the
+    agreement on the other nine tenths (a diagnostic: eval itself gives the overall agreement)."""
+    import torch
+
+    from vitcompress.data import AugmentConfig, build_dataset
+    from vitcompress.data.config import DataConfig
+    from vitcompress.measure.onnx_eval import OnnxClassifier, read_onnx_facts
+    from vitcompress.training.evaluate import spread_subset
+
+    config = DataConfig(
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in DATA_CONFIG.items()}
+    )
+    dataset = build_dataset("fashion-mnist", "val", (1, 28, 28), AugmentConfig.none(),
+                            data_config=config)  # fmt: skip
+    dataset = spread_subset(dataset, images)
+    batch = torch.stack([dataset[i][0] for i in range(len(dataset))])
+    logits = {
+        mode: OnnxClassifier(read_onnx_facts(path), threads=1)(batch)
+        for mode, path in files.items()
+    }
+    top2 = logits["fp32"].topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    low = margin <= margin.quantile(0.1)
+    predicted = logits["fp32"].argmax(-1)
+    result: dict[str, Any] = {"images": len(dataset), "lowest_margin_images": int(low.sum())}
+    for mode, values in logits.items():
+        if mode == "fp32":
+            continue
+        differ = values.argmax(-1) != predicted
+        result[mode] = {
+            "disagreements": int(differ.sum()),
+            "in_lowest_margin_tenth": int((differ & low).sum()),
+            "agreement_outside_it": 100.0 * (1 - float((differ & ~low).sum()) / int((~low).sum())),
+        }
+    return result
+
+
 # ---------------------------------------------------------------------------------------------
 # The two parts
 
@@ -265,6 +306,9 @@ def fashion_mnist_part(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             print(f"{method} {mode}: top-1 {scored['top1']:.2f}%, agreement "
                   f"{scored.get('agreement')}, {record['bytes'] / 1e6:.2f} MB", flush=True)  # fmt: skip
         files = {mode: folder / FILE_NAMES[mode] for mode in args.modes}
+        if "fp32" in files and len(files) > 1:
+            name = "margins_" + "_".join(m for m in args.modes if m != "fp32") + ".json"
+            row["margins"] = cached(folder / name, disagreements_by_margin, files, args.val_images)
         row["speed"] = time_files(files, (1, 28, 28), args.warmup, args.runs)
         print(f"{method} speed: {row['speed']['img_per_s']}", flush=True)
         rows[method] = row
@@ -310,9 +354,8 @@ def _speed_cell(row: dict[str, Any], mode: str) -> str:
     shown = f"{speed['img_per_s'][mode]:.0f}"
     paired = speed.get("speedup_over_fp32", {}).get(mode)
     if paired:
-        interval = (
-            f" [{paired['low']:.2f}, {paired['high']:.2f}]" if paired.get("low") is not None else ""
-        )
+        low_high = paired.get("ci95")
+        interval = f" [{low_high[0]:.2f}, {low_high[1]:.2f}]" if low_high else ""
         shown += f" ({paired['median']:.2f}×{interval})"
     return shown
 
@@ -362,8 +405,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(
             f"{CHOOSING / 'base.json'} records model args {recorded}, not {MODEL_ARGS}"
         )
+    out = Path(args.out_dir)
+    if args.tables:
+        (out / "table.md").write_text(tables(json.loads((out / "int8.json").read_text())))
+        return 0
     work = Path(args.work)
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     result = {
         "command": "OMP_NUM_THREADS=1 nice -n 10 python benchmarks/int8_accuracy.py "
@@ -371,6 +418,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "commit": subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
         ).stdout.strip(),
+        # Files of the package that differed from that commit while this ran (a shared tree).
+        "uncommitted": subprocess.run(
+            ["git", "status", "--short", "--", "vitcompress"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.split("\n"),
         "keep": KEEP,
         "batch": BATCH,
         "calibration_images": args.calibration_images,
