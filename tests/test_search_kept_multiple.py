@@ -3,6 +3,8 @@ scored rounded, recorded in the results and in plan.yaml (tiny ViT: 64 patch tok
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import yaml
@@ -56,7 +58,7 @@ def test_candidates_are_rounded_as_apply_rounds_them(tmp_path) -> None:
         assert row["rounded_from"] == {str(b): list(n) for b, n in plan.rounded_from.items()}
     best = data["best"]
     recipe = yaml.safe_load((tmp_path / "plan.yaml").read_text())
-    assert recipe["kept_multiple"] == 8 and recipe["keep"] == best["keep"]
+    assert recipe["variant_args"] == {"kept_multiple": 8} and recipe["keep"] == best["keep"]
     # What apply builds from the recipe keeps multiples of 8 tokens (cls included) after each
     # location, and its MACs are the ones the search costed.
     model = vitcompress.compress(
@@ -105,3 +107,34 @@ def test_a_cache_scored_with_another_multiple_is_refused(tmp_path) -> None:
     search(loaded_tiny(), calibration_set(), config(tmp_path, kept_multiple=8, max_candidates=2))
     with pytest.raises(SearchError, match="kept_multiple"):
         search(loaded_tiny(), calibration_set(), config(tmp_path, kept_multiple=4))
+
+
+def test_the_command_line_search_and_apply_of_its_plan_round_alike(tmp_path) -> None:
+    from tests.test_search_cli import MODEL, image_folder, run
+
+    data = image_folder(tmp_path / "data")
+    out = tmp_path / "out"
+    searched = run(
+        "search",
+        *MODEL,
+        *("--data", str(data), "--max-gmacs-ratio", "0.7", "--variants", "etps"),
+        *("--calib-images", "8", "--max-candidates", "3", "--batch-size", "4"),
+        *("--kept-multiple", "8", "--out", str(out), "--json"),
+    )
+    assert searched.exit_code == 0, searched.output
+    best = json.loads(searched.stdout)["best"]
+    assert best["kept_multiple"] == 8
+    applied = run("apply", *MODEL, "--plan", str(out / "plan.yaml"), "--no-throughput", "--json")
+    assert applied.exit_code == 0, applied.output
+    plan = json.loads(applied.stdout)["plan"]
+    # The plan file has the grid's keeps; apply rounds them again, to the same counts.
+    assert plan["kept_multiple"] == 8 and plan["locs"] == best["locs"]
+    assert plan.get("rounded_from", {}) == best["rounded_from"]
+    assert json.loads(applied.stdout)["compressed"]["macs"] == best["counted_macs"]
+
+
+def test_a_kept_multiple_below_1_is_one_line(tmp_path) -> None:
+    from tests.test_search_cli import MODEL, one_line_error, run
+
+    result = run("search", *MODEL, "--max-gmacs-ratio", "0.7", "--kept-multiple", "0")
+    assert "--kept-multiple" in one_line_error(result)

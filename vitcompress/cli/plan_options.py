@@ -385,8 +385,8 @@ def plan_file_option(
             if name in typed or (name in _KEEP_FORMS and keep_typed):
                 continue
             if name in _KEEP_FORMS:  # the file's keep form replaces a recipe's other form
-                for other in _KEEP_FORMS:
-                    if other in kwargs:
+                for other in _KEEP_FORMS:  # not one the file gives too (keep and variant-args)
+                    if other in kwargs and other not in values:
                         kwargs[other] = None
             kwargs[name] = value  # parsed by the command, as typed text is
         return command(*args, **kwargs)

@@ -18,7 +18,7 @@ def recipe_text(best: dict[str, Any], header: Sequence[str]) -> str:
 
     body = {"variant": best["variant"], "locs": best["locs"], "keep": best["keep"]}
     if best.get("kept_multiple") is not None:  # apply rounds the counts as the search did
-        body["kept_multiple"] = best["kept_multiple"]
+        body["variant_args"] = {"kept_multiple": best["kept_multiple"]}
     comments = "".join(f"# {line}\n" for line in header)
     return comments + yaml.safe_dump(body, default_flow_style=None, sort_keys=False)
 
