@@ -24,7 +24,7 @@ from torch import nn
 import vitcompress
 from tests.models import timm_small
 from vitcompress.cli.main import cli
-from vitcompress.workflows import export_int8
+from vitcompress.workflows import export_int8, onnx_quantize
 from vitcompress.workflows.export import export_model
 from vitcompress.workflows.export_bench import bench_exported
 from vitcompress.workflows.onnx_quantize import (
@@ -134,6 +134,24 @@ def test_predictor_layers_stay_float_and_the_file_runs(tmp_path: Path) -> None:
     assert got.shape == want.shape == (2, 10)
     # Quantized, so not equal; but close: a few percent of the logits' scale.
     assert 0 < np.abs(got - want).max() < 0.2 * np.abs(want).max()
+
+
+def test_a_float_node_quantized_anyway_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compressed = vitcompress.compress(tiny_base(depth=1), "dtps", 0.5, [0], SIZE).eval()
+    fp32 = tmp_path / "m.fp32.onnx"
+    export_model(compressed, SIZE, "onnx", fp32, batch_size=1)
+    arguments = onnx_quantize._quantizer_arguments
+    # The quantizer told nothing is excluded: the predictor's layers are quantized.
+    monkeypatch.setattr(
+        onnx_quantize,
+        "_quantizer_arguments",
+        lambda graph, excluded, *rest: arguments(graph, [], *rest),
+    )
+    with pytest.raises(QuantizeError, match="was quantized despite its exclusion"):
+        quantize_onnx_file(fp32, tmp_path / "m.onnx", "int8", inserted_module_scopes(compressed))
+    assert not (tmp_path / "m.onnx").exists()
 
 
 def test_scopes_not_found_are_refused(tmp_path: Path) -> None:

@@ -225,6 +225,7 @@ def quantize_onnx_file(
                 )
     except Exception as e:
         raise QuantizeError(f"onnxruntime could not quantize {source.name}: {one_line(e)}") from e
+    written = onnx.load(str(target), load_external_data=False).graph
     return {
         "mode": mode,
         "format": "QOperator" if mode == "int8" else "QDQ",
@@ -233,8 +234,8 @@ def quantize_onnx_file(
             "uint8, per tensor, at run time" if mode == "int8" else f"{weight_type}, calibrated"
         ),
         "calibration_images": None if calibration is None else len(calibration.indices),
-        "quantized_ops": _quantized_ops(graph, onnx.load(str(target)).graph, excluded),
-        "float_nodes": _float_nodes(graph, onnx.load(str(target)).graph, excluded),
+        "quantized_ops": _quantized_ops(graph, written, excluded),
+        "float_nodes": _float_nodes(graph, written, excluded, target),
         "float_scopes": scopes,
         # Modules that exported to no node, e.g. a reducer at keep 1, which passes tokens on.
         "scopes_without_nodes": missing,
@@ -316,10 +317,12 @@ def _quantized_ops(source: Any, target: Any, excluded: Sequence[str]) -> dict[st
     }
 
 
-def _float_nodes(source: Any, target: Any, excluded: Sequence[str]) -> dict[str, Any]:
+def _float_nodes(
+    source: Any, target: Any, excluded: Sequence[str], target_path: Path
+) -> dict[str, Any]:
     """The excluded nodes as they are in the quantized graph: each must be there, same op, and
-    read no ``DequantizeLinear`` weight; :class:`QuantizeError` otherwise (never a reducer
-    quantized unnoticed)."""
+    read no ``DequantizeLinear`` weight; :class:`QuantizeError` otherwise, with the file at
+    ``target_path`` removed (never a reducer quantized unnoticed)."""
     kept = {node.name: node.op_type for node in target.node}
     wanted = {node.name: node.op_type for node in source.node if node.name in set(excluded)}
     changed = [
@@ -330,6 +333,7 @@ def _float_nodes(source: Any, target: Any, excluded: Sequence[str]) -> dict[str,
     ]
     changed += sorted(set(wanted) & _fed_by_dequantize(target))
     if changed:
+        target_path.unlink(missing_ok=True)
         raise QuantizeError(f"the reducer node {changed[0]} was quantized despite its exclusion")
     ops: dict[str, int] = {}
     for op in wanted.values():
