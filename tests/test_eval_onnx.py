@@ -254,3 +254,29 @@ def test_options_an_onnx_file_has_no_use_for_are_refused(work, extra, expected):
 def test_reference_without_an_onnx_model_is_refused(work):
     line = refused(*spec(work), "--data", str(work / "imgs"), "--reference", "x.onnx")
     assert "--reference compares an ONNX --model" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# An int8 file against its float32 file
+
+
+def test_an_int8_file_is_scored_against_its_float32_file(work):
+    fp32 = export(work, "q.fp32.onnx", "--batch-size", "4")
+    int8 = export(work, "q.int8.onnx", "--batch-size", "4", "--quantize", "int8")
+    options = ["--mean", "0.2,0.3,0.4", "--std", "0.5,0.4,0.3", "--interpolation", "bilinear",
+               "--crop-pct", "0.8"]  # fmt: skip
+    got = eval_json("--model", str(int8), "--data", str(work / "imgs"), "--reference", str(fp32),
+                    *options)  # fmt: skip
+    images = stated_images(work)
+    predicted = [OnnxClassifier(read_onnx_facts(p))(images).argmax(-1) for p in (int8, fp32)]
+    correct = torch.tensor([label for _, label in build_dataset(
+        str(work / "imgs"), "val", (3, 32, 32), AugmentConfig.none(),
+        data_config=DataConfig(mean=(0.2, 0.3, 0.4), std=(0.5, 0.4, 0.3),
+                               interpolation="bilinear", crop_pct=0.8))])  # fmt: skip
+    assert got["top1"] == pytest.approx(100.0 * float((predicted[0] == correct).float().mean()))
+    assert got["reference"]["top1"] == pytest.approx(pytorch_eval(work)["top1"])
+    differ = int((predicted[0] != predicted[1]).sum())
+    assert got["reference"]["disagreements"] == differ
+    # Both files take the preprocessing the options state; the reference the file's own.
+    assert got["data_config_sources"]["mean"] == "--mean"
+    assert got["reference"]["data_config"] == got["data_config"]
