@@ -25,8 +25,10 @@ from torch import Tensor, nn
 
 from vitcompress.analysis.capture import fast_paths_off
 from vitcompress.artifacts.fingerprint import eval_mode
+from vitcompress.data.config import resolve_data_config, stated_data_config
 from vitcompress.errors import UserError, one_line
 from vitcompress.kernels import method_path
+from vitcompress.measure.onnx_eval import preprocessing_props
 from vitcompress.measure.onnx_runtime import onnx_session, require_export_extra
 from vitcompress.model_copy import copy_model
 from vitcompress.workflows.onnx_file import onnx_op_audit, onnx_static_shapes, onnx_structure
@@ -335,6 +337,7 @@ def export_model(
         try:
             if fmt == "onnx":
                 run = _export_onnx(module, example, out, opset, dynamic_batch)
+                _record_preprocessing(out, model, input_size)
             elif fmt == "torchscript":
                 run = _export_torchscript(module, example, out)
             else:
@@ -368,6 +371,23 @@ def export_model(
         if check:
             _check(result, run, reference, fmt, dtype, input_size, check_batches, trace_batch)
     return result
+
+
+def _record_preprocessing(path: Path, model: nn.Module, input_size: tuple[int, ...]) -> None:
+    """Write the data config the model states into the ONNX file's ``metadata_props``, so that
+    ``eval --model FILE.onnx`` feeds the file what its model expects. A model that states none
+    gets no entry: the defaults are not a statement, and eval then asks for them."""
+    stated, _ = stated_data_config(model)
+    if not stated:
+        return
+    import onnx
+
+    config = resolve_data_config(model, channels=int(input_size[0]))
+    onnx_model = onnx.load(str(path))
+    for key, value in preprocessing_props(config.to_json()).items():
+        entry = onnx_model.metadata_props.add()
+        entry.key, entry.value = key, value
+    onnx.save(onnx_model, str(path))
 
 
 def _check(
