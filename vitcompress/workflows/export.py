@@ -299,23 +299,7 @@ def export_model(
     false, and onnxruntime's error in ``onnxruntime_error``); it fails the export only if the
     file is not valid ONNX at that dtype.
     """
-    if fmt not in FORMATS:
-        raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if dtype not in DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if batch_size < 1:
-        raise ExportError(f"batch size must be at least 1, got {batch_size}")
-    out = Path(out)
-    if out.is_dir():
-        raise ExportError(
-            f"--out {out} is a directory; give a file such as {out / ('model' + SUFFIXES[fmt])}"
-        )
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ExportError(f"cannot create {out.parent}: {e.strerror or e}") from e
-    if fmt == "onnx":
-        require_export_extra("onnx", "onnxruntime")
+    out = _checked_request(fmt, dtype, batch_size, out)
     input_size = tuple(int(v) for v in input_size)
     trace_batch = DYNAMIC_TRACE_BATCH if dynamic_batch else batch_size
     check_batches = [1, DYNAMIC_TRACE_BATCH + 1] if dynamic_batch else [batch_size]
@@ -347,29 +331,61 @@ def export_model(
         except Exception as e:
             raise ExportError(f"{fmt} export failed: {one_line(e)}") from e
         seconds = time.perf_counter() - start
-        result: dict[str, Any] = {
-            "format": fmt,
-            "out": str(out),
-            "bytes": out.stat().st_size,
-            "input_shape": [BATCH_AXIS if dynamic_batch else batch_size, *input_size],
-            "batch": "dynamic" if dynamic_batch else "fixed",
-            "export_seconds": round(seconds, 3),
-            "checked": False,
-            "checked_batch_sizes": [],
-            "max_abs_diff": None,
-            "atol": ATOL if dtype == "float32" else None,
-            "dtype": dtype,
-            "rtol": HALF_RTOL.get(dtype),
-            "check": None,
-        }
-        if fmt == "onnx":
-            result["opset"] = opset
-            result["static_shapes"] = onnx_static_shapes(out)
-            result["op_audit"] = onnx_op_audit(out)
-            if dtype != "float32":
-                result["structure"] = onnx_structure(out, dtype)
+        result = _written_file_record(fmt, out, dtype, opset, seconds)
+        result["input_shape"] = [BATCH_AXIS if dynamic_batch else batch_size, *input_size]
+        result["batch"] = "dynamic" if dynamic_batch else "fixed"
         if check:
             _check(result, run, reference, fmt, dtype, input_size, check_batches, trace_batch)
+    return result
+
+
+def _checked_request(fmt: str, dtype: str, batch_size: int, out: str | Path) -> Path:
+    """``out`` as a path whose folder exists, once the format, dtype and batch are known ones
+    (:class:`ExportError` otherwise, before any work)."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if batch_size < 1:
+        raise ExportError(f"batch size must be at least 1, got {batch_size}")
+    out = Path(out)
+    if out.is_dir():
+        raise ExportError(
+            f"--out {out} is a directory; give a file such as {out / ('model' + SUFFIXES[fmt])}"
+        )
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"cannot create {out.parent}: {e.strerror or e}") from e
+    if fmt == "onnx":
+        require_export_extra("onnx", "onnxruntime")
+    return out
+
+
+def _written_file_record(
+    fmt: str, out: Path, dtype: str, opset: int, seconds: float
+) -> dict[str, Any]:
+    """What export reports of the file it wrote, before the check fills in its fields (an ONNX
+    file's opset, static shapes, op audit and, at half precision, its structure)."""
+    result: dict[str, Any] = {
+        "format": fmt,
+        "out": str(out),
+        "bytes": out.stat().st_size,
+        "export_seconds": round(seconds, 3),
+        "checked": False,
+        "checked_batch_sizes": [],
+        "max_abs_diff": None,
+        "atol": ATOL if dtype == "float32" else None,
+        "dtype": dtype,
+        "rtol": HALF_RTOL.get(dtype),
+        "check": None,
+    }
+    if fmt == "onnx":
+        result["opset"] = opset
+        result["static_shapes"] = onnx_static_shapes(out)
+        result["op_audit"] = onnx_op_audit(out)
+        if dtype != "float32":
+            result["structure"] = onnx_structure(out, dtype)
     return result
 
 
