@@ -10,6 +10,7 @@ carries the reporter, so the workflows in between (apply, eval) need not pass it
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -70,3 +71,16 @@ def warn(text: str) -> None:
         warnings.warn(text, stacklevel=2)
     else:
         reporter.warn(text)
+
+
+@contextlib.contextmanager
+def quiet_logger(name: str | None = None) -> Iterator[None]:
+    """Only errors from the logger ``name`` (the root logger when None) while inside: for a
+    library's lines that are true and beside the point in a command's output."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -38,7 +37,7 @@ from vitcompress.method import (
     split_by_score,
     squeeze,
 )
-from vitcompress.status import step
+from vitcompress.status import quiet_logger, step
 
 _SOURCES = Path(__file__).resolve().parent / "csrc"
 # extension name -> its source (one extension each: a change to one rebuilds only that one)
@@ -69,24 +68,16 @@ class FusedKernelError(RuntimeError, UserError):
 _built: dict[str, ModuleType | FusedKernelError] = {}
 
 
-@contextlib.contextmanager
-def _quiet_cpp_extension() -> Iterator[None]:
-    """Importing ``torch.utils.cpp_extension`` on a machine without a CUDA runtime logs "No CUDA
-    runtime is found": true and beside the point for a CPU kernel, and it would land on every
-    command's stderr (JSON readers included) now that the kernels are the default path."""
-    logger = logging.getLogger("torch.utils.cpp_extension")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+# Importing ``torch.utils.cpp_extension`` on a machine without a CUDA runtime logs "No CUDA
+# runtime is found": true and beside the point for a CPU kernel, and it would land on every
+# command's stderr (JSON readers included) now that the kernels are the default path.
+_CPP_EXTENSION_LOGGER = "torch.utils.cpp_extension"
 
 
 def _extension(name: str = "vitcompress_select_squeeze") -> ModuleType:
     if name not in _built:
         try:
-            with _quiet_cpp_extension():
+            with quiet_logger(_CPP_EXTENSION_LOGGER):
                 from torch.utils.cpp_extension import load
             # The first build on a machine takes about a minute (cached on disk afterwards): said
             # as a step, so that a command does not seem to hang at its first forward.

@@ -19,8 +19,6 @@ are excluded by node name: the exporter names a node after the modules it was ca
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -31,6 +29,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from vitcompress.errors import UserError, one_line
+from vitcompress.status import quiet_logger
 
 QUANTIZE_MODES = ("int8", "int8-static")
 QUANTIZED_OPS = ("MatMul", "Gemm")
@@ -211,7 +210,9 @@ def quantize_onnx_file(
         )
     common = _quantizer_arguments(graph, excluded, per_channel, weight_type)
     try:
-        with _quiet_quantizer():
+        # onnxruntime.quantization logs a line per skipped node and recommends pre-processing on
+        # the root logger: noise in a command's output, where the result says what was quantized.
+        with quiet_logger():
             if mode == "int8":
                 quantize_dynamic(source, target, **common)
             else:
@@ -270,19 +271,6 @@ _GEMM_SPLIT = "_MatMul"
 def _with_gemm_splits(graph: Any, names: Sequence[str]) -> list[str]:
     gemms = {node.name for node in graph.node if node.op_type == "Gemm"}
     return list(names) + [name + _GEMM_SPLIT for name in names if name in gemms]
-
-
-@contextlib.contextmanager
-def _quiet_quantizer() -> Iterator[None]:
-    # onnxruntime.quantization logs a line per skipped node and recommends pre-processing on
-    # the root logger: noise in a command's output, where the result says what was quantized.
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        root.setLevel(level)
 
 
 def _fed_by_dequantize(graph: Any) -> set[str]:
