@@ -291,6 +291,9 @@ def art_dir(tmp_path: Path) -> Path:
         (["--format", "onnx", "--quantize", "int8", "--data", "{tmp}/art"], "drop --data"),
         (["--format", "onnx", "--data", "{tmp}/art"], "drop it"),
         (["--format", "onnx", "--quantize", "int8", "--dtype", "float16"], "drop --dtype"),
+        (["--format", "onnx", "--quantize", "int8", "--calibration-images", "8"],
+         "use --quantize int8-static"),
+        (["--format", "onnx", "--calibration-images", "8"], "drop it"),
     ],
 )  # fmt: skip
 def test_refusals(args: list[str], message: str, tmp_path: Path) -> None:

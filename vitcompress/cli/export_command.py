@@ -106,11 +106,11 @@ from vitcompress.workflows.onnx_quantize import DEFAULT_CALIBRATION_IMAGES, QUAN
 )
 @click.option(
     "--calibration-images",
-    default=DEFAULT_CALIBRATION_IMAGES,
-    show_default=True,
+    default=None,
     type=click.IntRange(min=1),
+    metavar="N",
     help="--quantize int8-static: images of --data to calibrate on, evenly spread, brought to "
-    "the model by its own preprocessing.",
+    f"the model by its own preprocessing (default {DEFAULT_CALIBRATION_IMAGES}).",
 )
 @serving_compile_options
 @warmup_option()
@@ -129,7 +129,7 @@ def export(
     bench: bool,
     quantize: str | None,
     data: DataRequest,
-    calibration_images: int,
+    calibration_images: int | None,
     serving_mode: str | None,
     warmup: int,
     runs: int,

@@ -44,11 +44,20 @@ INT8_BASE, INT8_COMPRESSED = "base.int8", "compressed.int8"
 
 
 def check_quantize_request(
-    quantize: str | None, fmt: str, dtype: str, data: DataRequest | None
+    quantize: str | None,
+    fmt: str,
+    dtype: str,
+    data: DataRequest | None,
+    calibration_images: int | None = None,
 ) -> None:
     """The refusals of ``--quantize`` that need nothing loaded: one line each, before anything
-    is written."""
+    is written. ``calibration_images`` is None where the user did not give a count."""
     has_data = data is not None and data.source is not None
+    if calibration_images is not None and quantize != "int8-static":
+        raise QuantizeError(
+            "--calibration-images sets how many images --quantize int8-static calibrates on: "
+            "drop it, or use --quantize int8-static"
+        )
     if quantize is None:
         if has_data:
             raise QuantizeError("--data is read to calibrate --quantize int8-static; drop it")

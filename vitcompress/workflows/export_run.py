@@ -44,7 +44,7 @@ class ExportSettings:
     # ``--quantize``: int8 (dynamic) or int8-static (calibrated on ``calibration_images`` images
     # of ``--data``); the file at ``out`` is then the int8 one, the float32 one beside it.
     quantize: str | None = None
-    calibration_images: int = DEFAULT_CALIBRATION_IMAGES
+    calibration_images: int | None = None  # None: DEFAULT_CALIBRATION_IMAGES
 
     def export(self, loaded: LoadedModel, model: Any, out: str | Path, fmt: str) -> dict:
         return export_model(
@@ -66,7 +66,7 @@ class ExportSettings:
             self.out,
             self.batch_size,
             self.dynamic_batch,
-            self.calibration_images,
+            self.calibration_images or DEFAULT_CALIBRATION_IMAGES,
             lambda model, path: self.export(loaded, model, path, "onnx"),
         )
 
@@ -113,7 +113,9 @@ def export_request(
     if timing is not None and settings.dtype != "float32":
         # The timed runners feed float32 batches to both runtimes.
         raise ExportError("--bench times float32 files: drop --dtype or time without --bench")
-    check_quantize_request(settings.quantize, settings.fmt, settings.dtype, data)
+    check_quantize_request(
+        settings.quantize, settings.fmt, settings.dtype, data, settings.calibration_images
+    )
     loaded = request.load()
     base = _base_to_bench(loaded) if timing is not None else None  # before minutes of exporting
     quantized = None
