@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -29,3 +30,13 @@ def _quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     """Throughput timing warns on stderr when the machine is busy; how busy the test machine is
     must not change what the CLI prints. Tests of the warning set the load themselves."""
     monkeypatch.setattr("vitcompress.measure.throughput.load_average", lambda: 0.0)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny models: on a busy machine two threads spend their time waiting for each other. A
+    module takes it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -44,13 +44,7 @@ PATCHES = (SIZE[1] // PATCH) ** 2
 TOKENS = PATCHES + 1  # and a class token
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: on a busy machine two threads spend their time waiting for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hand_macs(*, hidden: int, depth: int = DEPTH, final_norm: bool = True) -> int:

@@ -29,12 +29,7 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_the_counter_counts_kernels_and_leaves_views_out() -> None:

@@ -31,13 +31,7 @@ from vitcompress.variants import get_variant
 SIZE = (3, 32, 32)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: on a busy machine two threads spend their time waiting for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_vit():

@@ -22,13 +22,7 @@ MODEL = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: on a busy machine two threads spend their time waiting for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def image_folder(root: Path, per_class: int = 6) -> Path:

@@ -19,12 +19,7 @@ from vitcompress.variants import get_variant
 SIZE = (3, 32, 32)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tokens_after_each_reducer(model: torch.nn.Module) -> list[int]:
