@@ -14,11 +14,12 @@ A windowed block's record (``Windows``, what its attention reads by window slot)
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # A windowed block's record is part of the map, kept in its own module.
-from vitcompress.analysis.window_map import GRAPH_NODE_ABSENT, Windows
+from vitcompress.analysis.records import GRAPH_NODE_ABSENT, record_from_json, record_to_json
+from vitcompress.analysis.window_map import Windows
 
 # How a block's attentions' token scores combine (``Block.score_combination``; ``None``: one core).
 MEAN = "mean"  # parallel attentions: their scores averaged
@@ -49,24 +50,11 @@ class GridOp:
     from_grid_node: str | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "kind": self.kind,
-            "branch": self.branch,
-            "grid": list(self.grid),
-        }
+        return record_to_json(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GridOp:
-        return cls(
-            path=data["path"],
-            kind=data["kind"],
-            branch=data["branch"],
-            grid=_grid(data["grid"]),
-            to_grid_node=GRAPH_NODE_ABSENT,
-            tokens_node=GRAPH_NODE_ABSENT,
-            op_node=GRAPH_NODE_ABSENT,
-        )
+        return record_from_json(cls, data)
 
 
 @dataclass
@@ -95,29 +83,11 @@ class PositionUse:
         return gather_layout(self.shape, rank, self.kind, tokens, prefix_tokens)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "table": self.table,
-            "kind": self.kind,
-            "branch": self.branch,
-            "path": self.path,
-            "shape": list(self.shape),
-            "blocker": self.blocker,
-            "neutral": self.neutral,
-        }
+        return record_to_json(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PositionUse:
-        return cls(
-            table=data["table"],
-            kind=data["kind"],
-            branch=data["branch"],
-            path=data["path"],
-            node=GRAPH_NODE_ABSENT,
-            table_node=GRAPH_NODE_ABSENT,
-            shape=tuple(data["shape"]),
-            blocker=data.get("blocker"),
-            neutral=data.get("neutral"),
-        )
+        return record_from_json(cls, data)
 
 
 @dataclass
@@ -134,23 +104,11 @@ class TokenReader:
     prefix_tokens: int  # prefix tokens in that tensor (0 after ``x[:, 1:]``)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "what": self.what,
-            "path": self.path,
-            "axis": self.axis,
-            "prefix_tokens": self.prefix_tokens,
-        }
+        return record_to_json(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TokenReader:
-        return cls(
-            what=data["what"],
-            path=data["path"],
-            node=GRAPH_NODE_ABSENT,
-            tokens_node=GRAPH_NODE_ABSENT,
-            axis=int(data["axis"]),
-            prefix_tokens=int(data["prefix_tokens"]),
-        )
+        return record_from_json(cls, data)
 
 
 @dataclass
@@ -171,28 +129,11 @@ class AttentionCore:
     def to_json(self) -> dict[str, Any]:
         """A further core of a block (``Block.parallel_cores``); the block's own core is said in
         the block's record (``attention``, ``attention_path``, ...)."""
-        return {
-            "kind": self.kind,
-            "heads": self.heads,
-            "path": self.path,
-            "query_tokens": self.query_tokens,
-            "key_tokens": self.key_tokens,
-            "batch": self.batch,
-            "key_pool": [list(v) for v in self.key_pool] if self.key_pool is not None else None,
-        }
+        return record_to_json(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AttentionCore:
-        return cls(
-            kind=data["kind"],
-            node=GRAPH_NODE_ABSENT,
-            heads=data["heads"],
-            path=data["path"],
-            query_tokens=data.get("query_tokens"),
-            key_tokens=data.get("key_tokens"),
-            batch=data.get("batch"),
-            key_pool=_key_pool(data.get("key_pool")),
-        )
+        return record_from_json(cls, data)
 
 
 @dataclass
@@ -286,16 +227,10 @@ class Block:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Block:
-        attention = AttentionCore(
-            kind=data["attention"],
-            node=GRAPH_NODE_ABSENT,
-            heads=data["heads"],
-            path=data["attention_path"],
-            query_tokens=data.get("query_tokens"),
-            key_tokens=data.get("key_tokens"),
-            batch=data["attention_batch"],
-            key_pool=_key_pool(data.get("key_pool")),
-        )
+        # The block's own core is said in the block's record, under the block's names.
+        said = {"kind": "attention", "path": "attention_path", "batch": "attention_batch"}
+        names = [(f.name, said.get(f.name, f.name)) for f in fields(AttentionCore) if f.compare]
+        attention = AttentionCore.from_json({n: data[key] for n, key in names if key in data})
         return cls(
             index=data["index"],
             path=data["path"],
@@ -347,17 +282,12 @@ class Stage:
     # over the token order, say): reduced tokens cannot follow them there.
     exit_bypass: str | None = None
 
+    def to_json(self) -> dict[str, Any]:
+        return record_to_json(self)
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Stage:
-        return cls(
-            index=data["index"],
-            grid=_grid(data["grid"]),
-            prefix_tokens=data["prefix_tokens"],
-            blocks=list(data["blocks"]),
-            entry_node=GRAPH_NODE_ABSENT,
-            embed_node=GRAPH_NODE_ABSENT,
-            exit_bypass=data.get("exit_bypass"),
-        )
+        return record_from_json(cls, data)
 
 
 @dataclass
@@ -408,14 +338,7 @@ class ModelMap:
             "prefix_tokens": self.prefix_tokens,
             "cls_token": self.cls_token,
             "grid": list(self.grid),
-            "stages": [
-                {
-                    k: (list(v) if isinstance(v, tuple) else v)
-                    for k, v in asdict(s).items()
-                    if not k.endswith("_node")
-                }
-                for s in self.stages
-            ],
+            "stages": [stage.to_json() for stage in self.stages],
             "blocks": [b.to_json() for b in self.blocks],
             "leaves": self.leaves,
             "left_whole": self.left_whole,
@@ -435,11 +358,6 @@ class ModelMap:
             cls_token=bool(data.get("cls_token")),
             final_norm=data.get("final_norm"),
         )
-
-
-def _key_pool(values: list[list[int]] | None) -> KeyPool | None:
-    """A key pool as JSON wrote it, or ``None``."""
-    return tuple(tuple(v) for v in values) if values else None
 
 
 def _grid(values: list[int]) -> tuple[int, ...]:

@@ -2,28 +2,20 @@
 window slot (``SlotInput``): plain data the window analysis (``windows/``) fills in and the
 rewrite (``compilation/windows.py``) reads.
 
-Node names are handles into one captured graph: they are compared by no one
-(``field(compare=False)``) and written nowhere, so a record read back from JSON equals the record
-written and names no nodes (``GRAPH_NODE_ABSENT``; ``ModelMap.has_nodes``)."""
+Node names are handles into one captured graph, written nowhere (``records.py``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar
 
-# What a node name holds in a record read back from JSON: no graph is named.
-GRAPH_NODE_ABSENT = ""
-
-
-def graph_node() -> Any:
-    """A field naming a node of the captured graph: left out of equality and of the JSON."""
-    return field(default=GRAPH_NODE_ABSENT, compare=False)
-
-
-def graph_nodes() -> Any:
-    """A field naming several nodes of the captured graph (see :func:`graph_node`)."""
-    return field(default=(), compare=False)
+from vitcompress.analysis.records import (
+    graph_node,
+    graph_nodes,
+    record_from_json,
+    record_to_json,
+)
 
 
 class WindowLayout(Enum):
@@ -60,12 +52,11 @@ class SlotInput:
     source: str = graph_node()
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind.value, "what": self.what, "gather_dims": list(self.gather_dims)}
+        return {"kind": self.kind.value, **record_to_json(self)}
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> SlotInput:
-        kind = SLOT_INPUT_TYPES[SlotKind(data["kind"])]
-        return kind(what=data["what"], gather_dims=tuple(data["gather_dims"]))
+        return record_from_json(SLOT_INPUT_TYPES[SlotKind(data["kind"])], data)
 
 
 @dataclass(frozen=True)
