@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 # A windowed block's record is part of the map, kept in its own module.
-from vitcompress.analysis.records import GRAPH_NODE_ABSENT, record_from_json, record_to_json
+from vitcompress.analysis.records import GRAPH_NODE_ABSENT, JsonRecord
 from vitcompress.analysis.window_map import Windows
 
 # How a block's attentions' token scores combine (``Block.score_combination``; ``None``: one core).
@@ -35,7 +35,7 @@ KeyPool = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
 @dataclass
-class GridOp:
+class GridOp(JsonRecord):
     """An op inside a block that needs the full token grid (conv or pool on reshaped tokens)."""
 
     path: str  # module path of the conv/pool, or the node name for a functional op
@@ -49,16 +49,9 @@ class GridOp:
     # A flatten back to tokens at the same resolution, if any.
     from_grid_node: str | None = field(default=None, compare=False)
 
-    def to_json(self) -> dict[str, Any]:
-        return record_to_json(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> GridOp:
-        return record_from_json(cls, data)
-
 
 @dataclass
-class PositionUse:
+class PositionUse(JsonRecord):
     """A tensor laid out by token position that meets the tokens inside a block (see
     ``positions.py``): after a token reduction it must follow the kept tokens."""
 
@@ -82,16 +75,9 @@ class PositionUse:
         tokens (``prefix_tokens`` of them first): see :func:`gather_layout`."""
         return gather_layout(self.shape, rank, self.kind, tokens, prefix_tokens)
 
-    def to_json(self) -> dict[str, Any]:
-        return record_to_json(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> PositionUse:
-        return record_from_json(cls, data)
-
 
 @dataclass
-class TokenReader:
+class TokenReader(JsonRecord):
     """Where something after a block reads the block's output tokens by their position (the
     model's output, a reshape to the patch grid, a head reading one patch token): a reduced model
     restores the full token set, in the base's order, for it (``modules/restore.py``)."""
@@ -103,16 +89,12 @@ class TokenReader:
     axis: int  # the token axis in that tensor
     prefix_tokens: int  # prefix tokens in that tensor (0 after ``x[:, 1:]``)
 
-    def to_json(self) -> dict[str, Any]:
-        return record_to_json(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> TokenReader:
-        return record_from_json(cls, data)
-
 
 @dataclass
-class AttentionCore:
+class AttentionCore(JsonRecord):
+    """An attention of a block: the block's own (said in the block's JSON under the block's
+    names: ``attention``, ``attention_path``, ...) or a further one (``Block.parallel_cores``)."""
+
     kind: str  # one of ATTENTION_KINDS
     node: str = field(compare=False)  # sdpa / softmax / MultiheadAttention node
     heads: int
@@ -125,15 +107,6 @@ class AttentionCore:
     # Keys pooled on the token grid (PVT's, MViTv2's): the pooling op's kernel, stride and
     # padding per grid dim, which say which tokens each key reads (``key_scores_to_tokens``).
     key_pool: KeyPool | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """A further core of a block (``Block.parallel_cores``); the block's own core is said in
-        the block's record (``attention``, ``attention_path``, ...)."""
-        return record_to_json(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> AttentionCore:
-        return record_from_json(cls, data)
 
 
 @dataclass
@@ -261,7 +234,7 @@ class Block:
 
 
 @dataclass
-class Stage:
+class Stage(JsonRecord):
     index: int
     grid: tuple[int, ...]  # (H, W), or of any rank: a video's (T, H, W)
     prefix_tokens: int
@@ -281,13 +254,6 @@ class Stage:
     # Where the stage's tokens reach the next stage without passing the exit grid (a pooling
     # over the token order, say): reduced tokens cannot follow them there.
     exit_bypass: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return record_to_json(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Stage:
-        return record_from_json(cls, data)
 
 
 @dataclass

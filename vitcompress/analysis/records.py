@@ -11,7 +11,7 @@ from __future__ import annotations
 import types
 import typing
 from dataclasses import MISSING, field, fields
-from typing import Any, TypeVar, get_args, get_origin
+from typing import Any, Self, TypeVar, get_args, get_origin
 
 # What a node name holds in a record read back from JSON: no graph is named.
 GRAPH_NODE_ABSENT = ""
@@ -51,6 +51,18 @@ def record_from_json(kind: type[Record], data: dict[str, Any]) -> Record:
         elif f.name in data:
             values[f.name] = _typed(hints[f.name], data[f.name])
     return kind(**values)
+
+
+class JsonRecord:
+    """A dataclass record written and read back by :func:`record_to_json` and
+    :func:`record_from_json`."""
+
+    def to_json(self) -> dict[str, Any]:
+        return record_to_json(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Self:
+        return record_from_json(cls, data)
 
 
 def _plain(value: Any) -> Any:
