@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -273,15 +273,28 @@ def is_norm(gm: fx.GraphModule, node: fx.Node) -> bool:
     )
 
 
+def reachable(start: fx.Node, step: Callable[[fx.Node], Iterable[fx.Node]]) -> Iterator[fx.Node]:
+    """``start`` and every node reached from it by ``step`` (a node's inputs, its users, ...),
+    each once, depth first; a caller that has found what it looks for stops the walk."""
+    seen: set[fx.Node] = set()
+    frontier = [start]
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        yield node
+        frontier.extend(step(node))
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The inputs ``node`` computes from, not those it only reads a size of (``x.shape``)."""
+    return [n for n in node.all_input_nodes if n.meta.get("carries_tensor", True)]
+
+
 def ancestors(node: fx.Node) -> set[fx.Node]:
     """``node`` and every node it depends on."""
-    seen, frontier = {node}, [node]
-    while frontier:
-        for parent in frontier.pop().all_input_nodes:
-            if parent not in seen:
-                seen.add(parent)
-                frontier.append(parent)
-    return seen
+    return set(reachable(node, lambda n: n.all_input_nodes))
 
 
 def projection_of(gm: fx.GraphModule, operand: fx.Node) -> fx.Node | None:

@@ -44,21 +44,14 @@ def _token_dims(shape: tuple, counts: set[int], keys_last: bool = False) -> bool
 def _sources(node: fx.Node, parameters: set[str]) -> list[str]:
     """What ``node`` is computed from: parameters, then modules (a bias MLP on coordinates),
     then buffers, each sorted."""
-    seen: set[fx.Node] = set()
-    stack = [node]
     found: dict[str, set[str]] = {"parameter": set(), "module": set(), "buffer": set()}
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
+    # Edges that only read a size (``x.shape``) do not build the table from their source.
+    for current in ops.reachable(node, ops.tensor_inputs):
         if current.op == "get_attr" and not str(current.target).startswith(CONSTANT_PREFIX):
             target = str(current.target)
             found["parameter" if target in parameters else "buffer"].add(target)
         elif current.op == "call_module":
             found["module"].add(str(current.target))
-        # Edges that only read a size (``x.shape``) do not build the table from their source.
-        stack.extend(n for n in current.all_input_nodes if n.meta.get("carries_tensor", True))
     # Modules that compute a table together (an MLP over coordinates) are named by their parent.
     modules = [ops.common_path(sorted(found["module"]))] if found["module"] else []
     return sorted(found["parameter"]) + [m for m in modules if m] + sorted(found["buffer"])
@@ -165,17 +158,7 @@ def _positional_attention(gm: fx.GraphModule, table: fx.Node) -> fx.Node | None:
     alone (ConViT's gated positional self-attention: a softmax over a projection of the
     relative positions, blended with the token attention), not a table the tokens' rows can be
     picked from. Only the table's own ancestors are searched: none of them reads the image."""
-    seen: set[fx.Node] = set()
-    stack = [table]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if ops.is_softmax(node, gm):
-            return node
-        stack.extend(n for n in node.all_input_nodes if n.meta.get("carries_tensor", True))
-    return None
+    return next((n for n in ops.reachable(table, ops.tensor_inputs) if ops.is_softmax(n, gm)), None)
 
 
 def _pair_source(softmax: fx.Node, counts: set[int]) -> fx.Node | None:
@@ -185,19 +168,13 @@ def _pair_source(softmax: fx.Node, counts: set[int]) -> fx.Node | None:
     (1, N, N, 3)). Gathered there, every op after it (the projection, the expand over the
     images, the softmax over the kept keys) computes the positional attention of the kept
     tokens, as it would for an image of those tokens alone."""
-    seen: set[fx.Node] = set()
-    stack = [softmax]
-    sources = []
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        inputs = [n for n in node.all_input_nodes if n.meta.get("carries_tensor", True)]
-        shape = ops.shape(node)
-        if not inputs and shape is not None and pair_dims(shape, counts) is not None:
-            sources.append(node)
-        stack.extend(inputs)
+    sources = [
+        node
+        for node in ops.reachable(softmax, ops.tensor_inputs)
+        if not ops.tensor_inputs(node)
+        and (shape := ops.shape(node)) is not None
+        and pair_dims(shape, counts) is not None
+    ]
     return sources[0] if len(sources) == 1 else None
 
 

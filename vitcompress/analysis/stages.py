@@ -187,16 +187,13 @@ def exit_bypass(out: fx.Node, end: fx.Node, exit_grid: fx.Node | None, anc: Ance
     (which gets the full grid back when tokens were reduced): the module path of the first op
     on such a path, else ``None``. Hiera pools its unrolled tokens by a view over their order
     there; reduced tokens would make that pooling wrong, or crash it."""
-    reached: set[fx.Node] = set()
-    frontier = [out]
-    while frontier:
-        node = frontier.pop()
-        for user in node.users:
-            if user is exit_grid or user in reached or not user.meta.get("carries_tensor", True):
-                continue
-            reached.add(user)
-            if user is not end:
-                frontier.append(user)
+
+    def onward(node: fx.Node) -> list[fx.Node]:
+        if node is end:
+            return []
+        return [u for u in node.users if u is not exit_grid and u.meta.get("carries_tensor", True)]
+
+    reached = set(ops.reachable(out, onward)) - {out}
     if end not in reached:
         return None
     to_exit = [n for n in reached if exit_grid is not None and anc.is_ancestor(n, exit_grid)]

@@ -62,21 +62,14 @@ def full_window_reads(
 
 def _only_guards(node: fx.Node) -> bool:
     """Whether ``node`` leads to nothing but ``torch._assert`` calls, through no tensor."""
-    seen: set[fx.Node] = set()
-    frontier = [node]
-    while frontier:
-        current = frontier.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current.meta.get("is_tensor"):
-            return False
-        if not current.users and not (
-            current.op == "call_function" and current.target is torch._assert
-        ):
-            return False
-        frontier.extend(current.users)
-    return True
+    return not any(
+        current.meta.get("is_tensor")
+        or (
+            not current.users
+            and not (current.op == "call_function" and current.target is torch._assert)
+        )
+        for current in ops.reachable(node, lambda n: n.users)
+    )
 
 
 def _product_factors(node: object, reads: list[fx.Node]) -> list[fx.Node] | None:
@@ -155,18 +148,13 @@ def global_query(
 
 def _reads_values_of(node: fx.Node, source: fx.Node) -> bool:
     """Whether ``node`` depends on ``source``'s values, not on its shape alone."""
-    seen, frontier = {node}, [node]
-    while frontier:
-        current = frontier.pop()
-        if current is source:
-            return True
+
+    def values_read(current: fx.Node) -> list[fx.Node]:
         if current.op == "call_function" and current.target is getattr:
-            continue  # x.shape: the sizes, not the values
-        for parent in current.all_input_nodes:
-            if parent not in seen:
-                seen.add(parent)
-                frontier.append(parent)
-    return False
+            return []  # x.shape: the sizes, not the values
+        return current.all_input_nodes
+
+    return any(current is source for current in ops.reachable(node, values_read))
 
 
 def query_path(query: fx.Node, core: AttentionCore, by_name: dict[str, fx.Node]) -> set[fx.Node]:
