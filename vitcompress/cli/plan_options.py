@@ -192,6 +192,18 @@ def _first_wins(first: tuple[str, ...], second: tuple[str, ...], conflict: str) 
     raise PlanError(conflict)
 
 
+def kept_multiple_option(help_text: str) -> Callable[[Callable], Callable]:
+    """``--kept-multiple N`` (``kept_multiple``: ``None`` or N >= 1), said as ``help_text``."""
+    return click.option(
+        "--kept-multiple",
+        "kept_multiple",
+        default=None,
+        type=click.IntRange(min=1),
+        metavar="N",
+        help=help_text,
+    )
+
+
 def variant_args_option(command: Callable) -> Callable:
     """``--variant-arg KEY=VALUE`` (repeatable) next to a command's ``--variant``: the method's own
     settings (``vitcompress.variants.variant_settings``), values read as Python literals. The
@@ -210,15 +222,10 @@ def variant_args_option(command: Callable) -> Callable:
         help="A setting of the chosen variant, repeatable (tome: r=8, the tokens merged in every "
         "block, in place of --keep). `vitcompress variants` lists each method's settings.",
     )(command)
-    command = click.option(
-        "--kept-multiple",
-        "kept_multiple",
-        default=None,
-        type=click.IntRange(min=1),
-        metavar="N",
-        help="Round the tokens present after each location (prefix tokens included) to the "
-        "nearest multiple of N the method can keep (8: tensor-core tiles); the same as "
-        "--variant-arg kept_multiple=N, recorded with the plan.",
+    command = kept_multiple_option(
+        "Round the tokens present after each location (prefix tokens included) to the nearest "
+        "multiple of N the method can keep (8: tensor-core tiles); the same as --variant-arg "
+        "kept_multiple=N, recorded with the plan."
     )(command)
 
     @functools.wraps(command)

@@ -8,6 +8,7 @@ from rich.table import Table
 from vitcompress.cli.app import cli, console, emit_json, json_option, print_table
 from vitcompress.cli.data_options import data_options
 from vitcompress.cli.options import model_options, output_option, timing_options
+from vitcompress.cli.plan_options import kept_multiple_option
 from vitcompress.measure.models import TimingOptions
 from vitcompress.workflows.inputs import DataRequest, ModelRequest
 from vitcompress.workflows.search_run import Calibration, SearchSpace, search_model
@@ -95,14 +96,10 @@ def _keep_grid(ctx: click.Context, param: click.Parameter, value: str | None):
     type=click.IntRange(min=0),
     help="Predictor warm-up steps per learned candidate (dtps, dynamicvit).",
 )
-@click.option(
-    "--kept-multiple",
-    default=None,
-    type=click.IntRange(min=1),
-    metavar="N",
-    help="Round every candidate's tokens after each location (prefix tokens included) to the "
-    "nearest multiple of N its method can keep, as apply --kept-multiple does (8: tensor-core "
-    "tiles); costed, scored and written to plan.yaml rounded.",
+@kept_multiple_option(
+    "Round every candidate's tokens after each location (prefix tokens included) to the nearest "
+    "multiple of N its method can keep, as apply --kept-multiple does (8: tensor-core tiles); "
+    "costed, scored and written to plan.yaml rounded."
 )
 @click.option("--seed", default=0, show_default=True, type=int)
 @timing_options
