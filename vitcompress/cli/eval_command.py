@@ -4,6 +4,8 @@ optionally against a reference (argmax agreement)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import click
 from rich.table import Table
@@ -97,12 +99,7 @@ def eval_command(
     if is_onnx_path(model.spec):
         _refuse_with_onnx(ctx, model, task, base, bounds)
         onnx_result = eval_onnx(model.spec, data, loader, reference, val_images, progress)
-        if as_json:
-            emit_json(onnx_result.to_json())
-        else:
-            _print_onnx_result(onnx_result)
-        for note in onnx_result.notes:
-            click.echo(note, err=True)
+        _report(onnx_result, _print_onnx_result, as_json)
         return
     if reference is not None:
         raise ModelLoadError(
@@ -110,14 +107,19 @@ def eval_command(
             "models use --base"
         )
     result = eval_model(model, data, base, loader, timing, bounds, task, val_images, progress)
+    _report(result, _print_result, as_json)
+    finish_gates(result.gates, as_json)
+
+
+def _report(result: Any, print_result: Callable[[Any], None], as_json: bool) -> None:
+    """The result as JSON or printed, then its notes on stderr: after the report (a failed run
+    has one error line only), before any gate failure."""
     if as_json:
         emit_json(result.to_json())
     else:
-        _print_result(result)
-    # After the report (a failed run has one error line only), before any gate failure.
+        print_result(result)
     for note in result.notes:
         click.echo(note, err=True)
-    finish_gates(result.gates, as_json)
 
 
 def _refuse_with_onnx(
