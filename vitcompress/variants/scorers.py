@@ -22,7 +22,7 @@ from vitcompress.variants.placement import (
 )
 
 if TYPE_CHECKING:
-    from vitcompress.variants.protocols import Block, ModelMap, Plan
+    from vitcompress.variants.protocols import ModelMap, Plan
 
 
 @dataclass(frozen=True)
@@ -84,12 +84,11 @@ class PredictorScorer(Scorer):
         another model than the one served."""
         found = keys_from_an_earlier_stage(model_map, plan)
         if found is not None:
-            block, first = found
+            where, first = found
             return (
-                f"block {block.index} ({block.path}) attends over {block.attention.key_tokens} "
-                f"keys from an earlier stage, which {plan.variant}'s training path cannot mask "
-                f"after the reduction at block {first}: fine-tuning would attend to pruned "
-                f"tokens, so {plan.variant} is refused; use a method scored by attention"
+                f"{where}, which {plan.variant}'s training path cannot mask after the reduction "
+                f"at block {first}: fine-tuning would attend to pruned tokens, so "
+                f"{plan.variant} is refused; use a method scored by attention"
             )
         return None
 
@@ -137,10 +136,10 @@ class AttentionScorer(Scorer):
         return None
 
 
-def keys_from_an_earlier_stage(model_map: ModelMap, plan: Plan) -> tuple[Block, int] | None:
+def keys_from_an_earlier_stage(model_map: ModelMap, plan: Plan) -> tuple[str, int] | None:
     """The first block from the plan's first location on that attends over more keys than it has
-    tokens, taken from an earlier stage (CaiT's class attention over the patch tokens), with that
-    first location's block; ``None`` where there is none. Such a block lies outside what a
+    tokens, taken from an earlier stage (CaiT's class attention over the patch tokens), said as
+    the start of a refusal, with that first location's block; ``None`` where there is none. Such a block lies outside what a
     reduction keeps track of (its training mask, ToMe's sizes). A windowed block's keys are its
     window's (a padded window may hold more slots than its grid has tokens), and it gives every
     token back itself: never one."""
@@ -152,7 +151,8 @@ def keys_from_an_earlier_stage(model_map: ModelMap, plan: Plan) -> tuple[Block, 
         if block.windows is not None:
             continue
         if block.stage != first.stage and keys is not None and keys > block.tokens:
-            return block, first.block
+            where = f"block {block.index} ({block.path}) attends over {keys} keys"
+            return f"{where} from an earlier stage", first.block
     return None
 
 

@@ -213,11 +213,10 @@ class TokenMerging(Variant):
                 )
         found = keys_from_an_earlier_stage(model_map, plan)
         if found is not None:
-            block, first = found
+            where, first = found
             return (
-                f"block {block.index} ({block.path}) attends over {block.attention.key_tokens} "
-                f"keys from an earlier stage, merged from block {first} on, without their "
-                "sizes: proportional attention cannot reach it, so tome is refused"
+                f"{where}, merged from block {first} on, without their sizes: proportional "
+                "attention cannot reach it, so tome is refused"
             )
         return None
 
