@@ -32,6 +32,7 @@ from vitcompress.analysis import ops
 from vitcompress.analysis.capture import CapturedGraph
 from vitcompress.analysis.cores import (
     Ancestry,
+    GraphFacts,
     Residual,
     find_attention_cores,
     find_residuals,
@@ -135,6 +136,10 @@ class _Analysis:
     def by_name(self) -> dict[str, fx.Node]:
         return self.anc.by_name
 
+    @property
+    def facts(self) -> GraphFacts:
+        return GraphFacts(self.gm, self.captured.example, self.image_batch, self.anc)
+
     def cores_in(self, residual: Residual) -> list[AttentionCore]:
         """Attention over the residual's tokens: a softmax over channels (XCiT's C x C
         cross-covariance attention) mixes no tokens and is not a token-attention core."""
@@ -157,9 +162,7 @@ def _refuse_batched_windows(s: _Analysis) -> None:
 def _take_factorised_blocks(s: _Analysis) -> None:
     """Factorised attention (TimeSformer's): each block one window whose attention part runs
     whole; its cores are no one's else."""
-    s.factorised, factorised_cores = find_factorised_blocks(
-        s.gm, s.captured.example, s.cores, s.residuals, s.image_batch, s.anc
-    )
+    s.factorised, factorised_cores = find_factorised_blocks(s.facts, s.cores, s.residuals)
     s.cores = [c for c in s.cores if c.node not in factorised_cores]
 
 
@@ -191,12 +194,9 @@ def _find_windowed(s: _Analysis) -> None:
     whole grid whose tokens pass through the grid's layout on the way in (HF Swin's last stage):
     one window, where the window analysis confirms it; a core it cannot confirm stays a plain
     block, as before."""
-    example = s.captured.example
     try:
         if s.windowed_cores:
-            s.windowed = find_windowed_blocks(
-                s.gm, example, s.windowed_cores, s.residuals, s.image_batch, s.anc
-            )
+            s.windowed = find_windowed_blocks(s.facts, s.windowed_cores, s.residuals)
     except WindowError as e:
         raise MappingError(str(e)) from None
     for core in s.cores:
@@ -207,7 +207,7 @@ def _find_windowed(s: _Analysis) -> None:
         ):
             continue
         try:
-            one = find_windowed_blocks(s.gm, example, [core], s.residuals, s.image_batch, s.anc)
+            one = find_windowed_blocks(s.facts, [core], s.residuals)
         except WindowError:
             continue
         s.windowed += one

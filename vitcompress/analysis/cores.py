@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.fx as fx
-from torch import nn
+from torch import Tensor, nn
 
 from vitcompress.analysis import ops
 from vitcompress.analysis.model_map import AttentionCore, KeyPool
@@ -53,6 +53,17 @@ class Ancestry:
             for n in self.nodes[lo + 1 : hi]
             if self.is_ancestor(start, n) and self.is_ancestor(n, end)
         ]
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """The captured graph as the block passes read it: the module, the example it was captured
+    with, the image batch (the leading dim of the image's tensor) and the nodes' ancestry."""
+
+    gm: fx.GraphModule
+    example: Tensor
+    image_batch: int
+    anc: Ancestry
 
 
 def find_attention_cores(gm: fx.GraphModule) -> list[AttentionCore]:

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch import Tensor
 
 from vitcompress.analysis import ops
-from vitcompress.analysis.cores import Ancestry, Residual
+from vitcompress.analysis.cores import Ancestry, GraphFacts, Residual
 from vitcompress.analysis.index_run import IndexRun, grid_index, run_indices
 from vitcompress.analysis.model_map import AttentionCore
 from vitcompress.analysis.window_map import WholeAttention, Windows
@@ -29,17 +28,13 @@ from vitcompress.analysis.windows import WindowedBlock, closes_no_residual, wind
 
 
 def find_factorised_blocks(
-    gm: fx.GraphModule,
-    example: Tensor,
-    cores: list[AttentionCore],
-    residuals: list[Residual],
-    image_batch: int,
-    anc: Ancestry,
+    graph: GraphFacts, cores: list[AttentionCore], residuals: list[Residual]
 ) -> tuple[list[WindowedBlock], set[str]]:
     """Every MLP residual on (B, N, C) tokens whose attention part (the cores after the previous
     MLP residual that reach its input) is two or more attentions over differently batched
     windows, none closed by a residual add of its own; each as a block of one window. Returns
     the blocks and the nodes of the attention cores they hold."""
+    gm, example, image_batch, anc = graph.gm, graph.example, graph.image_batch, graph.anc
     found = _factorised_groups(gm, cores, residuals, image_batch, anc)
     # Where each block's scoring attention holds its tokens: one index run for all the blocks.
     # The last attention before each MLP (TimeSformer's space attention) scores.

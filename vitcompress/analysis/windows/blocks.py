@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from vitcompress.analysis import ops
-from vitcompress.analysis.cores import Ancestry, Residual
+from vitcompress.analysis.cores import Ancestry, GraphFacts, Residual
 from vitcompress.analysis.index_run import IndexRun, grid_index, run_indices
 from vitcompress.analysis.model_map import AttentionCore
 from vitcompress.analysis.positions import find_position_uses
@@ -73,14 +73,10 @@ class _Paired:
 
 
 def find_windowed_blocks(
-    gm: fx.GraphModule,
-    example: Tensor,
-    cores: list[AttentionCore],
-    residuals: list[Residual],
-    image_batch: int,
-    anc: Ancestry,
+    graph: GraphFacts, cores: list[AttentionCore], residuals: list[Residual]
 ) -> list[WindowedBlock]:
     """Map every windowed core's block with its window order, or raise :class:`WindowError`."""
+    gm, example, image_batch, anc = graph.gm, graph.example, graph.image_batch, graph.anc
     paired = [_pair(gm, core, residuals, image_batch, anc) for core in cores]
     dtype = torch.float64 if example.dtype == torch.float64 else torch.float32
     seeds: dict[fx.Node, Tensor] = {}
