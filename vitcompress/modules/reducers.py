@@ -16,7 +16,6 @@ They return ``(tokens, keep_mask, positions, trace)`` (ToMe's ``sizes`` before t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,44 +34,10 @@ from vitcompress.method import (
     split_by_score,
 )
 from vitcompress.method.restore import DELTA, NEEDS_HOST, VALUE
+from vitcompress.modules.fuse import TokenFuse
 from vitcompress.modules.predictor import ScorePredictor
 
 POLICIES = SELECTION_POLICIES  # the name other modules import
-
-
-class TokenFuse(Protocol):
-    """What a reducer asks of its method's fuse (``vitcompress.variants.fuses.Fuse``)."""
-
-    adds_token: bool
-    fused_kernel: bool
-    takes_pruned: bool
-    weighs_pruned: bool
-
-    def fuse(
-        self, prefix: Tensor, kept: Tensor, pruned: Tensor, pruned_scores: Tensor
-    ) -> tuple[Tensor, Tensor | None]: ...
-
-    def fuse_masked(self, patches: Tensor, host_mask: Tensor, donor_mask: Tensor) -> Tensor: ...
-
-    def kernel(
-        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int, setting: bool | None
-    ) -> tuple[Tensor, Tensor] | None: ...
-
-    def masked_hosts(self, patches: Tensor, host_mask: Tensor) -> Tensor | None: ...
-
-
-class MergeFuse(Protocol):
-    """What ``MergeReducer`` asks of ToMe's fuse: its fused op, where it runs."""
-
-    def merge_kernel(
-        self,
-        x: Tensor,
-        metric: Tensor,
-        sizes: Tensor | None,
-        r: int,
-        protected: int,
-        setting: bool | None,
-    ) -> tuple[Tensor, Tensor, Tensor] | None: ...
 
 
 @dataclass
@@ -346,7 +311,7 @@ class MergeReducer(RecordsAssignment, nn.Module):
     """
 
     def __init__(
-        self, prefix_tokens: int, r: int, keep: float | None = None, fuse: MergeFuse | None = None
+        self, prefix_tokens: int, r: int, keep: float | None = None, fuse: TokenFuse | None = None
     ) -> None:
         super().__init__()
         self.prefix_tokens = prefix_tokens

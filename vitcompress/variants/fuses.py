@@ -24,6 +24,7 @@ from vitcompress.method import (
     squeeze_masked,
 )
 from vitcompress.method.restore import DELTA, HOST, VALUE, ZERO
+from vitcompress.modules.fuse import TokenFuse
 from vitcompress.modules.reducers import Assignment
 
 # position -> the positions taken into it (squeezed or merged), as ``visualize`` draws them.
@@ -31,12 +32,11 @@ Hosts = dict[int, list[int]]
 
 
 @dataclass(frozen=True)
-class Fuse:
-    """The base: reduced tokens are dropped. ``label`` is for help texts and docs only."""
+class Fuse(TokenFuse):
+    """The base: reduced tokens are dropped (what a reducer asks of it, with those defaults, is
+    :class:`~vitcompress.modules.fuse.TokenFuse`). ``label`` is for help texts and docs only."""
 
     label: str = "dropped"
-    # Appends one token that stands on no grid position whenever it prunes (EViT's fused token).
-    adds_token: bool = False
     # How ``visualize``'s legend names the cells of a panel where tokens went into kept ones:
     # the kept token taken into (outlined), a token taken into it, a kept token that took none.
     legend: tuple[str, str, str] = (
@@ -46,56 +46,12 @@ class Fuse:
     )
     # A token taken in at one location stays in its host's group at the next (ToMe's merges).
     groups_grow: bool = False
-    takes_pruned: bool = True  # :meth:`fuse` reads the pruned tokens (else it gets them empty)
-    weighs_pruned: bool = False  # :meth:`fuse` reads the pruned tokens' scores (else empty)
     added_token_legend: str = ""  # the legend's line for the token it adds, where it adds one
     # How a token it removed comes back where the model reads tokens by position (dense outputs,
     # grid ops; method/restore.py): the rules that apply, and the default (docs/dense.md has the
     # measurements that chose it). A drop has no host, so only its own value or zeros.
     restore_rules: tuple[str, ...] = (VALUE, ZERO)
     restore_default: str = VALUE
-
-    @property
-    def fused_kernel(self) -> bool:
-        """Whether the reduction runs as one fused op at inference (select -> gather -> fuse,
-        or ToMe's matching and merge; ``vitcompress.kernels``)."""
-        kind = type(self)
-        return kind.kernel is not Fuse.kernel or kind.merge_kernel is not Fuse.merge_kernel
-
-    def fuse(
-        self, prefix: Tensor, kept: Tensor, pruned: Tensor, pruned_scores: Tensor
-    ) -> tuple[Tensor, Tensor | None]:
-        """``(tokens, host_index)``: the tokens after the location (prefix first) and, where each
-        pruned token went into one kept token, its index among ``kept`` (B, pruned)."""
-        return torch.cat([prefix, kept], dim=1), None
-
-    def fuse_masked(self, patches: Tensor, host_mask: Tensor, donor_mask: Tensor) -> Tensor:
-        """Training with a keep mask (nothing dropped): the patch tokens after the location."""
-        return patches
-
-    def kernel(
-        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int, setting: bool | None
-    ) -> tuple[Tensor, Tensor] | None:
-        """The fused op's ``(tokens, keep_index)``, or ``None`` where it does not run for the
-        reducer's switch ``setting`` (``vitcompress.kernels.kernel_runs``) or does not exist."""
-        return None
-
-    def merge_kernel(
-        self,
-        x: Tensor,
-        metric: Tensor,
-        sizes: Tensor | None,
-        r: int,
-        protected: int,
-        setting: bool | None,
-    ) -> tuple[Tensor, Tensor, Tensor] | None:
-        """ToMe's fused op's ``(tokens, sizes, index)``, or ``None``, as :meth:`kernel`."""
-        return None
-
-    def masked_hosts(self, patches: Tensor, host_mask: Tensor) -> Tensor | None:
-        """While a predictor trains: each token's host among the N (B, N), for a restore by the
-        host; ``None`` when this fuse gives tokens no host."""
-        return None
 
     def macs(self, removed: int, kept: int, dim: int) -> float:
         """The MACs of fusing ``removed`` tokens into ``kept`` ones of width ``dim``."""

@@ -149,9 +149,8 @@ def base_cfg(**kwargs: Any) -> dict[str, Any]:
     }
 
 
-class GridClassifier(nn.Module):
-    """What both families' classifiers share: timm's classifier accessors and
-    ``forward = forward_head(forward_features(x))``."""
+class LinearHead(nn.Module):
+    """timm's accessors of a model whose head is one linear layer on ``num_features``."""
 
     num_classes: int
     num_features: int
@@ -164,6 +163,11 @@ class GridClassifier(nn.Module):
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         self.num_classes = num_classes
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+
+class GridClassifier(LinearHead):
+    """What both pyramid families' classifiers share: the head's accessors and
+    ``forward = forward_head(forward_features(x))``."""
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -26,7 +26,13 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from vitcompress.zoo._common import base_cfg, drop_path_rates, init_weights, require_weight_source
+from vitcompress.zoo._common import (
+    LinearHead,
+    base_cfg,
+    drop_path_rates,
+    init_weights,
+    require_weight_source,
+)
 
 __all__ = ["Segmenter"]
 
@@ -48,7 +54,7 @@ class PatchEmbed(nn.Module):
         return self.proj(x).flatten(2).transpose(1, 2)
 
 
-class Segmenter(nn.Module):
+class Segmenter(LinearHead):
     """ViT encoder + linear decoder; ``forward`` returns (B, num_classes, H, W) logits."""
 
     def __init__(
@@ -102,14 +108,6 @@ class Segmenter(nn.Module):
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "cls_token"}
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.embed_dim, num_classes)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)
