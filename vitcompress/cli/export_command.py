@@ -25,12 +25,8 @@ from vitcompress.cli.options import (
     warmup_option,
 )
 from vitcompress.workflows.export import DEFAULT_OPSET, DTYPES, FORMATS
-from vitcompress.workflows.export_run import (
-    ExportResult,
-    ExportSettings,
-    ExportTiming,
-    export_request,
-)
+from vitcompress.workflows.export_bench import ExportTiming
+from vitcompress.workflows.export_run import ExportResult, ExportSettings, export_request
 from vitcompress.workflows.inputs import DataRequest, ModelRequest
 from vitcompress.workflows.onnx_quantize import DEFAULT_CALIBRATION_IMAGES, QUANTIZE_MODES
 

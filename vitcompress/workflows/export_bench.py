@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,10 @@ from torch import nn
 
 from vitcompress.artifacts.fingerprint import eval_mode
 from vitcompress.measure import RoundProgress, ThroughputReport, measure_callables, paired_ratio
+from vitcompress.measure.models import show_round
 from vitcompress.measure.onnx_runtime import onnx_runner, onnxruntime_version
 from vitcompress.measure.throughput import thread_choice
+from vitcompress.status import warn
 
 RUNTIMES = ("pytorch", "onnxruntime")
 
@@ -64,6 +67,43 @@ def _runners(
             runners[runner_name("pytorch", name)] = eager
         runners[runner_name("onnxruntime", name)] = onnx_runner(path, batch, threads)
     return runners
+
+
+@dataclass(frozen=True)
+class ExportTiming:
+    """``export --bench``: warm-up rounds, timed rounds at most, and the time budget."""
+
+    warmup: int = 3
+    runs: int = 10
+    seconds: float = 60.0
+
+
+def bench_timed(
+    models: Mapping[str, nn.Module],
+    onnx_files: Mapping[str, str | Path],
+    input_size: tuple[int, ...],
+    reference: str,
+    batch_size: int,
+    timing: ExportTiming,
+    also_paired: Sequence[tuple[str, str]] = (),
+) -> dict[str, Any]:
+    """:func:`bench_exported` as ``export --bench`` runs it: ``timing``'s rounds, each round
+    shown as it ends, each warning of the measurement said."""
+    timed = bench_exported(
+        models,
+        onnx_files,
+        input_size,
+        reference,
+        batch_size,
+        timing.warmup,
+        timing.runs,
+        timing.seconds,
+        on_round=show_round,
+        also_paired=also_paired,
+    )
+    for text in timed["warnings"]:
+        warn(text)
+    return timed
 
 
 def bench_exported(

@@ -23,11 +23,10 @@ import torch
 from torch import nn
 
 from vitcompress.loading import LoadedModel
-from vitcompress.measure.models import show_round
 from vitcompress.measure.onnx_runtime import onnx_session
-from vitcompress.status import step, warn
+from vitcompress.status import step
 from vitcompress.workflows.export import ExportError
-from vitcompress.workflows.export_bench import bench_exported
+from vitcompress.workflows.export_bench import ExportTiming, bench_timed
 from vitcompress.workflows.inputs import DataRequest
 from vitcompress.workflows.onnx_file import onnx_op_audit, onnx_static_shapes
 from vitcompress.workflows.onnx_quantize import (
@@ -194,7 +193,7 @@ class QuantizedExport:
         quantized["check"] = compare_files(fp32_path, int8_path, images)
         return written | {"quantize": quantized}
 
-    def bench(self, warmup: int, runs: int, seconds: float | None) -> dict[str, Any]:
+    def bench(self, timing: ExportTiming) -> dict[str, Any]:
         """The four files timed in onnxruntime, interleaved; speed-ups over the float32 base and
         the int8 compressed file over the int8 base."""
         batch_size = self.settings.batch_size
@@ -205,20 +204,15 @@ class QuantizedExport:
         with step(
             f"timing float32 and int8, base and compressed, in onnxruntime (batch {batch_size})"
         ):
-            timed = bench_exported(
+            timed = bench_timed(
                 {},
                 files,
                 self.loaded.input_size,
-                reference=FP32_BASE,
-                batch_size=batch_size,
-                warmup=warmup,
-                runs=runs,
-                seconds=seconds,
-                on_round=show_round,
+                FP32_BASE,
+                batch_size,
+                timing,
                 also_paired=[(INT8_COMPRESSED, INT8_BASE)],
             )
-        for text in timed["warnings"]:
-            warn(text)
         return timed | {"base_quantize": self.base_summary}
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from vitcompress.loading import LoadedModel, ModelLoadError
-from vitcompress.measure.models import base_for_timing, show_round
+from vitcompress.measure.models import base_for_timing
 from vitcompress.status import step, warn
 from vitcompress.workflows.export import ExportError, export_model
-from vitcompress.workflows.export_bench import bench_exported
+from vitcompress.workflows.export_bench import ExportTiming, bench_timed
 from vitcompress.workflows.export_int8 import (
     QuantizedExport,
     QuantizeSettings,
@@ -69,15 +69,6 @@ class ExportSettings:
             self.calibration_images or DEFAULT_CALIBRATION_IMAGES,
             lambda model, path: self.export(loaded, model, path, "onnx"),
         )
-
-
-@dataclass(frozen=True)
-class ExportTiming:
-    """``export --bench``: warm-up rounds, timed rounds at most, and the time budget."""
-
-    warmup: int = 3
-    runs: int = 10
-    seconds: float = 60.0
 
 
 @dataclass
@@ -141,7 +132,7 @@ def export_request(
         if not result.serving.passed:
             warn(result.serving.text())
     if quantized is not None and timing is not None:
-        result.bench = quantized.bench(timing.warmup, timing.runs, timing.seconds)
+        result.bench = quantized.bench(timing)
     elif base is not None and timing is not None:
         result.bench = _bench(loaded, base, settings, timing)
     return result
@@ -167,17 +158,12 @@ def _bench(
     with step(
         f"timing base and compressed in pytorch and onnxruntime (batch {settings.batch_size})"
     ):
-        timed = bench_exported(
+        timed = bench_timed(
             {"base": base.model, "compressed": loaded.model},
             {"base": base_out, "compressed": out},
             loaded.input_size,
-            reference="base",
-            batch_size=settings.batch_size,
-            warmup=timing.warmup,
-            runs=timing.runs,
-            seconds=timing.seconds,
-            on_round=show_round,
+            "base",
+            settings.batch_size,
+            timing,
         )
-    for text in timed["warnings"]:
-        warn(text)
     return timed | {"base_export": base_export}
