@@ -10,10 +10,8 @@ functions with numpy semantics) and its speed.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -23,48 +21,23 @@ from torch import nn
 import vitcompress
 from tests.models import timm_small
 from tests.test_positions import sharpen
+from tests.triton_interpreted import KERNELS, interpreted_module
 from vitcompress.kernels import enable_fused_kernels, select_squeeze_reference
 
 SIZE = (3, 32, 32)
-_MODULE = Path(vitcompress.__file__).parent / "kernels" / "triton_select_squeeze.py"
-
-
-def _is_triton_python(name: str) -> bool:
-    """Triton's Python modules (its compiled ``triton._C`` cannot be imported twice)."""
-    return (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")
-
-
-def _load_interpreted() -> ModuleType:
-    """The kernel module loaded afresh, with its own copy of Triton's Python modules, under
-    ``TRITON_INTERPRET=1``. Triton picks the interpreter when a function is decorated, its own
-    library functions (``tl.max``, ``tl.sum``) included, and torch imports Triton at start-up
-    (``torch.utils.flop_counter``): a copy made now interprets them all. The copy is taken out
-    of ``sys.modules`` again, so everything else keeps the Triton it had."""
-    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if _is_triton_python(name)}
-    try:
-        spec = importlib.util.spec_from_file_location("_interpreted_select_squeeze", _MODULE)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        for name in [name for name in sys.modules if _is_triton_python(name)]:
-            del sys.modules[name]
-        sys.modules.update(saved)
+_MODULE = KERNELS / "triton_select_squeeze.py"
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> Iterator[ModuleType]:
     """The kernel module under Triton's interpreter; the package's module is left as it is."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed: the CUDA kernel cannot be interpreted here")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        try:
-            module = _load_interpreted()
-            module.select_squeeze_triton(torch.randn(1, 3, 4), torch.randn(1, 3), 0, 2, True)
-        except Exception as error:  # noqa: BLE001 - whatever stops the interpreter here
-            pytest.skip(f"Triton's interpreter cannot run a kernel on CPU tensors here: {error}")
-        yield module
+    yield from interpreted_module(
+        _MODULE,
+        "_interpreted_select_squeeze",
+        lambda module: module.select_squeeze_triton(
+            torch.randn(1, 3, 4), torch.randn(1, 3), 0, 2, True
+        ),
+    )
 
 
 def _sharpened_tokens(batch: int, prefix: int, patches: int, channels: int) -> torch.Tensor:
@@ -170,12 +143,13 @@ def test_a_compressed_model_on_the_kernel_gives_the_methods_logits(
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_the_op_has_a_cuda_kernel_and_importing_it_loads_no_triton_kernel_module() -> None:
-    """The Triton module is imported by the op's CUDA implementation when it first runs: a
-    CPU-only process that uses the kernels never loads it."""
+def test_the_ops_have_cuda_kernels_and_importing_them_loads_no_triton_kernel_module() -> None:
+    """The Triton modules are imported by the ops' CUDA implementations when they first run: a
+    CPU-only process that uses the kernels never loads them."""
     import vitcompress.kernels  # noqa: F401 - registers the ops
 
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     assert has_kernel("vitcompress::select_squeeze", "CUDA")
-    assert not has_kernel("vitcompress::tome_merge", "CUDA")
+    assert has_kernel("vitcompress::tome_merge", "CUDA")
     assert "vitcompress.kernels.triton_select_squeeze" not in sys.modules
+    assert "vitcompress.kernels.triton_tome_merge" not in sys.modules

@@ -1,7 +1,8 @@
 """The fused ops: ``vitcompress::select_squeeze`` (select -> gather -> squeeze, dTPS, eTPS and
 DynamicViT) and ``vitcompress::tome_merge`` (ToMe's matching and merge), each one C++ kernel on
-the CPU at inference; ``select_squeeze`` also has a CUDA implementation in Triton
-(``kernels/triton_select_squeeze.py``, imported on its first CUDA call only).
+the CPU at inference; both also have a CUDA implementation in Triton
+(``kernels/triton_select_squeeze.py``, ``kernels/triton_tome_merge.py``, each imported on its
+op's first CUDA call only).
 
 :func:`select_squeeze_reference` and :func:`tome_merge_reference` are the same computations from
 the method's functions; the kernels must equal them. The kernels serve inference only: they have
@@ -183,7 +184,7 @@ def _select_squeeze_cuda(
 
 
 def triton_available() -> bool:
-    """Whether Triton is installed (found, not imported): the CUDA kernel of select_squeeze."""
+    """Whether Triton is installed (found, not imported): the ops' CUDA kernels."""
     return importlib.util.find_spec("triton") is not None
 
 
@@ -255,6 +256,16 @@ def _tome_merge_op(
         )
 
 
+@_tome_merge_op.register_kernel("cuda")
+def _tome_merge_cuda(
+    x: Tensor, metric: Tensor, sizes: Tensor | None, r: int, protected: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    # Imported here: a CPU-only install never imports Triton for the kernels.
+    from vitcompress.kernels.triton_tome_merge import tome_merge_triton
+
+    return tome_merge_triton(x, metric, sizes, r, protected)
+
+
 @_tome_merge_op.register_fake
 def _(
     x: Tensor, metric: Tensor, sizes: Tensor | None, r: int, protected: int
@@ -281,9 +292,12 @@ def tome_merge(
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """ToMe's step on ``x`` (B, t, C) by ``metric`` (B, t, D), ``sizes`` (B, t) or ``None`` (all
     1): ``(tokens, sizes, index)`` as :func:`tome_merge_reference`; ``None`` where the clamped
-    ``r`` merges nothing (the tokens pass as they came)."""
-    if x.device.type != "cpu":
-        raise FusedKernelError(f"the fused kernels run on the CPU only, not on {x.device}")
+    ``r`` merges nothing (the tokens pass as they came). On the CPU the C++ kernel, on CUDA the
+    Triton one (where Triton is installed)."""
+    if x.device.type != "cpu" and not (x.device.type == "cuda" and triton_available()):
+        raise FusedKernelError(
+            f"tome_merge runs on the CPU only, or on CUDA with Triton installed; not on {x.device}"
+        )
     r = merge_count(x.shape[1], r, protected)
     if r == 0 or x.shape[1] < 2:
         return None
