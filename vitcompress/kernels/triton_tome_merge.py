@@ -56,6 +56,29 @@ _NORM_FLOOR = 1e-12  # the method's clamp_min on a metric row's norm
 
 
 @triton.jit
+def _weighted_row(x_ptr, sizes_ptr, b, t, tokens, channels, HAS_SIZES: tl.constexpr,
+                  BLOCK_C: tl.constexpr):  # fmt: skip
+    """Token ``t`` of image ``b`` times its size, in float32, and its size (1 without sizes)."""
+    if HAS_SIZES:
+        size = tl.load(sizes_ptr + b * tokens + t).to(tl.float32)
+    else:
+        size = 1.0
+    cols = tl.arange(0, BLOCK_C)
+    value = tl.load(x_ptr + (b * tokens + t) * channels + cols, mask=cols < channels)
+    return value.to(tl.float32) * size, size
+
+
+@triton.jit
+def _store_out(out_ptr, out_sizes_ptr, index_ptr, row, value, size, t, channels,
+               BLOCK_C: tl.constexpr):  # fmt: skip
+    """Output row ``row`` (over the batch): the token's value, its size and its index ``t``."""
+    cols = tl.arange(0, BLOCK_C)
+    tl.store(out_ptr + row * channels + cols, value, mask=cols < channels)
+    tl.store(out_sizes_ptr + row, size)
+    tl.store(index_ptr + row, t)
+
+
+@triton.jit
 def _split_kernel(
     x_ptr,
     metric_ptr,
@@ -87,14 +110,10 @@ def _split_kernel(
     tl.store(unit_ptr + (b * tokens + t) * width + dims, tl.div_rn(row, norm), mask=in_metric)
     if t % 2 == 1:
         pairs = tokens // 2
-        if HAS_SIZES:
-            size = tl.load(sizes_ptr + b * tokens + t).to(tl.float32)
-        else:
-            size = 1.0
         cols = tl.arange(0, BLOCK_C)
         in_row = cols < channels
-        value = tl.load(x_ptr + (b * tokens + t) * channels + cols, mask=in_row).to(tl.float32)
-        tl.store(sums_ptr + (b * pairs + t // 2) * channels + cols, value * size, mask=in_row)
+        weighted, size = _weighted_row(x_ptr, sizes_ptr, b, t, tokens, channels, HAS_SIZES, BLOCK_C)
+        tl.store(sums_ptr + (b * pairs + t // 2) * channels + cols, weighted, mask=in_row)
         tl.store(sum_sizes_ptr + b * pairs + t // 2, size)
 
 
@@ -160,14 +179,9 @@ def _merge_kernel(
     rows_out = tokens - r
     i = tl.load(order_ptr + b * evens + k)
     t = 2 * i
-    if HAS_SIZES:
-        size = tl.load(sizes_ptr + b * tokens + t).to(tl.float32)
-    else:
-        size = 1.0
     cols = tl.arange(0, BLOCK_C)
     in_row = cols < channels
-    value = tl.load(x_ptr + (b * tokens + t) * channels + cols, mask=in_row).to(tl.float32)
-    weighted = value * size
+    weighted, size = _weighted_row(x_ptr, sizes_ptr, b, t, tokens, channels, HAS_SIZES, BLOCK_C)
     if k < r:
         j = tl.load(best_b_ptr + b * evens + i).to(tl.int64)
         tl.atomic_add(sums_ptr + (b * pairs + j) * channels + cols, weighted, mask=in_row)
@@ -181,13 +195,9 @@ def _merge_kernel(
         # A protected a token keeps its sequence index (the protected tokens come first, in
         # order; none of them is merged: their -inf scores sort last); the others follow them.
         slot = tl.where(i < protected_a, t, protected + before - protected_a)
-        tl.store(
-            out_ptr + (b * rows_out + slot) * channels + cols,
-            tl.div_rn(weighted, size),
-            mask=in_row,
-        )
-        tl.store(out_sizes_ptr + b * rows_out + slot, size)
-        tl.store(index_ptr + b * rows_out + slot, t)
+        row = b * rows_out + slot
+        _store_out(out_ptr, out_sizes_ptr, index_ptr, row, tl.div_rn(weighted, size), size, t,
+                   channels, BLOCK_C)  # fmt: skip
 
 
 @triton.jit
@@ -215,12 +225,11 @@ def _finish_kernel(
     kept_a = (tokens + 1) // 2 - r
     slot = tl.where(t < protected, t, protected + (kept_a - protected_a) + (j - protected_b))
     cols = tl.arange(0, BLOCK_C)
-    in_row = cols < channels
     size = tl.load(sum_sizes_ptr + b * pairs + j)
-    sums = tl.load(sums_ptr + (b * pairs + j) * channels + cols, mask=in_row)
-    tl.store(out_ptr + (b * rows_out + slot) * channels + cols, tl.div_rn(sums, size), mask=in_row)
-    tl.store(out_sizes_ptr + b * rows_out + slot, size)
-    tl.store(index_ptr + b * rows_out + slot, t)
+    sums = tl.load(sums_ptr + (b * pairs + j) * channels + cols, mask=cols < channels)
+    row = b * rows_out + slot
+    _store_out(out_ptr, out_sizes_ptr, index_ptr, row, tl.div_rn(sums, size), size, t, channels,
+               BLOCK_C)  # fmt: skip
 
 
 def tome_merge_triton(

@@ -214,7 +214,6 @@ class ConvolutionalVisionTransformer(GridClassifier):
         # QuickGELU (x * sigmoid(1.702 x)) is what the original builds its released models with.
         act_layer = act_layer or QuickGELU
         norm_layer = norm_layer or partial(nn.LayerNorm, eps=1e-5)
-        self.num_classes = num_classes
         self.num_stages = len(depths)
         self.num_features = self.embed_dim = embed_dims[-1]
         self.use_cls_token = bool(cls_tokens[-1])
@@ -244,7 +243,7 @@ class ConvolutionalVisionTransformer(GridClassifier):
             cur += depths[i]
 
         self.norm = norm_layer(embed_dims[-1])
-        self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
+        self.reset_classifier(num_classes)  # the head, on num_features
         self.apply(init_weights)
 
     @torch.jit.ignore

@@ -110,7 +110,6 @@ class PyramidVisionTransformer(GridClassifier):
     ) -> None:
         super().__init__()
         norm_layer = norm_layer or partial(nn.LayerNorm, eps=1e-6)
-        self.num_classes = num_classes
         self.num_stages = len(depths)
         self.num_features = self.embed_dim = embed_dims[-1]
         self.num_prefix_tokens = 1
@@ -161,7 +160,7 @@ class PyramidVisionTransformer(GridClassifier):
 
         self.norm = norm_layer(embed_dims[-1])
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dims[-1]))
-        self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
+        self.reset_classifier(num_classes)  # the head, on num_features
 
         for i in range(self.num_stages):
             trunc_normal_(getattr(self, f"pos_embed{i + 1}"), std=0.02)

@@ -76,7 +76,6 @@ class Segmenter(LinearHead):
         super().__init__()
         if img_size % patch_size:
             raise ValueError(f"img_size {img_size} is not a multiple of patch_size {patch_size}")
-        self.num_classes = num_classes
         self.num_features = self.embed_dim = embed_dim
         self.patch_size = patch_size
         grid = img_size // patch_size
@@ -100,7 +99,7 @@ class Segmenter(LinearHead):
             ]
         )
         self.norm = nn.LayerNorm(embed_dim)
-        self.head = nn.Linear(embed_dim, num_classes)  # the linear decoder
+        self.reset_classifier(num_classes)  # the linear decoder
         trunc_normal_(self.pos_embed, std=0.02)
         trunc_normal_(self.cls_token, std=0.02)
         self.apply(init_weights)
