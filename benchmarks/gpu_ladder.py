@@ -277,6 +277,10 @@ def time_cell(cell: dict, built: dict, args: argparse.Namespace) -> tuple[list[d
                 if ideal is None
                 else paired_ratio(samples[method], samples[ideal]).median,
                 "ideal_img_per_s": None if ideal is None else report.results[ideal].median,
+                # The share of each batch spent issuing kernels (CUDA; null on the CPU): near 1,
+                # the number measures the host's launch rate (h200_bf16_spread.md).
+                "host_share": report.results[method].host_share,
+                "base_host_share": report.results[BASE].host_share,
                 "gmacs": built["gmacs"][method],
                 "base_gmacs": built["gmacs"][BASE],
                 "kept_multiple": args.kept_multiple,
@@ -339,7 +343,15 @@ def worker(args: argparse.Namespace) -> int:
 # The ladder: processes, medians, the JSON
 # ------------------------------------------------------------------------------------------------
 
-PER_PROCESS = ("img_per_s", "base_img_per_s", "speedup_vs_base", "of_ideal", "ideal_img_per_s")
+PER_PROCESS = (
+    "img_per_s",
+    "base_img_per_s",
+    "speedup_vs_base",
+    "of_ideal",
+    "ideal_img_per_s",
+    "host_share",
+    "base_host_share",
+)
 KEY = ("model", "method", "dtype", "batch", "mode")
 
 

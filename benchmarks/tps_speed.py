@@ -285,6 +285,7 @@ def gmacs(model: nn.Module) -> float:
 
 def part_overhead(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     locs = args.locs
+    torch.manual_seed(args.seed)  # every process times the same weights
     base = timm.create_model(args.model, pretrained=False).eval()
     depth = len(base.blocks)
     models: dict[str, nn.Module] = {}
@@ -446,6 +447,7 @@ def part_overhead(args: argparse.Namespace, log: Callable[[str], None]) -> dict[
 
 
 def part_headline(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    torch.manual_seed(args.seed)  # every process times the same weights
     small = timm.create_model("deit_small_patch16_224", pretrained=False).eval()
     tiny = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
     dtps = vitcompress.compress(
@@ -557,6 +559,7 @@ def profile(args: argparse.Namespace, variant: str) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    torch.manual_seed(args.seed)
     base = timm.create_model(args.model, pretrained=False).eval()
     models = {
         variant: vitcompress.compress(
@@ -608,6 +611,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    p.add_argument("--seed", type=int, default=0,
+                   help="torch.manual_seed before the models are built: fresh processes time "
+                   "the same weights (the reducers' matches depend on them)")  # fmt: skip
     p.add_argument(
         "--amp",
         choices=("bf16", "fp16"),

@@ -67,19 +67,24 @@ def test_cells_come_eager_first_then_bf16_then_the_batches_in_question(ladder) -
 
 
 def test_records_combine_as_the_median_of_the_processes(ladder) -> None:
-    def record(speedup: float, ideal: float | None) -> dict:
+    def record(speedup: float, ideal: float | None, host_share: float | None = None) -> dict:
         return {
             "model": "m", "method": "dtps", "dtype": "bf16", "batch": 8, "mode": "eager",
             "img_per_s": 100 * speedup, "base_img_per_s": 100.0, "speedup_vs_base": speedup,
             "of_ideal": ideal, "ideal_img_per_s": None if ideal is None else 120.0,
+            "host_share": host_share, "base_host_share": None if host_share is None else 0.5,
             "warnings": [],
         }  # fmt: skip
 
-    combined = ladder.combine([[record(0.8, 0.9)], [record(1.0, 0.95)], [record(1.3, 0.7)]])
+    combined = ladder.combine(
+        [[record(0.8, 0.9, 0.95)], [record(1.0, 0.95, 0.4)], [record(1.3, 0.7, 0.3)]]
+    )
     assert len(combined) == 1
     assert combined[0]["speedup_vs_base"] == 1.0
     assert combined[0]["speedup_vs_base_processes"] == [0.8, 1.0, 1.3]
     assert combined[0]["of_ideal"] == 0.9 and combined[0]["processes"] == 3
+    assert combined[0]["host_share"] == 0.4
+    assert combined[0]["host_share_processes"] == [0.95, 0.4, 0.3]
     (no_ideal,) = ladder.combine([[record(0.8, None)], [record(1.0, None)]])
     assert no_ideal["of_ideal"] is None and no_ideal["speedup_vs_base"] == pytest.approx(0.9)
 
@@ -101,6 +106,7 @@ def test_a_tiny_ladder_in_two_processes_writes_the_records(ladder, report, tmp_p
         assert r["processes"] == 2 and len(r["img_per_s_processes"]) == 2
         assert r["mode"] == "eager" and r["dtype"] == "fp32" and r["batch"] == 2
         assert r["speedup_vs_base"] > 0 and r["img_per_s"] > 0
+        assert r["host_share"] is None  # the CPU returns with the work done: no launch share
         # Swin has no ideal model; a plain ViT has.
         assert (r["of_ideal"] is None) == (r["model"] == "swin_tiny")
     tome = next(r for r in records if r["model"] == "deit_tiny" and r["method"] == "tome")

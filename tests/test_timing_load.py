@@ -62,6 +62,7 @@ def timings(monkeypatch: pytest.MonkeyPatch, rate_at: Mapping[int, float]) -> li
         schedule: _Schedule,
         synchronize: Callable[[], None],
         load_before: float | None = None,
+        asynchronous: bool = False,
     ) -> _Rounds:
         threads = torch.get_num_threads()
         passes.append(threads)

@@ -247,7 +247,11 @@ def measure_throughput(
                     lambda model=runnable[name]: forward(model), device
                 )
             rounds = _interleave(
-                runners, schedule, lambda: _synchronize(device), load_before=choice.load
+                runners,
+                schedule,
+                lambda: _synchronize(device),
+                load_before=choice.load,
+                asynchronous=device.type == "cuda",
             )
             if threads is None and device.type == "cpu":
                 choice, rounds = _check_starvation(choice, rounds, runners, schedule)
@@ -263,7 +267,7 @@ def measure_throughput(
         f"{graphs - 1} time{'s' if graphs > 2 else ''}, so part of it runs eagerly between them"
         for name, graphs in compiled_graphs.items()
         if graphs > 1
-    ]
+    ] + host_bound_warnings(rounds.host_shares)
     return rounds.report(
         environment(device, dtype, batch_size)
         | {
@@ -280,6 +284,27 @@ def measure_throughput(
         warnings + _thread_warnings(choice),
         threads=choice.threads,
     )
+
+
+# A batch whose forward takes longer to return than this share of its time is bound by the
+# host's kernel launches: the GPU waits for them, and its img/s follows the CPU's speed (the bf16
+# headline's spread between processes, benchmarks/results/h200_bf16_spread.md).
+HOST_BOUND_SHARE = 0.8
+
+
+def host_bound_warnings(host_shares: Mapping[str, list[float]]) -> list[str]:
+    """One line per model whose median host share is above :data:`HOST_BOUND_SHARE`."""
+    lines = []
+    for name, shares in host_shares.items():
+        share = statistics.median(shares) if shares else 0.0
+        if share > HOST_BOUND_SHARE:
+            lines.append(
+                f"{name} is host-bound: issuing its kernels took {share:.0%} of each batch's "
+                "time, so its img/s measures how fast the CPU launches them more than the GPU; "
+                "compare models with --compile --compile-mode reduce-overhead (CUDA graphs) or "
+                "at a larger batch"
+            )
+    return lines
 
 
 def _thread_warnings(choice: ThreadChoice) -> list[str]:
@@ -381,6 +406,9 @@ class _Rounds:
     timed: int
     seconds: float
     loads: list[float | None]
+    # Per model and timed batch, the share of its time spent before the forward returned (only
+    # where the device runs asynchronously: see ``ModelThroughput``).
+    host_shares: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     @property
     def warmup(self) -> int:
@@ -408,7 +436,10 @@ class _Rounds:
                 "the budget (--bench-seconds) for a tighter interval"
             )
         return ThroughputReport(
-            results={name: ModelThroughput(samples=v) for name, v in self.samples.items()},
+            results={
+                name: ModelThroughput(samples=v, host_shares=self.host_shares.get(name, []))
+                for name, v in self.samples.items()
+            },
             environment=env
             | {
                 "warmup": self.warmed,
@@ -428,12 +459,16 @@ def _interleave(
     schedule: _Schedule,
     synchronize: Callable[[], None],
     load_before: float | None = None,
+    asynchronous: bool = False,
 ) -> _Rounds:
     """Warm-up rounds, then timed rounds, each one batch of every runner in turn.
-    ``load_before``: the load average already read for the thread choice (else read here)."""
+    ``load_before``: the load average already read for the thread choice (else read here).
+    ``asynchronous``: the runners return before their work is done (CUDA): each batch's host
+    share is recorded too."""
     batch_size, warmup, runs = schedule.batch_size, schedule.warmup, schedule.runs
     time_budget, on_round = schedule.time_budget, schedule.on_round
     samples: dict[str, list[float]] = {name: [] for name in runners}
+    host_shares: dict[str, list[float]] = {name: [] for name in runners} if asynchronous else {}
     loads = [load_before if load_before is not None else load_average()]
     began = time.perf_counter()
 
@@ -466,12 +501,17 @@ def _interleave(
             synchronize()
             start = time.perf_counter()
             run()
+            issued = time.perf_counter()
             synchronize()
-            samples[name].append(batch_size / (time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            samples[name].append(batch_size / seconds)
+            if asynchronous:
+                host_shares[name].append((issued - start) / seconds)
         timed += 1
         report_round(False, timed, runs)
     loads.append(load_average())
-    return _Rounds(samples, schedule, warmed, timed, time.perf_counter() - began, loads)
+    seconds = time.perf_counter() - began
+    return _Rounds(samples, schedule, warmed, timed, seconds, loads, host_shares)
 
 
 def _compiled_names(compile: bool | Collection[str], models: Mapping[str, nn.Module]) -> list[str]:

@@ -25,12 +25,17 @@ __all__ = ["ModelThroughput", "RoundProgress", "ThroughputReport", "environment"
 
 @dataclass
 class ModelThroughput:
-    """Timing of one model: images/s per timed batch, in the order they were taken."""
+    """Timing of one model: images/s per timed batch, in the order they were taken. On a GPU
+    also ``host_shares``: for each batch, the share of its time the host took to return from the
+    forward (to issue its kernels) before the closing synchronisation; ``host_share`` is their
+    median (``None`` on the CPU, where the forward returns when the work is done)."""
 
     samples: list[float]
+    host_shares: list[float] = field(default_factory=list)
     median: float = field(init=False)
     min: float = field(init=False)
     max: float = field(init=False)
+    host_share: float | None = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.samples:
@@ -38,6 +43,7 @@ class ModelThroughput:
         self.median = statistics.median(self.samples)
         self.min = min(self.samples)
         self.max = max(self.samples)
+        self.host_share = statistics.median(self.host_shares) if self.host_shares else None
 
 
 @dataclass
