@@ -13,7 +13,9 @@
 # finetune through Accelerate stopped by SIGTERM, then resumed), windowed (compressed Swin-T
 # against Swin-T, every method at keep 0.7), ladder (benchmarks/gpu_ladder.py: 6 models, every
 # method, against base and ideal slicing, two processes), ladder-compiled (its compiled cells,
-# a lease of their own), ladder-multiple (the eager ladder with --kept-multiple 8, its own lease).
+# a lease of their own), ladder-multiple (the eager ladder with --kept-multiple 8, its own lease),
+# spread (the bf16 headline in four fresh processes, seeds 0 0 1 2, and at batch 1024, with each
+# model's host share: benchmarks/results/h200_bf16_spread.md, about 4 minutes).
 # COMPILE_VARIANTS narrows the compiled part.
 #
 # Runs from the repository root without installing the package (PYTHONPATH=.), so a machine
@@ -173,6 +175,21 @@ for json in "$OUT"/ladder-"$LADDER_RUN"*.json; do
     [[ -f "$json" ]] && check python3 benchmarks/gpu_ladder_report.py "$json" \
         --doc "$OUT/ladder.md" --plot "${json%.json}.png"
 done
+fi
+if [[ " $PARTS " == *" spread "* ]]; then
+# Whether the bf16 headline's spread between processes is the host's launch rate: if so, eager
+# DeiT-S + dTPS has a host share of 0.9 or more in every process and its speed alone moves
+# (DeiT-S's does not), and at batch 1024 the ratio rises above 0.77 and moves far less.
+for seed in 0 0 1 2; do
+    step "headline, bf16 autocast, batch 256, seed $seed, a fresh process"
+    check timeout 150 python3 benchmarks/tps_speed.py --part headline --device cuda --amp bf16 \
+        --batch-size 256 --rounds 2 --runs 20 --warmup 5 --seed "$seed" \
+        --json-out "$OUT/headline_bf16_b256_seed${seed}_$(date +%H%M%S).json"
+done
+step "headline, bf16 autocast, batch 1024"
+check timeout 200 python3 benchmarks/tps_speed.py --part headline --device cuda --amp bf16 \
+    --batch-size 1024 --rounds 2 --runs 10 --warmup 3 --seed 0 \
+    --json-out "$OUT/headline_bf16_b1024.json"
 fi
 
 step "done, status $status"
