@@ -15,7 +15,9 @@
 # method, against base and ideal slicing, two processes), ladder-compiled (its compiled cells,
 # a lease of their own), ladder-multiple (the eager ladder with --kept-multiple 8, its own lease),
 # spread (the bf16 headline in four fresh processes, seeds 0 0 1 2, and at batch 1024, with each
-# model's host share: benchmarks/results/h200_bf16_spread.md, about 4 minutes).
+# model's host share: benchmarks/results/h200_bf16_spread.md, about 4 minutes), kernels (the
+# Triton select_squeeze and tome_merge compiled on CUDA: tests/test_triton_cuda.py, their speed
+# against the method's ops, and dtps/etps/dynamicvit with them at bf16 batches 8 and 64).
 # COMPILE_VARIANTS narrows the compiled part.
 #
 # Runs from the repository root without installing the package (PYTHONPATH=.), so a machine
@@ -190,6 +192,27 @@ step "headline, bf16 autocast, batch 1024"
 check timeout 200 python3 benchmarks/tps_speed.py --part headline --device cuda --amp bf16 \
     --batch-size 1024 --rounds 2 --runs 10 --warmup 3 --seed 0 \
     --json-out "$OUT/headline_bf16_b1024.json"
+fi
+if [[ " $PARTS " == *" kernels "* ]]; then
+# Whether the Triton kernels may become the CUDA default: equal to the method's ops when compiled
+# (the interpreter tests cannot see compiled code), and faster than them.
+step "Triton kernels compiled on CUDA against the method's ops"
+if python3 -c "import pytest" 2>/dev/null; then
+    check timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_cuda.py
+else
+    echo "FAILED: pytest is not installed here (pip install pytest)"; status=1
+fi
+step "kernel speed on CUDA: select_squeeze and tome_merge against the method's ops"
+check timeout 150 python3 benchmarks/kernel_speed.py --device cuda --calls 200 \
+    --json-out "$OUT/kernel_speed_select_cuda.json"
+check timeout 150 python3 benchmarks/kernel_speed.py --device cuda --op tome --calls 200 \
+    --json-out "$OUT/kernel_speed_tome_cuda.json"
+for batch in 8 64; do
+    step "dtps, etps, dynamicvit: fused kernels against the method's ops, bf16, batch $batch"
+    check timeout 240 python3 benchmarks/tps_speed.py --part overhead --device cuda --amp bf16 \
+        --variants dtps,etps,dynamicvit --fused --batch-size "$batch" --rounds 2 --runs 20 \
+        --warmup 3 --no-base --json-out "$OUT/overhead_fused_bf16_b$batch.json"
+done
 fi
 
 step "done, status $status"

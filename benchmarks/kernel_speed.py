@@ -5,11 +5,14 @@ run without the kernel) on the same inputs, interleaved, and prints the median o
 ratio per shape; ``--op tome`` times ``tome_merge`` against ``tome_merge_reference`` instead
 (DeiT-S's blocks with r = 13: 197, 184, ... tokens, head-mean keys of width 64). ``--clock thread`` (default) measures the calling thread's CPU time, which other
 processes on a busy machine do not inflate; ``--clock wall`` measures elapsed time.
+``--device cuda`` runs both on the GPU (the Triton kernels against the method's ops), each call
+timed by the wall clock between two synchronisations.
 
 Example::
 
     python benchmarks/kernel_speed.py --threads 1 --calls 200
     python benchmarks/kernel_speed.py --op tome --threads 1 --calls 200
+    python benchmarks/kernel_speed.py --device cuda --calls 200 --json-out select_cuda.json
 """
 
 from __future__ import annotations
@@ -45,6 +48,18 @@ def timed(call: Callable[[], object], clock: Callable[[], float]) -> float:
     return clock() - started
 
 
+def synchronised(call: Callable[[], object]) -> Callable[[], object]:
+    """``call`` followed by a CUDA synchronisation, so that the wall clock sees its kernels end
+    (the one before it is the previous call's)."""
+
+    def run() -> object:
+        result = call()
+        torch.cuda.synchronize()
+        return result
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
@@ -52,10 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=384, help="channels (DeiT-S: 384)")
     p.add_argument("--clock", choices=("thread", "wall"), default="thread")
     p.add_argument("--op", choices=("select_squeeze", "tome"), default="select_squeeze")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the Triton kernels)")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    if args.device != "cpu":
+        torch.cuda.synchronize()
+        clock = time.perf_counter  # the host's CPU time does not see the GPU's work
     rows = tome_rows(args, clock) if args.op == "tome" else select_rows(args, clock)
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -88,8 +107,11 @@ def tome_rows(args: argparse.Namespace, clock) -> list[dict]:
         x = torch.randn(batch, tokens, args.dim, generator=generator)
         metric = torch.randn(batch, tokens, TOME_METRIC, generator=generator)
         sizes = torch.randint(1, 4, (batch, tokens), generator=generator).float()
+        x, metric, sizes = (t.to(args.device) for t in (x, metric, sizes))
         fused = functools.partial(tome_merge, x, metric, sizes, r, 1)
         method = functools.partial(tome_merge_reference, x, metric, sizes, r, 1)
+        if args.device != "cpu":
+            fused, method = synchronised(fused), synchronised(method)
         got, want = fused(), method()
         assert torch.equal(got[2], want[2]) and torch.allclose(got[0], want[0], atol=1e-5)
         fused_ms, method_ms = interleaved(fused, method, args.calls, clock)
@@ -112,9 +134,12 @@ def select_rows(args: argparse.Namespace, clock) -> list[dict]:
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(batch, tokens, args.dim, generator=generator)
         scores = torch.randn(batch, tokens - 1, generator=generator)
+        x, scores = x.to(args.device), scores.to(args.device)
         for squeeze in (True, False):
             fused = functools.partial(select_squeeze, x, scores, 1, kept, squeeze)
             method = functools.partial(select_squeeze_reference, x, scores, 1, kept, squeeze)
+            if args.device != "cpu":
+                fused, method = synchronised(fused), synchronised(method)
             got, want = fused(), method()
             assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0], atol=1e-5)
             fused_ms, method_ms = interleaved(fused, method, args.calls, clock)
