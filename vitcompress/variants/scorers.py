@@ -139,10 +139,10 @@ class AttentionScorer(Scorer):
 def keys_from_an_earlier_stage(model_map: ModelMap, plan: Plan) -> tuple[str, int] | None:
     """The first block from the plan's first location on that attends over more keys than it has
     tokens, taken from an earlier stage (CaiT's class attention over the patch tokens), said as
-    the start of a refusal, with that first location's block; ``None`` where there is none. Such a block lies outside what a
-    reduction keeps track of (its training mask, ToMe's sizes). A windowed block's keys are its
-    window's (a padded window may hold more slots than its grid has tokens), and it gives every
-    token back itself: never one."""
+    the start of a refusal, with that first location's block; ``None`` where there is none. Such
+    a block lies outside what a reduction keeps track of (its training mask, ToMe's sizes). A
+    windowed block's keys are its window's (a padded window may hold more slots than its grid has
+    tokens), and it gives every token back itself: never one."""
     if not plan.locations:
         return None
     first = plan.locations[0]
