@@ -4,10 +4,19 @@ it, with what the method says of it besides (its label, legend, cost and restore
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+# ``(x, scores, prefix_tokens, keep, setting) -> (tokens, keep_index)``, or ``None`` where the op
+# does not run for the reducer's switch ``setting`` (``vitcompress.kernels.kernel_runs``).
+SelectOp = Callable[[Tensor, Tensor, int, int, bool | None], tuple[Tensor, Tensor] | None]
+# ``(x, metric, sizes, r, protected, setting) -> (tokens, sizes, index)``, or ``None`` as above.
+MergeOp = Callable[
+    [Tensor, Tensor, Tensor | None, int, int, bool | None], tuple[Tensor, Tensor, Tensor] | None
+]
 
 
 @dataclass(frozen=True)
@@ -20,14 +29,16 @@ class TokenFuse:
     takes_pruned: bool = True  # :meth:`fuse` reads the pruned tokens (else it gets them empty)
     weighs_pruned: bool = False  # :meth:`fuse` reads the pruned tokens' scores (else empty)
 
+    # The fused ops that run the reduction at inference where the reducer's switch lets them
+    # (``vitcompress.kernels``): select -> gather -> fuse, or ToMe's matching and merge. The method
+    # sets them (``vitcompress.variants.fuses``, which may import the kernels); None: none exists.
+    select_op: SelectOp | None = None
+    merge_op: MergeOp | None = None
+
     @property
     def fused_kernel(self) -> bool:
-        """Whether the reduction runs as one fused op at inference (select -> gather -> fuse,
-        or ToMe's matching and merge; ``vitcompress.kernels``)."""
-        kind = type(self)
-        return (
-            kind.kernel is not TokenFuse.kernel or kind.merge_kernel is not TokenFuse.merge_kernel
-        )
+        """Whether the reduction runs as one fused op at inference."""
+        return self.select_op is not None or self.merge_op is not None
 
     def fuse(
         self, prefix: Tensor, kept: Tensor, pruned: Tensor, pruned_scores: Tensor
@@ -39,25 +50,6 @@ class TokenFuse:
     def fuse_masked(self, patches: Tensor, host_mask: Tensor, donor_mask: Tensor) -> Tensor:
         """Training with a keep mask (nothing dropped): the patch tokens after the location."""
         return patches
-
-    def kernel(
-        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int, setting: bool | None
-    ) -> tuple[Tensor, Tensor] | None:
-        """The fused op's ``(tokens, keep_index)``, or ``None`` where it does not run for the
-        reducer's switch ``setting`` (``vitcompress.kernels.kernel_runs``) or does not exist."""
-        return None
-
-    def merge_kernel(
-        self,
-        x: Tensor,
-        metric: Tensor,
-        sizes: Tensor | None,
-        r: int,
-        protected: int,
-        setting: bool | None,
-    ) -> tuple[Tensor, Tensor, Tensor] | None:
-        """ToMe's fused op's ``(tokens, sizes, index)``, or ``None``, as :meth:`kernel`."""
-        return None
 
     def masked_hosts(self, patches: Tensor, host_mask: Tensor) -> Tensor | None:
         """While a predictor trains: each token's host among the N (B, N), for a restore by the

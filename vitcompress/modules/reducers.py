@@ -162,8 +162,8 @@ class FusingReducer(RecordsAssignment, nn.Module):
         """Keep the ``k`` patch tokens first in ``order``; the fuse takes the rest (weighted by
         ``scores`` where it weighs them). Returns ``(tokens, None, positions, trace)``."""
         p = self.prefix_tokens
-        if _kernel_may_run(self):
-            fused = self.fuse.kernel(x, order, p, k, self.fused_kernel)
+        if self.fuse.select_op is not None and _kernel_may_run(self):
+            fused = self.fuse.select_op(x, order, p, k, self.fused_kernel)
             if fused is not None:
                 tokens, keep_index = fused
                 return tokens, None, _kept_positions(positions, keep_index), trace
@@ -348,8 +348,8 @@ class MergeReducer(RecordsAssignment, nn.Module):
         trace: tuple = (),
     ) -> tuple[Tensor, None, Tensor | None, Tensor | None, tuple]:
         p = self.prefix_tokens
-        if self.fuse is not None and _kernel_may_run(self):
-            merged = self.fuse.merge_kernel(
+        if self.fuse is not None and self.fuse.merge_op is not None and _kernel_may_run(self):
+            merged = self.fuse.merge_op(
                 x, metric, sizes, self.merged(metric.shape[1]), p, self.fused_kernel
             )
             if merged is not None:

@@ -24,8 +24,43 @@ from vitcompress.method import (
     squeeze_masked,
 )
 from vitcompress.method.restore import DELTA, HOST, VALUE, ZERO
-from vitcompress.modules.fuse import TokenFuse
+from vitcompress.modules.fuse import MergeOp, SelectOp, TokenFuse
 from vitcompress.modules.reducers import Assignment
+
+
+@dataclass(frozen=True)
+class FusedSelect:
+    """``vitcompress::select_squeeze`` where the reducer's switch lets it run (a fuse's
+    ``select_op``): the pruned tokens squeezed into their hosts, or dropped."""
+
+    squeeze_pruned: bool
+
+    def __call__(
+        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int, setting: bool | None
+    ) -> tuple[Tensor, Tensor] | None:
+        if not kernel_runs(setting, x):
+            return None
+        return select_squeeze(x, scores, prefix_tokens, keep, self.squeeze_pruned)
+
+
+@dataclass(frozen=True)
+class FusedMerge:
+    """``vitcompress::tome_merge`` where the reducer's switch lets it run (a fuse's
+    ``merge_op``)."""
+
+    def __call__(
+        self,
+        x: Tensor,
+        metric: Tensor,
+        sizes: Tensor | None,
+        r: int,
+        protected: int,
+        setting: bool | None,
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        if not kernel_runs(setting, x):
+            return None
+        return tome_merge(x, metric, sizes, r, protected)
+
 
 # position -> the positions taken into it (squeezed or merged), as ``visualize`` draws them.
 Hosts = dict[int, list[int]]
@@ -69,13 +104,7 @@ class Drop(Fuse):
     """DynamicViT: pruned tokens are dropped."""
 
     takes_pruned: bool = False  # the reducer need not gather them
-
-    def kernel(
-        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int, setting: bool | None
-    ) -> tuple[Tensor, Tensor] | None:
-        if not kernel_runs(setting, x):
-            return None
-        return select_squeeze(x, scores, prefix_tokens, keep, False)
+    select_op: SelectOp | None = FusedSelect(squeeze_pruned=False)
 
 
 @dataclass(frozen=True)
@@ -86,6 +115,7 @@ class Squeeze(Fuse):
     label: str = "squeezed into kept hosts"
     restore_rules: tuple[str, ...] = (DELTA, HOST, VALUE, ZERO)
     restore_default: str = DELTA
+    select_op: SelectOp | None = FusedSelect(squeeze_pruned=True)
 
     def fuse(
         self, prefix: Tensor, kept: Tensor, pruned: Tensor, pruned_scores: Tensor
@@ -97,13 +127,6 @@ class Squeeze(Fuse):
 
     def masked_hosts(self, patches: Tensor, host_mask: Tensor) -> Tensor | None:
         return masked_host_index(patches, host_mask)
-
-    def kernel(
-        self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int, setting: bool | None
-    ) -> tuple[Tensor, Tensor] | None:
-        if not kernel_runs(setting, x):
-            return None
-        return select_squeeze(x, scores, prefix_tokens, keep, True)
 
     def macs(self, removed: int, kept: int, dim: int) -> float:
         """The similarity of each pruned token to each kept one."""
@@ -146,19 +169,7 @@ class Merge(Fuse):
     groups_grow: bool = True
     restore_rules: tuple[str, ...] = (DELTA, HOST, VALUE, ZERO)
     restore_default: str = DELTA  # ToMe's unmerge (host), with each token's own offset
-
-    def merge_kernel(
-        self,
-        x: Tensor,
-        metric: Tensor,
-        sizes: Tensor | None,
-        r: int,
-        protected: int,
-        setting: bool | None,
-    ) -> tuple[Tensor, Tensor, Tensor] | None:
-        if not kernel_runs(setting, x):
-            return None
-        return tome_merge(x, metric, sizes, r, protected)
+    merge_op: MergeOp | None = FusedMerge()
 
     def explain(self, assignment: Assignment, present: list[int], groups: Hosts) -> Hosts:
         """Folds this block's merges into ``groups`` (position -> positions merged into it so
