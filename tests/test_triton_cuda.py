@@ -19,7 +19,7 @@ from torch import nn
 import vitcompress
 from tests.models import timm_small
 from tests.test_positions import sharpen
-from tests.test_triton_kernel import _sharpened_tokens
+from tests.test_triton_kernel import _sharpened_tokens, nan_tokens
 from tests.test_triton_tome import _clustered
 from vitcompress.kernels import (
     enable_fused_kernels,
@@ -52,6 +52,16 @@ def test_select_squeeze_on_cuda_is_the_methods(prefix: int, keep: int, squeeze: 
         assert torch.equal(tokens, want_tokens)
     else:
         torch.testing.assert_close(tokens, want_tokens, atol=1e-5, rtol=1e-5)
+
+
+def test_a_nan_product_on_cuda_is_the_maximum_as_in_the_method() -> None:
+    """The compiled reduction's NaN handling (``kernels/triton_rows.first_max``): the
+    interpreter's numpy argmax finds a first NaN by itself, a GPU's reduction tree need not."""
+    x, scores = (t.to(CUDA) for t in nan_tokens())
+    tokens, keep_index = select_squeeze(x, scores, 1, 5, True)
+    want_tokens, want_index = select_squeeze_reference(x, scores, 1, 5, True)
+    assert torch.equal(keep_index, want_index)
+    torch.testing.assert_close(tokens, want_tokens, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -89,6 +89,28 @@ def test_drop_keeps_the_best_tokens_in_score_order(interpreted: ModuleType) -> N
     assert torch.equal(tokens[:, 1:], x[:, 1:].gather(1, keep_index[..., None].expand(-1, -1, 8)))
 
 
+def nan_tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens (2, 1 + 12, 8) and scores where image 0's third host has a NaN channel (every
+    donor's product with it is NaN: ``torch.max`` sends them all to it, its first NaN) and image
+    1's first donor is NaN (its whole row is: it goes to host 0), at keep 5."""
+    x = _sharpened_tokens(2, 1, 12, 8)
+    scores = torch.arange(12.0).flip(0).repeat(2, 1)  # patch i ranks i-th
+    x[0, 1 + 2, 3] = float("nan")
+    x[1, 1 + 5] = float("nan")
+    return x, scores
+
+
+def test_a_nan_product_is_the_maximum_as_in_the_method(interpreted: ModuleType) -> None:
+    x, scores = nan_tokens()
+    tokens, keep_index = interpreted.select_squeeze_triton(x, scores, 1, 5, True)
+    want_tokens, want_index = select_squeeze_reference(x, scores, 1, 5, True)
+    assert torch.equal(keep_index, want_index)
+    torch.testing.assert_close(tokens, want_tokens, atol=1e-5, rtol=1e-5, equal_nan=True)
+    # Image 0: only the NaN host took donors; image 1: the NaN donor made host 0 NaN alone.
+    assert tokens[0, 1 + 2].isnan().all() and not tokens[0, [0, 1, 2, 4, 5]].isnan().any()
+    assert tokens[1, 1].isnan().all() and not tokens[1, 2:].isnan().any()
+
+
 def test_half_precision_is_squeezed_in_float32_like_the_method(interpreted: ModuleType) -> None:
     x = _sharpened_tokens(2, 1, 30, 32).to(torch.bfloat16)
     scores = torch.randn(2, 30)

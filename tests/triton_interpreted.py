@@ -18,7 +18,11 @@ KERNELS = Path(vitcompress.__file__).parent / "kernels"
 
 
 def _is_triton_python(name: str) -> bool:
-    """Triton's Python modules (its compiled ``triton._C`` cannot be imported twice)."""
+    """Triton's Python modules (its compiled ``triton._C`` cannot be imported twice) and the
+    package's Triton helpers the kernel modules import (``kernels/triton_rows.py``), which must
+    be decorated by the same interpreted copy as the kernels that call them."""
+    if name.startswith("vitcompress.kernels.triton_"):
+        return True
     return (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")
 
 

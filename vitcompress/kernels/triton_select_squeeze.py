@@ -34,6 +34,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from vitcompress.kernels.triton_rows import row_first_max
+
 _SELF_WEIGHT = math.e  # exp(1): a token's similarity to itself (method.squeeze.SELF_WEIGHT)
 _NORM_EPS = 1e-6  # added to a norm, as method.squeeze does
 
@@ -106,11 +108,7 @@ def _match_kernel(
     ``method.squeeze.match_hosts_cosine``); its weight exp(similarity) joins its host's sum."""
     b = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1).to(tl.int64)
-    hosts = tl.arange(0, BLOCK_K)
-    products = tl.load(
-        dots_ptr + (b * donors + r) * keep + hosts, mask=hosts < keep, other=-float("inf")
-    )
-    best, host = tl.max(products, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    best, host = row_first_max(dots_ptr, b * donors + r, 0, keep, BLOCK_K)
     similarity = best / (tl.load(donor_norms_ptr + b * donors + r) + NORM_EPS)
     weight = tl.exp(similarity)
     tl.store(host_ptr + b * donors + r, host)

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from vitcompress.kernels.triton_rows import row_first_max
 from vitcompress.method import merge_count
 
 _NORM_FLOOR = 1e-12  # the method's clamp_min on a metric row's norm
@@ -133,18 +134,9 @@ def _match_kernel(
     b = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1).to(tl.int64)
     evens = tl.num_programs(1)
-    cols = tl.arange(0, BLOCK_B)
-    scores = tl.load(
-        scores_ptr + (b * evens + i) * pairs + cols, mask=cols < pairs, other=-float("inf")
-    )
-    scores = tl.where((cols < protected_b) | (i < protected_a), -float("inf"), scores)
-    # torch.max takes the first NaN of a row as its maximum. A cosine of unit rows is finite or
-    # NaN, so NaN keyed as +inf finds it, and the first index of the maximum breaks every tie
-    # (between NaNs too) to the left, as torch does.
-    key = tl.where(scores != scores, float("inf"), scores)
-    top = tl.max(key, axis=0)
-    best_b = tl.min(tl.where(key == top, cols, BLOCK_B), axis=0)
-    best = tl.where(top == float("inf"), float("nan"), top)
+    # A protected a token's whole row is -inf; a protected b token's column in every row.
+    first = tl.where(i < protected_a, pairs, protected_b)
+    best, best_b = row_first_max(scores_ptr, b * evens + i, first, pairs, BLOCK_B)
     tl.store(best_ptr + b * evens + i, best)
     tl.store(best_b_ptr + b * evens + i, best_b)
 
