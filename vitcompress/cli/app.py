@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import click
 from rich.console import Console
@@ -170,6 +170,27 @@ def raise_save_error(message: str | None) -> None:
     """After the results were shown: a save that failed ends the command with its one line."""
     if message:
         raise SaveError(message)
+
+
+class CommandResult(Protocol):
+    """What a workflow hands its command: its JSON. It may also carry ``notes`` (lines for
+    stderr), ``save_error`` (an output that could not be written) and ``gates``."""
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+def show_result(result: CommandResult, print_result: Callable[[Any], None], as_json: bool) -> None:
+    """A workflow's result as its command's output, in one order for every command: the result
+    (``--json``, or ``print_result``), its notes on stderr, the one line of a save that failed
+    (exit 2: the results were shown first), its gates (exit 3 on a missed bound)."""
+    if as_json:
+        emit_json(result.to_json())
+    else:
+        print_result(result)
+    for note in getattr(result, "notes", ()):
+        click.echo(note, err=True)
+    raise_save_error(getattr(result, "save_error", None))
+    finish_gates(getattr(result, "gates", []), as_json)
 
 
 def print_table(table: Table) -> None:

@@ -4,8 +4,6 @@ optionally against a reference (argmax agreement)."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import click
 from rich.table import Table
@@ -13,11 +11,10 @@ from rich.table import Table
 from vitcompress.cli.app import (
     cli,
     console,
-    emit_json,
-    finish_gates,
     fmt_throughput,
     json_option,
     print_environment,
+    show_result,
 )
 from vitcompress.cli.data_options import data_options, describe, task_option
 from vitcompress.cli.options import (
@@ -99,7 +96,7 @@ def eval_command(
     if is_onnx_path(model.spec):
         _refuse_with_onnx(ctx, model, task, base, bounds)
         onnx_result = eval_onnx(model.spec, data, loader, reference, val_images, progress)
-        _report(onnx_result, _print_onnx_result, as_json)
+        show_result(onnx_result, _print_onnx_result, as_json)
         return
     if reference is not None:
         raise ModelLoadError(
@@ -107,19 +104,7 @@ def eval_command(
             "models use --base"
         )
     result = eval_model(model, data, base, loader, timing, bounds, task, val_images, progress)
-    _report(result, _print_result, as_json)
-    finish_gates(result.gates, as_json)
-
-
-def _report(result: Any, print_result: Callable[[Any], None], as_json: bool) -> None:
-    """The result as JSON or printed, then its notes on stderr: after the report (a failed run
-    has one error line only), before any gate failure."""
-    if as_json:
-        emit_json(result.to_json())
-    else:
-        print_result(result)
-    for note in result.notes:
-        click.echo(note, err=True)
+    show_result(result, _print_result, as_json)
 
 
 def _refuse_with_onnx(

@@ -10,10 +10,10 @@ from rich.table import Table
 from vitcompress.cli.app import (
     cli,
     console,
-    emit_json,
     fmt_throughput,
     json_option,
     print_environment,
+    show_result,
 )
 from vitcompress.cli.data_options import data_options
 from vitcompress.cli.options import (
@@ -148,10 +148,7 @@ def export(
     )
     timing = ExportTiming(warmup, runs, bench_seconds) if bench else None
     result = export_request(model, settings, timing, data)
-    if as_json:
-        emit_json(result.to_json())
-        return
-    _print_export(result, dynamic_batch)
+    show_result(result, lambda shown: _print_export(shown, dynamic_batch), as_json)
 
 
 def _print_export(result: ExportResult, dynamic_batch: bool) -> None:

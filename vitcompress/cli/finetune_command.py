@@ -5,12 +5,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.table import Table
 
-from vitcompress.cli.app import cli, console, emit_json, json_option
+from vitcompress.cli.app import cli, console, json_option, show_result
 from vitcompress.cli.data_options import data_options, task_option
 from vitcompress.cli.options import (
     _factory_and_weights_options,
@@ -25,6 +25,9 @@ from vitcompress.cli.plan_options import plan_options
 from vitcompress.loading import ModelLoadError
 from vitcompress.training.config import FinetuneConfig
 from vitcompress.workflows.inputs import DataRequest, ModelRequest, PlanRequest
+
+if TYPE_CHECKING:  # the workflow imports Accelerate: only when the command runs
+    from vitcompress.workflows.finetune import FinetuneReport
 
 
 def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -274,16 +277,16 @@ def finetune(
     report = finetune_model(
         model, plan, data, augment, out, config, progress, head.keep_head, head.teacher
     )
-    if not report.main_process:  # one summary per run, not one per process
-        return
-    if as_json:
-        emit_json(report.to_json())
-        return
+    if report.main_process:  # one summary per run, not one per process
+        show_result(report, _print_finetune, as_json)
+
+
+def _print_finetune(report: FinetuneReport) -> None:
     summary = report.summary
     table = Table(show_edge=False)
     # Segmentation is validated by mean IoU, classification by top-1.
     key, header = ("val_top1", "val top-1 (%)")
-    if config.task == "segmentation":
+    if summary.get("task") == "segmentation":
         key, header = ("val_miou", "val mIoU (%)")
     for column in ("epoch", "step", "train loss", header):
         table.add_column(column)
@@ -301,4 +304,4 @@ def finetune(
         f"{summary['steps']} steps, lr {summary['lr']:.3g}, effective batch "
         f"{summary['effective_batch']}, {summary['seconds']:.0f} s"
     )
-    console.print(f"saved to {out} (load with --model {out})")
+    console.print(f"saved to {report.out} (load with --model {report.out})")

@@ -12,12 +12,11 @@ from vitcompress.cli.app import (
     cli,
     console,
     emit_json,
-    finish_gates,
     fmt_throughput,
     json_option,
     print_environment,
     print_table,
-    raise_save_error,
+    show_result,
 )
 from vitcompress.cli.options import gate_options, model_options, output_option, timing_options
 from vitcompress.cli.plan_options import plan_options
@@ -25,7 +24,7 @@ from vitcompress.measure.keep_fit import KeepFit
 from vitcompress.measure.models import TimingOptions
 from vitcompress.measure.paired import rounds_text
 from vitcompress.workflows.apply import ApplyReport, apply_model
-from vitcompress.workflows.bench import BenchResult, bench_model, inspect_model
+from vitcompress.workflows.bench import BenchResult, SweepResult, bench_model, inspect_model
 from vitcompress.workflows.gates import Bounds
 from vitcompress.workflows.inputs import ModelRequest, PlanRequest
 
@@ -140,19 +139,15 @@ def bench(
 
     sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
     result = bench_model(model, timing, bounds, sizes, plot)
-    if as_json:
-        emit_json(result.to_json())
-    elif isinstance(result, BenchResult):
-        _print_bench(result)
-    else:
+    show_result(result, _print_bench, as_json)
+
+
+def _print_bench(result: BenchResult | SweepResult) -> None:
+    if isinstance(result, SweepResult):
         from vitcompress.cli.bench_sweep import print_sweep
 
         print_sweep(result)
-    raise_save_error(getattr(result, "plot_error", None))
-    finish_gates(result.gates, as_json)
-
-
-def _print_bench(result: BenchResult) -> None:
+        return
     table = Table(show_edge=False)
     for column in ("model", "params (M)", "GMACs", "throughput (img/s)"):
         table.add_column(column)
@@ -187,13 +182,7 @@ def apply(
     as_json: bool,
 ) -> None:
     """Compress a model and report params, GMACs and throughput, before and after."""
-    report = apply_model(model, plan, out, timing, bounds)
-    if as_json:
-        emit_json(report.to_json())
-    else:
-        _print_apply(report)
-    raise_save_error(report.save_error)
-    finish_gates(report.gates, as_json)
+    show_result(apply_model(model, plan, out, timing, bounds), _print_apply, as_json)
 
 
 def _print_apply(report: ApplyReport) -> None:

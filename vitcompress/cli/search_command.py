@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from vitcompress.cli.app import cli, console, emit_json, json_option, print_table
+from vitcompress.cli.app import cli, console, json_option, print_table, show_result
 from vitcompress.cli.data_options import data_options
 from vitcompress.cli.options import model_options, output_option, timing_options
 from vitcompress.cli.plan_options import kept_multiple_option
@@ -143,10 +143,7 @@ def search_command(
     calibration = Calibration(calib_images, ctx.params["batch_size"], warmup_steps, seed)
     budget = Budget(max_gmacs, max_gmacs_ratio, min_speedup)
     result = search_model(model, data, budget, space, calibration, timing, out)
-    if as_json:
-        emit_json(result.to_json())
-        return
-    _print_table(result.to_json())
+    show_result(result, lambda shown: _print_table(shown.to_json()), as_json)
 
 
 def _print_table(data: dict) -> None:

@@ -62,7 +62,7 @@ class BenchResult:
 @dataclass
 class SweepResult:
     """``bench --batch-sizes``: the model (against its recorded base when it is a compressed
-    model directory) timed at each batch size; ``plot_error`` says why the plot was not
+    model directory) timed at each batch size; ``save_error`` says why the plot was not
     written, if it was not (the numbers are reported anyway)."""
 
     spec: str
@@ -73,7 +73,7 @@ class SweepResult:
     sweep: BatchSweep
     models: list[str]
     plot: str | None = None
-    plot_error: str | None = None
+    save_error: str | None = None  # the plot's
     # What the sweep says a user must hear (on CUDA: batches where compression costs time).
     warnings: list[str] = field(default_factory=list)
     compared: bool = field(init=False)
@@ -155,5 +155,5 @@ def bench_model(
             title = f"{request.spec}: throughput by batch size"
             result.plot = str(plot_sweep(sweep, plot, title))
         except OSError as e:
-            result.plot_error = f"--plot {plot}: {e.strerror or e}"
+            result.save_error = f"--plot {plot}: {e.strerror or e}"
     return result
