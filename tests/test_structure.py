@@ -125,11 +125,12 @@ def _unit(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-# Sizes the code is held to: a module over MAX_MODULE_LINES is split; a function of a workflow or
-# of a pass (analysis, compilation) over MAX_FUNCTION_LINES is split into named steps.
+# Sizes the code is held to: a module over MAX_MODULE_LINES is split; a function of a workflow
+# (workflows, and the fine-tuning loop and search they drive) or of a pass (analysis,
+# compilation) over MAX_FUNCTION_LINES is split into named steps.
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
-FUNCTION_LIMIT_PACKAGES = ("workflows", "analysis", "compilation")
+FUNCTION_LIMIT_PACKAGES = ("workflows", "training", "search", "analysis", "compilation")
 # Functions over the limit, each with why it stands; an entry whose function shrank fails too.
 LONG_FUNCTIONS: dict[str, str] = {}
 

@@ -10,7 +10,6 @@ a resumed run repeats exactly what the uninterrupted one did.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -46,7 +45,7 @@ from vitcompress.training.evaluate import spread_subset, unwrap_logits
 from vitcompress.training.interrupt import ForcedStop, StopSignals
 from vitcompress.training.losses import DistillationTaps, FinetuneLoss, LossWeights
 from vitcompress.training.metrics import EpochTotals, RateWindow, run_summary, start_record
-from vitcompress.training.optim import build_optimizer, build_scheduler, default_lr
+from vitcompress.training.optim import RunLength, build_optimizer, build_scheduler, default_lr
 from vitcompress.training.run_directory import (
     CHECKPOINTS,
     METRICS,
@@ -55,7 +54,7 @@ from vitcompress.training.run_directory import (
     prepare_run_directory,
     write_run_artifacts,
 )
-from vitcompress.training.sampler import EpochSampler, TrainPosition
+from vitcompress.training.sampler import TrainPosition, training_loaders
 from vitcompress.training.sharding import (
     SHARDED,
     full_model_state,
@@ -110,6 +109,45 @@ class FinetuneRun:
     # setup and resume
 
     def setup(self) -> Path | None:
+        """Everything before the first step, in order: the checks (nothing written before
+        them), the Accelerator, the loaders, the model, optimizer and loaders prepared, the
+        schedule and the loss. Returns the checkpoint to resume from, if any."""
+        resume_from = self._start()
+        model = self.student.model
+        if self.sharded:  # trained as shards; the caller's model gets the result at the end
+            model = copy_model(model)
+        model.train()
+        if self.teacher is not None:
+            self.teacher = self.teacher.to(self.accelerator.device).eval().requires_grad_(False)
+        self.sampler, train_loader, val_loader = training_loaders(
+            self.train_set, self.val_set, self.config
+        )
+        config = self.config
+        self.lr = (
+            config.lr
+            if config.lr is not None
+            else default_lr(config.batch_size, config.accum, self.accelerator.num_processes)
+        )
+        if self.sharded:
+            self._setup_sharded(model, train_loader, val_loader)
+        else:
+            self._setup_replicated(model, train_loader, val_loader)
+        self._schedule(len(self.train_loader))
+        self._loss()
+        self.metrics = MetricsLog(self.out / METRICS, self.main)
+        self.buffer_names = {name for name, _ in self.raw_model.named_buffers()}
+        self.progress = (
+            self._progress if self._progress is not None and self.main else FinetuneProgress()
+        )
+        self.position = TrainPosition()  # where training starts (inside an epoch on resume)
+        self.start_totals = EpochTotals()
+        self._mark_boundary(self.position, self.start_totals)
+        return resume_from
+
+    def _start(self) -> Path | None:
+        """The run directory and the checks on the data and the processes (one line each,
+        nothing written before them), the Accelerator and the seed; the checkpoint to resume
+        from, if any."""
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
@@ -130,65 +168,23 @@ class FinetuneRun:
         # device_specific: each process draws different Gumbel/mixup noise; the sampler's seed
         # stays shared so the processes split one permutation.
         set_seed(config.seed, device_specific=True)
+        return resume_from
 
-        model = self.student.model
-        if self.sharded:  # trained as shards; the caller's model gets the result at the end
-            model = copy_model(model)
-        model.train()
-        if self.teacher is not None:
-            self.teacher = self.teacher.to(accelerator.device).eval().requires_grad_(False)
+    def _schedule(self, batches_per_epoch: int) -> None:
+        """The run's length and its warm-up + cosine schedule. The scheduler is stepped here once
+        per optimizer step rather than prepared: a prepared scheduler advances once per process
+        per step, which would shorten the schedule under DDP."""
+        length = RunLength.of(batches_per_epoch, self.config)
+        self.steps_per_epoch, self.total_steps = length.steps_per_epoch, length.total_steps
+        self.epochs = length.epochs
+        if self.main and length.warning() is not None:
+            log.warning(length.warning())
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        self.scheduler = build_scheduler(optimizer, length.total_steps, length.warmup_steps)
 
-        self.sampler = EpochSampler(len(self.train_set), config.seed)
-        train_loader = DataLoader(
-            self.train_set,
-            batch_size=config.batch_size,
-            sampler=self.sampler,
-            num_workers=config.num_workers,
-            drop_last=True,
-            generator=torch.Generator().manual_seed(config.seed),
-        )
-        if len(train_loader) == 0:
-            raise FinetuneError(
-                f"the training set ({len(self.train_set)} images) is smaller "
-                f"than one batch ({config.batch_size})"
-            )
-        val_loader = None
-        if self.val_set is not None:
-            val_loader = DataLoader(
-                self.val_set, batch_size=config.batch_size, num_workers=config.num_workers
-            )
-
-        self.lr = (
-            config.lr
-            if config.lr is not None
-            else default_lr(config.batch_size, config.accum, accelerator.num_processes)
-        )
-        if self.sharded:
-            self._setup_sharded(model, train_loader, val_loader)
-        else:
-            self._setup_replicated(model, train_loader, val_loader)
-        train_loader = self.train_loader
-
-        # The scheduler is stepped here once per optimizer step rather than prepared: a
-        # prepared scheduler advances once per process per step, which would shorten the
-        # schedule under DDP.
-        optimizer = self.optimizer
-        self.steps_per_epoch = math.ceil(len(train_loader) / config.accum)
-        self.total_steps = config.max_steps or self.steps_per_epoch * config.epochs
-        self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
-        warmup_steps = round(config.warmup_epochs * self.steps_per_epoch)
-        if self.main and 0 < self.total_steps <= warmup_steps:
-            log.warning(
-                "warning: the warm-up (%d steps) is as long as the run (%d steps) or "
-                "longer: the learning rate never reaches its peak and never decays; "
-                "lower --warmup-epochs",
-                warmup_steps,
-                self.total_steps,
-            )
-        self.scheduler = build_scheduler(
-            getattr(optimizer, "optimizer", optimizer), self.total_steps, warmup_steps
-        )
-
+    def _loss(self) -> None:
+        """The loss weights, mixup (where the config asks for it) and the loss."""
+        config = self.config
         self.weights = LossWeights(
             config.ratio_weight, config.distill_weight, config.token_distill_weight
         )
@@ -204,15 +200,6 @@ class FinetuneRun:
             smoothing=config.smoothing,
             task=config.task,
         )
-        self.metrics = MetricsLog(out / METRICS, self.main)
-        self.buffer_names = {name for name, _ in self.raw_model.named_buffers()}
-        self.progress = (
-            self._progress if self._progress is not None and self.main else FinetuneProgress()
-        )
-        self.position = TrainPosition()  # where training starts (inside an epoch on resume)
-        self.start_totals = EpochTotals()
-        self._mark_boundary(self.position, self.start_totals)
-        return resume_from
 
     def _setup_replicated(
         self, model: nn.Module, train_loader: DataLoader, val_loader: DataLoader | None
@@ -414,22 +401,7 @@ class FinetuneRun:
             targets = labels
             if self.mixup_fn is not None:
                 images, targets = self.mixup_fn(images, labels)
-            with accelerator.accumulate(model):
-                self.taps.reset()
-                with accelerator.autocast():
-                    logits = unwrap_logits(model(images))
-                    teacher_logits = None
-                    if self.teacher is not None and (
-                        self.weights.distill or self.taps.token_distill
-                    ):
-                        with torch.no_grad():
-                            teacher_logits = unwrap_logits(self.teacher(images))
-                loss, parts = self.criterion(logits, targets, teacher_logits)
-                _check_finite(loss, accelerator, self.boundary.global_step + 1)
-                accelerator.backward(loss)
-                self.updating = accelerator.sync_gradients  # the weights change from here on
-                self.optimizer.step()
-                self.optimizer.zero_grad()
+            loss, parts = self._train_batch(images, targets)
             batch_index += 1
             totals.loss_sum += float(loss.detach())
             totals.batches += 1
@@ -477,6 +449,29 @@ class FinetuneRun:
             "lr": self.optimizer.param_groups[0]["lr"],
             "img_per_s": totals.images / totals.seconds if totals.seconds > 0 else None,
         }
+
+    def _train_batch(
+        self, images: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """One batch: the forward (the teacher's too, where a distillation term reads it), the
+        loss (refused when not finite) and its backward; the optimizer steps where the
+        accumulation completes. Returns the loss and its parts."""
+        accelerator, model = self.accelerator, self.model
+        with accelerator.accumulate(model):
+            self.taps.reset()
+            with accelerator.autocast():
+                logits = unwrap_logits(model(images))
+                teacher_logits = None
+                if self.teacher is not None and (self.weights.distill or self.taps.token_distill):
+                    with torch.no_grad():
+                        teacher_logits = unwrap_logits(self.teacher(images))
+            loss, parts = self.criterion(logits, targets, teacher_logits)
+            _check_finite(loss, accelerator, self.boundary.global_step + 1)
+            accelerator.backward(loss)
+            self.updating = accelerator.sync_gradients  # the weights change from here on
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        return loss, parts
 
     def evaluate(self) -> dict[str, float]:
         """Validation top-1 of the model (and of its EMA, ``val_top1_ema``); empty without

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from vitcompress.compilation.weight_decay import NO_WEIGHT_DECAY_ATTRIBUTE, declared_no_weight_decay
+from vitcompress.training.config import FinetuneConfig
 
 BASE_LR = 2.5e-4  # per 1024 images (the paper's lr = batch / 1024 * 2.5e-4)
 # Layers whose weights are ordinary weights even when their first dimension is 1 (a head with one
@@ -83,3 +85,32 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: cosine_with_warmup(step, total_steps, warmup_steps)
     )
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """A run's length in optimizer steps: per epoch, in all (``--max-steps``, else the epochs'),
+    the epochs that spans, and the warm-up's."""
+
+    steps_per_epoch: int
+    total_steps: int
+    epochs: int
+    warmup_steps: int
+
+    @classmethod
+    def of(cls, batches_per_epoch: int, config: FinetuneConfig) -> RunLength:
+        """The length of a run of ``config`` over ``batches_per_epoch`` batches per epoch."""
+        per_epoch = math.ceil(batches_per_epoch / config.accum)
+        total = config.max_steps or per_epoch * config.epochs
+        warmup = round(config.warmup_epochs * per_epoch)
+        return cls(per_epoch, total, math.ceil(total / per_epoch), warmup)
+
+    def warning(self) -> str | None:
+        """One line when the warm-up spans the whole run: the rate never peaks nor decays."""
+        if not 0 < self.total_steps <= self.warmup_steps:
+            return None
+        return (
+            f"warning: the warm-up ({self.warmup_steps} steps) is as long as the run "
+            f"({self.total_steps} steps) or longer: the learning rate never reaches its peak "
+            "and never decays; lower --warmup-epochs"
+        )

@@ -1,4 +1,5 @@
-"""Where a training run stands, and a shuffle that a resumed run repeats exactly."""
+"""Where a training run stands, a shuffle that a resumed run repeats exactly, and the run's
+loaders built on it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from vitcompress.training.config import FinetuneConfig
+from vitcompress.training.run_directory import FinetuneError
 
 
 class EpochSampler(Sampler[int]):
@@ -39,3 +43,30 @@ class TrainPosition:
     epoch: int = 0
     batches_done: int = 0  # batches of this process finished in ``epoch`` (at a step boundary)
     global_step: int = 0
+
+
+def training_loaders(
+    train_set: Dataset, val_set: Dataset | None, config: FinetuneConfig
+) -> tuple[EpochSampler, DataLoader, DataLoader | None]:
+    """The run's sampler, its training loader (whole batches only; refused in one line when the
+    set is smaller than one batch) and the validation loader, if there is a validation set."""
+    sampler = EpochSampler(len(train_set), config.seed)  # type: ignore[arg-type]
+    train_loader = DataLoader(
+        train_set,
+        batch_size=config.batch_size,
+        sampler=sampler,
+        num_workers=config.num_workers,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(config.seed),
+    )
+    if len(train_loader) == 0:
+        raise FinetuneError(
+            f"the training set ({len(train_set)} images) is smaller "  # type: ignore[arg-type]
+            f"than one batch ({config.batch_size})"
+        )
+    val_loader = None
+    if val_set is not None:
+        val_loader = DataLoader(
+            val_set, batch_size=config.batch_size, num_workers=config.num_workers
+        )
+    return sampler, train_loader, val_loader
