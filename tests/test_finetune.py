@@ -28,7 +28,7 @@ from vitcompress.training.losses import (
     ratio_loss,
     token_distillation,
 )
-from vitcompress.training.optim import cosine_with_warmup, default_lr, param_groups
+from vitcompress.training.optim import RunLength, cosine_with_warmup, default_lr, param_groups
 from vitcompress.workflows.finetune import (
     FinetuneConfig,
     FinetuneError,
@@ -185,6 +185,16 @@ def test_no_weight_decay_on_norms_biases_positions_and_prefix_tokens():
     assert all(student.model.get_parameter(n).ndim >= 2 for n in decayed)
     assert default_lr(256, accumulation=2, world_size=2) == pytest.approx(2.5e-4)
     assert cosine_with_warmup(0, 10, 2) == 0.5 and cosine_with_warmup(9, 10, 2) > 0
+
+
+def test_a_runs_length_counts_optimizer_steps_and_warns_when_warm_up_spans_it() -> None:
+    # 10 batches at accum 3: 4 steps per epoch (the last one short), 2 epochs: 8 steps.
+    length = RunLength.of(10, FinetuneConfig(epochs=2, accum=3, warmup_epochs=1))
+    assert (length.steps_per_epoch, length.total_steps, length.epochs) == (4, 8, 2)
+    assert length.warmup_steps == 4 and length.warning() is None
+    capped = RunLength.of(10, FinetuneConfig(epochs=30, accum=3, max_steps=5, warmup_epochs=2))
+    assert (capped.total_steps, capped.epochs, capped.warmup_steps) == (5, 2, 8)
+    assert "warm-up (8 steps) is as long as the run (5 steps)" in (capped.warning() or "")
 
 
 # --------------------------------------------------------------------------------------------
