@@ -35,7 +35,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +155,66 @@ def _prepare(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.M
     return model
 
 
+@contextlib.contextmanager
+def training_flags_kept(models: Iterable[nn.Module]) -> Iterator[None]:
+    """Every module's ``training`` flag as it was on entry, put back on exit (also on an
+    error)."""
+    flags = [(module, module.training) for model in models for module in model.modules()]
+    try:
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
+def _check_request(
+    models: Mapping[str, nn.Module],
+    input_size: tuple[int, ...],
+    device: torch.device,
+    dtype: torch.dtype,
+    amp: bool,
+) -> None:
+    """One line for what cannot be timed: no models, an input without channels and a grid,
+    autocast off CUDA or to a dtype it does not cast to."""
+    if not models:
+        raise ValueError("no models to time")
+    if len(input_size) < 3:
+        raise ValueError(
+            "input_size must be (channels, height, width) or of higher rank (a video's "
+            f"(channels, frames, height, width)), got {tuple(input_size)}"
+        )
+    if amp:
+        if device.type != "cuda":
+            raise ValueError(f"amp=True is only supported on CUDA, not on {device.type}")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"amp=True needs dtype float16 or bfloat16, got {dtype}")
+
+
+def _runnable(
+    model: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    compile_options: Mapping[str, Any] | None,
+    compiled: bool,
+) -> nn.Module:
+    """The model as it is timed: on ``device`` in ``dtype`` (a copy where it is not), in eval
+    mode, wrapped by ``torch.compile`` where ``compiled``."""
+    prepared = _prepare(model, device, dtype).eval()
+    if not compiled:
+        return prepared
+    return torch.compile(prepared, **dict(compile_options or {}))  # type: ignore[return-value]
+
+
+def _graph_break_warnings(compiled_graphs: Mapping[str, int]) -> list[str]:
+    """A line for each compiled model that dynamo broke into more than one graph."""
+    return [
+        f"{name} compiled into {graphs} graphs: dynamo broke the graph "
+        f"{graphs - 1} time{'s' if graphs > 2 else ''}, so part of it runs eagerly between them"
+        for name, graphs in compiled_graphs.items()
+        if graphs > 1
+    ]
+
+
 def measure_throughput(
     models: Mapping[str, nn.Module],
     input_size: tuple[int, ...],
@@ -195,36 +255,14 @@ def measure_throughput(
     than :data:`STARVATION_FACTOR` times faster), timing everything again at 1 thread if it
     fails; a number fixes them and checks nothing. ``environment["thread_choice"]`` says which.
     """
-    if not models:
-        raise ValueError("no models to time")
-    if len(input_size) < 3:
-        raise ValueError(
-            "input_size must be (channels, height, width) or of higher rank (a video's "
-            f"(channels, frames, height, width)), got {tuple(input_size)}"
-        )
+    device = torch.device(device)
+    _check_request(models, input_size, device, dtype, amp)
     schedule = _Schedule(batch_size, warmup, runs, time_budget, on_round)
     compiled_names = _compiled_names(compile, models)
-    device = torch.device(device)
-    if amp:
-        if device.type != "cuda":
-            raise ValueError(f"amp=True is only supported on CUDA, not on {device.type}")
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"amp=True needs dtype float16 or bfloat16, got {dtype}")
-
     # Under autocast weights and input stay float32 and the autocast casts per op.
     run_dtype = torch.float32 if amp else dtype
     generator = torch.Generator().manual_seed(0)
     x = torch.randn((batch_size, *input_size), generator=generator).to(device, run_dtype)
-
-    flags = {name: [(m, m.training) for m in model.modules()] for name, model in models.items()}
-    runnable: dict[str, nn.Module] = {}
-    for name, model in models.items():
-        prepared = _prepare(model, device, run_dtype).eval()
-        runnable[name] = (
-            torch.compile(prepared, **dict(compile_options or {}))  # type: ignore[assignment]
-            if name in compiled_names
-            else prepared
-        )
 
     def forward(model: nn.Module) -> None:
         if amp:
@@ -237,8 +275,13 @@ def measure_throughput(
     compiled_graphs: dict[str, int] = {}
     # On a GPU the CPU threads only launch kernels: the count is torch's, and nothing is checked.
     choice = thread_choice(threads if device.type == "cpu" else torch.get_num_threads())
-    runners = {name: functools.partial(forward, model) for name, model in runnable.items()}
-    try:
+    # eval() changes the caller's models wherever no copy is needed: their flags are put back.
+    with training_flags_kept(models.values()):
+        runnable = {
+            name: _runnable(model, device, run_dtype, compile_options, name in compiled_names)
+            for name, model in models.items()
+        }
+        runners = {name: functools.partial(forward, model) for name, model in runnable.items()}
         with torch.inference_mode(), torch_threads(choice.threads):
             # Compilation first, each model on its own and outside the budget: minutes of
             # code generation must neither be timed nor eat the rounds that are.
@@ -255,19 +298,8 @@ def measure_throughput(
             )
             if threads is None and device.type == "cpu":
                 choice, rounds = _check_starvation(choice, rounds, runners, schedule)
-    finally:
-        # eval() above changed the caller's models whenever no copy was needed.
-        for name, model in models.items():
-            model.train(flags[name][0][1])
-            for module, training in flags[name]:
-                module.training = training
 
-    warnings = [
-        f"{name} compiled into {graphs} graphs: dynamo broke the graph "
-        f"{graphs - 1} time{'s' if graphs > 2 else ''}, so part of it runs eagerly between them"
-        for name, graphs in compiled_graphs.items()
-        if graphs > 1
-    ] + host_bound_warnings(rounds.host_shares)
+    warnings = _graph_break_warnings(compiled_graphs) + host_bound_warnings(rounds.host_shares)
     return rounds.report(
         environment(device, dtype, batch_size)
         | {
