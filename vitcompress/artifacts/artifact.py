@@ -243,14 +243,7 @@ def save_artifact(
             "checkpoint": None,
             "pretrained": False,
         },
-        # Absolute: the artifact is read from other working directories (eval, finetune).
-        "base_weights": (
-            str(Path(source.checkpoint).expanduser().resolve())
-            if source.checkpoint
-            else "timm pretrained"
-            if source.pretrained
-            else None
-        ),
+        "base_weights": _base_weights_name(source),
         # A checkpoint overwritten after the save would silently give another base (eval --base
         # source, apply --model ARTIFACT, the fine-tuning teacher): its content is checked.
         BASE_WEIGHTS_SHA256: _base_weights_digest(source),
@@ -263,6 +256,21 @@ def save_artifact(
         "data_config": getattr(model, "vitcompress_data_config", None),
         **(extra or {}),
     }
+    _write_in_place(model, meta, directory)
+    return directory
+
+
+def _base_weights_name(source: ModelSource) -> str | None:
+    """The base weights as the artifact names them: the checkpoint's absolute path (the artifact
+    is read from other working directories: eval, finetune), timm's pretrained ones, or none."""
+    if source.checkpoint:
+        return str(Path(source.checkpoint).expanduser().resolve())
+    return "timm pretrained" if source.pretrained else None
+
+
+def _write_in_place(model: nn.Module, meta: dict[str, Any], directory: Path) -> None:
+    """The weights and the metadata written into a staging folder beside ``directory``, then
+    swapped into its place: a failure leaves what was there."""
     staging: Path | None = None
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
@@ -279,7 +287,6 @@ def save_artifact(
     finally:  # after a failure or Ctrl-C, nothing half-written is left beside the artifact
         if staging is not None and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    return directory
 
 
 def _make_staging_directory(directory: Path) -> Path:
@@ -459,6 +466,45 @@ def _weights_file_shapes(path: Path) -> dict[str, list[int]]:
         raise ArtifactError(f"cannot read weights {path}: {str(e).splitlines()[0]}") from e
 
 
+def _read_fingerprint(meta: dict[str, Any], directory: str | Path) -> Fingerprint | None:
+    """The artifact's fingerprint; ``None`` (with a warning) for one written before artifacts
+    carried it; one line for a malformed one."""
+    if FINGERPRINT_KEY not in meta:
+        log.warning(
+            "%s was written before artifacts carried a fingerprint, so the rebuilt "
+            "model cannot be verified against the saved one; save it again to add one",
+            directory,
+        )
+        return None
+    try:
+        return Fingerprint.from_json(meta[FINGERPRINT_KEY])
+    except FingerprintError as e:
+        raise ArtifactError(f"{directory}: {e}") from e
+
+
+def _load_weights(model: nn.Module, weights: Path, rebuilt_shapes: dict[str, list[int]]) -> None:
+    """The weights file loaded into the rebuilt model, refused in one line where it cannot be
+    read or its tensors do not fit (checked by shape before loading)."""
+    # Shared tensors are stored once, so the file may name fewer keys than the state dict.
+    file_shapes = _weights_file_shapes(weights)
+    problems = shape_differences(
+        file_shapes, {k: v for k, v in rebuilt_shapes.items() if k in file_shapes}
+    )
+    if problems:
+        raise ArtifactError(
+            f"weights in {weights} do not fit the rebuilt model: {'; '.join(problems)}"
+        )
+    try:
+        missing, unexpected = safetensors.torch.load_model(model, str(weights), strict=False)
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for bad files
+        raise ArtifactError(f"cannot read weights {weights}: {str(e).splitlines()[0]}") from e
+    if missing or unexpected:
+        raise ArtifactError(
+            f"weights in {weights} do not fit the rebuilt model: missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}"
+        )
+
+
 def load_artifact(directory: str | Path) -> LoadedModel:
     """Rebuild the compressed model saved in ``directory`` and check it against the artifact's
     fingerprint (model map, state-dict shapes, eval output on a fixed input)."""
@@ -471,18 +517,7 @@ def load_artifact(directory: str | Path) -> LoadedModel:
     except ArtifactError:
         source = ModelSource.from_json(meta["source"])
     size = tuple(meta["input_size"])
-    fingerprint: Fingerprint | None = None
-    if FINGERPRINT_KEY in meta:
-        try:
-            fingerprint = Fingerprint.from_json(meta[FINGERPRINT_KEY])
-        except FingerprintError as e:
-            raise ArtifactError(f"{directory}: {e}") from e
-    else:
-        log.warning(
-            "%s was written before artifacts carried a fingerprint, so the rebuilt "
-            "model cannot be verified against the saved one; save it again to add one",
-            directory,
-        )
+    fingerprint = _read_fingerprint(meta, directory)
 
     def refuse(what_differs: str) -> ArtifactError:
         return ArtifactError(
@@ -504,24 +539,7 @@ def load_artifact(directory: str | Path) -> LoadedModel:
         problems = shape_differences(fingerprint.state_dict, rebuilt_shapes)
         if problems:
             raise refuse("; ".join(problems))
-    # Shared tensors are stored once, so the file may name fewer keys than the state dict.
-    file_shapes = _weights_file_shapes(weights)
-    problems = shape_differences(
-        file_shapes, {k: v for k, v in rebuilt_shapes.items() if k in file_shapes}
-    )
-    if problems:
-        raise ArtifactError(
-            f"weights in {weights} do not fit the rebuilt model: {'; '.join(problems)}"
-        )
-    try:
-        missing, unexpected = safetensors.torch.load_model(model, str(weights), strict=False)
-    except Exception as e:  # noqa: BLE001 - safetensors raises several types for bad files
-        raise ArtifactError(f"cannot read weights {weights}: {str(e).splitlines()[0]}") from e
-    if missing or unexpected:
-        raise ArtifactError(
-            f"weights in {weights} do not fit the rebuilt model: missing {sorted(missing)[:3]}, "
-            f"unexpected {sorted(unexpected)[:3]}"
-        )
+    _load_weights(model, weights, rebuilt_shapes)
     if fingerprint is not None:
         try:
             difference = fingerprint.output_difference(model, size)
