@@ -177,8 +177,9 @@ class FinetuneRun:
         length = RunLength.of(batches_per_epoch, self.config)
         self.steps_per_epoch, self.total_steps = length.steps_per_epoch, length.total_steps
         self.epochs = length.epochs
-        if self.main and length.warning() is not None:
-            log.warning(length.warning())
+        warning = length.warning()
+        if self.main and warning is not None:
+            log.warning(warning)
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         self.scheduler = build_scheduler(optimizer, length.total_steps, length.warmup_steps)
 
