@@ -270,6 +270,51 @@ def test_resume_mid_epoch_gives_the_same_weights(tmp_path):
         assert torch.equal(resumed[key], value), key
 
 
+class _Augmented(torch.utils.data.Dataset):
+    """``_data()`` with a random augmentation drawn from torch, numpy and Python's ``random``,
+    as timm's transforms do."""
+
+    def __init__(self) -> None:
+        self.data = _data()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        import random
+
+        import numpy as np
+
+        x, y = self.data[index]
+        shift = float(np.random.uniform(-1, 1)) + random.random()
+        return x + 0.5 * torch.randn_like(x) + shift, y
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_gives_the_same_weights_with_random_augmentation(tmp_path, workers):
+    # The loader fetches (and augments) one batch ahead of the step, so a checkpoint's RNG state
+    # alone cannot replay the next batch's augmentation; each draw is seeded instead.
+    config = dict(epochs=2, warmup_epochs=0, mixup=None, num_workers=workers)
+    student, teacher = _models()
+    finetune(student, teacher, _Augmented(), None, tmp_path / "a", _config(**config))
+    uninterrupted = _state(student.model)
+
+    def stop(step: int, model: nn.Module) -> None:
+        if step == 2:  # mid-way through the first epoch (4 steps per epoch)
+            raise KeyboardInterrupt
+
+    student, teacher = _models()
+    with pytest.raises(KeyboardInterrupt):
+        finetune(
+            student, teacher, _Augmented(), None, tmp_path / "b", _config(**config), on_step=stop
+        )
+    student, teacher = _models()
+    finetune(student, teacher, _Augmented(), None, tmp_path / "b", _config(**config, resume=True))
+    resumed = vitcompress.load(tmp_path / "b").state_dict()
+    for key, value in uninterrupted.items():
+        assert torch.equal(resumed[key], value), key
+
+
 class _Recorder(FinetuneProgress):
     def __init__(self) -> None:
         self.calls: list[tuple] = []

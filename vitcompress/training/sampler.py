@@ -1,11 +1,14 @@
-"""Where a training run stands, a shuffle that a resumed run repeats exactly, and the run's
-loaders built on it."""
+"""Where a training run stands, a shuffle and augmentation that a resumed run repeats exactly,
+and the run's loaders built on them."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -15,6 +18,9 @@ from vitcompress.training.run_directory import FinetuneError
 
 class EpochSampler(Sampler[int]):
     """A shuffle that depends only on (seed, epoch), so a resumed run sees the same order.
+
+    It yields draws, ``epoch * size + index``, which ``SeededDraws`` turns back into the index
+    and into the seed of that image's augmentation.
 
     The epoch is set with ``start_epoch`` rather than ``set_epoch`` on purpose: Accelerate calls
     ``set_epoch`` with its own iteration counter, which restarts at 0 after a resume.
@@ -30,10 +36,43 @@ class EpochSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return iter(torch.randperm(self.size, generator=generator).tolist())
+        offset = self.epoch * self.size
+        return iter((torch.randperm(self.size, generator=generator) + offset).tolist())
 
     def __len__(self) -> int:
         return self.size
+
+
+class SeededDraws(Dataset):
+    """The training set, each image's random augmentation seeded by (run seed, draw).
+
+    Without it, augmentation draws from the process's RNGs, and Accelerate's loader fetches
+    (and so augments) one batch ahead of the step: the RNG state a checkpoint saves is already
+    past the next batch's draws, and a resumed run augments that batch differently. Seeded per
+    draw, an image's augmentation depends neither on when it is fetched nor on the worker that
+    fetches it, and the process's RNGs are left as they were (for dropout, mixup, Gumbel noise).
+    """
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset = dataset
+        self.size = len(dataset)  # type: ignore[arg-type]
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, draw: int) -> Any:
+        seed = (self.seed * 1_000_003 + draw) % 2**63
+        states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.default_generator.manual_seed(seed)  # the CPU's only: CUDA's is the step's
+        try:
+            return self.dataset[draw % self.size]
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            torch.set_rng_state(states[2])
 
 
 @dataclass
@@ -52,7 +91,7 @@ def training_loaders(
     set is smaller than one batch) and the validation loader, if there is a validation set."""
     sampler = EpochSampler(len(train_set), config.seed)  # type: ignore[arg-type]
     train_loader = DataLoader(
-        train_set,
+        SeededDraws(train_set, config.seed),
         batch_size=config.batch_size,
         sampler=sampler,
         num_workers=config.num_workers,
