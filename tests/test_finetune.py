@@ -18,7 +18,7 @@ from tests.torchrun import torchrun
 from vitcompress.api import compress_loaded
 from vitcompress.cli.main import cli
 from vitcompress.loading import load_base_model
-from vitcompress.training.checkpoint import find_latest, load_checkpoint
+from vitcompress.training.checkpoint import find_latest, list_checkpoints, load_checkpoint
 from vitcompress.training.losses import (
     DistillationTaps,
     FinetuneLoss,
@@ -315,6 +315,66 @@ def test_resume_gives_the_same_weights_with_random_augmentation(tmp_path, worker
         assert torch.equal(resumed[key], value), key
 
 
+def test_a_resume_that_asks_for_other_settings_is_refused_and_the_same_ones_pass(tmp_path):
+    # The optimizer and schedule come back from the checkpoint: a changed --lr or --batch-size
+    # would be ignored while the artifact recorded it.
+    def stop(step: int, model: nn.Module) -> None:
+        if step == 1:
+            raise KeyboardInterrupt
+
+    student, teacher = _models()
+    with pytest.raises(KeyboardInterrupt):
+        finetune(student, teacher, _data(), None, tmp_path / "b", _config(), on_step=stop)
+    checkpoint = find_latest(tmp_path / "b" / "checkpoints")
+    with pytest.raises(FinetuneError) as refused:
+        finetune(*_models(), _data(), None, tmp_path / "b", _config(lr=5e-2, resume=True))
+    assert str(refused.value) == (
+        f"{checkpoint} was written with --lr 0.001; this run asks for --lr 0.05: resume with "
+        "the same options, or fine-tune into a new --out"
+    )
+    with pytest.raises(FinetuneError, match="--batch-size 4, --ema-decay None; .* --batch-size 2"):
+        finetune(
+            *_models(),
+            _data(),
+            None,
+            tmp_path / "b",
+            _config(batch_size=2, ema_decay=0.9, resume=True),
+        )
+    assert find_latest(tmp_path / "b" / "checkpoints") == checkpoint  # nothing written
+    # A longer run is not another trajectory: --epochs may change.
+    finetune(*_models(), _data(), None, tmp_path / "b", _config(epochs=3, resume=True))
+
+
+def test_an_unreadable_or_foreign_checkpoint_is_refused_in_one_line(tmp_path):
+    from vitcompress.training.checkpoint import CheckpointError
+
+    def stop(step: int, model: nn.Module) -> None:
+        if step == 3:
+            raise KeyboardInterrupt
+
+    student, teacher = _models()
+    with pytest.raises(KeyboardInterrupt):
+        finetune(
+            student, teacher, _data(), None, tmp_path / "b", _config(save_every=1), on_step=stop
+        )
+    older, newest = list_checkpoints(tmp_path / "b" / "checkpoints")
+    whole = newest.read_bytes()
+    newest.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(CheckpointError) as unreadable:
+        finetune(*_models(), _data(), None, tmp_path / "b", _config(resume=True))
+    assert str(unreadable.value).startswith(f"{newest} cannot be read (")
+    assert str(unreadable.value).endswith(f": move it away to resume from {older.name}")
+    assert "\n" not in str(unreadable.value)
+
+    newest.write_bytes(whole)
+    torch.manual_seed(0)
+    wider = load_base_model(TINY, {**TINY_ARGS, "embed_dim": 48})
+    other = compress_loaded(wider, "dtps", keep=0.5, locs=[1, 2])
+    with pytest.raises(CheckpointError, match=r"holds another model's weights \(\d+ of another"):
+        finetune(other, wider.model, _data(), None, tmp_path / "b", _config(resume=True))
+    assert list_checkpoints(tmp_path / "b" / "checkpoints") == [older, newest]  # nothing lost
+
+
 class _Recorder(FinetuneProgress):
     def __init__(self) -> None:
         self.calls: list[tuple] = []
@@ -484,18 +544,40 @@ def test_two_processes_end_with_identical_weights(tmp_path):
 # CLI
 
 
-def _image_folder(root: Path) -> Path:
+def _image_folder(root: Path, val_labels: tuple[str, ...] = ("a", "b")) -> Path:
     from PIL import Image
 
     generator = torch.Generator().manual_seed(0)
-    for split, count in (("train", 4), ("val", 2)):
-        for label in ("a", "b"):
+    for split, count, labels in (("train", 4, ("a", "b")), ("val", 2, val_labels)):
+        for label in labels:
             folder = root / split / label
             folder.mkdir(parents=True)
             for i in range(count):
                 pixels = (torch.rand(32, 32, 3, generator=generator) * 255).to(torch.uint8)
                 Image.fromarray(pixels.numpy()).save(folder / f"{i}.png")
     return root
+
+
+@pytest.mark.parametrize(
+    "val_labels, named",
+    [(("a", "c"), "validation lacks 'b', validation has 'c'"), (("b", "a0"), "lacks 'a'")],
+)
+def test_validation_classes_that_are_not_the_trainings_are_refused_before_training(
+    tmp_path, val_labels, named
+):
+    # A folder missing from one split shifts every label after it: validation would score the
+    # trained model near chance, or fail only after the first epoch.
+    data = _image_folder(tmp_path / "data", val_labels)
+    out = tmp_path / "run"
+    args = ["finetune", "--model", TINY, "--variant", "dtps", "--keep", "0.5", "--locs", "1"]
+    for key, value in TINY_ARGS.items():
+        args += ["--model-arg", f"{key}={value}"]
+    args += ["--data", str(data), "--augment", "none", "--epochs", "1", "--batch-size", "4"]
+    result = CliRunner().invoke(cli, [*args, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert named in result.output and "different classes" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
 
 
 def test_cli_with_a_recipe_and_an_override(tmp_path):

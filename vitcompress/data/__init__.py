@@ -2,7 +2,7 @@
 segmentation set generated from Fashion-MNIST (``fashion-mnist-seg``)."""
 
 from vitcompress.data.config import DataConfig, resolve_data_config
-from vitcompress.data.datasets import build_dataset, model_dataset, num_classes
+from vitcompress.data.datasets import build_dataset, class_names, model_dataset, num_classes
 from vitcompress.data.segmentation import TASKS, check_task, dataset_task
 from vitcompress.data.transforms import AugmentConfig, DataError
 
@@ -15,6 +15,7 @@ __all__ = [
     "check_task",
     "dataset_task",
     "model_dataset",
+    "class_names",
     "num_classes",
     "resolve_data_config",
 ]

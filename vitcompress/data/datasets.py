@@ -192,11 +192,18 @@ def _segmentation_set(
     return dataset
 
 
-def num_classes(dataset: Dataset) -> int:
-    """Number of classes of a dataset from ``build_dataset`` (also through a ``Subset``)."""
+def class_names(dataset: Dataset) -> list[str] | None:
+    """The class names of a dataset from ``build_dataset`` (also through a ``Subset``), label
+    order; None for a plain dataset without ``.classes``."""
     while not hasattr(dataset, "classes") and hasattr(dataset, "dataset"):
         dataset = dataset.dataset
     classes = getattr(dataset, "classes", None)
+    return None if classes is None else [str(name) for name in classes]
+
+
+def num_classes(dataset: Dataset) -> int:
+    """Number of classes of a dataset from ``build_dataset`` (also through a ``Subset``)."""
+    classes = class_names(dataset)
     if classes is None:
         raise DataError(f"{type(dataset).__name__} has no .classes: cannot tell its class count")
     return len(classes)

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vitcompress.errors import UserError, one_line
+
 PATTERN = re.compile(r"^step-(\d+)\.pt$")
 
 
@@ -128,5 +130,53 @@ def find_latest(directory: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+class CheckpointError(UserError):
+    """A checkpoint that cannot be resumed: unreadable, or another model's (one line)."""
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """The checkpoint at ``path``; one that cannot be read (truncated, not a checkpoint) is
+    refused in one line that names the older checkpoint a run could resume from instead."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises OSError, RuntimeError, UnpicklingError...
+        raise CheckpointError(
+            f"{path} cannot be read ({one_line(error)}){_instead(path)}"
+        ) from None
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise CheckpointError(f"{path} is not a training checkpoint{_instead(path)}")
+    return state
+
+
+def check_weights(path: Path, saved: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Refuse, in one line, a checkpoint whose weights are not those of the model being
+    resumed (another model's, another plan's), before any is loaded."""
+    missing = [name for name in expected if name not in saved]
+    unexpected = [name for name in saved if name not in expected]
+    reshaped = [
+        name
+        for name in expected
+        if name in saved and tuple(saved[name].shape) != tuple(expected[name].shape)
+    ]
+    if missing or unexpected or reshaped:
+        counts = ", ".join(
+            f"{len(names)} {what} (e.g. {names[0]})"
+            for names, what in (
+                (missing, "missing"),
+                (unexpected, "unexpected"),
+                (reshaped, "of another shape"),
+            )
+            if names
+        )
+        raise CheckpointError(
+            f"{path} holds another model's weights ({counts}): resume with the model and plan "
+            "it was written for, or fine-tune into a new --out"
+        )
+
+
+def _instead(path: Path) -> str:
+    older = [p for p in list_checkpoints(path.parent) if p != path]
+    if not older:
+        return ": nothing to resume from; fine-tune into a new --out"
+    return f": move it away to resume from {older[-1].name}"

@@ -4,6 +4,7 @@ given before anything runs (a head that cannot fit the data, sharding it does no
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from vitcompress.data import DataError, check_task, num_classes
+from vitcompress.data import DataError, check_task, class_names, num_classes
 from vitcompress.data.segmentation import SEGMENTATION, TASKS
 from vitcompress.training.evaluate import EvalProgress, unwrap_logits
 from vitcompress.training.run_directory import FinetuneError
@@ -112,6 +113,77 @@ class FinetuneConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # recorded in the artifact's summary
 
 
+def trajectory_settings(config: FinetuneConfig, lr: float, processes: int) -> dict[str, Any]:
+    """The settings that decide a run's steps, by the option that sets each: a checkpoint
+    records them, and a resumed run must ask for the same (``--epochs``, ``--max-steps``,
+    saving, logging and validation may change: a resumed run may be longer)."""
+    settings = {
+        "--batch-size": config.batch_size,
+        "--accum": config.accum,
+        "processes": processes,
+        "--lr": lr,
+        "--warmup-epochs": config.warmup_epochs,
+        "--weight-decay": config.weight_decay,
+        "--ratio-weight": config.ratio_weight,
+        "--distill-weight": config.distill_weight,
+        "--token-distill-weight": config.token_distill_weight,
+        "--ema-decay": config.ema_decay,
+        "--amp": config.amp,
+        "--seed": config.seed,
+        "mixup": config.mixup,
+        "label smoothing": config.smoothing,
+    }
+    for key, name in _RECORDED_SETTINGS:
+        if key in config.extra:
+            settings[name] = config.extra[key]
+    # As a checkpoint gives them back: tuples as lists, numbers as JSON has them.
+    return json.loads(json.dumps(settings))
+
+
+# What the command's ``extra`` records that also decides the steps: the plan and the inputs.
+_RECORDED_SETTINGS = (
+    ("variant", "--variant"),
+    ("keep", "--keep"),
+    ("locs", "--locs"),
+    ("augment", "--augment"),
+    ("data_config", "the data config"),
+)
+
+
+def _check_same_settings(path: Path, recorded: dict[str, Any] | None, now: dict[str, Any]) -> None:
+    """Refuse a resume that asks for other settings than the checkpoint was written with: the
+    optimizer and schedule come back from the checkpoint, so a changed option would be ignored
+    while the artifact recorded it. Checkpoints from before settings were recorded pass."""
+    if recorded is None:
+        return
+    changed = [name for name in now if recorded.get(name, now[name]) != now[name]]
+    if changed:
+        then = ", ".join(f"{name} {_shown(recorded[name])}" for name in changed)
+        asked = ", ".join(f"{name} {_shown(now[name])}" for name in changed)
+        raise FinetuneError(
+            f"{path} was written with {then}; this run asks for {asked}: resume with the same "
+            "options, or fine-tune into a new --out"
+        )
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+def check_data(
+    model: nn.Module, train_set: Dataset, val_set: Dataset | None, config: FinetuneConfig
+) -> None:
+    """The checks on the data before a run writes anything: the task, the splits' classes and
+    the model's outputs against them."""
+    _check_task(train_set, config)
+    _check_classes(train_set, val_set)
+    _check_outputs(model, train_set, bool(config.mixup), config.task)
+
+
 def _check_task(train_set: Dataset, config: FinetuneConfig) -> None:
     """Refuse a task the data cannot be trained on, and mixup on per-pixel labels, in one
     line, before anything runs."""
@@ -123,6 +195,39 @@ def _check_task(train_set: Dataset, config: FinetuneConfig) -> None:
             "mixup/cutmix mix one label per image and do not apply to per-pixel labels; "
             "drop them (augment preset 'none' or 'light') for --task segmentation"
         )
+
+
+def _check_classes(train_set: Dataset, val_set: Dataset | None) -> None:
+    """Refuse validation data whose classes are not the training data's, in the same order: a
+    label means a class by its place in the list, so a folder missing from one split shifts
+    every label after it, and validation would score a trained model near chance."""
+    if val_set is None:
+        return
+    train, val = class_names(train_set), class_names(val_set)
+    if train is None or val is None or train == val:
+        return
+    missing = [name for name in train if name not in val]
+    extra = [name for name in val if name not in train]
+    if missing or extra:
+        differences = ", ".join(
+            part
+            for part in (
+                f"validation lacks {_listed(missing)}" if missing else "",
+                f"validation has {_listed(extra)} that training lacks" if extra else "",
+            )
+            if part
+        )
+    else:
+        differences = "the same names in another order"
+    raise FinetuneError(
+        f"the training and validation data name different classes ({differences}): "
+        "give both splits the same class folders"
+    )
+
+
+def _listed(names: list[str], most: int = 5) -> str:
+    shown = ", ".join(repr(name) for name in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _check_outputs(

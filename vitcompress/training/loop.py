@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from vitcompress.loading import LoadedModel
 from vitcompress.model_copy import copy_model
 from vitcompress.training.checkpoint import (
+    check_weights,
     checkpoint_name,
     find_latest,
     list_checkpoints,
@@ -38,8 +39,9 @@ from vitcompress.training.config import (
     _check_distributed,
     _check_finite,
     _check_fsdp,
-    _check_outputs,
-    _check_task,
+    _check_same_settings,
+    check_data,
+    trajectory_settings,
 )
 from vitcompress.training.evaluate import spread_subset, unwrap_logits
 from vitcompress.training.interrupt import ForcedStop, StopSignals
@@ -49,7 +51,6 @@ from vitcompress.training.optim import RunLength, build_optimizer, build_schedul
 from vitcompress.training.run_directory import (
     CHECKPOINTS,
     METRICS,
-    FinetuneError,
     MetricsLog,
     prepare_run_directory,
     write_run_artifacts,
@@ -57,6 +58,7 @@ from vitcompress.training.run_directory import (
 from vitcompress.training.sampler import TrainPosition, training_loaders
 from vitcompress.training.sharding import (
     SHARDED,
+    check_sharding,
     full_model_state,
     full_optimizer_state,
     load_full_state,
@@ -128,6 +130,7 @@ class FinetuneRun:
             if config.lr is not None
             else default_lr(config.batch_size, config.accum, self.accelerator.num_processes)
         )
+        self.settings = trajectory_settings(config, self.lr, self.accelerator.num_processes)
         if self.sharded:
             self._setup_sharded(model, train_loader, val_loader)
         else:
@@ -153,8 +156,7 @@ class FinetuneRun:
 
         config, out = self.config, self.out
         resume_from = prepare_run_directory(out, config.resume)
-        _check_task(self.train_set, config)  # nothing written
-        _check_outputs(self.student.model, self.train_set, bool(config.mixup), config.task)
+        check_data(self.student.model, self.train_set, self.val_set, config)  # nothing written
         self.accelerator = accelerator = Accelerator(
             gradient_accumulation_steps=config.accum, mixed_precision=config.amp or "no"
         )
@@ -254,17 +256,14 @@ class FinetuneRun:
     def resume(self, path: Path) -> None:
         """Continue from the checkpoint at ``path``: everything ``checkpoint()`` saved."""
         state = load_checkpoint(path)
-        written_sharded = state.get("sharding") == SHARDED
-        if written_sharded != self.sharded:
-            needed = "with" if written_sharded else "without"
-            raise FinetuneError(
-                f"{path} was written by a run {needed} --fsdp; resume it {needed} --fsdp"
-            )
+        _check_same_settings(path, state.get("settings"), self.settings)
+        check_sharding(path, state, self.sharded)
         if self.sharded:
             load_full_state(
                 self.model, self.optimizer.optimizer, state["model"], state["optimizer"]
             )
         else:
+            check_weights(path, state["model"], self.raw_model.state_dict())
             self.raw_model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -329,6 +328,7 @@ class FinetuneRun:
             "global_step": self.boundary.global_step,
             "epoch_totals": asdict(self.boundary_totals),
             "history": [dict(entry) for entry in self.history],
+            "settings": self.settings,
         }
 
     def checkpoint(self) -> Path:

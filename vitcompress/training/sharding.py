@@ -9,6 +9,7 @@ written from the full tensors gathered from all of them, never from one process'
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +23,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from vitcompress.training.run_directory import FinetuneError
+
 SHARDED = "fsdp2"  # a checkpoint's "sharding" entry; its optimizer state is keyed by name
+
+
+def check_sharding(path: Path, state: dict[str, Any], sharded: bool) -> None:
+    """Refuse resuming a checkpoint with other sharding than it was written with: the
+    optimizer state of a sharded run is keyed by name, a replicated run's by index."""
+    written_sharded = state.get("sharding") == SHARDED
+    if written_sharded != sharded:
+        needed = "with" if written_sharded else "without"
+        raise FinetuneError(
+            f"{path} was written by a run {needed} --fsdp; resume it {needed} --fsdp"
+        )
 
 
 def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
