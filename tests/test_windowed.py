@@ -178,7 +178,7 @@ def test_the_plan_says_its_windows_and_reads_back(model):
     assert Plan.from_json(data).locations == plan.locations
 
 
-def _padded_swin() -> nn.Module:
+def _padded_swin(**extra) -> nn.Module:
     # 48 pixels: a 12 x 12 grid in windows of 7, padded to 14 x 14; stage 2 is 6 x 6 in one.
     torch.manual_seed(0)
     return sharpen(
@@ -189,6 +189,7 @@ def _padded_swin() -> nn.Module:
             depths=(2, 2),
             num_heads=(2, 4),
             num_classes=10,
+            **extra,
         )
     )
 
@@ -558,3 +559,26 @@ def test_etps_at_keep_07_is_the_method_written_out_window_by_window(images):
         plain = base(images)
     assert not torch.allclose(by_hand, plain, atol=1e-3)  # keep 0.7 changes the logits
     assert torch.allclose(compressed, by_hand, rtol=0, atol=1e-9 * by_hand.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    "build, size, other",
+    [(swin, SIZE, (3, 84, 84)), (_padded_swin, (3, 48, 48), (3, 56, 56))],
+    ids=["whole windows", "padded windows"],
+)
+@pytest.mark.parametrize("keep", [1.0, 0.7])
+def test_an_input_of_another_size_than_compressed_at_is_refused_in_one_line(
+    build, size, other, keep
+):
+    # The windows' order is the captured grid's: a larger grid would have some of its tokens
+    # picked into the wrong windows, so the compressed model refuses it (the base, built with
+    # strict_img_size=False, runs it).
+    model = build(strict_img_size=False)
+    images = torch.randn(2, *other)
+    assert model(images).shape == (2, 10)
+    compressed = compress(model, "etps", keep=[keep], input_size=size)
+    with pytest.raises(UserError) as refused:
+        compressed(images)
+    grid = (size[1] // 4) ** 2
+    assert str(refused.value).startswith(f"the windows were laid out for {grid} tokens per image")
+    assert f"this input gives {(other[1] // 4) ** 2}: compress the model" in str(refused.value)

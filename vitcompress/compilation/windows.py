@@ -201,10 +201,11 @@ class WindowRewrites:
         skip = self.nodes[windows.mlp_input_node]
         tracks_sizes = self.plan.method.tracks_sizes
         restored, order = [], ()
+        grid = sum(len(tokens) for _, tokens in groups)
         for number, (slots, tokens) in enumerate(groups):
             count = len(slots) // group_tokens(windows, slots)  # windows in the group
             suffix = f"{block.index}" + (f"_{number}" if windows.padded else "")
-            partition = self._add_hook(f"windows{suffix}", WindowPartition(tokens, count))
+            partition = self._add_hook(f"windows{suffix}", WindowPartition(tokens, count, grid))
             with self.graph.inserting_before(add):
                 scores = given
                 if windows.padded and given is not None:  # only the group's real slots

@@ -6,25 +6,42 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from vitcompress.errors import UserError
 from vitcompress.method import replay
 from vitcompress.method.restore import MaskedRemoval, Removal
+
+
+class WindowLayoutError(UserError):
+    """Tokens of another count than the windows were laid out for: the input is not of the
+    size the model was compressed at (one line)."""
 
 
 class WindowPartition(nn.Module):
     """(B, L, C) tokens -> (B * windows, tokens per window, C), window slot ``s`` of an image
     holding its token ``order[s]``: the windows the block's attention used."""
 
-    def __init__(self, order: tuple[int, ...], windows: int) -> None:
+    def __init__(self, order: tuple[int, ...], windows: int, grid: int | None = None) -> None:
         super().__init__()
         self.windows = windows
+        # The tokens per image it is given: all of them in ``order``, unless the windows are
+        # padded and this partition takes one group of them.
+        self.grid = len(order) if grid is None else grid
         # Not state: a saved model is rewritten again on load, which recomputes the order.
         self.register_buffer("order", torch.tensor(order, dtype=torch.long), persistent=False)
 
     def extra_repr(self) -> str:
-        return f"windows={self.windows}, tokens={self.order.numel()}"
+        return f"windows={self.windows}, tokens={self.order.numel()} of {self.grid}"
 
     def forward(self, x: Tensor) -> Tensor:
         batch, channels = x.shape[0], x.shape[-1]
+        # The order is the captured grid's: another grid would have some of its tokens picked
+        # into the wrong windows (more tokens) or fail to index (fewer), so it is refused.
+        if (tokens := x.shape[1:-1].numel()) != self.grid:
+            raise WindowLayoutError(
+                f"the windows were laid out for {self.grid} tokens per image, the size "
+                f"the model was compressed at, and this input gives {tokens}: compress the "
+                "model at this input size (input_size=(C, H, W), --input-size)"
+            )
         windows = x.reshape(batch, -1, channels).index_select(1, self.order)
         return windows.reshape(batch * self.windows, -1, channels)
 
