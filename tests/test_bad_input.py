@@ -253,6 +253,32 @@ def test_full_disk_keeps_the_previous_artifact(
     _assert_artifact_intact(artifact, before)
 
 
+def test_apply_into_a_folder_holding_more_than_a_model_is_refused_before_any_work(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fine-tune's output is an artifact plus its checkpoints and metrics: replacing the folder
+    # whole would delete them.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for entry in artifact.iterdir():
+        (run_dir / entry.name).write_bytes(entry.read_bytes())
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "step-00000001.pt").write_bytes(b"state")
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    loads = []
+    monkeypatch.setattr("vitcompress.workflows.inputs.ModelRequest.load", loads.append)
+    result = run(
+        "apply", "--model", MHA, *SMALL, "--keep", "0.7", "--no-throughput", "--out", str(run_dir)
+    )
+    assert_one_error(
+        result, 2, str(run_dir), "holds more than a compressed model", "checkpoints, metrics.jsonl"
+    )
+    assert not loads  # refused before loading
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    assert (run_dir / "checkpoints" / "step-00000001.pt").read_bytes() == b"state"
+
+
 def test_ctrl_c_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch) -> None:
     def interrupt(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt

@@ -57,6 +57,7 @@ from vitcompress.version import __version__
 
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
+ARTIFACT_FILES = frozenset({WEIGHTS_FILE, ARTIFACT_MARKER})  # all that an artifact writes
 BASE_WEIGHTS_SHA256 = "base_weights_sha256"
 FINGERPRINT_KEY = "fingerprint"
 
@@ -322,14 +323,34 @@ def _follow_umask(*files: Path) -> None:
         os.chmod(path, mode)
 
 
+def check_replaceable(directory: str | Path) -> None:
+    """Refuse, in one line, a ``directory`` that saving an artifact would lose anything of: one
+    that holds more than a compressed model's own files (a fine-tune's checkpoints and metrics,
+    a user's notes), or is not a compressed model at all. Absent or empty is fine."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    present = sorted(entry.name for entry in directory.iterdir())
+    if not present:
+        return
+    if ARTIFACT_MARKER not in present:
+        raise ArtifactError(f"{directory} exists and is not a compressed model; not overwriting it")
+    others = [name for name in present if name not in ARTIFACT_FILES]
+    if others:
+        shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        raise ArtifactError(
+            f"{directory} holds more than a compressed model ({shown}); not overwriting it: "
+            "save into another folder"
+        )
+
+
 def _swap_into_place(staging: Path, directory: Path) -> None:
     """Rename ``staging`` to ``directory``; an artifact already there is moved aside first and
     moved back if the second rename fails, so ``directory`` always holds a complete artifact."""
     if not directory.exists():
         os.replace(staging, directory)
         return
-    if not (directory / ARTIFACT_MARKER).is_file() and any(directory.iterdir()):
-        raise ArtifactError(f"{directory} exists and is not a compressed model; not overwriting it")
+    check_replaceable(directory)
     old = directory.with_name(f".{directory.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     os.rename(directory, old)

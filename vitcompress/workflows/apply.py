@@ -13,6 +13,7 @@ from torch import nn
 from vitcompress.analysis.window_map import WholeAttention
 from vitcompress.artifacts.artifact import (
     ArtifactError,
+    check_replaceable,
     describe_source,
     load_artifact_base,
     save_artifact,
@@ -237,6 +238,8 @@ def apply_model(
     if timing is None:
         unavailable["min_speedup"] = NO_THROUGHPUT
     require(bounds, unavailable)
+    if out is not None:  # before any work: a folder it would lose files of is refused
+        check_replaceable(out)
     with step(f"loading {request.spec}"):
         loaded = request.load()
         # An artifact's recorded base is what gets compressed and measured as the base.
