@@ -19,6 +19,7 @@ import copy
 import json
 
 import pytest
+import safetensors.torch
 import timm
 import torch
 from click.testing import CliRunner
@@ -207,6 +208,36 @@ def test_the_command_line_entry(tmp_path):
     assert refused.exit_code != 0
     assert "has no method nope" in refused.output
     assert len(refused.output.strip().splitlines()) == 1
+
+
+def test_the_base_rebuilt_from_an_entry_artifact_runs_the_same_entry(tmp_path, image):
+    # Compressing again, timing and distilling against the recorded base compare like with like:
+    # the base's features, not its logits.
+    from vitcompress.artifacts.artifact import load_artifact_base
+    from vitcompress.measure.models import base_for_timing
+    from vitcompress.workflows.apply import base_to_compress
+    from vitcompress.workflows.finetune import student_and_teacher
+
+    torch.manual_seed(0)
+    weights = tmp_path / "base.safetensors"
+    base = load_model("vit_small_patch14_dinov2", DINOV2_ARGS, entry="forward_features")
+    safetensors.torch.save_file(base.model.state_dict(), str(weights))
+    loaded = load_model(
+        "vit_small_patch14_dinov2", DINOV2_ARGS, checkpoint=weights, entry="forward_features"
+    )
+    save(compressed(loaded.model, "etps", 0.7), tmp_path / "features", source=loaded.source)
+    artifact = load_model(str(tmp_path / "features"))
+    with torch.no_grad():
+        expected = base.model.forward_features(image)
+        for rebuilt in (
+            load_artifact_base(tmp_path / "features").model,
+            base_to_compress(artifact).model,
+            base_for_timing(artifact).model,
+            student_and_teacher(artifact, "etps", None, None, "score")[1],
+        ):
+            torch.testing.assert_close(rebuilt(image), expected)
+    again = compress(base_to_compress(artifact).model, "etps", keep=0.5, input_size=INPUT_SIZE)
+    assert again.eval()(image).shape == (4, 50, 64)
 
 
 def _image_embeddings(out) -> Tensor:

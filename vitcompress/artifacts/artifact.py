@@ -452,7 +452,9 @@ def base_weights_problem(source: ModelSource, meta: dict[str, Any] | None = None
 def load_artifact_base(
     directory: str | Path, input_size: tuple[int, ...] | None = None
 ) -> LoadedModel:
-    """The uncompressed model the artifact in ``directory`` was made from, with its weights.
+    """The uncompressed model the artifact in ``directory`` was made from, with its weights,
+    running the method the artifact compressed (its ``entry``: a base compressed with
+    ``--entry forward_features`` is compared as its ``forward_features``).
 
     Raises ``ArtifactError`` when those weights cannot be had: a base with other weights would
     make any comparison with the artifact meaningless.
@@ -463,13 +465,14 @@ def load_artifact_base(
     if problem is not None:
         raise ArtifactError(f"cannot rebuild the base of {directory}: {problem}")
     size = input_size or tuple(meta["input_size"])
-    return load_base_model(
+    base = load_base_model(
         source.spec,
         source.model_args,
         checkpoint=source.checkpoint,
         pretrained=source.pretrained,
         input_size=size,
     )
+    return replace(base, model=entry_view(base.model, _entry(meta, directory)))
 
 
 def _entry(meta: dict[str, Any], directory: str | Path) -> str:

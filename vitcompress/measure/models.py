@@ -13,6 +13,7 @@ from vitcompress.analysis.capture import annotate_shapes
 from vitcompress.analysis.ops import nodes_by_name
 from vitcompress.api import load_model
 from vitcompress.artifacts.artifact import ArtifactError, base_source, load_artifact_base, read_meta
+from vitcompress.compilation.entries import entry_of
 from vitcompress.compilation.metadata import compression_info
 from vitcompress.kernels import enable_fused_kernels
 from vitcompress.loading import LoadedModel
@@ -197,4 +198,9 @@ def base_for_timing(loaded: LoadedModel) -> LoadedModel | None:
     except ArtifactError as e:
         source = base_source(read_meta(info.artifact))
         warn(f"{e}; timing the base's architecture with random weights (speed is the same)")
-        return load_model(source.spec, source.model_args, input_size=loaded.input_size)
+        return load_model(
+            source.spec,
+            source.model_args,
+            input_size=loaded.input_size,
+            entry=entry_of(loaded.model),  # the method the artifact compressed
+        )

@@ -115,6 +115,7 @@ def student_and_teacher(
         student = compress_planned(loaded, variant, keep, locs, policy)
         return student, loaded.model, False
     from vitcompress.artifacts.artifact import base_source, base_weights_problem, read_meta
+    from vitcompress.compilation.entries import entry_of, entry_view
     from vitcompress.loading import load_base_model
 
     source = base_source(read_meta(artifact))
@@ -128,7 +129,8 @@ def student_and_teacher(
         pretrained=source.pretrained,
         input_size=loaded.input_size,
     ).model
-    return loaded, teacher, True
+    # The method the artifact compressed (its --entry), so the teacher answers as the student.
+    return loaded, entry_view(teacher, entry_of(loaded.model)), True
 
 
 @dataclass
