@@ -339,3 +339,26 @@ def test_apply_of_an_artifact_names_the_base_it_measured(tmp_path):
     # The artifact's recorded base was compressed again: that base, not the artifact, is "base".
     assert again["base"]["identity"] == base
     assert again["base"]["macs"] == first["base"]["macs"]
+
+
+def test_a_base_method_other_than_forward_is_another_model(tmp_path):
+    # --entry forward_features runs another function of the same weights: its cost is not the
+    # forward's, so its rows must not merge; eTPS adds no weights, so two artifacts of one base
+    # and plan differ only by their entry.
+    model = ["--model", "deit_tiny_patch16_224", "--model-arg", "depth=2"]
+    model += ["--model-arg", "img_size=32", "--model-arg", "patch_size=8"]
+    files = {}
+    for entry in ("forward", "forward_features"):
+        files[f"bench_{entry}"] = run_json("bench", *model, "--entry", entry, "--no-throughput")
+        files[f"apply_{entry}"] = run_json(
+            "apply", *model, "--entry", entry, "--variant", "etps", "--keep", "0.5",
+            "--no-throughput", "--out", tmp_path / entry,
+        )  # fmt: skip
+    assert "entry" not in files["bench_forward"]["identity"]
+    assert files["bench_forward_features"]["identity"]["entry"] == "forward_features"
+    for name, data in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    data = run_json("report", *(tmp_path / f"{name}.json" for name in files))
+    macs = sorted(round(row["macs"]) for row in data["rows"])
+    assert len(data["rows"]) == 4, [row["name"] for row in data["rows"]]
+    assert len(set(macs)) == 4

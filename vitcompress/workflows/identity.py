@@ -9,7 +9,8 @@ model):
   configuration that rebuilds it (base source, input size and plan from ``vitcompress.json``);
   eTPS/EViT add no parameters, so two plans on one base share their weights file;
 * any other model: its kind (timm, file, module), the spec as recorded by the loader (files
-  absolute), the model arguments, and its weights (a checkpoint's absolute path and sha256, timm's
+  absolute), the model arguments, the method run as its forward (``entry``, where not
+  ``forward``), and its weights (a checkpoint's absolute path and sha256, timm's
   pretrained tag, or ``random`` for freshly initialised weights).
 
 Both carry the input size the result was measured at. :func:`identity_key` turns an identity into
@@ -30,6 +31,7 @@ from typing import Any
 from torch import nn
 
 from vitcompress.artifacts.artifact import WEIGHTS_FILE, file_sha256
+from vitcompress.compilation.entries import FORWARD, entry_of
 from vitcompress.loading import ARTIFACT_MARKER, LoadedModel
 
 __all__ = [
@@ -73,9 +75,18 @@ def artifact_identity(
         "spec": str(directory),
         "path": str(directory.resolve()),
         "weights_sha256": weights,
-        "config_sha256": _canonical_sha256({k: meta.get(k) for k in _ARTIFACT_CONFIG_KEYS}),
+        "config_sha256": _canonical_sha256(_artifact_config(meta)),
         "input_size": None if size is None else [int(v) for v in size],
     }
+
+
+def _artifact_config(meta: dict[str, Any]) -> dict[str, Any]:
+    config = {k: meta.get(k) for k in _ARTIFACT_CONFIG_KEYS}
+    # Another method of the base than its forward is another model (its features, say); the
+    # forward's artifacts keep the key they had before entries were recorded.
+    if meta.get("entry", FORWARD) != FORWARD:
+        config["entry"] = meta["entry"]
+    return config
 
 
 def model_identity(loaded: LoadedModel, spec: str) -> dict[str, Any]:
@@ -100,6 +111,7 @@ def model_identity(loaded: LoadedModel, spec: str) -> dict[str, Any]:
         "path": recorded.rpartition(":")[0] if kind == "file" else None,
         "source": recorded,
         "model_args": source.get("model_args") or {},
+        **({"entry": entry} if (entry := entry_of(loaded.model)) != FORWARD else {}),
         **weights,
         "input_size": [int(v) for v in loaded.input_size],
     }
