@@ -92,7 +92,8 @@ def parse_markdown(text: str) -> dict[str, dict[str, str]]:
 
 def test_report_merges_apply_bench_and_eval(runs, tmp_path):
     root, art, outputs, paths = runs
-    md, png = tmp_path / "report.md", tmp_path / "report.png"
+    # Both outputs into folders not made yet: each makes its own.
+    md, png = tmp_path / "md" / "report.md", tmp_path / "png" / "report.png"
     result = run(
         "report", paths["apply"], paths["bench"], paths["eval"], "--out-md", md, "--out-png", png
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import click
 from rich.table import Table
@@ -49,6 +50,7 @@ def report(
         console.print(table)
     try:  # after the table: a file that cannot be written does not take the results with it
         if out_md:
+            Path(out_md).parent.mkdir(parents=True, exist_ok=True)  # as the PNG's does
             with open(out_md, "w") as f:
                 f.write(render_markdown(rows))
         if out_png:
