@@ -99,11 +99,45 @@ def test_amp_autocasts_float32_models_to_the_dtype_named():
         _timing(amp="bf16", dtype="float16")
 
 
-def test_a_bare_amp_without_a_dtype_is_one_line():
+def test_a_bare_amp_without_a_dtype_is_one_line(monkeypatch):
+    monkeypatch.setattr("vitcompress.cli.options.check_device", lambda device: device)  # a GPU
     result = run("bench", "--model", MHA, "--amp", "--dtype", "float32", "--device", "cuda")
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [
         "error: --amp autocasts to bf16 or fp16: write --amp bf16 or --amp fp16"
+    ]
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ["--device", "foo"],
+            "error: --device foo: not a device name (cpu, cuda, cuda:1, mps ...)",
+        ),
+        (
+            ["--amp", "bf16"],
+            "error: --amp times models under CUDA's autocast: it needs --device cuda, not cpu",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", ["bench", "apply"])
+def test_a_device_or_amp_this_machine_cannot_run_is_one_line_before_loading(
+    monkeypatch, command, args, line
+):
+    loads = []
+    monkeypatch.setattr("vitcompress.workflows.inputs.ModelRequest.load", loads.append)
+    result = run(command, "--model", MHA, *args)
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [line]
+    assert not loads
+
+
+def test_a_cuda_device_on_a_machine_without_one_is_one_line(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    result = run("eval", "--model", MHA, "--data", "fashion-mnist", "--device", "cuda:0")
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --device cuda:0: this machine has no CUDA GPU torch can use"
     ]
 
 

@@ -306,7 +306,13 @@ def timing_options(command: Callable) -> Callable:
     ``--no-throughput``); ``--batch-size`` and ``--device`` stay in the context's params."""
     options = [
         click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1)),
-        click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1 ..."),
+        click.option(
+            "--device",
+            default="cpu",
+            show_default=True,
+            callback=lambda ctx, param, value: check_device(value),
+            help="cpu, cuda, cuda:1 ...",
+        ),
         click.option(
             "--dtype",
             type=click.Choice(["float32", "bfloat16", "float16"]),
@@ -338,6 +344,28 @@ def timing_options(command: Callable) -> Callable:
     return folded_options("timing", options, timing_from_options)(command)
 
 
+def check_device(device: str) -> str:
+    """``device`` if this machine has it; otherwise one line, when the command line is read
+    (before a model is loaded), rather than a torch error after the work."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ModelLoadError(
+            f"--device {device}: not a device name (cpu, cuda, cuda:1, mps ...)"
+        ) from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ModelLoadError(f"--device {device}: this machine has no CUDA GPU torch can use")
+        if parsed.index is not None and parsed.index >= count:
+            raise ModelLoadError(f"--device {device}: this machine has {count} CUDA GPU(s)")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError(f"--device {device}: MPS is not available on this machine")
+    return device
+
+
 def timing_from_options(
     batch_size: int,
     device: str,
@@ -360,6 +388,10 @@ def timing_from_options(
         )
     if no_throughput:
         return None
+    if amp is not None and not device.startswith("cuda"):
+        raise ModelLoadError(
+            f"--amp times models under CUDA's autocast: it needs --device cuda, not {device}"
+        )
     if amp is not None and amp != AMP_IN_DTYPE:
         if dtype not in ("float32", AMP_DTYPES[amp]):
             raise ModelLoadError(
