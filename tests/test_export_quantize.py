@@ -294,6 +294,10 @@ def art_dir(tmp_path: Path) -> Path:
         (["--format", "onnx", "--quantize", "int8", "--calibration-images", "8"],
          "use --quantize int8-static"),
         (["--format", "onnx", "--calibration-images", "8"], "drop it"),
+        (["--format", "onnx", "--mean", "0.5", "--std", "0.5"],
+         "--mean, --std: read only to calibrate --quantize int8-static; drop them"),
+        (["--format", "onnx", "--quantize", "int8", "--split", "val"], "--split: read only"),
+        (["--format", "onnx", "--data-dir", "{tmp}"], "--data-dir: read only"),
     ],
 )  # fmt: skip
 def test_refusals(args: list[str], message: str, tmp_path: Path) -> None:

@@ -580,6 +580,36 @@ def test_validation_classes_that_are_not_the_trainings_are_refused_before_traini
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
 
 
+def test_an_unreadable_validation_image_keeps_the_epochs_training(tmp_path):
+    # Validation runs after the epoch: a bad image there must not throw the epoch away.
+    args = ["finetune", "--model", TINY, "--variant", "dtps", "--keep", "0.5", "--locs", "1"]
+    for key, value in TINY_ARGS.items():
+        args += ["--model-arg", f"{key}={value}"]
+    args += ["--augment", "none", "--epochs", "1", "--batch-size", "4", "--warmup-epochs", "0"]
+    data = _image_folder(tmp_path / "data")
+    whole = CliRunner().invoke(cli, [*args, "--data", str(data), "--out", str(tmp_path / "a")])
+    assert whole.exit_code == 0, whole.output
+    bad = _image_folder(tmp_path / "bad")
+    image = bad / "val" / "b" / "1.png"
+    image.write_bytes(b"not an image")
+    out = tmp_path / "b"
+    failed = CliRunner().invoke(cli, [*args, "--data", str(bad), "--out", str(out)])
+    assert failed.exit_code == 2
+    saved = out / "checkpoints" / "step-00000002.pt"
+    assert (
+        failed.output.strip()
+        .splitlines()[-1]
+        .endswith(f"the training up to step 2 is saved in {saved}: continue with --resume")
+    )
+    assert str(image) in failed.output
+    image.write_bytes((data / "val" / "b" / "1.png").read_bytes())
+    resumed = CliRunner().invoke(cli, [*args, "--data", str(bad), "--out", str(out), "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    expected = vitcompress.load(tmp_path / "a").state_dict()
+    got = vitcompress.load(out).state_dict()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+
+
 def test_cli_with_a_recipe_and_an_override(tmp_path):
     data = _image_folder(tmp_path / "data")
     recipe = tmp_path / "recipe.yaml"

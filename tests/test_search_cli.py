@@ -226,3 +226,30 @@ def test_too_few_calibration_images_is_one_line(searched, tmp_path, count, messa
         )  # fmt: skip
     )
     assert message in line
+
+
+def test_a_checkpoint_written_again_in_place_is_not_read_from_the_cache(tmp_path):
+    # The scores depend on the weights: the cache records the checkpoint's content, not its path.
+    import timm
+    from safetensors.torch import save_file
+
+    data = image_folder(tmp_path / "data", per_class=4)
+    checkpoint = tmp_path / "weights.safetensors"
+    args = [str(a) for a in MODEL[1:]]
+    model_args = dict(arg.split("=") for arg in args[2::2])
+
+    def write_weights(seed: int) -> None:
+        torch.manual_seed(seed)
+        model = timm.create_model(args[0], **{k: int(v) for k, v in model_args.items()})
+        save_file(model.state_dict(), str(checkpoint))
+
+    command = [
+        "search", *MODEL, "--checkpoint", str(checkpoint), "--data", str(data),
+        "--max-gmacs-ratio", "0.9", "--variants", "etps", "--keep-grid", "0.5,0.7",
+        "--calib-images", "8", "--batch-size", "4", "--out", str(tmp_path / "out"), "--json",
+    ]  # fmt: skip
+    write_weights(0)
+    assert run(*command).exit_code == 0
+    write_weights(1)
+    refused = one_line_error(run(*command))
+    assert "checkpoint_sha256" in refused

@@ -62,6 +62,21 @@ def test_visualize_a_compressed_vit(tmp_path, image):
     assert out.read_bytes()[:8] == PNG_SIGNATURE and out.stat().st_size > 1000
 
 
+def test_visualize_a_model_whose_output_is_its_tokens(tmp_path, image):
+    # A features model has no class to name in the title; its kept tokens are drawn the same.
+    torch.manual_seed(0)
+    model = timm_small("vit_small_patch16_224").eval()
+    compressed = vitcompress.compress(
+        model, "etps", keep=0.5, locs=[1], input_size=(3, 32, 32), entry="forward_features"
+    )
+    art = _save(compressed, tmp_path / "art", "vit_small_patch16_224", dict(SMALL))
+    out = tmp_path / "vis.png"
+    result = run("visualize", "--model", art, "--image", image, "--out", out, "--json")
+    assert result.exit_code == 0, result.output
+    assert [len(loc["kept"]) for loc in json.loads(result.output)["locations"]] == [32]
+    assert out.read_bytes()[:8] == PNG_SIGNATURE
+
+
 def test_visualize_the_inhouse_pyramid(tmp_path, image):
     torch.manual_seed(0)
     compressed = vitcompress.compress(

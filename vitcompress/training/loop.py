@@ -19,10 +19,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from vitcompress.errors import UserError
 from vitcompress.loading import LoadedModel
 from vitcompress.model_copy import copy_model
 from vitcompress.training.checkpoint import (
-    check_weights,
     checkpoint_name,
     find_latest,
     list_checkpoints,
@@ -51,6 +51,7 @@ from vitcompress.training.optim import RunLength, build_optimizer, build_schedul
 from vitcompress.training.run_directory import (
     CHECKPOINTS,
     METRICS,
+    FinetuneError,
     MetricsLog,
     prepare_run_directory,
     write_run_artifacts,
@@ -58,10 +59,9 @@ from vitcompress.training.run_directory import (
 from vitcompress.training.sampler import TrainPosition, training_loaders
 from vitcompress.training.sharding import (
     SHARDED,
-    check_sharding,
     full_model_state,
     full_optimizer_state,
-    load_full_state,
+    load_training_state,
 )
 from vitcompress.training.validation import validation_metrics
 
@@ -257,15 +257,10 @@ class FinetuneRun:
         """Continue from the checkpoint at ``path``: everything ``checkpoint()`` saved."""
         state = load_checkpoint(path)
         _check_same_settings(path, state.get("settings"), self.settings)
-        check_sharding(path, state, self.sharded)
         if self.sharded:
-            load_full_state(
-                self.model, self.optimizer.optimizer, state["model"], state["optimizer"]
-            )
+            load_training_state(path, state, self.model, self.optimizer.optimizer, sharded=True)
         else:
-            check_weights(path, state["model"], self.raw_model.state_dict())
-            self.raw_model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_training_state(path, state, self.raw_model, self.optimizer, sharded=False)
         self.scheduler.load_state_dict(state["scheduler"])
         scaler = self.accelerator.scaler
         if state.get("scaler") is not None and scaler is not None:
@@ -491,7 +486,16 @@ class FinetuneRun:
     def end_epoch(self, summary: dict[str, Any]) -> None:
         """Evaluate, record the epoch and checkpoint the start of the next one."""
         epoch = summary["epoch"]
-        summary.update(self.evaluate())
+        if self.val_loader is not None and self.boundary.global_step not in self.saved:
+            self.checkpoint()  # the epoch's training, kept where validation fails (a bad image)
+        try:
+            summary.update(self.evaluate())
+        except UserError as e:
+            step = self.boundary.global_step
+            raise FinetuneError(
+                f"{e}; the training up to step {step} is saved in {self.saved[step]}: "
+                "continue with --resume"
+            ) from e
         self.metrics.write(summary)
         # An epoch cut by --max-steps and continued by a longer run is reported once, whole.
         self.history = [h for h in self.history if h["epoch"] != epoch] + [summary]

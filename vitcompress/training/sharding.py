@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from vitcompress.training.checkpoint import check_weights
 from vitcompress.training.run_directory import FinetuneError
 
 SHARDED = "fsdp2"  # a checkpoint's "sharding" entry; its optimizer state is keyed by name
@@ -92,6 +93,21 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     return get_optimizer_state_dict(
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
+
+
+def load_training_state(
+    path: Path, state: dict[str, Any], model: nn.Module, optimizer: Any, sharded: bool
+) -> None:
+    """A checkpoint's model and optimizer state into the run's: into the shards under --fsdp
+    (``model`` the sharded model, ``optimizer`` its inner optimizer), else into the whole model,
+    once it is checked to hold this model's weights. Each refusal is one line."""
+    check_sharding(path, state, sharded)
+    if sharded:
+        load_full_state(model, optimizer, state["model"], state["optimizer"])
+        return
+    check_weights(path, state["model"], model.state_dict())
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
 
 
 def load_full_state(

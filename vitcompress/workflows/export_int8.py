@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitcompress.errors import given_options
 from vitcompress.loading import LoadedModel
 from vitcompress.measure.onnx_runtime import onnx_session
 from vitcompress.status import step
@@ -57,6 +58,15 @@ def check_quantize_request(
             "--calibration-images sets how many images --quantize int8-static calibrates on: "
             "drop it, or use --quantize int8-static"
         )
+    if quantize != "int8-static" and data is not None:
+        # The data options only choose and prepare the calibration images.
+        given = given_options((("--data-dir", data.data_dir), ("--split", data.split != "train")))
+        given += [f"--{name.replace('_', '-')}" for name in data.overrides]
+        if given:
+            raise QuantizeError(
+                f"{', '.join(given)}: read only to calibrate --quantize int8-static; drop "
+                f"{'it' if len(given) == 1 else 'them'}, or use --quantize int8-static"
+            )
     if quantize is None:
         if has_data:
             raise QuantizeError("--data is read to calibrate --quantize int8-static; drop it")

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from vitcompress.artifacts.artifact import file_sha256
 from vitcompress.compilation.metadata import compression_info
 from vitcompress.errors import given_options
 from vitcompress.measure.models import TimingOptions
@@ -86,6 +87,13 @@ def search_model(
             "data": data.source,
             "split": data.split,
             "data_config": config.to_json(),
+            # The weights by their content, not only their path (a checkpoint written again
+            # in place is another model); both only where given, so that an older cache of a
+            # search without them still matches.
+            **(
+                {"checkpoint_sha256": file_sha256(request.checkpoint)} if request.checkpoint else {}
+            ),
+            **({"data_dir": str(Path(data.data_dir).resolve())} if data.data_dir else {}),
         },
     )
     return search(loaded, dataset, search_config)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from vitcompress.compilation.metadata import compression_info
 from vitcompress.data import resolve_data_config
 from vitcompress.workflows.inputs import ModelRequest
@@ -48,6 +50,8 @@ def visualize_model(request: ModelRequest, image: str, out: str) -> VisualizeRes
     records, logits = record_locations(loaded.model, tensor)
     info = compression_info(loaded.model)
     assert info is not None  # record_locations refuses an uncompressed model
-    title = f"{request.spec}: {info.plan.variant}, predicted class {int(logits.argmax(-1)[0])}"
+    title = f"{request.spec}: {info.plan.variant}"
+    if isinstance(logits, torch.Tensor) and logits.dim() == 2:  # a classifier's (1, classes)
+        title += f", predicted class {int(logits.argmax(-1)[0])}"
     draw_locations(picture, records, out, title=title)
     return VisualizeResult(request.spec, image, out, records)
