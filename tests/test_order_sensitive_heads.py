@@ -36,6 +36,10 @@ def _model(factory):
             edge_case_vits.patch_token_head_vit,
             "getitem (getitem_25) reads token(s) 5 of the 65 by position",
         ),
+        (  # a negative start is counted from the end: these are not all the patch tokens
+            edge_case_vits.last_tokens_head_vit,
+            "reads token(s) slice(61, None, None) of the 65 by position",
+        ),
     ],
 )
 def test_a_head_reading_tokens_by_position_gets_them_restored(factory, names, variant):

@@ -195,6 +195,15 @@ def find_token_readers(
     return readers
 
 
+def _from_the_front(index: slice, size: int) -> slice:
+    """``index`` with its negative bounds counted from the front of ``size`` tokens."""
+
+    def bound(value: object) -> object:
+        return max(value + size, 0) if isinstance(value, int) and value < 0 else value
+
+    return slice(bound(index.start), bound(index.stop), index.step)
+
+
 def _consumed(
     gm: fx.GraphModule,
     user: fx.Node,
@@ -214,6 +223,8 @@ def _consumed(
         user.target is operator.getitem or name.startswith("select")
     ):
         index = _index_reading(user, axis)
+        if isinstance(index, slice):  # ``x[:, -4:]`` reads the last 4 by position, not all
+            index = _from_the_front(index, size)
         if isinstance(index, int) and 0 <= index < prefix:
             return None, None  # a prefix token (cls, distillation): it stays first
         if (
