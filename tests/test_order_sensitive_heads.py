@@ -11,6 +11,7 @@ import torch
 import vitcompress
 from tests.fixtures import edge_case_vits
 from vitcompress import map_model
+from vitcompress.analysis.analyse import MappingError
 from vitcompress.modules.restore import TokenRestore
 
 VARIANTS = ["dtps", "etps", "dynamicvit", "evit", "tome"]
@@ -83,3 +84,35 @@ def test_order_free_heads_stay_exact_at_keep_1_and_reduce(factory, variant):
     with torch.no_grad():
         torch.testing.assert_close(exact(x), model(x), rtol=1e-4, atol=1e-5)
         assert reduced(x).shape == (2, 10)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_attention_maps_that_reach_the_output_are_refused_in_one_line(variant):
+    # Their two token axes are the block's tokens: dTPS re-sorts them even at keep 1, every
+    # method removes some below it, and nothing restores a map.
+    with pytest.raises(MappingError) as refused:
+        vitcompress.compress(edge_case_vits.MapsViT(saliency=True), variant, keep=1.0)
+    assert str(refused.value).startswith(
+        "the attention maps of blocks.3.attn reach the model's output"
+    )
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_attention_maps_returned_by_blocks_but_dropped_do_not_stop_a_model(variant):
+    model = _model(lambda: edge_case_vits.MapsViT(saliency=False))
+    x = torch.randn(2, *SIZE, generator=torch.Generator().manual_seed(1))
+    exact = vitcompress.compress(model, variant, keep=1.0, locs=[1], input_size=SIZE).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exact(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_attention_over_keys_joined_from_elsewhere_is_refused_in_one_line():
+    # Learned memory tokens among the keys: no block attends over its own tokens alone.
+    with pytest.raises(vitcompress.compilation.plan.PlanError) as refused:
+        vitcompress.compress(edge_case_vits.memory_vit(), "etps", keep=0.7)
+    assert str(refused.value) == (
+        "locs 0 attends over 68 keys, more than its 65 tokens (keys joined from elsewhere, such "
+        "as learned memory tokens): it has no tokens of its own to reduce; no block of this "
+        "model attends over its own tokens alone"
+    )

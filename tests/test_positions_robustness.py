@@ -135,6 +135,29 @@ def test_optional_none_arguments_are_bound_at_capture():
         compressed(torch.randn(2, *SIZE), torch.ones(2, 64))  # not silently ignored
 
 
+class FeaturesFlagViT(nn.Module):
+    """A forward flag with a bool default, read by control flow (``return_features``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = OptionalMaskViT().inner
+
+    def forward(self, image: torch.Tensor, return_features: bool = False) -> torch.Tensor:
+        logits = self.inner(image)
+        if return_features:
+            return logits.softmax(-1)
+        return logits
+
+
+def test_optional_flag_arguments_are_bound_and_guarded_at_capture():
+    torch.manual_seed(0)
+    model = FeaturesFlagViT()
+    _assert_keep_one_exact_and_reduced_runs(model)
+    compressed = vitcompress.compress(model, "etps", keep=0.7, input_size=SIZE)
+    with pytest.raises(AssertionError, match="specialized to have value False"):
+        compressed(torch.randn(2, *SIZE), True)  # not the default's branch, silently
+
+
 def test_a_resnet_stem_s_input_size_has_the_image_channels():
     model = timm.create_model("vit_tiny_r_s16_p8_224", num_classes=10)
     assert default_input_size(model) == (3, 224, 224)  # not the stem's 64 feature channels

@@ -53,6 +53,7 @@ from vitcompress.analysis.per_token import find_per_token_branches
 from vitcompress.analysis.positions import find_position_uses
 from vitcompress.analysis.refusals import (
     MappingError,
+    attention_maps_out,
     channel_attention,
     check_windowed_block,
     placeholder,
@@ -273,6 +274,13 @@ def _refuse_without_blocks(s: _Analysis) -> None:
         "an attention residual followed by an MLP residual on its output"
         + (f"; modules kept whole by the tracer: {', '.join(leaves)}" if leaves else "")
     )
+
+
+def _refuse_attention_maps_out(s: _Analysis) -> None:
+    """A mapped block's attention probabilities that reach the output are refused."""
+    reason = attention_maps_out(s.gm, s.by_name, s.blocks)
+    if reason is not None:
+        raise MappingError(reason)
 
 
 def _build_blocks(s: _Analysis) -> None:
@@ -525,6 +533,7 @@ PHASES: tuple[Callable[[_Analysis], None], ...] = (
     _pair_blocks,
     _refuse_without_blocks,
     _build_blocks,
+    _refuse_attention_maps_out,
     _find_stage_exits,
     _find_readers,
     _find_per_token_branches,

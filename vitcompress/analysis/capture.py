@@ -80,21 +80,27 @@ def check_rewritable(captured: CapturedGraph) -> None:
 
 
 def bound_defaults(model: nn.Module) -> dict[str, object]:
-    """Optional forward arguments (a mask defaulting to ``None``, ``is_causal=False``): the image
-    is the only input, so each is bound to its default at capture instead of traced as a
-    tensor. Only done where one of them defaults to ``None``, which tracing cannot handle."""
+    """Optional forward arguments (a mask defaulting to ``None``, ``is_causal=False``,
+    ``return_features=False``): the image is the only input, so each is bound to its default at
+    capture instead of traced as a value that control flow cannot read. torch.fx keeps a guard
+    for each (an assertion that the argument is still its default), so a call with another
+    value fails rather than running the default's branch. Defaults of other types than None,
+    bool, int, float and str are left to the trace."""
     try:
         parameters = list(inspect.signature(model.forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return {}
-    optional = [
-        p
+    return {
+        p.name: p.default
         for p in parameters
-        if p.default is not p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
-    if all(p.default is not None for p in optional):
-        return {}
-    return {p.name: p.default for p in optional}
+        if p.default is not p.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and isinstance(p.default, _BOUND_DEFAULTS)
+    }
+
+
+# The types of the defaults bound at capture: those torch.fx can guard by equality.
+_BOUND_DEFAULTS = (type(None), bool, int, float, str)
 
 
 def _symbolic_trace(

@@ -6,6 +6,7 @@ it runs whole (the model map's ``left_whole``)."""
 from __future__ import annotations
 
 import math
+import operator
 
 import torch.fx as fx
 
@@ -183,3 +184,48 @@ def check_windowed_block(block: Block) -> None:
             f"windowed block {block.index} ({block.path}) reads the token grid in its MLP "
             f"({what}); reducing within its windows is not supported there"
         )
+
+
+def attention_maps_out(
+    gm: fx.GraphModule, by_name: dict[str, fx.Node], blocks: list[Block]
+) -> str | None:
+    """The refusal for a block whose attention probabilities leave the attention other than as
+    the weights of its sum over the values (a model returning its attention maps, or a
+    saliency read off them): their token axes are the block's tokens, which a reduction
+    re-sorts and removes, and nothing restores a map's two axes."""
+    for block in blocks:
+        for core in [block.attention, *block.parallel_cores]:
+            node = by_name.get(core.node)
+            if node is None or core.kind == "sdpa":  # sdpa gives no probabilities out
+                continue
+            if core.kind == "multihead_attention":  # (output, weights): the weights
+                starts = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
+            else:
+                starts = [node]
+            for start in starts:
+                reached = _output_reached(start)
+                if reached is not None:
+                    return (
+                        f"the attention maps of {core.path or core.node} reach the model's "
+                        f"output ({reached.name}, not only as the weights of the attention's "
+                        "sum): their token axes would change with the kept tokens; return them "
+                        "from the base model"
+                    )
+    return None
+
+
+def _output_reached(start: fx.Node) -> fx.Node | None:
+    """The last node before the graph's output on a path from ``start`` that does not pass a
+    product (``@``, einsum: the attention's weighted sum of the values, where the
+    probabilities end), or None."""
+    stack, seen = [start], {start}
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user.op == "output":
+                return node
+            if user in seen or ops.is_matmul(user) or ops.is_einsum(user):
+                continue
+            seen.add(user)
+            stack.append(user)
+    return None

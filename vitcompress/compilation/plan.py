@@ -344,11 +344,21 @@ def _checked_locs(model_map: ModelMap, method: Variant, locs: Sequence[int] | No
         block = model_map.blocks[loc]
         if not reduces_tokens(block):
             core = block.attention
+            stages = token_stages(model_map)
+            choose = (
+                f"choose among blocks {_describe(stages)}"
+                if stages
+                else "no block of this model attends over its own tokens alone"
+            )
+            what = (
+                f"is a class-attention block ({core.query_tokens} query token(s) over "
+                f"{core.key_tokens} keys from earlier blocks)"
+                if block.tokens <= 1
+                else f"attends over {core.key_tokens} keys, more than its {block.tokens} tokens "
+                "(keys joined from elsewhere, such as learned memory tokens)"
+            )
             raise PlanError(
-                f"{loc} is a class-attention block ({core.query_tokens} query token(s) "
-                f"over {core.key_tokens} keys from earlier blocks): it has no tokens of its own to "
-                f"reduce; choose among blocks {_describe(token_stages(model_map))}",
-                "locs",
+                f"{loc} {what}: it has no tokens of its own to reduce; {choose}", "locs"
             )
     locs = [int(loc) for loc in locs]
     if sorted(set(locs)) != locs:
