@@ -428,6 +428,18 @@ def test_compiled_ema_checkpoint(tmp_path: Path) -> None:
     assert_same_weights(model, original)
 
 
+@pytest.mark.parametrize("prefix", ["_orig_mod.module.", "module._orig_mod."])
+def test_nested_wrapper_prefixes_in_either_order(tmp_path: Path, prefix: str) -> None:
+    # DDP around a compiled model, or a compiled DDP model: both wrappers' prefixes are peeled.
+    original = tiny_vit()
+    path = tmp_path / "wrapped.pt"
+    torch.save({f"{prefix}{k}": v for k, v in original.state_dict().items()}, path)
+    model = tiny_vit()
+    torch.nn.init.zeros_(model.head.weight)
+    load_checkpoint(model, path)
+    assert_same_weights(model, original)
+
+
 def test_timm_training_checkpoint_with_args_namespace(tmp_path: Path) -> None:
     original = tiny_vit()
     path = tmp_path / "checkpoint.pth.tar"

@@ -118,13 +118,19 @@ def _unwrap_state_dict(obj: Any, path: Path) -> dict[str, torch.Tensor]:
 def _strip_wrapper_prefixes(
     state: dict[str, torch.Tensor], expected: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    for prefix in _WRAPPER_PREFIXES:
-        # Only when every key carries it and the model's keys do not: a model may genuinely have a
-        # submodule called "module".
-        if all(k.startswith(prefix) for k in state) and not all(
-            k.startswith(prefix) for k in expected
-        ):
-            state = {k[len(prefix) :]: v for k, v in state.items()}
+    # Wrappers nest in either order (DDP around a compiled model, or the reverse): peel a
+    # prefix while one is left, whichever comes first.
+    stripped = True
+    while stripped and state:
+        stripped = False
+        for prefix in _WRAPPER_PREFIXES:
+            # Only when every key carries it and the model's keys do not: a model may genuinely
+            # have a submodule called "module".
+            if all(k.startswith(prefix) for k in state) and not all(
+                k.startswith(prefix) for k in expected
+            ):
+                state = {k[len(prefix) :]: v for k, v in state.items()}
+                stripped = True
     return state
 
 
