@@ -301,6 +301,18 @@ def test_a_search_over_another_keep_grid_does_not_bring_back_the_first_grids_row
     assert first["candidates"] and off_grid == []
 
 
+def test_a_search_for_other_methods_does_not_bring_back_the_first_searchs_rows(tmp_path):
+    first = search(
+        loaded_tiny(), calibration_set(), config(tmp_path, variants=["etps"], max_candidates=4)
+    ).data
+    assert {r["variant"] for r in first["candidates"]} == {"etps"}
+    second = search(
+        loaded_tiny(), calibration_set(), config(tmp_path, variants=["evit"], max_candidates=4)
+    ).data
+    assert {r["variant"] for r in second["candidates"]} == {"evit"}
+    assert second["best"]["variant"] == "evit" and second["scored_now"] > 0
+
+
 def test_a_cache_from_other_settings_is_refused(tmp_path):
     search(loaded_tiny(), calibration_set(), config(tmp_path, max_candidates=2))
     with pytest.raises(SearchError, match="calib_images"):

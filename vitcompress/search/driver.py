@@ -204,12 +204,13 @@ def _propose(run: _Search) -> None:
     for row in run.cache.entries.values():
         candidate = Candidate.from_json(row)
         macs = found.cost(candidate)
-        # Rows of an earlier search over another grid are not this search's candidates.
+        # Rows of an earlier search over another grid or of other methods (--variants) are not
+        # this search's candidates.
         on_grid = all(
             any(abs(keep - tried) < 1e-9 for tried in space.keep_grid) for keep in candidate.keep
         )
-        allowed = (on_grid and space.allows(candidate.locs, candidate.variant)) or (
-            candidate in seeds
+        allowed = candidate.variant in found.variants and (
+            (on_grid and space.allows(candidate.locs, candidate.variant)) or candidate in seeds
         )
         if macs is not None and macs <= budget and allowed:
             run.proposals.scored(candidate, row["score"])
