@@ -58,6 +58,28 @@ def test_close_values_print_with_enough_decimals() -> None:
     assert result.message() == "--min-speedup 1.2000 but measured 1.1996x"
 
 
+def test_the_bound_prints_as_typed() -> None:
+    [result] = check_gates(Bounds(max_gmacs=0.0366), {"gmacs": 0.036})
+    assert result.passed
+    assert result.message() == "--max-gmacs 0.0366 and measured 0.0360 GMACs"
+
+
+def test_an_accuracy_drop_of_exactly_the_bound_passes() -> None:
+    # 8.8 - 6.8 is 2.000000000000001 in floats: the drop of two image-count percentages is
+    # rounded before it is compared.
+    from types import SimpleNamespace
+
+    from vitcompress.workflows.eval_run import EvalResult
+
+    assert 8.8 - 6.8 > 2
+    base = SimpleNamespace(
+        accuracy={"top1": 8.8}, speedup=None, measured={"model": SimpleNamespace(macs=1e9)}
+    )
+    result = EvalResult("m", "d", "val", (3, 32, 32), {"top1": 6.8}, None, {}, base=base)
+    [gate] = check_gates(Bounds(max_acc_drop=2.0), result.gate_values())
+    assert gate.passed, gate.message()
+
+
 def test_a_missing_value_fails_its_gate() -> None:
     [result] = check_gates(Bounds(min_speedup=1.1), {"speedup": None})
     assert not result.passed and result.value is None

@@ -99,8 +99,11 @@ class GateResult:
 
 
 def _format_pair(bound: float, value: float, decimals: int) -> tuple[str, str]:
-    """Both numbers with enough decimals that different numbers never print the same."""
-    for places in range(decimals, 7):
+    """Both numbers with enough decimals that the bound prints as typed (up to 6) and different
+    numbers never print the same."""
+    typed = repr(float(bound))
+    typed_places = len(typed.split(".")[1]) if "." in typed and "e" not in typed else 0
+    for places in range(max(decimals, min(typed_places, 6)), 7):
         b, v = f"{bound:.{places}f}", f"{value:.{places}f}"
         if b != v or bound == value:
             return b, v
