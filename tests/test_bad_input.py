@@ -326,6 +326,8 @@ def test_debug_shows_the_traceback_of_an_input_error() -> None:
         (["export", "--model", MHA, "--format", "tflite", "--out", "m"], ["'--format'", "onnx"]),
         (["--progress", "loud", "bench"], ["'--progress'", "'loud'"]),
         (["benchh"], ["No such command 'benchh'"]),
+        (["export", "--model", MHA, "--format", "onnx"], ["Missing option '--out'"]),
+        (["search", "--model", MHA, "--data", "x", "--max-gmacs", "1"], ["Missing option '--out'"]),
     ],
 )
 def test_a_usage_error_is_one_line_with_exit_2(args: list[str], words: list[str]) -> None:

@@ -482,12 +482,13 @@ def output_option(
     def check(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
         if value is not None:
             check_writable(value, folder=folder, option=param.opts[0])
+        elif required:  # some click releases skip `required` where a default of None is set
+            raise click.MissingParameter(ctx=ctx, param=param)
         return value
 
     return click.option(
         *names,
         type=click.Path(),  # the kind is checked by check_writable, in one line
-        default=None,
         required=required,
         metavar=metavar,
         callback=check,
