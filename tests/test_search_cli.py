@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,20 @@ def test_a_checkpoint_written_again_in_place_is_not_read_from_the_cache(tmp_path
     write_weights(1)
     refused = one_line_error(run(*command))
     assert "checkpoint_sha256" in refused
+
+
+def test_a_candidate_within_the_budget_only_by_analytic_macs_is_not_chosen(tmp_path):
+    # PVT-v2's analytic count of eTPS at [2, 4, 6] keep 0.7 is 38,033,664 MACs at 64 px (two
+    # classes); the counted one is higher. At a budget of the analytic value it is not chosen.
+    data = image_folder(tmp_path / "data", per_class=4)
+    result = run(
+        "search", "--model", "pvt_v2_b0", "--model-arg", "num_classes=2", "--input-size",
+        "3,64,64", "--data", str(data), "--calib-images", "8", "--batch-size", "8",
+        "--max-gmacs", "0.038033664", "--variants", "etps", "--keep-grid", "0.7",
+        "--max-candidates", "1", "--out", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    warning, error = result.stderr.strip().splitlines()
+    assert error == "error: no scored candidate fits the budget"
+    counted = re.search(r"etps at \[2, 4, 6\]: ([\d,]+) counted > 38,033,664\)", warning)
+    assert counted and int(counted.group(1).replace(",", "")) > 38_033_664
