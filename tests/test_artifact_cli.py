@@ -196,3 +196,15 @@ def test_exports_follow_the_umask(tmp_path: Path) -> None:
         export_model(model, (3, 32, 32), "torchscript", tmp_path / "out" / "m.pt")
     assert mode(tmp_path / "out" / "m.pt") == 0o640
     assert mode(tmp_path / "out") == 0o750
+
+
+def test_inspect_of_a_compressed_model_shows_its_bases_map(tmp_path: Path) -> None:
+    # Not a map of the compressed graph, whose inserted modules the analysis would read as the
+    # model's (one block fewer, a reader by position at a reducer's hook).
+    out = tmp_path / "dtps"
+    assert apply_to(NAME, out, "--variant", "dtps", "--keep", "0.5", "--locs", "1",
+                    extra=tuple(TINY_ARGS)).exit_code == 0  # fmt: skip
+    base = run("inspect", "--model", NAME, *TINY_ARGS, "--json")
+    compressed = run("inspect", "--model", str(out), "--json")
+    assert base.exit_code == compressed.exit_code == 0, compressed.output
+    assert json.loads(compressed.stdout) == json.loads(base.stdout)

@@ -30,10 +30,16 @@ BASE, COMPRESSED, MODEL = "base", "compressed", "model"
 
 
 def inspect_model(request: ModelRequest) -> ModelMap:
-    """The model map of ``--model``: stages, blocks, attention cores, prefix tokens, grid ops."""
+    """The model map of ``--model``: stages, blocks, attention cores, prefix tokens, grid ops.
+    For a compressed model, the map of its base that its plan was made on (its own graph holds
+    the method's modules, which the analysis would map as parts of the model)."""
     from vitcompress.api import map_model
+    from vitcompress.compilation.metadata import compression_info
 
     loaded = request.load()
+    info = compression_info(loaded.model)
+    if info is not None:
+        return info.model_map
     return map_model(loaded.model, loaded.input_size)
 
 
