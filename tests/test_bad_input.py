@@ -279,6 +279,34 @@ def test_apply_into_a_folder_holding_more_than_a_model_is_refused_before_any_wor
     assert (run_dir / "checkpoints" / "step-00000001.pt").read_bytes() == b"state"
 
 
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["bench", "--no-throughput", "--compile", "--runs", "3"],
+         ["--runs, --compile: they set how models are timed", "drop them"]),
+        (["apply", "--no-throughput", "--dtype", "bfloat16"], ["--dtype: it sets how models"]),
+        (["bench", "--batch-sizes", "1,2", "--batch-size", "4"],
+         ["--batch-sizes replaces --batch-size"]),
+        (["bench", "--no-throughput", "--max-gmacs", "nan"], ["'nan' is not a finite number"]),
+        (["bench", "--no-throughput", "--max-gmacs", "inf"], ["'inf' is not a finite number"]),
+        (["search", "--data", "x", "--max-gmacs", "inf", "--out", "o"],
+         ["'inf' is not a finite number"]),
+        (["search", "--data", "x", "--max-gmacs", "1", "--dtype", "float16", "--out", "o"],
+         ["--dtype sets how --min-speedup is timed"]),
+        (["search", "--data", "x", "--min-speedup", "1.1", "--no-throughput", "--out", "o"],
+         ["--min-speedup is measured by timing candidates"]),
+    ],
+)  # fmt: skip
+def test_options_that_would_be_ignored_are_refused_before_any_work(
+    args: list[str], words: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loads = []
+    monkeypatch.setattr("vitcompress.workflows.inputs.ModelRequest.load", loads.append)
+    command, *rest = args
+    assert_one_error(run(command, "--model", MHA, *SMALL, *rest), 2, *words)
+    assert not loads
+
+
 def test_ctrl_c_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch) -> None:
     def interrupt(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt

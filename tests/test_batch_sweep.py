@@ -76,6 +76,11 @@ def test_crossover_is_where_the_speed_up_stays_above_one(
     assert sweep.to_json()["crossover_batch"] == {"compressed": crossover}
 
 
+def test_too_few_pairs_for_an_interval_are_undecided_in_the_json_as_in_the_table() -> None:
+    [point] = sweep_of([1.3]).to_json()["points"]
+    assert point["verdict"] == {"compressed": "undecided"}
+
+
 def test_sweep_of_an_artifact_against_its_base(artifact: Path, tmp_path: Path) -> None:
     plot = tmp_path / "plots" / "sweep.png"
     result = run(

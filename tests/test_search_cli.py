@@ -186,7 +186,7 @@ def test_timing_flags_without_min_speedup_are_one_line(tmp_path, flag):
             str(tmp_path / "o"),
         )  # fmt: skip
     )
-    assert f"{flag} set how --min-speedup is timed" in line
+    assert f"{flag} sets how --min-speedup is timed" in line
     assert not (tmp_path / "o").exists()
 
 

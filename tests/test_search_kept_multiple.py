@@ -126,6 +126,13 @@ def test_the_command_line_search_and_apply_of_its_plan_round_alike(tmp_path) -> 
     assert plan["kept_multiple"] == 8 and plan["locs"] == best["locs"]
     assert plan.get("rounded_from", {}) == best["rounded_from"]
     assert json.loads(applied.stdout)["compressed"]["macs"] == best["counted_macs"]
+    # An option typed on the command line overrides the plan file's (docs/search.md).
+    typed = run(
+        "apply", *MODEL, "--plan", str(out / "plan.yaml"), "--kept-multiple", "4",
+        "--no-throughput", "--json",
+    )  # fmt: skip
+    assert typed.exit_code == 0, typed.output
+    assert json.loads(typed.stdout)["plan"]["kept_multiple"] == 4
 
 
 def test_a_kept_multiple_below_1_is_one_line(tmp_path) -> None:

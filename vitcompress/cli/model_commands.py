@@ -137,6 +137,12 @@ def bench(
     """Count parameters and MACs and time the model's throughput."""
     from vitcompress.workflows.batch_sweep import parse_batch_sizes
 
+    ctx = click.get_current_context()
+    if batch_sizes is not None and ctx.get_parameter_source("batch_size") not in (
+        None,
+        click.core.ParameterSource.DEFAULT,
+    ):
+        raise click.UsageError("--batch-sizes replaces --batch-size: give one of them.")
     sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
     result = bench_model(model, timing, bounds, sizes, plot)
     show_result(result, _print_bench, as_json)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -366,6 +367,24 @@ def check_device(device: str) -> str:
     return device
 
 
+# The timing options that only say how models are timed (not --batch-size and --device, which
+# eval and search also read for their own work), by parameter name.
+_TIMED_ONLY = ("dtype", "warmup", "runs", "bench_seconds", "use_compile", "compile_mode", "amp")
+
+
+def _given_timing_options() -> tuple[str, ...]:
+    """The flags of the timing-only options the command line (or a recipe) gave."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:  # called outside a command (tests, the library)
+        return ()
+    given = []
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name) if param.name else None
+        if param.name in _TIMED_ONLY and source not in (None, click.core.ParameterSource.DEFAULT):
+            given.append(param.opts[0])
+    return tuple(given)
+
+
 def timing_from_options(
     batch_size: int,
     device: str,
@@ -386,7 +405,14 @@ def timing_from_options(
             "--fused-kernels changes only how compressed models are timed on the CPU: it has "
             "no effect with --no-throughput or another --device; drop it"
         )
+    given = _given_timing_options()
     if no_throughput:
+        if given:
+            raise ModelLoadError(
+                f"{', '.join(given)}: {'they set' if len(given) > 1 else 'it sets'} how models "
+                "are timed, and --no-throughput times nothing; drop "
+                f"{'them' if len(given) > 1 else 'it'}"
+            )
         return None
     if amp is not None and not device.startswith("cuda"):
         raise ModelLoadError(
@@ -412,6 +438,7 @@ def timing_from_options(
         seconds=bench_seconds,
         compile_mode=compile_mode,
         fused_kernels=fused_kernels,
+        given=given + (("--fused-kernels",) if fused_kernels else ()),
     )
 
 
@@ -434,10 +461,27 @@ def serving_compile_options(command: Callable) -> Callable:
     return folded_options("serving_mode", options, fold)(command)
 
 
-_POSITIVE = click.FloatRange(min=0, min_open=True)
+class FiniteFloat(click.FloatRange):
+    """A float in the range that is a number: NaN (which compares false with every bound, so a
+    range lets it through) and infinity are refused when the command line is read."""
+
+    name = "finite float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+_POSITIVE = FiniteFloat(min=0, min_open=True)
 # Each gate's option: its type, metavar and what fails it.
 GATE_OPTIONS = {
-    "max_acc_drop": (float, "POINTS", "top-1 drops by more than this many points against the base"),
+    "max_acc_drop": (
+        FiniteFloat(),
+        "POINTS",
+        "top-1 drops by more than this many points against the base",
+    ),
     "min_speedup": (
         _POSITIVE,
         "X",

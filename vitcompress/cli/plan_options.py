@@ -237,11 +237,12 @@ def variant_args_option(command: Callable) -> Callable:
         )  # None: a plan file cleared it
         if kept_multiple is not None:
             given = (settings or {}).get("kept_multiple", kept_multiple)
-            if given != kept_multiple:
-                raise PlanError(
-                    f"{kept_multiple} and --variant-arg kept_multiple={given} differ; give one",
-                    "kept_multiple",
-                )
+            # The one typed on the command line wins over one from a recipe or plan file.
+            conflict = f"--kept-multiple {kept_multiple} and --variant-arg kept_multiple={given} differ; give one"
+            if given != kept_multiple and not _first_wins(
+                ("kept_multiple",), ("variant_args",), conflict
+            ):
+                kept_multiple = given
             settings = {**(settings or {}), "kept_multiple": kept_multiple}
         method = resolve_variant(variant, settings) if variant is not None else None
         if method is not None and method.keep_setting is not None:
@@ -388,6 +389,13 @@ def plan_file_option(
             in (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
         }
         keep_typed = bool(typed & set(_KEEP_FORMS))
+        if "variant_args" in values and context.get_parameter_source("kept_multiple") in (
+            click.core.ParameterSource.COMMANDLINE,
+            click.core.ParameterSource.ENVIRONMENT,
+        ):  # a typed --kept-multiple overrides the file's rounding
+            values["variant_args"] = tuple(
+                arg for arg in values["variant_args"] if not arg.startswith("kept_multiple=")
+            )
         for name, value in values.items():
             if name in typed or (name in _KEEP_FORMS and keep_typed):
                 continue

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from vitcompress.cli.app import cli, console, json_option, print_table, show_result
 from vitcompress.cli.data_options import data_options
-from vitcompress.cli.options import model_options, output_option, timing_options
+from vitcompress.cli.options import FiniteFloat, model_options, output_option, timing_options
 from vitcompress.cli.plan_options import kept_multiple_option
 from vitcompress.measure.models import TimingOptions
 from vitcompress.workflows.inputs import DataRequest, ModelRequest
@@ -43,17 +43,19 @@ def _keep_grid(ctx: click.Context, param: click.Parameter, value: str | None):
 @cli.command(name="search")
 @model_options(accepts=("timm", "file", "module", "hf"))
 @data_options("train", "Split the calibration images are drawn from (read without augmentation).")
-@click.option("--max-gmacs", type=float, default=None, metavar="G", help="Budget: at most G GMACs.")
+@click.option(
+    "--max-gmacs", type=FiniteFloat(), default=None, metavar="G", help="Budget: at most G GMACs."
+)
 @click.option(
     "--max-gmacs-ratio",
-    type=float,
+    type=FiniteFloat(),
     default=None,
     metavar="R",
     help="Budget: at most R times the base's GMACs (0.6: 60%).",
 )
 @click.option(
     "--min-speedup",
-    type=float,
+    type=FiniteFloat(),
     default=None,
     metavar="S",
     help="Budget: a median paired speed-up of at least S over the base, timed on this "

@@ -26,4 +26,7 @@ def variants_command(as_json: bool) -> None:
             row["name"], row["scorer"], row["fuse"], settings, "yes" if row["searchable"] else "no"
         )
     print_table(table)
-    click.echo("Defaults shown; a setting of None means the method derives it from --keep.")
+    click.echo(
+        "Defaults shown; a setting of None is unset: r=None means the method derives it from "
+        "--keep, kept_multiple=None that counts are not rounded."
+    )

@@ -44,6 +44,9 @@ class TimingOptions:
     seconds: float | None = DEFAULT_BENCH_SECONDS  # time budget of the throughput step
     compile_mode: str | None = None  # torch.compile's mode; None: torch's default
     fused_kernels: bool = False  # the reducers' select -> gather -> squeeze as one C++ op (CPU)
+    # The timing-only options the user gave (flags), for a command that times only sometimes
+    # (search, with --min-speedup) to refuse them where it times nothing.
+    given: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -95,8 +95,8 @@ class SweepPoint:
             "batch_size": self.batch_size,
             "throughput": dict(self.throughput),
             "speedup": {name: ratio.to_json() for name, ratio in self.speedup.items()},
-            "verdict": {
-                name: None if ratio.interval is None else verdict(ratio.interval, 1.0)
+            "verdict": {  # as the table says it: too few pairs for an interval decide nothing
+                name: "undecided" if ratio.interval is None else verdict(ratio.interval, 1.0)
                 for name, ratio in self.speedup.items()
             },
             "samples": {name: list(values) for name, values in self.samples.items()},

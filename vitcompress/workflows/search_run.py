@@ -10,7 +10,6 @@ from pathlib import Path
 
 from vitcompress.artifacts.artifact import file_sha256
 from vitcompress.compilation.metadata import compression_info
-from vitcompress.errors import given_options
 from vitcompress.measure.models import TimingOptions
 from vitcompress.search.driver import Budget, SearchConfig, SearchError, SearchResult, search
 from vitcompress.workflows.inputs import DataRequest, ModelRequest
@@ -49,15 +48,17 @@ def search_model(
     out: str | Path,
 ) -> SearchResult:
     budget.check()  # before minutes of loading
-    if timing is not None and budget.min_speedup is None:
-        timed_only = given_options(
-            (("--compile", timing.compile), ("--fused-kernels", timing.fused_kernels))
+    if timing is None and budget.min_speedup is not None:
+        raise SearchError(
+            "--min-speedup is measured by timing candidates, which --no-throughput turns off: "
+            "drop one of them"
         )
-        if timed_only:
-            raise SearchError(
-                f"{' and '.join(timed_only)} set how --min-speedup is timed; without "
-                "--min-speedup nothing is timed: add it or drop them"
-            )
+    if timing is not None and budget.min_speedup is None and timing.given:
+        many = len(timing.given) > 1
+        raise SearchError(
+            f"{' and '.join(timing.given)} {'set' if many else 'sets'} how --min-speedup is "
+            f"timed; without --min-speedup nothing is timed: add it or drop {'them' if many else 'it'}"
+        )
     if timing is not None and timing.fused_kernels:
         from vitcompress.kernels import build_fused_kernels
 
