@@ -8,6 +8,7 @@ from torch import nn
 from tests.fixtures import inhouse
 from vitcompress import compress, map_model
 from vitcompress.analysis.capture import CaptureError, capture
+from vitcompress.errors import UserError
 
 
 class BranchOnWidth(nn.Module):
@@ -76,3 +77,23 @@ def test_compressing_a_graph_only_torch_export_took_is_refused_in_one_line():
     line = str(refused.value)
     assert "\n" not in line
     assert "only torch.export could capture it" in line and "int()" in line
+
+
+def test_a_bare_transformers_model_is_refused_with_how_to_hand_it_over():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(
+        image_size=32, patch_size=4, hidden_size=48, num_hidden_layers=2, num_attention_heads=3,
+        intermediate_size=96,
+    )  # fmt: skip
+    model = transformers.ViTForImageClassification(config).eval()
+    with pytest.raises(UserError) as refused:
+        compress(model, "etps", keep=0.7, input_size=(3, 32, 32))
+    assert "HFImageClassifier(model)" in str(refused.value)
+    assert "save_pretrained directory" in str(refused.value)
+    from vitcompress.loading.hf import HFImageClassifier
+
+    wrapped = HFImageClassifier(model)
+    x = torch.randn(2, 3, 32, 32)
+    exact = compress(wrapped, "etps", keep=1.0, input_size=(3, 32, 32)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exact(x), wrapped(x), atol=1e-5, rtol=0)

@@ -104,6 +104,7 @@ def capture_and_map(
     image model) is the caller's mistake, not a capture failure: that is told apart by running
     the model itself, only after the capture failed, and raised as ``ModelInputError``.
     """
+    _refuse_bare_transformers(model)
     example = example_input(input_size, model_dtype(model))
     try:
         captured = capture(model, example)
@@ -118,6 +119,20 @@ def capture_and_map(
             "the input size it was built for (--input-size C,H,W)"
         ) from capture_error
     return captured, analyse(captured)
+
+
+def _refuse_bare_transformers(model: nn.Module) -> None:
+    """A transformers model as it is (``ViTForImageClassification(config)``) takes keyword
+    inputs and returns an output object, which the capture cannot follow: one line that says
+    how to hand it over, rather than the tracer's error. (A method of it that takes the image,
+    compressed as the entry through ``entry_view``, passes.)"""
+    bare = type(model).__module__.startswith("transformers.") and hasattr(model, "config")
+    if bare and entry_of(model) == FORWARD:
+        raise ModelLoadError(
+            f"{type(model).__name__} is a transformers model as it is (keyword inputs, an output "
+            "object): wrap it, vitcompress.loading.hf.HFImageClassifier(model) (images in, "
+            "logits out), or give its save_pretrained directory as the model"
+        )
 
 
 def _run_problem(model: nn.Module, example: torch.Tensor) -> str | None:
