@@ -288,3 +288,45 @@ def test_an_int8_file_is_scored_against_its_float32_file(work):
     # Both files take the preprocessing the options state; the reference the file's own.
     assert got["data_config_sources"]["mean"] == "--mean"
     assert got["reference"]["data_config"] == got["data_config"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A half-precision file, and what padding a fixed batch's last chunk changes
+
+
+def test_a_float16_file_is_fed_at_its_input_type(work):
+    from vitcompress.workflows.export import HALF_RTOL
+
+    path = export(work, "half.onnx", "--batch-size", "4", "--dtype", "float16")
+    images = stated_images(work)
+    classifier = OnnxClassifier(read_onnx_facts(path))
+    assert classifier.input_type == "tensor(float16)"
+    logits = classifier(images)  # 14 images: chunks of 4, the last one padded
+    want = pytorch_logits(work, images)
+    assert logits.dtype == torch.float32 and logits.shape == want.shape
+    scale = max(1.0, float(want.abs().max()))
+    assert float((logits - want).abs().max()) <= HALF_RTOL["float16"] * scale
+    # Padding is exact at float16: each image alone (three zero images beside it) gives the same.
+    alone = torch.cat([classifier(images[i : i + 1]) for i in range(len(images))])
+    assert torch.equal(logits, alone)
+    # The command: scored on the same images as the PyTorch model, same predictions.
+    got = eval_json("--model", str(path), "--data", str(work / "imgs"),
+                    "--reference", f"{work / 'tiny_vit.py'}:make")  # fmt: skip
+    assert got["images"] == 14 and got["reference"]["runtime"] == "pytorch"
+    assert got["reference"]["disagreements"] == int((logits.argmax(-1) != want.argmax(-1)).sum())
+
+
+def test_padding_is_exact_for_float32_and_not_for_dynamic_int8(work):
+    """docs/usage.md: a dynamic int8 file takes one activation scale for the whole batch, so the
+    zero images padding a short chunk change its logits; a float32 file's do not."""
+    fp32 = export(work, "pad.fp32.onnx", "--batch-size", "4")
+    int8 = export(work, "pad.int8.onnx", "--batch-size", "4", "--quantize", "int8")
+    images = stated_images(work)[:7]  # a chunk of 4, then 3 and one zero image
+    moved = {}
+    for name, path in (("fp32", fp32), ("int8", int8)):
+        classifier = OnnxClassifier(read_onnx_facts(path))
+        chunked = classifier(images)
+        alone = torch.cat([classifier(images[i : i + 1]) for i in range(len(images))])
+        moved[name] = float((chunked - alone).abs().max())
+    assert moved["fp32"] == 0.0
+    assert moved["int8"] > 0.0

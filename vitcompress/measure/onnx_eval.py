@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 from torch import Tensor, nn
 
@@ -147,8 +148,15 @@ class OnnxClassifier(nn.Module):
     session (full graph optimisation, ``threads`` intra-op threads).
 
     A file exported at a fixed batch B is run in chunks of B; a last short chunk is padded with
-    zeros and the padding's outputs dropped, which is exact because every image of a batch is
-    computed on its own. ``vitcompress_data_config`` (what the file records) is set for
+    zeros and the padding's outputs dropped. That is exact where every image of a batch is
+    computed on its own (a float32 or float16 export, an ``int8-static`` file, whose scales are
+    constants), and not for a dynamic ``int8`` file: its ``DynamicQuantizeLinear`` takes one
+    scale for the whole batch, so the zero images change the short chunk's scales and its logits
+    (by as much as the quantization's own error), as any other images of a batch would (a file
+    with a symbolic batch is run on each batch as it comes, unpadded). The images are fed at the
+    file's input type (float32, or float16 / bfloat16 for a half-precision export) and the
+    logits returned as float32.
+    ``vitcompress_data_config`` (what the file records) is set for
     :func:`~vitcompress.data.config.stated_data_config`, so the data is brought to the file as to
     any model that states its preprocessing.
     """
@@ -162,6 +170,13 @@ class OnnxClassifier(nn.Module):
             raise
         except Exception as e:  # onnxruntime's own error for a file it cannot load
             raise OnnxFileError(f"onnxruntime cannot load {facts.path}: {one_line(e)}") from e
+        element = self.session.get_inputs()[0].type  # "tensor(float16)"
+        if element not in _FED_TYPES:
+            raise OnnxFileError(
+                f"{facts.path}: input {facts.input_name!r} is {element}; eval feeds images as "
+                f"{', '.join(_FED_TYPES)}"
+            )
+        self.input_type = element
         if facts.preprocessing:
             self.vitcompress_data_config = dict(facts.preprocessing)
             self.vitcompress_data_config_from = facts.where
@@ -181,5 +196,25 @@ class OnnxClassifier(nn.Module):
         return torch.cat(outputs)
 
     def _run(self, images: Tensor) -> Tensor:
-        (logits,) = self.session.run(None, {self.facts.input_name: images.numpy()})
-        return torch.from_numpy(logits)
+        feed = _as_numpy(images, self.input_type)
+        (logits,) = self.session.run(None, {self.facts.input_name: feed})
+        return torch.from_numpy(numpy.asarray(logits).astype(numpy.float32))
+
+
+# The input element types eval feeds (onnxruntime's names), rounded from float32 images.
+_FED_TYPES = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)")
+
+
+def _as_numpy(images: Tensor, element: str) -> Any:
+    """Float32 ``images`` as the NumPy array onnxruntime takes for an input of type ``element``
+    (bfloat16 through ``ml_dtypes``, an onnx dependency: NumPy has none)."""
+    array = images.numpy()
+    if element == "tensor(float16)":
+        return array.astype(numpy.float16)
+    if element == "tensor(double)":
+        return array.astype(numpy.float64)
+    if element == "tensor(bfloat16)":
+        import ml_dtypes
+
+        return array.astype(ml_dtypes.bfloat16)
+    return array

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import os
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -82,7 +85,19 @@ def _inputs(batch_size: int, input_size: tuple[int, ...], seed: int) -> Tensor:
 
 
 def _max_diff(a: Tensor, b: Tensor) -> float:
-    return float((a.detach().float() - b.detach().float()).abs().max())
+    """max |a - b|, where equal infinities and NaN in both count as equal, and a NaN in one only
+    makes the difference NaN (which no tolerance accepts)."""
+    a, b = a.detach().float(), b.detach().float()
+    same = (a == b) | (a.isnan() & b.isnan())
+    return float(torch.where(same, 0.0, (a - b).abs()).max())
+
+
+def _finite_scale(t: Tensor) -> float:
+    """max |t| over its finite values (0 when it has none): an infinite output must not make
+    the half-precision tolerance infinite."""
+    values = t.detach().float().abs()
+    values = values[values.isfinite()]
+    return float(values.max()) if values.numel() else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +312,12 @@ def export_model(
     cannot run a half-precision file on the CPU (no kernel for an op at that type), the file is
     checked without running it (:func:`onnx_structure`; ``check: "structural"``, ``checked``
     false, and onnxruntime's error in ``onnxruntime_error``); it fails the export only if the
-    file is not valid ONNX at that dtype.
+    file is not valid ONNX at that dtype. Any other onnxruntime error (:func:`missing_kernel`
+    tells them apart) fails the export as at float32.
+
+    The file is written and checked at a hidden path beside ``out`` and moved onto ``out`` only
+    once the check has passed (:func:`staged_file`): a failed export leaves nothing behind, and a
+    file already at ``out`` as it was.
     """
     out = _checked_request(fmt, dtype, batch_size, out)
     input_size = tuple(int(v) for v in input_size)
@@ -318,25 +338,47 @@ def export_model(
                 "the model's output is not a single tensor; only image -> tensor "
                 "models can be exported"
             )
-        try:
-            if fmt == "onnx":
-                run = _export_onnx(module, example, out, opset, dynamic_batch)
-                _record_preprocessing(out, model, input_size)
-            elif fmt == "torchscript":
-                run = _export_torchscript(module, example, out)
-            else:
-                run = _export_program(module, example, out, dynamic_batch)
-        except OSError as e:
-            raise ExportError(f"cannot write {out}: {e.strerror or e}") from e
-        except Exception as e:
-            raise ExportError(f"{fmt} export failed: {one_line(e)}") from e
-        seconds = time.perf_counter() - start
-        result = _written_file_record(fmt, out, dtype, opset, seconds)
-        result["input_shape"] = [BATCH_AXIS if dynamic_batch else batch_size, *input_size]
-        result["batch"] = "dynamic" if dynamic_batch else "fixed"
-        if check:
-            _check(result, run, reference, fmt, dtype, input_size, check_batches, trace_batch)
+        # Written and checked beside ``out``, moved onto it only once the check has passed.
+        with staged_file(out) as staging:
+            try:
+                if fmt == "onnx":
+                    run = _export_onnx(module, example, staging, opset, dynamic_batch)
+                    _record_preprocessing(staging, model, input_size)
+                elif fmt == "torchscript":
+                    run = _export_torchscript(module, example, staging)
+                else:
+                    run = _export_program(module, example, staging, dynamic_batch)
+            except OSError as e:
+                raise ExportError(f"cannot write {out}: {e.strerror or e}") from e
+            except Exception as e:
+                raise ExportError(f"{fmt} export failed: {one_line(e)}") from e
+            seconds = time.perf_counter() - start
+            result = _written_file_record(fmt, staging, dtype, opset, seconds)
+            result["input_shape"] = [BATCH_AXIS if dynamic_batch else batch_size, *input_size]
+            result["batch"] = "dynamic" if dynamic_batch else "fixed"
+            if check:
+                _check(result, run, reference, fmt, dtype, input_size, check_batches, trace_batch)
+    result["out"] = str(out)
     return result
+
+
+@contextlib.contextmanager
+def staged_file(out: Path) -> Iterator[Path]:
+    """A hidden path beside ``out`` (the same folder, so the move is a rename) to write and
+    check a file at: moved onto ``out`` (``os.replace``) when the block ends without an error,
+    removed when it raises. A failed export leaves no file behind and an existing ``out`` as it
+    was. The staged name keeps ``out``'s suffix (``torch.export.save`` wants ``.pt2``)."""
+    staging = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.partial{out.suffix}")
+    try:
+        yield staging
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+    try:
+        os.replace(staging, out)
+    except OSError as e:
+        staging.unlink(missing_ok=True)
+        raise ExportError(f"cannot write {out}: {e.strerror or e}") from e
 
 
 def _checked_request(fmt: str, dtype: str, batch_size: int, out: str | Path) -> Path:
@@ -424,9 +466,10 @@ def _check(
         try:
             got = run(fresh)
         except Exception as e:
-            if fmt == "onnx" and dtype != "float32":
+            if fmt == "onnx" and dtype != "float32" and missing_kernel(e):
                 # onnxruntime's CPU kernels cover few ops at half precision (bfloat16 hardly
-                # any): a runtime's gap, not the file's, so the file is checked as a file.
+                # any): a runtime's gap, not the file's, so the file is checked as a file. Any
+                # other error is the file's, and fails the export as at float32.
                 _structural(result, dtype, one_line(e))
                 return
             if len(check_batches) == 1 and batch == trace_batch:
@@ -437,8 +480,12 @@ def _check(
                 f"{trace_batch}): {one_line(e)}"
             ) from e
         expected = reference(fresh)
-        diff = max(diff, _max_diff(got, expected))
-        scale = max(scale, float(expected.detach().float().abs().max()))
+        batch_diff = _max_diff(got, expected)
+        if math.isnan(batch_diff):  # NaN in one output only: no tolerance accepts it
+            diff = batch_diff
+            break
+        diff = max(diff, batch_diff)
+        scale = max(scale, _finite_scale(expected))
     atol = ATOL if dtype == "float32" else HALF_RTOL[dtype] * max(1.0, scale)
     result.update(
         checked=True,
@@ -448,11 +495,24 @@ def _check(
         atol=atol,
     )
     if not diff <= atol:
+        by = "with NaN where the other has none" if math.isnan(diff) else f"by {diff:.3g}"
         raise ExportCheckError(
             f"{fmt} output differs from PyTorch{'' if dtype == 'float32' else ' at ' + dtype} "
-            f"by {diff:.3g} (tolerance {atol:.3g})"
+            f"{by} (tolerance {atol:.3g})"
             + (f" at batch sizes {check_batches}" if len(check_batches) > 1 else "")
         )
+
+
+def missing_kernel(error: BaseException) -> bool:
+    """Whether ``error`` is onnxruntime saying it has no kernel for an op at the file's types
+    (status ``NOT_IMPLEMENTED``, "Could not find an implementation for ..."), rather than that
+    the file is wrong (a shape mismatch, an invalid graph) or failed at run time."""
+    text = str(error)
+    return (
+        type(error).__name__ == "NotImplemented"  # onnxruntime's class for NOT_IMPLEMENTED
+        or "NOT_IMPLEMENTED" in text
+        or "Could not find an implementation" in text
+    )
 
 
 def _structural(result: dict[str, Any], dtype: str, runtime_error: str) -> None:
@@ -468,6 +528,21 @@ def _structural(result: dict[str, Any], dtype: str, runtime_error: str) -> None:
                 or f"input {structure['input_dtype']}, output {structure['output_dtype']}"
             )
         )
+
+
+def _reset_dynamo() -> None:
+    """``torch._dynamo.reset()``, once more where it fails with "dictionary changed size during
+    iteration": with torch 2.14, after a graph break in an earlier compile of the same process, a
+    cached inductor backend's reset can add to the backend cache that reset is iterating; the
+    second pass finds it consistent."""
+    import torch._dynamo
+
+    try:
+        torch._dynamo.reset()
+    except RuntimeError as e:
+        if "changed size during iteration" not in str(e):
+            raise
+        torch._dynamo.reset()
 
 
 def compile_check(
@@ -502,7 +577,7 @@ def compile_check(
         "recompiles": 0,
         "max_abs_diff": None,
     }
-    torch._dynamo.reset()
+    _reset_dynamo()
     counters.clear()
     with eval_mode(model), torch.no_grad():
         module = _Inference(model)
@@ -518,5 +593,5 @@ def compile_check(
             )
         frames = int(counters["stats"]["unique_graphs"])
         result.update(frames=frames, recompiles=max(0, frames - 1))
-    torch._dynamo.reset()
+    _reset_dynamo()
     return result

@@ -51,15 +51,17 @@ HOST_SYNC_OPS = {
 class HostSyncReport:
     """Where the eval forward waits for the device: ``ops`` (each ``op: why, at file:line``),
     ``unbacked`` (nodes whose shape or value depends on the data), ``error`` (the trace stopped on
-    a Python decision about a tensor's value)."""
+    a Python decision about a tensor's value), ``untraced`` (``torch.export`` could not trace the
+    forward for another reason, so nothing was checked; :func:`serving_check` sets it)."""
 
     ops: list[str] = field(default_factory=list)
     unbacked: list[str] = field(default_factory=list)
     error: str | None = None
+    untraced: str | None = None
 
     @property
     def passed(self) -> bool:
-        return not (self.ops or self.unbacked or self.error)
+        return not (self.ops or self.unbacked or self.error or self.untraced)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -67,10 +69,13 @@ class HostSyncReport:
             "ops": list(self.ops),
             "unbacked": list(self.unbacked),
             "error": self.error,
+            "untraced": self.untraced,
         }
 
     def text(self) -> str:
         """One line: ``no host synchronisation`` or the first few places found."""
+        if self.untraced:
+            return f"host synchronisation not checked: {self.untraced}"
         if self.passed:
             return "no host synchronisation (no .item(), nonzero or data-dependent shape)"
         found = ([self.error] if self.error else []) + self.ops + self.unbacked
@@ -206,15 +211,22 @@ def serving_check(
     """Whether ``model`` serves compiled at ``batch_size``: one graph under ``fullgraph=True``
     (no break, no recompile on a second batch of the size), the same outputs as eager, and no
     host synchronisation in its eval forward. ``backend="eager"`` checks dynamo's capture only
-    (seconds, where inductor's code generation on a CPU takes minutes)."""
+    (seconds, where inductor's code generation on a CPU takes minutes).
+
+    A model ``torch.export`` cannot trace at all (``x.data_ptr()``, an opaque kernel) is not
+    an error here: the check fails, and ``host_sync.untraced`` says what stopped the trace."""
     from vitcompress.workflows.export import compile_check
 
     compiled = compile_check(model, input_size, batch_size=batch_size, backend=backend, mode=mode)
+    try:
+        host_sync = host_sync_check(model, input_size, batch_size=batch_size)
+    except Exception as e:  # noqa: BLE001 - any failure to trace is the check's finding
+        host_sync = HostSyncReport(untraced=f"torch.export cannot trace it ({one_line(e)})")
     return ServingCheck(
         batch_size=batch_size,
         mode=mode if backend == "inductor" else None,
         compile=compiled,
-        host_sync=host_sync_check(model, input_size, batch_size=batch_size),
+        host_sync=host_sync,
     )
 
 
