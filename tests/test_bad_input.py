@@ -295,6 +295,8 @@ def test_apply_into_a_folder_holding_more_than_a_model_is_refused_before_any_wor
          ["--dtype sets how --min-speedup is timed"]),
         (["search", "--data", "x", "--min-speedup", "1.1", "--no-throughput", "--out", "o"],
          ["--min-speedup is measured by timing candidates"]),
+        (["export", "--format", "onnx", "--out", "m.onnx", "--runs", "3"],
+         ["--runs: only --bench times anything"]),
     ],
 )  # fmt: skip
 def test_options_that_would_be_ignored_are_refused_before_any_work(

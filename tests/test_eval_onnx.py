@@ -251,6 +251,10 @@ def test_a_class_count_other_than_the_datas_is_refused(work):
         (["--base", "vit_tiny_patch16_224"], "use --reference"),
         (["--model-arg", "seed=1"], "drop --model-arg"),
         (["--max-acc-drop", "1"], "drop them"),
+        (
+            ["--runs", "3", "--compile"],
+            "is scored, not timed (export --bench times it): drop --runs, --compile",
+        ),
     ],
 )
 def test_options_an_onnx_file_has_no_use_for_are_refused(work, extra, expected):

@@ -94,7 +94,7 @@ def eval_command(
     show_bar = not as_json and sys.stdout.isatty() and sys.stderr.isatty()
     progress = _bar if show_bar else _no_bar
     if is_onnx_path(model.spec):
-        _refuse_with_onnx(ctx, model, task, base, bounds)
+        _refuse_with_onnx(ctx, model, task, base, bounds, timing)
         onnx_result = eval_onnx(model.spec, data, loader, reference, val_images, progress)
         show_result(onnx_result, _print_onnx_result, as_json)
         return
@@ -113,9 +113,10 @@ def _refuse_with_onnx(
     task: str,
     base: BaseRequest | None,
     bounds: Bounds,
+    timing: TimingOptions | None,
 ) -> None:
     """One line for an option an ONNX file has no use for: the file fixes the model, its input
-    size and its weights, and runs on the CPU."""
+    size and its weights, and runs on the CPU, untimed."""
     fixed = [
         flag
         for flag, used in (
@@ -142,6 +143,11 @@ def _refuse_with_onnx(
         raise ModelLoadError("the CI gates take PyTorch models; with an ONNX --model drop them")
     if not str(ctx.params["device"]).startswith("cpu"):
         raise ModelLoadError("an ONNX --model runs in onnxruntime on the CPU: drop --device")
+    if timing is not None and timing.given:
+        raise ModelLoadError(
+            f"an ONNX --model is scored, not timed (export --bench times it): drop "
+            f"{', '.join(timing.given)}"
+        )
 
 
 def _print_onnx_result(result: OnnxEvalResult) -> None:

@@ -133,6 +133,17 @@ def export(
     as_json: bool,
 ) -> None:
     """Export the model's inference path (eval: tokens dropped, constant shapes) and check it."""
+    ctx = click.get_current_context()
+    timed_only = [
+        f"--{name.replace('_', '-')}"
+        for name in ("warmup", "runs", "bench_seconds")
+        if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)
+    ]
+    if timed_only and not bench:
+        raise click.UsageError(
+            f"{', '.join(timed_only)}: only --bench times anything; add it or drop "
+            f"{'them' if len(timed_only) > 1 else 'it'}."
+        )
     settings = ExportSettings(
         fmt,
         out,
