@@ -50,7 +50,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from vitcompress.api import compress_loaded, map_model
-from vitcompress.compilation.plan import default_locs
+from vitcompress.compilation.placement import default_locs
 from vitcompress.data import build_dataset, resolve_data_config
 from vitcompress.data.segmentation import FASHION_MNIST_SEG
 from vitcompress.data.transforms import AugmentConfig

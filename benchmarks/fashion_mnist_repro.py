@@ -56,7 +56,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from vitcompress.api import compress_loaded, load, map_model
-from vitcompress.compilation.plan import default_locs
+from vitcompress.compilation.placement import default_locs
 from vitcompress.data.datasets import FASHION_MNIST_CLASSES, build_dataset
 from vitcompress.data.transforms import AugmentConfig
 from vitcompress.loading import LoadedModel, load_base_model

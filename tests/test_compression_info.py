@@ -17,7 +17,8 @@ from vitcompress.analysis.model_map import ModelMap
 from vitcompress.api import capture_and_map, compress_loaded
 from vitcompress.artifacts.artifact import ArtifactError
 from vitcompress.compilation.metadata import compression_info
-from vitcompress.compilation.plan import Plan, default_locs, make_plan, reduces_tokens
+from vitcompress.compilation.placement import default_locs, reduces_tokens
+from vitcompress.compilation.plan import Plan, make_plan
 from vitcompress.compilation.rewrite import RewriteError, rewrite
 from vitcompress.loading import ModelLoadError, load_base_model
 from vitcompress.variants import get_variant

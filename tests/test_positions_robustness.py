@@ -16,7 +16,8 @@ from tests.fixtures import inhouse, position_tables
 from tests.models import SMALL
 from vitcompress import map_model
 from vitcompress.analysis.analyse import MappingError
-from vitcompress.compilation.plan import PlanError, default_locs
+from vitcompress.compilation.placement import default_locs
+from vitcompress.compilation.plan import PlanError
 from vitcompress.loading import default_input_size
 from vitcompress.measure import count_macs
 from vitcompress.modules.restore import TokenRestore

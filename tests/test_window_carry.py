@@ -16,7 +16,8 @@ from tests.test_windowed_families import FAMILIES, _build, sharpen
 from vitcompress import compress, map_model
 from vitcompress.api import load, save
 from vitcompress.compilation.metadata import compression_info
-from vitcompress.compilation.plan import Plan, default_locs
+from vitcompress.compilation.placement import default_locs
+from vitcompress.compilation.plan import Plan
 from vitcompress.errors import UserError
 from vitcompress.loading import ModelSource
 from vitcompress.measure import count_macs

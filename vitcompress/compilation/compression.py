@@ -38,13 +38,8 @@ from vitcompress.compilation.naming import (
     REDUCER_PREFIX,
     RewrittenModelError,
 )
-from vitcompress.compilation.plan import (
-    Plan,
-    PlanError,
-    default_keep,
-    make_plan,
-    resolve_variant,
-)
+from vitcompress.compilation.placement import default_keep
+from vitcompress.compilation.plan import Plan, PlanError, make_plan, resolve_variant
 from vitcompress.compilation.rewrite import rewrite
 from vitcompress.compilation.weight_decay import (
     NO_WEIGHT_DECAY_ATTRIBUTE,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 
 from vitcompress.analysis.model_map import ModelMap
-from vitcompress.compilation.plan import Plan, PlanError, default_locs, make_plan
+from vitcompress.compilation.placement import default_locs
+from vitcompress.compilation.plan import Plan, PlanError, make_plan
 from vitcompress.method import CumulativeKeep, KeepListError, keep_count, per_location_keep
 from vitcompress.variants import VARIANTS, Variant
 

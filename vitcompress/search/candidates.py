@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitcompress.compilation.plan import default_keep, default_locs
+from vitcompress.compilation.placement import default_keep, default_locs
 from vitcompress.search.config import SearchConfig, SearchError, budget_text
 from vitcompress.search.cost import CostModel
 from vitcompress.search.score import (

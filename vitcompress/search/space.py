@@ -18,13 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vitcompress.analysis.model_map import ModelMap
-from vitcompress.compilation.plan import (
-    Plan,
-    PlanError,
-    dominant_last_stage,
-    make_plan,
-    token_stages,
-)
+from vitcompress.compilation.placement import dominant_last_stage, token_stages
+from vitcompress.compilation.plan import Plan, PlanError, make_plan
 from vitcompress.variants import VariantRefusal, get_variant
 
 DEFAULT_KEEP_GRID = tuple(round(0.3 + 0.05 * i, 2) for i in range(13))  # 0.3 .. 0.9

@@ -16,7 +16,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from vitcompress.compilation.plan import PlanError, default_locs
+from vitcompress.compilation.placement import default_locs
+from vitcompress.compilation.plan import PlanError
 from vitcompress.measure import count_macs
 from vitcompress.measure.keep_fit import GmacsRatio, fit_keep
 from vitcompress.search.score import CandidateBuilder
