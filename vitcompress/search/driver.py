@@ -509,8 +509,10 @@ def _cross_check(
     sample = [best] + [r for r in rows if r is not best][: CROSS_CHECK_SAMPLE - 1]
     checked = []
     for row in sample:
-        model = builder.build(row["variant"], row["keep"], row["locs"])
-        measured = count_macs(model, builder.input_size)
+        measured = row.get("counted_macs")  # counted already where the choice needed it
+        if measured is None:
+            model = builder.build(row["variant"], row["keep"], row["locs"])
+            measured = count_macs(model, builder.input_size)
         checked.append(
             {
                 "variant": row["variant"],
