@@ -270,6 +270,16 @@ def test_resume_mid_epoch_gives_the_same_weights(tmp_path):
         assert torch.equal(resumed[key], value), key
 
 
+def _stop_at(stop_step: int):
+    """An ``on_step`` that interrupts the run once step ``stop_step`` is done."""
+
+    def stop(step: int, model: nn.Module) -> None:
+        if step == stop_step:
+            raise KeyboardInterrupt
+
+    return stop
+
+
 class _Augmented(torch.utils.data.Dataset):
     """``_data()`` with a random augmentation drawn from torch, numpy and Python's ``random``,
     as timm's transforms do."""
@@ -299,14 +309,16 @@ def test_resume_gives_the_same_weights_with_random_augmentation(tmp_path, worker
     finetune(student, teacher, _Augmented(), None, tmp_path / "a", _config(**config))
     uninterrupted = _state(student.model)
 
-    def stop(step: int, model: nn.Module) -> None:
-        if step == 2:  # mid-way through the first epoch (4 steps per epoch)
-            raise KeyboardInterrupt
-
     student, teacher = _models()
     with pytest.raises(KeyboardInterrupt):
         finetune(
-            student, teacher, _Augmented(), None, tmp_path / "b", _config(**config), on_step=stop
+            student,
+            teacher,
+            _Augmented(),
+            None,
+            tmp_path / "b",
+            _config(**config),
+            on_step=_stop_at(2),  # mid-way through the first epoch (4 steps per epoch)
         )
     student, teacher = _models()
     finetune(student, teacher, _Augmented(), None, tmp_path / "b", _config(**config, resume=True))
@@ -318,13 +330,10 @@ def test_resume_gives_the_same_weights_with_random_augmentation(tmp_path, worker
 def test_a_resume_that_asks_for_other_settings_is_refused_and_the_same_ones_pass(tmp_path):
     # The optimizer and schedule come back from the checkpoint: a changed --lr or --batch-size
     # would be ignored while the artifact recorded it.
-    def stop(step: int, model: nn.Module) -> None:
-        if step == 1:
-            raise KeyboardInterrupt
 
     student, teacher = _models()
     with pytest.raises(KeyboardInterrupt):
-        finetune(student, teacher, _data(), None, tmp_path / "b", _config(), on_step=stop)
+        finetune(student, teacher, _data(), None, tmp_path / "b", _config(), on_step=_stop_at(1))
     checkpoint = find_latest(tmp_path / "b" / "checkpoints")
     with pytest.raises(FinetuneError) as refused:
         finetune(*_models(), _data(), None, tmp_path / "b", _config(lr=5e-2, resume=True))
@@ -348,14 +357,16 @@ def test_a_resume_that_asks_for_other_settings_is_refused_and_the_same_ones_pass
 def test_an_unreadable_or_foreign_checkpoint_is_refused_in_one_line(tmp_path):
     from vitcompress.training.checkpoint import CheckpointError
 
-    def stop(step: int, model: nn.Module) -> None:
-        if step == 3:
-            raise KeyboardInterrupt
-
     student, teacher = _models()
     with pytest.raises(KeyboardInterrupt):
         finetune(
-            student, teacher, _data(), None, tmp_path / "b", _config(save_every=1), on_step=stop
+            student,
+            teacher,
+            _data(),
+            None,
+            tmp_path / "b",
+            _config(save_every=1),
+            on_step=_stop_at(3),
         )
     older, newest = list_checkpoints(tmp_path / "b" / "checkpoints")
     whole = newest.read_bytes()
