@@ -312,3 +312,71 @@ def test_compile_check_after_a_graph_break_earlier_in_the_process() -> None:
     assert compile_check(model("pointer"), SIZE, 2, backend="eager")["graph_break"]
     again = compile_check(model("pointer"), SIZE, 1, backend="inductor", mode="reduce-overhead")
     assert again["graph_break"] and "data pointer" in again["reason"].lower()
+
+
+# ---------------------------------------------------------------------------------------------
+# The graphs torch prints beside a failure are not printed: the error is one line
+
+
+def test_a_failed_onnx_export_prints_nothing_on_stdout(
+    tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    # SDPA has no ONNX form before opset 14; the TorchScript exporter's C++ log then writes its
+    # whole graph (about 180 kB for one block) to file descriptor 1.
+    torch.manual_seed(0)
+    vit = timm_small("vit_small_patch16_224", depth=1).eval()
+    capfd.readouterr()
+    with pytest.raises(ExportError, match="opset version 13 is not supported"):
+        export_model(vit, (3, 32, 32), "onnx", tmp_path / "m.onnx", opset=13)
+    captured = capfd.readouterr()
+    assert captured.out == "", captured.out[:200]
+    assert "graph(" not in captured.err
+    print("stdout still works")  # descriptor 1 is back in place
+    assert capfd.readouterr().out == "stdout still works\n"
+
+
+DATA_DEPENDENT = """
+import torch
+from torch import nn
+
+
+class ValueBranch(nn.Module):
+    # A Python decision on a tensor's value: neither tracer can capture it.
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 4, 4)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        y = self.conv(x).flatten(2).mean(-1)
+        if float(y.mean().item()) > 100.0:
+            y = y * 2
+        return self.head(y)
+
+
+def make():
+    torch.manual_seed(0)
+    return ValueBranch()
+"""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["apply", "--variant", "etps", "--keep", "0.7", "--no-throughput"],
+        ["export", "--format", "exported-program", "--out", "{tmp}/m.pt2"],
+    ],
+    ids=["apply", "export"],
+)
+def test_a_data_dependent_model_fails_in_one_line(tmp_path: Path, command: list[str]) -> None:
+    # torch.export prints the partial graph it traced to stderr before it raises.
+    source = tmp_path / "value_branch.py"
+    source.write_text(DATA_DEPENDENT)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in command]
+    result = CliRunner().invoke(
+        cli, [args[0], "--model", f"{source}:make", "--input-size", "3,16,16", *args[1:]]
+    )
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr[:300]
+    assert "data-dependent" in lines[0]

@@ -73,6 +73,38 @@ def test_export_bench_command(tmp_path: Path) -> None:
         assert set(bench["throughput"][runtime]) == {"base", "compressed"}
 
 
+def test_export_bench_writes_both_files_or_neither(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vitcompress.workflows import export_run
+
+    base = tiny_base()
+    art = vitcompress.save(vitcompress.compress(base, "etps", 0.5, [0], SIZE), tmp_path / "art")
+    folder = tmp_path / "exports"
+    folder.mkdir()
+    out, base_out = folder / "m.onnx", folder / "m.base.onnx"
+    for path in (out, base_out):
+        path.write_bytes(b"the user's earlier file")
+    real = export_run.export_model
+    calls: list[Path] = []
+
+    def base_fails(model, input_size, fmt, path, **kwargs):  # the compressed file, then the base's
+        calls.append(Path(path))
+        if len(calls) == 2:
+            raise export_run.ExportError("onnx export failed: the base's")
+        return real(model, input_size, fmt, path, **kwargs)
+
+    monkeypatch.setattr(export_run, "export_model", base_fails)
+    result = run(
+        "export", "--model", str(art), "--format", "onnx", "--out", str(out), "--bench", *FAST,
+    )  # fmt: skip
+    assert result.exit_code == 2 and "the base's" in result.stderr, result.output
+    assert out.read_bytes() == base_out.read_bytes() == b"the user's earlier file"
+    assert sorted(p.name for p in folder.iterdir()) == ["m.base.onnx", "m.onnx"]
+    assert calls[0].name == "m.onnx" and calls[1].name == "m.base.onnx"  # staged, not in place
+    assert calls[0].parent != folder
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

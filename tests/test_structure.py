@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vitcompress"
 # The data flows up: model source -> captured graph -> model map -> plan -> rewritten model ->
 # measurements -> report.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "version", "status", "model_args", "model_copy", "method", "zoo"),
+    ("errors", "version", "status", "torch_output", "model_args", "model_copy", "method", "zoo"),
     ("kernels", "modules", "data", "loading", "analysis"),
     ("variants",),  # a method: its scorer, fuse and reducers; knows no plan
     ("compilation",),  # plan, rewrite, compress(): asks the method

@@ -31,6 +31,7 @@ from vitcompress.analysis.attention_layouts import (
 from vitcompress.analysis.tracers import GuardedTracer, LeafFallbackTracer
 from vitcompress.errors import UserError
 from vitcompress.model_copy import copy_model
+from vitcompress.torch_output import partial_graph_print_dropped
 
 MAX_LEAF_RETRIES = 16
 
@@ -172,7 +173,8 @@ def _best_trace(model: nn.Module, example: torch.Tensor) -> tuple[fx.GraphModule
 
 
 def _export(model: nn.Module, example: torch.Tensor) -> fx.GraphModule:
-    program = torch.export.export(model, (example,), strict=False)
+    with partial_graph_print_dropped():
+        program = torch.export.export(model, (example,), strict=False)
     return program.module()
 
 

@@ -34,6 +34,7 @@ from vitcompress.kernels import method_path
 from vitcompress.measure.onnx_eval import preprocessing_props
 from vitcompress.measure.onnx_runtime import onnx_session, require_export_extra
 from vitcompress.model_copy import copy_model
+from vitcompress.torch_output import native_stdout_dropped, partial_graph_print_dropped
 from vitcompress.workflows.onnx_file import onnx_op_audit, onnx_static_shapes, onnx_structure
 
 FORMATS = ("onnx", "torchscript", "exported-program")
@@ -194,7 +195,7 @@ def _onnx_symbolics(opset: int) -> Iterator[None]:
 def _export_onnx(
     module: nn.Module, example: Tensor, out: Path, opset: int, dynamic_batch: bool
 ) -> Callable:
-    with _onnx_symbolics(opset), warnings.catch_warnings():
+    with _onnx_symbolics(opset), warnings.catch_warnings(), native_stdout_dropped():
         warnings.simplefilter("ignore")
         torch.onnx.export(
             module,
@@ -275,7 +276,10 @@ def _export_torchscript(module: nn.Module, example: Tensor, out: Path) -> Callab
 
 def _export_program(module: nn.Module, example: Tensor, out: Path, dynamic_batch: bool) -> Callable:
     dynamic_shapes = {"x": {0: torch.export.Dim(BATCH_AXIS, min=1)}} if dynamic_batch else None
-    program = torch.export.export(module, (example,), dynamic_shapes=dynamic_shapes, strict=False)
+    with partial_graph_print_dropped():
+        program = torch.export.export(
+            module, (example,), dynamic_shapes=dynamic_shapes, strict=False
+        )
     torch.export.save(program, str(out))
     return torch.export.load(str(out)).module()
 

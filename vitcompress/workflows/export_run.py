@@ -4,6 +4,8 @@ against its base's in onnxruntime (and PyTorch, unquantized)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,6 +117,10 @@ def export_request(
             settings.quantize_settings(loaded), loaded, data, base
         )
         result = ExportResult(request.spec, quantized.export(), quantized=quantized.summary)
+    elif base is not None:
+        # --bench: the file and its base's are written together, or neither is.
+        exported, base_export = _export_with_base(loaded, base, settings)
+        result = ExportResult(request.spec, exported)
     else:
         result = ExportResult(
             request.spec, settings.export(loaded, loaded.model, settings.out, settings.fmt)
@@ -134,7 +140,7 @@ def export_request(
     if quantized is not None and timing is not None:
         result.bench = quantized.bench(timing)
     elif base is not None and timing is not None:
-        result.bench = _bench(loaded, base, settings, timing)
+        result.bench = _bench(loaded, base, settings, timing) | {"base_export": base_export}
     return result
 
 
@@ -148,22 +154,53 @@ def _base_to_bench(loaded: LoadedModel) -> LoadedModel:
     return base
 
 
+def base_path(out: Path) -> Path:
+    """Where ``--bench`` writes the base's file: ``NAME.base.onnx`` beside ``NAME.onnx``."""
+    return out.with_name(f"{out.stem}.base{out.suffix or '.onnx'}")
+
+
+def _export_with_base(
+    loaded: LoadedModel, base: LoadedModel, settings: ExportSettings
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Export the compressed model to ``settings.out`` and its base beside it, both checked in a
+    hidden folder beside ``out`` and moved into place only once both passed: a base that fails
+    leaves the file already at ``out`` as it was (``export_model`` alone keeps each file safe,
+    not the pair). Their ``export_model`` results, with the paths they were moved to."""
+    out = Path(settings.out)
+    paths = {"compressed": out, "base": base_path(out)}
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        folder = tempfile.TemporaryDirectory(prefix=".vitcompress-export-", dir=out.parent)
+    except OSError as e:
+        raise ExportError(f"cannot write {out}: {e.strerror or e}") from e
+    with folder as staging:
+        staged = {name: Path(staging) / path.name for name, path in paths.items()}
+        results = {
+            "compressed": settings.export(loaded, loaded.model, staged["compressed"], "onnx")
+        }
+        with step(f"exporting the base to {paths['base']}"):
+            results["base"] = settings.export(loaded, base.model, staged["base"], "onnx")
+        try:
+            for name, path in paths.items():
+                os.replace(staged[name], path)
+                results[name]["out"] = str(path)
+        except OSError as e:
+            raise ExportError(f"cannot write {paths[name]}: {e.strerror or e}") from e
+    return results["compressed"], results["base"]
+
+
 def _bench(
     loaded: LoadedModel, base: LoadedModel, settings: ExportSettings, timing: ExportTiming
 ) -> dict[str, Any]:
     out = Path(settings.out)
-    base_out = out.with_name(f"{out.stem}.base{out.suffix or '.onnx'}")
-    with step(f"exporting the base to {base_out}"):
-        base_export = settings.export(loaded, base.model, base_out, "onnx")
     with step(
         f"timing base and compressed in pytorch and onnxruntime (batch {settings.batch_size})"
     ):
-        timed = bench_timed(
+        return bench_timed(
             {"base": base.model, "compressed": loaded.model},
-            {"base": base_out, "compressed": out},
+            {"base": base_path(out), "compressed": out},
             loaded.input_size,
             "base",
             settings.batch_size,
             timing,
         )
-    return timed | {"base_export": base_export}

@@ -23,6 +23,7 @@ from vitcompress.artifacts.fingerprint import eval_mode
 from vitcompress.errors import one_line
 from vitcompress.measure.models import TimingOptions
 from vitcompress.status import warn
+from vitcompress.torch_output import partial_graph_print_dropped
 
 __all__ = [
     "CUDA_GRAPH_MODES",
@@ -122,7 +123,8 @@ def host_sync_check(
     report = HostSyncReport()
     with eval_mode(model), torch.no_grad(), fast_paths_off():
         try:
-            program = torch.export.export(_Inference(model), (example,), strict=False)
+            with partial_graph_print_dropped():
+                program = torch.export.export(_Inference(model), (example,), strict=False)
             program = program.run_decompositions()
         except Exception as e:
             if not _data_dependent(e):
