@@ -87,13 +87,22 @@ def test_order_free_heads_stay_exact_at_keep_1_and_reduce(factory, variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_attention_maps_that_reach_the_output_are_refused_in_one_line(variant):
+@pytest.mark.parametrize(
+    "factory, attention",
+    [
+        (lambda: edge_case_vits.MapsViT(saliency=True), "blocks.3.attn"),
+        # Multiplied block after block (from the identity): a product of maps is a map.
+        (edge_case_vits.RolloutViT, "blocks.3.attn"),
+    ],
+    ids=["saliency", "rollout"],
+)
+def test_attention_maps_that_reach_the_output_are_refused_in_one_line(variant, factory, attention):
     # Their two token axes are the block's tokens: dTPS re-sorts them even at keep 1, every
     # method removes some below it, and nothing restores a map.
     with pytest.raises(MappingError) as refused:
-        vitcompress.compress(edge_case_vits.MapsViT(saliency=True), variant, keep=1.0)
+        vitcompress.compress(factory(), variant, keep=1.0)
     assert str(refused.value).startswith(
-        "the attention maps of blocks.3.attn reach the model's output"
+        f"the attention maps of {attention} reach the model's output"
     )
     assert "\n" not in str(refused.value)
 

@@ -190,9 +190,11 @@ def attention_maps_out(
     gm: fx.GraphModule, by_name: dict[str, fx.Node], blocks: list[Block]
 ) -> str | None:
     """The refusal for a block whose attention probabilities leave the attention other than as
-    the weights of its sum over the values (a model returning its attention maps, or a
-    saliency read off them): their token axes are the block's tokens, which a reduction
-    re-sorts and removes, and nothing restores a map's two axes."""
+    the weights of its sum over the values (a model returning its attention maps, a saliency
+    read off them, or an attention rollout, the maps multiplied block after block): their token
+    axes are the block's tokens, which a reduction re-sorts and removes, and nothing restores a
+    map's two axes."""
+    origins: dict[fx.Node, AttentionCore] = {}
     for block in blocks:
         for core in [block.attention, *block.parallel_cores]:
             node = by_name.get(core.node)
@@ -202,30 +204,53 @@ def attention_maps_out(
                 starts = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
             else:
                 starts = [node]
-            for start in starts:
-                reached = _output_reached(start)
-                if reached is not None:
-                    return (
-                        f"the attention maps of {core.path or core.node} reach the model's "
-                        f"output ({reached.name}, not only as the weights of the attention's "
-                        "sum): their token axes would change with the kept tokens; return them "
-                        "from the base model"
-                    )
+            origins.update(dict.fromkeys(starts, core))
+    maps = _maps_of(gm, origins)
+    for node, core in maps.items():
+        if any(user.op == "output" for user in node.users):
+            return (
+                f"the attention maps of {core.path or core.node} reach the model's "
+                f"output ({node.name}, not only as the weights of the attention's "
+                "sum): their token axes would change with the kept tokens; return them "
+                "from the base model"
+            )
     return None
 
 
-def _output_reached(start: fx.Node) -> fx.Node | None:
-    """The last node before the graph's output on a path from ``start`` that does not pass a
-    product (``@``, einsum: the attention's weighted sum of the values, where the
-    probabilities end), or None."""
-    stack, seen = [start], {start}
-    while stack:
-        node = stack.pop()
-        for user in node.users:
-            if user.op == "output":
-                return node
-            if user in seen or ops.is_matmul(user) or ops.is_einsum(user):
-                continue
-            seen.add(user)
-            stack.append(user)
-    return None
+def _maps_of(
+    gm: fx.GraphModule, origins: dict[fx.Node, AttentionCore]
+) -> dict[fx.Node, AttentionCore]:
+    """Every node that still holds attention maps, each with the attention it came from, in one
+    pass in graph order (a graph is in topological order). Any op on a map gives a map, but a
+    product (``@``, einsum) ends it where it is the attention's weighted sum: a product is a map
+    only where its other operands are maps too (a rollout, ``attn @ rollout``) or constants
+    that keep its shape (``attn @ eye``, a rollout's start), never where they are the values."""
+    maps: dict[fx.Node, AttentionCore] = {}
+    for node in gm.graph.nodes:
+        if node in origins:
+            maps[node] = origins[node]
+            continue
+        inputs = ops.tensor_inputs(node)
+        from_maps = [n for n in inputs if n in maps]
+        if not from_maps or node.op == "output":
+            continue
+        if (ops.is_matmul(node) or ops.is_einsum(node)) and not _keeps_maps(node, inputs, maps):
+            continue
+        maps[node] = maps[from_maps[0]]
+    return maps
+
+
+def _keeps_maps(product: fx.Node, inputs: list[fx.Node], maps: dict) -> bool:
+    """Whether a product of maps with ``inputs`` is a map again: its other operands are maps, or
+    constants it keeps the maps' shape with (a rollout's identity)."""
+    others = [n for n in inputs if n not in maps]
+    if not others:
+        return True
+    shape = ops.shape(product)
+    same_shape = shape is not None and any(shape == ops.shape(n) for n in inputs if n in maps)
+    return same_shape and all(_constant(n) for n in others)
+
+
+def _constant(node: fx.Node) -> bool:
+    """Whether ``node`` is computed from no input image: from sizes, constants and buffers."""
+    return not any(n.op == "placeholder" for n in ops.reachable(node, ops.tensor_inputs))
