@@ -39,7 +39,8 @@ from vitcompress.measure.onnx_runtime import onnx_session, onnxruntime_version
 from vitcompress.measure.paired import paired_ratio
 from vitcompress.method.merge import bipartite_soft_matching, merge_tokens
 from vitcompress.method.squeeze import SCATTER, SUM_FORMS, index_sum_form, squeeze
-from vitcompress.workflows.export import DEFAULT_OPSET, _onnx_symbolics, export_model
+from vitcompress.workflows.export import DEFAULT_OPSET, export_model
+from vitcompress.workflows.onnx_symbolics import onnx_symbolics
 
 INPUT_SIZE = (3, 224, 224)
 VARIANTS = ("dtps", "etps", "tome")
@@ -85,7 +86,7 @@ class _Merge(nn.Module):
 def _export_onnx(module: nn.Module, inputs: tuple[Tensor, ...], path: Path) -> None:
     """As ``export`` writes a model (its symbolics: the stable sort as TopK), without its check."""
     names = [f"in{i}" for i in range(len(inputs))]
-    with _onnx_symbolics(DEFAULT_OPSET):
+    with onnx_symbolics(DEFAULT_OPSET):
         torch.onnx.export(
             module, inputs, str(path), dynamo=False, opset_version=DEFAULT_OPSET, input_names=names
         )

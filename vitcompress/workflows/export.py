@@ -13,7 +13,6 @@ selection baked in as constants would show up as a mismatch.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import time
@@ -36,6 +35,7 @@ from vitcompress.measure.onnx_runtime import onnx_session, require_export_extra
 from vitcompress.model_copy import copy_model
 from vitcompress.torch_output import native_stdout_dropped, partial_graph_print_dropped
 from vitcompress.workflows.onnx_file import onnx_op_audit, onnx_static_shapes, onnx_structure
+from vitcompress.workflows.onnx_symbolics import onnx_symbolics
 
 FORMATS = ("onnx", "torchscript", "exported-program")
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
@@ -101,101 +101,10 @@ def _finite_scale(t: Tensor) -> float:
     return float(values.max()) if values.numel() else 0.0
 
 
-# ---------------------------------------------------------------------------------------------
-# ONNX: ``aten::sort`` with ``stable=True`` (the reducers' top-k order) has no symbolic in the
-# TorchScript-based exporter. ONNX ``TopK`` with k = the axis length, sorted, breaks ties by the
-# lower index, which is exactly a stable sort, so it is registered for the export's duration.
-def _sort_symbolic(g: Any, self: Any, *args: Any) -> Any:
-    from torch.onnx import symbolic_helper as helper
-
-    if len(args) == 3:  # aten::sort.stable(self, stable, dim, descending)
-        _, dim, descending = args
-    else:  # aten::sort(self, dim, descending)
-        dim, descending = args[:2]
-    dim = helper._get_const(dim, "i", "dim")
-    descending = helper._get_const(descending, "i", "descending")
-    length = g.op(
-        "Gather",
-        g.op("Shape", self),
-        g.op("Constant", value_t=torch.tensor([dim], dtype=torch.int64)),
-    )
-    scalar = self.type().scalarType() if hasattr(self.type(), "scalarType") else None
-    if scalar == "BFloat16":
-        # ONNX TopK takes bfloat16 only from opset 24, beyond this exporter: sort a float32 copy
-        # (widening is exact, so the order and its ties are the same) and narrow the values back.
-        values, indices = g.op(
-            "TopK",
-            g.op("Cast", self, to_i=_ONNX_FLOAT),
-            length,
-            axis_i=dim,
-            largest_i=int(bool(descending)),
-            sorted_i=1,
-            outputs=2,
-        )
-        return g.op("Cast", values, to_i=_ONNX_BFLOAT16), indices
-    return g.op(
-        "TopK", self, length, axis_i=dim, largest_i=int(bool(descending)), sorted_i=1, outputs=2
-    )
-
-
-_ONNX_FLOAT, _ONNX_BFLOAT16 = 1, 16  # onnx.TensorProto.FLOAT, .BFLOAT16
-
-
-# ``aten::rms_norm`` (timm's RmsNorm, e.g. AIMv2) has no symbolic either: ONNX has
-# RMSNormalization only from opset 23, beyond the TorchScript-based exporter. It is decomposed as
-# torch computes it: x / sqrt(mean(x^2 over the normalized dims) + eps) * weight, with eps (when
-# None) the input dtype's machine epsilon.
-_ONNX_FLOAT_TYPES = {
-    "Float": torch.float32,
-    "Double": torch.float64,
-    "Half": torch.float16,
-    "BFloat16": torch.bfloat16,
-}
-
-
-def _rms_norm_symbolic(
-    g: Any, x: Any, normalized_shape: Any, weight: Any, eps: Any, opset: int = DEFAULT_OPSET
-) -> Any:
-    from torch.onnx import symbolic_helper as helper
-
-    dims = len(helper._get_const(normalized_shape, "is", "normalized_shape"))
-    axes = list(range(-dims, 0))
-    if helper._is_none(eps):
-        scalar = x.type().scalarType() if hasattr(x.type(), "scalarType") else None
-        eps_value = torch.finfo(_ONNX_FLOAT_TYPES.get(scalar, torch.float32)).eps
-    else:
-        eps_value = helper._get_const(eps, "f", "eps")
-    squared = g.op("Mul", x, x)
-    if opset >= 18:  # ReduceMean takes its axes as an input from opset 18
-        axes_input = g.op("Constant", value_t=torch.tensor(axes, dtype=torch.int64))
-        mean = g.op("ReduceMean", squared, axes_input, keepdims_i=1)
-    else:
-        mean = g.op("ReduceMean", squared, axes_i=axes, keepdims_i=1)
-    epsilon = g.op("CastLike", g.op("Constant", value_t=torch.tensor(eps_value)), x)
-    normed = g.op("Div", x, g.op("Sqrt", g.op("Add", mean, epsilon)))
-    return normed if helper._is_none(weight) else g.op("Mul", normed, weight)
-
-
-_ONNX_SYMBOLICS = ("aten::sort", "aten::rms_norm")
-
-
-@contextlib.contextmanager
-def _onnx_symbolics(opset: int) -> Iterator[None]:
-    torch.onnx.register_custom_op_symbolic("aten::sort", _sort_symbolic, opset)
-    torch.onnx.register_custom_op_symbolic(
-        "aten::rms_norm", functools.partial(_rms_norm_symbolic, opset=opset), opset
-    )
-    try:
-        yield
-    finally:
-        for name in _ONNX_SYMBOLICS:
-            torch.onnx.unregister_custom_op_symbolic(name, opset)
-
-
 def _export_onnx(
     module: nn.Module, example: Tensor, out: Path, opset: int, dynamic_batch: bool
 ) -> Callable:
-    with _onnx_symbolics(opset), warnings.catch_warnings(), native_stdout_dropped():
+    with onnx_symbolics(opset), warnings.catch_warnings(), native_stdout_dropped():
         warnings.simplefilter("ignore")
         torch.onnx.export(
             module,
