@@ -86,9 +86,7 @@ def build_dataset(
         images, labels = load_fashion_mnist(split, data_dir)
         if config.crop_pct is None:
             # Resized to any input size, a 28-px image has no border to spare.
-            config = config.with_field(
-                "crop_pct", 1.0, f"{DEFAULTS_SOURCE}: Fashion-MNIST images are not cropped"
-            )
+            config = _uncropped(config, size, "Fashion-MNIST images are not cropped")
         dataset = IdxDataset(
             images,
             labels,
@@ -265,9 +263,30 @@ class _ImageLoader:
     def __call__(self, path: str) -> Image.Image:
         try:
             with Image.open(path) as img:
+                if img.mode in _WIDE_MODES:
+                    _check_fits_8_bits(img, path)
                 return img.convert(self.mode)
-        except (UnidentifiedImageError, OSError) as e:
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
             raise DataError(f"cannot read image {path}: {e}") from e
+
+
+# Integer and float pixels: PIL clips them to 0-255 on conversion, so a 16-bit image (values up
+# to 65535) comes out nearly all white and a float one in [0, 1] nearly all black.
+_WIDE_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N", "F")
+
+
+def _check_fits_8_bits(img: Image.Image, path: str) -> None:
+    """An image of ``_WIDE_MODES`` is converted only when that is exact: every value an integer
+    in 0-255 (a 16-bit file holding 8-bit values); anything else would silently become another
+    image, so it is refused."""
+    low, high = img.getextrema()
+    integral = img.mode != "F" or bool(np.all(np.mod(np.asarray(img), 1) == 0))
+    if low < 0 or high > 255 or not integral:
+        kind = "float" if img.mode == "F" else f"{img.mode} integer"
+        raise DataError(
+            f"image {path} has {kind} pixels from {low:g} to {high:g}, which 8-bit RGB/L "
+            f"cannot hold exactly (PIL would clip them); convert the images to 8 bits first"
+        )
 
 
 def _crop_for(split_dir: Path, size: tuple[int, int, int], config: DataConfig) -> DataConfig:
@@ -282,12 +301,10 @@ def _crop_for(split_dir: Path, size: tuple[int, int, int], config: DataConfig) -
             except (UnidentifiedImageError, OSError):
                 continue
             if width <= size[2] or height <= size[1]:
-                return config.with_field(
-                    "crop_pct",
-                    1.0,
-                    f"{DEFAULTS_SOURCE}: images "
-                    f"({width}x{height}) no larger than the input are "
-                    f"not cropped",
+                return _uncropped(
+                    config,
+                    size,
+                    f"images ({width}x{height}) no larger than the input are not cropped",
                 )
             return config.with_field(
                 "crop_pct",
@@ -296,6 +313,25 @@ def _crop_for(split_dir: Path, size: tuple[int, int, int], config: DataConfig) -
                 f"{height}) larger than the input",
             )
     return config  # no readable image; ImageFolder reports the folder
+
+
+def _uncropped(config: DataConfig, size: tuple[int, int, int], why: str) -> DataConfig:
+    """``config`` resizing the whole image to the input, ``why`` being the reason.
+
+    crop_pct 1.0 does that for a square input. For an H != W input timm's center mode would
+    scale the image to cover it and crop away the excess (half of a square image for a 32x64
+    input), so center becomes squash: a plain resize to H x W, as the training split's random
+    resized crop also stretches the image to the input's shape. A stated center counts as
+    well (an ONNX file records the default crop mode along with what its model states): with
+    no crop_pct stated, the crop is the images' to choose; border and squash keep the image
+    whole already.
+    """
+    config = config.with_field("crop_pct", 1.0, f"{DEFAULTS_SOURCE}: {why}")
+    if size[1] != size[2] and config.crop_mode == "center":
+        config = config.with_field(
+            "crop_mode", "squash", f"{DEFAULTS_SOURCE}: {why} (resized to the non-square input)"
+        )
+    return config
 
 
 # ---------------------------------------------------------------------------------------------
