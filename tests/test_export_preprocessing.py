@@ -35,3 +35,13 @@ def test_model_stating_nothing_gets_no_record(tmp_path) -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 4, 4), nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
     export_model(model, (3, 32, 32), "onnx", tmp_path / "b.onnx", batch_size=2)
     assert PREPROCESSING_KEY not in _props(tmp_path / "b.onnx")
+
+
+def test_only_the_fields_a_model_states_are_recorded(tmp_path) -> None:
+    # mean and std stated, crop_pct not: eval lets the images choose it (1.0 for images no
+    # larger than the input), so a recorded default 0.875 would crop where the model does not.
+    model = nn.Sequential(nn.Conv2d(3, 4, 4, 4), nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
+    model.data_config = {"mean": (0.2, 0.2, 0.2), "std": (0.3, 0.3, 0.3)}
+    export_model(model, (3, 32, 32), "onnx", tmp_path / "c.onnx", batch_size=2)
+    recorded = json.loads(_props(tmp_path / "c.onnx")[PREPROCESSING_KEY])
+    assert recorded == {"mean": pytest.approx([0.2] * 3), "std": pytest.approx([0.3] * 3)}

@@ -345,17 +345,21 @@ def _written_file_record(
 
 
 def _record_preprocessing(path: Path, model: nn.Module, input_size: tuple[int, ...]) -> None:
-    """Write the data config the model states into the ONNX file's ``metadata_props``, so that
-    ``eval --model FILE.onnx`` feeds the file what its model expects. A model that states none
-    gets no entry: the defaults are not a statement, and eval then asks for them."""
+    """Write the data config fields the model states into the ONNX file's ``metadata_props``, so
+    that ``eval --model FILE.onnx`` feeds the file what its model expects. Fields it does not
+    state are not written, and a model that states none gets no entry: the defaults are not a
+    statement, and eval then chooses or asks for them as it does for the model."""
     stated, _ = stated_data_config(model)
     if not stated:
         return
     import onnx
 
-    config = resolve_data_config(model, channels=int(input_size[0]))
+    # Only what the model states: a default recorded here would read as stated, and eval of the
+    # file would use it where eval of the model lets the images choose (an unstated crop_pct).
+    config = resolve_data_config(model, channels=int(input_size[0])).to_json()
+    recorded = {name: value for name, value in config.items() if name in stated}
     onnx_model = onnx.load(str(path))
-    for key, value in preprocessing_props(config.to_json()).items():
+    for key, value in preprocessing_props(recorded).items():
         entry = onnx_model.metadata_props.add()
         entry.key, entry.value = key, value
     onnx.save(onnx_model, str(path))
