@@ -30,7 +30,7 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, model_name: str | Non
     """
     path = Path(path)
     name = model_name or type(model).__name__
-    state = _unwrap_state_dict(_read_checkpoint(path), path)
+    state = read_state_dict(path)
     expected = model.state_dict()
     state = _strip_wrapper_prefixes(state, expected)
 
@@ -43,6 +43,19 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, model_name: str | Non
         raise ModelLoadError(
             f"checkpoint {path} does not fit model {name}: {one_line(exc)}"
         ) from exc
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The weights in ``path``, unwrapped from a training checkpoint's nesting (``model``,
+    ``state_dict``, ...); the keys as the file has them."""
+    path = Path(path)
+    return _unwrap_state_dict(_read_checkpoint(path), path)
+
+
+def strip_wrapper_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` without the ``module.`` / ``_orig_mod.`` prefix every key carries, for a model
+    none of whose keys can start with one (a HuggingFace model's start with its base's name)."""
+    return _strip_wrapper_prefixes(state, {})
 
 
 def _read_checkpoint(path: Path) -> Any:
@@ -126,8 +139,8 @@ def _strip_wrapper_prefixes(
         for prefix in _WRAPPER_PREFIXES:
             # Only when every key carries it and the model's keys do not: a model may genuinely
             # have a submodule called "module".
-            if all(k.startswith(prefix) for k in state) and not all(
-                k.startswith(prefix) for k in expected
+            if all(k.startswith(prefix) for k in state) and not (
+                expected and all(k.startswith(prefix) for k in expected)
             ):
                 state = {k[len(prefix) :]: v for k, v in state.items()}
                 stripped = True

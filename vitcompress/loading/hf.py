@@ -17,6 +17,9 @@ precedence (``vitcompress.data.config``) does the rest.
 from __future__ import annotations
 
 import json
+import math
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitcompress.loading.checkpoint import read_state_dict, strip_wrapper_prefixes
 from vitcompress.loading.errors import SHOW_KEYS, ModelLoadError, one_line
+from vitcompress.status import warn
 
 HF_CONFIG = "config.json"
 HF_PREPROCESSOR = "preprocessor_config.json"
@@ -115,7 +120,8 @@ def input_size_of(config: Any) -> tuple[int, ...] | None:
 
 
 def data_config_of(directory: Path) -> dict[str, Any]:
-    """Mean, std and interpolation from the directory's ``preprocessor_config.json``."""
+    """Mean, std, interpolation and the resize and crop (``crop_pct``, ``crop_mode``) from the
+    directory's ``preprocessor_config.json``."""
     path = directory / HF_PREPROCESSOR
     if not path.is_file():
         return {}
@@ -127,30 +133,91 @@ def data_config_of(directory: Path) -> dict[str, Any]:
             value = [value]
         if isinstance(value, list) and value:
             found[ours] = [float(v) for v in value]
+    if processor.get("do_normalize") is False:  # pixels in [0, 1], whatever the stats say
+        found["mean"], found["std"] = [0.0], [1.0]
     resample = processor.get("resample")
     if isinstance(resample, int) and resample in _PIL_RESAMPLE:
         found["interpolation"] = _PIL_RESAMPLE[resample]
-    return found
+    return {**found, **_crop_of(processor)}
 
 
-def load_hf_directory(spec: str, args: Mapping[str, Any]) -> tuple[HFImageClassifier, Path]:
-    """The model saved in directory ``spec``, wrapped, and the weights file it was read from."""
+def _side(value: Any, *keys: str) -> tuple[int, ...] | None:
+    """The sizes under ``keys`` of a processor's size dict, when it holds exactly those."""
+    if not isinstance(value, dict) or set(value) != set(keys):
+        return None
+    sides = tuple(value[k] for k in keys)
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sides)
+    return sides if ok else None
+
+
+def _crop_pct(crop: int, resized: int) -> float:
+    """timm's ``crop_pct`` for a crop of ``crop`` pixels out of an image resized to
+    ``resized``: timm resizes to ``floor(crop / crop_pct)``, which must come out as ``resized``
+    (``crop / resized`` itself can fall a float's width short of it)."""
+    pct = crop / resized
+    while math.floor(crop / pct) < resized:
+        pct = math.nextafter(pct, 0.0)
+    return pct
+
+
+def _crop_of(processor: Mapping[str, Any]) -> dict[str, Any]:
+    """The resize and crop an image processor applies, as timm's ``crop_pct`` and ``crop_mode``
+    ("squash": resized to a fixed height and width, as ViT's processor does; "center": the
+    shorter side resized, keeping the aspect ratio, then a centre crop). Nothing where the
+    config writes another pipeline (or an older form of one): the defaults then apply."""
+    if processor.get("do_resize") is False:
+        return {}
+    size = processor.get("size")
+    centre_crop = processor.get("do_center_crop") is True
+    crop = _side(processor.get("crop_size"), "height", "width") if centre_crop else None
+    fixed = _side(size, "height", "width")
+    if fixed is not None:
+        if crop is None:
+            return {} if centre_crop else {"crop_pct": 1.0, "crop_mode": "squash"}
+        if crop[0] * fixed[1] != crop[1] * fixed[0]:
+            return {}
+        return {"crop_pct": _crop_pct(crop[0], fixed[0]), "crop_mode": "squash"}
+    shortest = _side(size, "shortest_edge")
+    if shortest is None:
+        return {}
+    (side,) = shortest
+    kind = str(processor.get("image_processor_type") or "")
+    if kind.startswith("ConvNextImageProcessor") and not centre_crop:
+        # ConvNeXt's (and CvT's): below 384 px the shorter side is resized to side / crop_pct
+        # and the centre cropped to side; from 384 px up the image is resized to side x side.
+        pct = processor.get("crop_pct")
+        if side >= 384:
+            return {"crop_pct": 1.0, "crop_mode": "squash"}
+        if isinstance(pct, (int, float)) and not isinstance(pct, bool) and 0 < pct <= 1:
+            return {"crop_pct": _crop_pct(side, int(side / pct)), "crop_mode": "center"}
+        return {}
+    if crop is not None and crop[0] == crop[1] and crop[0] <= side:
+        return {"crop_pct": _crop_pct(crop[0], side), "crop_mode": "center"}
+    return {}
+
+
+def load_hf_directory(
+    spec: str, args: Mapping[str, Any], checkpoint: Path | None = None
+) -> tuple[HFImageClassifier, Path]:
+    """The model saved in directory ``spec``, wrapped, and the weights file it was read from:
+    the directory's own, or ``checkpoint`` (any weights file of the same architecture, read as
+    ``--checkpoint`` files are and handed to transformers, which renames the keys of older
+    layouts as it does for the directory's own file)."""
     transformers = _transformers()
     directory = Path(spec).expanduser().resolve()
     config_json = _read_json(directory / HF_CONFIG)
-    weights = weights_file(directory)
+    weights = checkpoint if checkpoint is not None else weights_file(directory)
     if weights is None:
         raise ModelLoadError(
             f"HuggingFace directory {directory} holds no weights file ({' or '.join(HF_WEIGHTS)})"
             "; save it with model.save_pretrained(DIR)"
         )
-    architectures = config_json.get("architectures") or []
+    architectures = [a for a in config_json.get("architectures") or [] if isinstance(a, str)]
     classifier = any(
         a.endswith(("ForImageClassification", "ForImageClassificationWithTeacher"))
         for a in architectures
-        if isinstance(a, str)
     )
-    video = any(a.endswith("ForVideoClassification") for a in architectures if isinstance(a, str))
+    video = any(a.endswith("ForVideoClassification") for a in architectures)
     auto = (
         transformers.AutoModelForImageClassification
         if classifier
@@ -158,33 +225,104 @@ def load_hf_directory(spec: str, args: Mapping[str, Any]) -> tuple[HFImageClassi
         if video
         else transformers.AutoModel
     )
-    # Its progress bar would interleave with the CLI's own output on stderr.
-    bars = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        model, info = auto.from_pretrained(
-            str(directory), local_files_only=True, output_loading_info=True, **dict(args)
-        )
-    except Exception as exc:  # transformers raises ValueError, OSError, KeyError, ...
-        raise ModelLoadError(
-            f"could not build the HuggingFace model in {directory} with {auto.__name__}: "
-            f"{one_line(exc)}"
-        ) from exc
-    finally:
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
-    # transformers starts weights the file lacks (or has in another shape) from random values,
-    # with a warning only: such a base would be silently another model.
-    missing = sorted(info.get("missing_keys") or []) + sorted(
-        str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or []
-    )
-    if missing:
-        shown = ", ".join(missing[:SHOW_KEYS]) + (", ..." if len(missing) > SHOW_KEYS else "")
-        raise ModelLoadError(
-            f"the weights in {directory} do not cover {type(model).__name__}: {len(missing)} "
-            f"missing or mismatched ({shown}), which transformers would start from random values"
-        )
+    if checkpoint is None:
+        model = _from_pretrained(transformers, auto, directory, args, directory)
+    else:
+        state = strip_wrapper_prefixes(read_state_dict(checkpoint))
+        with tempfile.TemporaryDirectory(prefix="vitcompress-hf-") as tmp:
+            shutil.copyfile(directory / HF_CONFIG, Path(tmp) / HF_CONFIG)
+            torch.save(state, Path(tmp) / HF_WEIGHTS[1])
+            model = _from_pretrained(transformers, auto, Path(tmp), args, checkpoint)
     wrapped = HFImageClassifier(
         model, input_size=input_size_of(model.config), data_config=data_config_of(directory)
     )
     return wrapped.eval(), weights
+
+
+def _from_pretrained(
+    transformers: Any, auto: Any, directory: Path, args: Mapping[str, Any], shown: Path
+) -> nn.Module:
+    """``auto.from_pretrained(directory)`` offline, refusing in one line weights that do not fit
+    the model exactly (``shown`` names them). transformers' own load report (a table of
+    several lines) and progress bar are kept off: the refusal says what they would."""
+    logging = transformers.utils.logging
+    bars = logging.is_progress_bar_enabled()
+    verbosity = logging.get_verbosity()
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    try:
+        # Mismatched shapes are reported back (and refused below, naming them) instead of
+        # raised with a pointer to the report.
+        kwargs = {**dict(args), "ignore_mismatched_sizes": True}
+        model, info = auto.from_pretrained(
+            str(directory), local_files_only=True, output_loading_info=True, **kwargs
+        )
+    except Exception as exc:  # transformers raises ValueError, OSError, KeyError, ...
+        raise ModelLoadError(
+            f"could not build the HuggingFace model in {shown} with {auto.__name__}: "
+            f"{one_line(exc)}"
+        ) from exc
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+    # transformers starts weights the file lacks (or has in another shape) from random values,
+    # and skips weights the model lacks, with a warning only: such a base would silently be
+    # another model.
+    missing = sorted(info.get("missing_keys") or []) + sorted(
+        _mismatch(k) for k in info.get("mismatched_keys") or []
+    )
+    unexpected, unused = _unexpected(model, sorted(info.get("unexpected_keys") or []))
+    problems = []
+    if missing:
+        problems.append(
+            f"{len(missing)} missing or mismatched ({_first(missing)}), which transformers "
+            "would start from random values"
+        )
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} unexpected ({_first(unexpected)}), which the model has no place for"
+        )
+    if problems:
+        raise ModelLoadError(
+            f"the weights in {shown} do not fit {type(model).__name__}: {'; '.join(problems)}"
+        )
+    if unused:
+        warn(
+            f"{len(unused)} weights in {shown} belong to no module of {type(model).__name__} "
+            f"and are not used ({_first(unused)}); the model computes what its config says"
+        )
+    return model
+
+
+def _unexpected(model: nn.Module, keys: list[str]) -> tuple[list[str], list[str]]:
+    """``keys`` the model has no place for, split into those that change what it computes and
+    those it merely does not use. A weight of a module the model has (a bias its config turned
+    off) or of a layer past the end of one of its layer lists (a config with fewer layers than
+    its weights) means the config describes another model than the weights; a weight of a whole
+    part the model does not build (a pooler a classifier has no use for, as hub checkpoints of
+    ViT carry) does not."""
+    modules = dict(model.named_modules())
+    changing, unused = [], []
+    for key in keys:
+        path = key.split(".")[:-1]
+        known = max(i for i in range(len(path) + 1) if ".".join(path[:i]) in modules)
+        parent = modules[".".join(path[:known])]
+        past_a_list = (
+            known < len(path)
+            and path[known].isdigit()
+            and isinstance(parent, (nn.ModuleList, nn.Sequential))
+        )
+        (changing if known == len(path) or past_a_list else unused).append(key)
+    return changing, unused
+
+
+def _mismatch(key: Any) -> str:
+    """A mismatched key as transformers reports it: the name, or (name, shape, shape)."""
+    if isinstance(key, tuple) and len(key) == 3:
+        return f"{key[0]} (checkpoint {list(key[1])} vs model {list(key[2])})"
+    return str(key[0] if isinstance(key, tuple) else key)
+
+
+def _first(keys: list[str]) -> str:
+    return ", ".join(keys[:SHOW_KEYS]) + (", ..." if len(keys) > SHOW_KEYS else "")

@@ -9,7 +9,7 @@ from typing import Any
 
 from vitcompress.loading.checkpoint import load_checkpoint
 from vitcompress.loading.errors import ModelLoadError
-from vitcompress.loading.hf import HF_CONFIG, is_hf_directory, load_hf_directory
+from vitcompress.loading.hf import HF_CONFIG, is_hf_directory, load_hf_directory, weights_file
 from vitcompress.loading.input_size import check_runs, checked_input_size, default_input_size
 from vitcompress.loading.source import LoadedModel, ModelSource
 from vitcompress.loading.spec import (
@@ -116,14 +116,17 @@ def _load_hf(
             f"--pretrained only applies to timm model names, not the directory '{spec}' "
             "(its weights are loaded from it)"
         )
-    model, weights = load_hf_directory(spec, args)
-    if checkpoint is not None and Path(checkpoint).expanduser().resolve() != weights.resolve():
-        # The directory's own weights file (what an artifact's base records) is loaded already,
-        # by transformers, which also renames the keys of older layouts.
-        weights = Path(checkpoint).expanduser()
-        if not weights.is_file():
+    other: Path | None = None
+    if checkpoint is not None:
+        other = Path(checkpoint).expanduser()
+        if not other.is_file():
             raise ModelLoadError(f"checkpoint {checkpoint} not found")
-        load_checkpoint(model.model, weights, model_name=spec)
+        own = weights_file(Path(spec).expanduser().resolve())
+        if own is not None and other.resolve() == own.resolve():
+            other = None  # the directory's own file (what an artifact's base records)
+    # Another weights file is handed to transformers like the directory's own: it renames the
+    # keys of the layout save_pretrained writes to the model's (transformers 5 renames ViT's).
+    model, weights = load_hf_directory(spec, args, other)
     size = size or default_input_size(model)
     if size is None:
         raise ModelLoadError(f"cannot tell the input size of '{spec}'; pass --input-size C,H,W")

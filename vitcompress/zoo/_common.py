@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, trunc_normal_
+from timm.layers import DropPath, Mlp, to_2tuple, trunc_normal_
 from timm.models import resolve_pretrained_cfg
 from torch import nn
 
@@ -129,6 +129,22 @@ def require_weight_source(variant: str, pretrained: bool, kwargs: dict[str, Any]
             f"official checkpoint from disk with timm.create_model('{variant}', pretrained=True, "
             f"pretrained_cfg_overlay=dict(file='/path/to/checkpoint.pth'))."
         )
+
+
+def stating_input_size(
+    kwargs: dict[str, Any], img_size: int | tuple[int, int], in_chans: int
+) -> dict[str, Any]:
+    """``kwargs`` for ``build_model_with_cfg`` whose ``pretrained_cfg`` states the input the
+    model is built for (``img_size``, ``in_chans``; the class's defaults given here), not the
+    registered weights' 3 x 224 x 224: a model built with ``in_chans=1`` or ``img_size=64``
+    says so to whoever reads its input size or preprocessing from its config (timm's own ViTs
+    say it through ``patch_embed.img_size``, which these models have no single one of). An
+    ``input_size`` the caller overlays itself is kept."""
+    side = to_2tuple(kwargs.get("img_size") or img_size)
+    chans = kwargs.get("in_chans") or in_chans
+    overlay = dict(kwargs.get("pretrained_cfg_overlay") or {})
+    overlay.setdefault("input_size", (int(chans), int(side[0]), int(side[1])))
+    return {**kwargs, "pretrained_cfg_overlay": overlay}
 
 
 def base_cfg(**kwargs: Any) -> dict[str, Any]:

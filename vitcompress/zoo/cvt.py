@@ -36,6 +36,7 @@ from vitcompress.zoo._common import (
     head_width,
     init_weights,
     require_weight_source,
+    stating_input_size,
 )
 
 __all__ = ["ConvolutionalVisionTransformer"]
@@ -209,7 +210,8 @@ class ConvolutionalVisionTransformer(GridClassifier):
     ) -> None:
         super().__init__()
         # No position embeddings, so the model itself does not depend on ``img_size``; it is
-        # accepted so that timm's ``img_size=`` keyword works the same as for other models.
+        # accepted so that timm's ``img_size=`` keyword works the same as for other models (the
+        # factories state it as the config's input size).
         del img_size
         # QuickGELU (x * sigmoid(1.702 x)) is what the original builds its released models with.
         act_layer = act_layer or QuickGELU
@@ -295,6 +297,7 @@ default_cfgs = generate_default_cfgs(
 
 def _create_cvt(variant: str, pretrained: bool, **kwargs: Any) -> ConvolutionalVisionTransformer:
     require_weight_source(variant, pretrained, kwargs)
+    kwargs = stating_input_size(kwargs, img_size=224, in_chans=3)
     return build_model_with_cfg(ConvolutionalVisionTransformer, variant, pretrained, **kwargs)
 
 

@@ -34,6 +34,7 @@ from vitcompress.zoo._common import (
     head_width,
     init_weights,
     require_weight_source,
+    stating_input_size,
 )
 
 __all__ = ["PyramidVisionTransformer", "checkpoint_filter_fn"]
@@ -276,16 +277,17 @@ _PVT_ARGS: dict[str, Any] = {
 
 
 def _create_pvt(
-    variant: str, pretrained: bool, depths: tuple[int, ...], **kwargs: Any
+    variant: str, pretrained: bool, sizes_depths: tuple[int, ...], **kwargs: Any
 ) -> PyramidVisionTransformer:
     require_weight_source(variant, pretrained, kwargs)
-    model_args = {**_PVT_ARGS, "depths": depths}
+    # The caller's arguments win, ``depths`` included, as for the other zoo families.
+    model_args = {**_PVT_ARGS, "depths": sizes_depths, **kwargs}
     return build_model_with_cfg(
         PyramidVisionTransformer,
         variant,
         pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
-        **dict(model_args, **kwargs),
+        **stating_input_size(model_args, img_size=224, in_chans=3),
     )
 
 

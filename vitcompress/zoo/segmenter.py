@@ -32,6 +32,7 @@ from vitcompress.zoo._common import (
     drop_path_rates,
     init_weights,
     require_weight_source,
+    stating_input_size,
 )
 
 __all__ = ["Segmenter"]
@@ -158,6 +159,5 @@ def segmenter_tiny_fmnist(pretrained: bool = False, **kwargs: Any) -> Segmenter:
         "num_heads": 2,
         "mlp_ratio": 2.0,
     }
-    return build_model_with_cfg(
-        Segmenter, "segmenter_tiny_fmnist", pretrained, **dict(model_args, **kwargs)
-    )
+    kwargs = stating_input_size(dict(model_args, **kwargs), img_size=64, in_chans=1)
+    return build_model_with_cfg(Segmenter, "segmenter_tiny_fmnist", pretrained, **kwargs)
