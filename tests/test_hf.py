@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 import vitcompress  # noqa: E402
 from tests.fixtures import hf_models  # noqa: E402
@@ -202,3 +202,30 @@ def test_weights_that_do_not_cover_the_model_are_refused_not_randomly_initialise
     # transformers would start the classifier from random values, with a warning only.
     with pytest.raises(ModelLoadError, match="2 missing or mismatched .*classifier"):
         load_base_model(str(directory))
+
+
+@pytest.mark.parametrize("variant", ["etps", "dtps"])
+def test_dinov2_with_registers_maps_its_registers_as_prefix_tokens(variant):
+    # Its embedding splits the cls token off and joins it again around the registers
+    # (cat([x[:, :1], registers, x[:, 1:]])): the prefix is 1 + 2, not the cls counted twice.
+    from vitcompress.loading.hf import HFImageClassifier
+
+    torch.manual_seed(0)
+    config = transformers.Dinov2WithRegistersConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=2, intermediate_size=128,
+        image_size=56, patch_size=7, num_register_tokens=2, num_labels=10,
+    )  # fmt: skip
+    hf = transformers.Dinov2WithRegistersForImageClassification(config)
+    with torch.no_grad():  # sharper attention: a token out of place shows in the logits
+        for name, weight in hf.named_parameters():
+            if name.endswith(("query.weight", "key.weight", "q_proj.weight", "k_proj.weight")):
+                weight.mul_(4.0)
+    model = HFImageClassifier(hf, (3, 56, 56)).eval()
+    stage = vitcompress.map_model(model, (3, 56, 56)).stages[0]
+    assert (stage.prefix_tokens, tuple(stage.grid)) == (3, (8, 8))
+    x = torch.randn(2, 3, 56, 56, generator=torch.Generator().manual_seed(1))
+    exact = vitcompress.compress(model, variant, keep=1.0, locs=[1], input_size=(3, 56, 56))
+    reduced = vitcompress.compress(model, variant, keep=0.7, locs=[1], input_size=(3, 56, 56))
+    with torch.no_grad():
+        torch.testing.assert_close(exact.eval()(x), model(x), rtol=1e-4, atol=1e-5)
+        assert reduced.eval()(x).shape == (2, 10)

@@ -99,7 +99,7 @@ def _walk_to_grid(
     (grid, grid node) or ``None``). ``rank``: the grid's dims, or ``None`` for any above 2."""
     ranks = (rank,) if rank is not None else tuple(range(3, _MAX_GRID_RANK + 1))
     tokens = ops.shape(entry)[1]
-    prefix = 0
+    patches = tokens  # the patch tokens the grid must hold: the last patch operand's count
     node = entry
     patch_node = entry
     for _ in range(256):
@@ -125,14 +125,17 @@ def _walk_to_grid(
                         f"tokens made from parameters are appended after the patch tokens at "
                         f"{node.name}; only prefix tokens (before the patches) are supported"
                     )
-                prefix += sum(ops.shape(o)[1] for o in from_params)
+                # Counted from the patch operand, not by adding up the prefix operands: a prefix
+                # split off and joined again (DINOv2-with-registers' ``x[:, :1]``, registers,
+                # ``x[:, 1:]``) is met a second time further up, where it first joined.
+                patches = ops.shape(patch)[1]
                 node = patch
                 patch_node = patch
                 continue
         for dims in ranks:
-            grid = grid_from(node, tokens - prefix, dims)
+            grid = grid_from(node, patches, dims)
             if grid is not None:
-                return prefix, patch_node, (grid, node)
+                return tokens - patches, patch_node, (grid, node)
         candidates = [
             n
             for n in node.all_input_nodes
@@ -141,7 +144,7 @@ def _walk_to_grid(
         if not candidates or node is image:
             break
         node = candidates[0]
-    return prefix, patch_node, None
+    return tokens - patches, patch_node, None
 
 
 def find_stage_exit(stage: Stage, out: fx.Node, end: fx.Node | None, anc: Ancestry) -> None:
