@@ -222,3 +222,13 @@ def test_the_image_is_fed_with_the_models_own_data_config(image):
     torch.testing.assert_close(tensor[0], expected)
     _, default = load_image(image, (3, 32, 32))  # no config: ImageNet's, as before
     assert not torch.allclose(default, tensor)
+
+
+def test_visualize_offers_no_option_a_compressed_model_directory_refuses():
+    # The directory fixes factory, weights and entry: these options could only be refused.
+    from vitcompress.cli.main import cli
+
+    help_text = CliRunner().invoke(cli, ["visualize", "--help"]).output
+    for option in ("--model-arg", "--checkpoint", "--pretrained", "--entry"):
+        assert option not in help_text
+    assert "--model SPEC" in help_text and "--input-size" in help_text

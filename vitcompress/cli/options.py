@@ -66,47 +66,52 @@ def model_options(
 ) -> Callable:
     """``--model``, ``--model-arg``, ``--checkpoint``, ``--pretrained``, ``--input-size``,
     ``--entry``, folded into ``model: ModelRequest``. ``accepts``: the forms of
-    :data:`MODEL_FORMS` the command takes, which its ``--help`` lists (and no other)."""
+    :data:`MODEL_FORMS` the command takes, which its ``--help`` lists (and no other); a command
+    that takes compressed model directories alone offers ``--model`` and ``--input-size``."""
     if command is None:
         return functools.partial(model_options, accepts=accepts)
     forms = [MODEL_FORMS[form] for form in accepts]
     listed = ", ".join(forms[:-1]) + (" or " if len(forms) > 1 else "") + forms[-1]
-    options = [
-        click.option("--model", "model_spec", required=True, metavar="SPEC", help=f"{listed}."),
-        *_factory_and_weights_options(
-            "",
-            "the model factory (Python literal)",
-            "Weights: .safetensors, or a torch file (loaded with weights_only).",
-            "timm's hub weights (needs network).",
+    model = click.option("--model", "model_spec", required=True, metavar="SPEC", help=f"{listed}.")
+    input_size = click.option(
+        "--input-size",
+        default=None,
+        metavar="C,H,W",
+        help=(
+            "Input size without the batch dim (a video model's: C,T,H,W, or 16,3,224,224 "
+            "for HF VideoMAE's frames first); default: what the model's config says."
         ),
-        click.option(
-            "--input-size",
-            default=None,
-            metavar="C,H,W",
-            help=(
-                "Input size without the batch dim (a video model's: C,T,H,W, or 16,3,224,224 "
-                "for HF VideoMAE's frames first); default: what the model's config says."
-            ),
+    )
+    entry = click.option(
+        "--entry",
+        default="forward",
+        show_default=True,
+        metavar="METHOD",
+        help=(
+            "The base's method to run (and compress) as the model, e.g. forward_features: "
+            "DINOv2's features, every token back in the base's order."
         ),
-        click.option(
-            "--entry",
-            default="forward",
-            show_default=True,
-            metavar="METHOD",
-            help=(
-                "The base's method to run (and compress) as the model, e.g. forward_features: "
-                "DINOv2's features, every token back in the base's order."
-            ),
-        ),
-    ]
+    )
+    factory_and_weights = _factory_and_weights_options(
+        "",
+        "the model factory (Python literal)",
+        "Weights: .safetensors, or a torch file (loaded with weights_only).",
+        "timm's hub weights (needs network).",
+    )
+    if tuple(accepts) == ("artifact",):
+        # A compressed model directory fixes its factory, weights and entry: the options that
+        # would choose them could only be refused, so such a command does not offer them.
+        options = [model, input_size]
+    else:
+        options = [model, *factory_and_weights, input_size, entry]
 
     def request(
         model_spec: str,
-        model_args: Sequence[str],
-        checkpoint: str | None,
-        pretrained: bool,
-        input_size: str | None,
-        entry: str,
+        model_args: Sequence[str] = (),
+        checkpoint: str | None = None,
+        pretrained: bool = False,
+        input_size: str | None = None,
+        entry: str = "forward",
     ) -> ModelRequest:
         return ModelRequest(
             spec=model_spec,
@@ -466,6 +471,12 @@ class FiniteFloat(click.FloatRange):
     range lets it through) and infinity are refused when the command line is read."""
 
     name = "finite float"
+
+    def _describe_range(self) -> str:
+        # click words a range with neither bound as "x<=None"; such a float has no range to say.
+        if self.min is None and self.max is None:
+            return ""
+        return super()._describe_range()
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         number = super().convert(value, param, ctx)
