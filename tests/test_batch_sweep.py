@@ -76,6 +76,20 @@ def test_crossover_is_where_the_speed_up_stays_above_one(
     assert sweep.to_json()["crossover_batch"] == {"compressed": crossover}
 
 
+def test_the_crossover_s_batches_whose_interval_includes_1_are_named() -> None:
+    # The crossover is read off the medians; where the interval includes 1 it is not shown.
+    intervals = [(0.5, 0.7), (0.9, 1.3), (1.05, 1.2), (1.1, 1.4)]
+    sweep = sweep_of([0.6, 1.1, 1.1, 1.2])
+    for point, (low, high) in zip(sweep.points, intervals, strict=True):
+        point.speedup["compressed"] = PairedRatio(
+            median=point.speedup["compressed"].median, low=low, high=high, pairs=20
+        )
+    assert sweep.crossover("compressed") == 8
+    assert sweep.unconfirmed("compressed") == [8]
+    assert sweep_of([1.2, 1.3]).unconfirmed("compressed") == [1, 8]  # no interval at all
+    assert sweep_of([0.8, 0.9]).unconfirmed("compressed") == []  # no crossover to confirm
+
+
 def test_too_few_pairs_for_an_interval_are_undecided_in_the_json_as_in_the_table() -> None:
     [point] = sweep_of([1.3]).to_json()["points"]
     assert point["verdict"] == {"compressed": "undecided"}

@@ -34,8 +34,17 @@ def print_sweep(result: SweepResult) -> None:
     console.print(table)
     if compared:
         crossing = sweep.crossover(COMPRESSED)
+        unconfirmed = sweep.unconfirmed(COMPRESSED)
         console.print(
-            f"compression pays from batch {crossing} on (of those swept)"
+            (
+                f"compression pays from batch {crossing} on (of those swept, by the median)"
+                + (
+                    f"; not shown at 95% at batch{'es' if len(unconfirmed) > 1 else ''} "
+                    f"{', '.join(map(str, unconfirmed))}: time more --runs"
+                    if unconfirmed
+                    else ""
+                )
+            )
             if crossing is not None
             else "compression does not pay at the largest batch swept",
             highlight=False,

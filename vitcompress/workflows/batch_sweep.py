@@ -128,6 +128,23 @@ class BatchSweep:
             found = point.batch_size
         return found
 
+    def unconfirmed(self, name: str) -> list[int]:
+        """The batch sizes from the crossover on where ``name``'s 95% interval does not lie
+        wholly above 1 (or too few pairs gave none): the crossover is read off the medians,
+        and there it is not yet shown."""
+        crossing = self.crossover(name)
+        if crossing is None:
+            return []
+        return [
+            point.batch_size
+            for point in self.points
+            if point.batch_size >= crossing
+            and (
+                point.speedup[name].interval is None
+                or verdict(point.speedup[name].interval, 1.0) != "yes"
+            )
+        ]
+
     def to_json(self) -> dict[str, Any]:
         names = [] if not self.points else list(self.points[0].throughput)
         return {
