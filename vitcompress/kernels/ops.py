@@ -156,12 +156,14 @@ def kernel_runs(setting: bool | None, x: Tensor) -> bool:
 # vitcompress::select_squeeze
 
 
-def _without_autocast() -> contextlib.AbstractContextManager:
-    """The kernels' ATen calls (their batched products) outside CPU autocast: it would cast the
-    float32 product they read to bfloat16 (an error where they read it as float), and the
-    method computes its similarities in float32 under autocast too."""
-    if torch.is_autocast_enabled("cpu"):
-        return torch.autocast("cpu", enabled=False)
+def _without_autocast(device_type: str = "cpu") -> contextlib.AbstractContextManager:
+    """The kernels' ATen calls (their batched products) outside autocast on ``device_type``: a
+    custom op's kernel sees the caller's autocast, which would cast the float32 product they read
+    to half precision (an error where the C++ kernel reads it as float; on CUDA, hosts and merges
+    chosen on half-precision similarities), and the method computes its similarities in float32
+    under autocast too."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 
 
@@ -180,7 +182,8 @@ def _select_squeeze_cuda(
     # Imported here: a CPU-only install never imports Triton for the kernels.
     from vitcompress.kernels.triton_select_squeeze import select_squeeze_triton
 
-    return select_squeeze_triton(x, scores, prefix_tokens, keep_tokens, squeeze)
+    with _without_autocast(x.device.type):
+        return select_squeeze_triton(x, scores, prefix_tokens, keep_tokens, squeeze)
 
 
 def triton_available() -> bool:
@@ -263,7 +266,8 @@ def _tome_merge_cuda(
     # Imported here: a CPU-only install never imports Triton for the kernels.
     from vitcompress.kernels.triton_tome_merge import tome_merge_triton
 
-    return tome_merge_triton(x, metric, sizes, r, protected)
+    with _without_autocast(x.device.type):
+        return tome_merge_triton(x, metric, sizes, r, protected)
 
 
 @_tome_merge_op.register_fake

@@ -278,5 +278,9 @@ def masked_host_index(x: Tensor, host_mask: Tensor) -> Tensor:
 
 
 def evit_fuse(donors: Tensor, donor_scores: Tensor) -> Tensor:
-    """EViT: all pruned tokens become one token ``sum_i a_i x_i`` (``a`` not renormalised)."""
-    return (donors * donor_scores.unsqueeze(-1).to(donors.dtype)).sum(dim=1, keepdim=True)
+    """EViT: all pruned tokens become one token ``sum_i a_i x_i`` (``a`` not renormalised).
+    Weighed and summed in float32 (float64 for float64 tokens) and rounded once to the tokens'
+    dtype, as the squeeze's fusion is: half-precision products would round every term first."""
+    wide = torch.promote_types(donors.dtype, torch.float32)  # half precision up, float64 kept
+    weighted = donors.to(wide) * donor_scores.to(wide).unsqueeze(-1)
+    return weighted.sum(dim=1, keepdim=True).to(donors.dtype)

@@ -143,8 +143,10 @@ class SDPAHook(_ScoringHook):
         elif self._scores_every_query() and dropout_p == 0.0 and not is_causal and not kwargs:
             # Without a cls row the score needs every query's probabilities: compute them once
             # and the output from them (2 N^2 D), not the fused kernel and a second q k^T (3).
+            # The score stays in the probabilities' float32, as the cls row's does: a
+            # half-precision score would tie tokens the float32 one orders.
             out, probs = attention_with_probs(q, k, v, scale, attn_mask)
-            scores = score_from_probs(probs, self.prefix_tokens, has_cls=False).to(q.dtype)
+            scores = score_from_probs(probs, self.prefix_tokens, has_cls=False)
             return out, self._per_token(scores, q.shape[-2], positions)
         else:
             out = F.scaled_dot_product_attention(
@@ -244,7 +246,7 @@ class MHAHook(_ScoringHook):
             bias = None if sizes is None else _size_bias(sizes, k.shape[-2], q.dtype)
             if self._scores_every_query() and dropout == 0.0:  # as SDPAHook: one q k^T
                 y, probs = attention_with_probs(q, k, v, None, bias)
-                scores = score_from_probs(probs, self.prefix_tokens, has_cls=False).to(q.dtype)
+                scores = score_from_probs(probs, self.prefix_tokens, has_cls=False)
                 scores = self._per_token(scores, n, positions)
             else:
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)

@@ -44,6 +44,18 @@ class VariantRefusal(ValueError):
         super().__init__(f"{parameter} {detail}" if parameter else detail)
 
 
+def check_switch(key: str, value: Any) -> None:
+    """A setting that is on or off (``carry_windows``, dTPS's ``window_sizes``): anything but a
+    bool is refused in one line. ``--variant-arg`` reads values as Python literals, so ``true``
+    arrives as the word: the line then says how to write it."""
+    if isinstance(value, bool):
+        return
+    hint = ""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        hint = f" (write {value.strip().capitalize()}: values are Python literals)"
+    raise VariantRefusal(f"{key}: must be true or false, got {value!r}{hint}", "variant_args")
+
+
 # The fine-tuning loss terms (training/losses.py).
 BASE_LOSSES = ("ce", "distill", "token_distill")
 RATIO_LOSS = "ratio"

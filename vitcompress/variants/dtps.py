@@ -1,6 +1,6 @@
 """dTPS: DynamicViT's learned predictor before the block, pruned tokens squeezed into the kept."""
 
-from vitcompress.variants.base import Variant, VariantRefusal
+from vitcompress.variants.base import Variant, check_switch
 from vitcompress.variants.fuses import Squeeze
 from vitcompress.variants.kinds import PredictorVariant
 from vitcompress.variants.registry import register_variant
@@ -16,10 +16,7 @@ def dtps(restore: str = Squeeze.restore_default, window_sizes: bool = False) -> 
     tokens it stands for, ``log(1 + tokens squeezed into it)`` added to its logits (ToMe's
     proportional attention), so that a choice that prunes one kind of token more than another
     does not shift the softmax's shares (docs/windowed.md); off by default, as in the paper."""
-    if not isinstance(window_sizes, bool):
-        raise VariantRefusal(
-            f"window_sizes: must be true or false, got {window_sizes!r}", "variant_args"
-        )
+    check_switch("window_sizes", window_sizes)
     return PredictorVariant(
         name="dtps",
         summary=SUMMARY,

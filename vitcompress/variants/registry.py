@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from vitcompress.errors import UserError
-from vitcompress.variants.base import Variant, VariantRefusal
+from vitcompress.variants.base import Variant, VariantRefusal, check_switch
 
 _REGISTRY: dict[str, Variant] = {}  # name -> the variant with its default settings
 _FACTORIES: dict[str, Callable[..., Variant]] = {}
@@ -98,8 +98,8 @@ def get_variant(name: str, args: Mapping[str, Any] | None = None) -> Variant:
                 raise VariantRefusal(
                     f"{key}: must be a whole number of tokens >= 1, got {value!r}", "variant_args"
                 )
-        elif not isinstance(value, bool):
-            raise VariantRefusal(f"{key}: must be true or false, got {value!r}", "variant_args")
+        else:
+            check_switch(key, value)
     made = _FACTORIES[name](**own)
     return dataclasses.replace(made, args=tuple(sorted(args.items())), **common)
 
