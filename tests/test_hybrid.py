@@ -49,6 +49,27 @@ def test_hybrid_keep_one_gives_base_logits_and_training_runs(name, variant):
         assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
 
 
+@pytest.mark.parametrize("variant", ["dtps", "etps"])
+def test_pvt_v2_restores_by_value_where_a_layer_sits_before_its_grid_op(variant):
+    # PVT-v2's MLP runs fc1 before its depthwise conv: that restore falls back to the method's
+    # local rule (host), while the stage's others restore by value; the reducer records both.
+    torch.manual_seed(0)
+    model, size = _small("pvt_v2_b0")
+    model.eval()
+    x = torch.randn(2, *size)
+    same = vitcompress.compress(
+        model, variant, keep=1.0, input_size=size, variant_args={"restore": "value"}
+    ).eval()
+    reduced = vitcompress.compress(
+        model, variant, keep=0.7, input_size=size, variant_args={"restore": "value"}
+    ).eval()
+    rules = {m.rule for m in reduced.modules() if isinstance(m, TokenRestore)}
+    assert rules == {"value", "host"}
+    with torch.no_grad():
+        torch.testing.assert_close(same(x), model(x), atol=1e-5, rtol=0)
+        assert reduced(x).shape == (2, 10)
+
+
 def _dropped(positions: torch.Tensor, cells: int) -> torch.Tensor:
     """The grid positions not in ``positions`` (B, k), ascending: what a reduction removed."""
     dropped = [sorted(set(range(cells)) - set(row.tolist())) for row in positions]

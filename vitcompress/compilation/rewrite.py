@@ -229,6 +229,9 @@ class _Rewriter(WindowRewrites):
         stream = self.nodes[stream_name]
         if state.restores:
             module.restore_rule = self.plan.method.restore_rule
+            # A grid op inside a block may restore by the method's local rule instead (a layer
+            # between it and the stream would run again): the record holds what either reads.
+            module.also_restores = self.plan.method.local_restore_rule
         self.reducers.add_module(str(index), module)
         with self.graph.inserting_after(stream):
             reducer = self.graph.call_module(
