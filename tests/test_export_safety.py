@@ -69,6 +69,20 @@ class Pointer(nn.Module):
         return self.head(y)
 
 
+class ValueBranch(nn.Module):
+    # A Python decision on a tensor's value: neither tracer can capture it.
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 4, 4)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        y = self.conv(x).flatten(2).mean(-1)
+        if float(y.mean().item()) > 100.0:
+            y = y * 2
+        return self.head(y)
+
+
 def baked():
     torch.manual_seed(0)
     return BakedBatch()
@@ -82,6 +96,11 @@ def big():
 def pointer():
     torch.manual_seed(0)
     return Pointer()
+
+
+def value_branch():
+    torch.manual_seed(0)
+    return ValueBranch()
 """
 MODELS: dict = {}
 exec(FACTORIES, MODELS)  # noqa: S102 - the source above, also written for the command line
@@ -335,31 +354,6 @@ def test_a_failed_onnx_export_prints_nothing_on_stdout(
     assert capfd.readouterr().out == "stdout still works\n"
 
 
-DATA_DEPENDENT = """
-import torch
-from torch import nn
-
-
-class ValueBranch(nn.Module):
-    # A Python decision on a tensor's value: neither tracer can capture it.
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 4, 4)
-        self.head = nn.Linear(8, 10)
-
-    def forward(self, x):
-        y = self.conv(x).flatten(2).mean(-1)
-        if float(y.mean().item()) > 100.0:
-            y = y * 2
-        return self.head(y)
-
-
-def make():
-    torch.manual_seed(0)
-    return ValueBranch()
-"""
-
-
 @pytest.mark.parametrize(
     "command",
     [
@@ -368,13 +362,13 @@ def make():
     ],
     ids=["apply", "export"],
 )
-def test_a_data_dependent_model_fails_in_one_line(tmp_path: Path, command: list[str]) -> None:
+def test_a_data_dependent_model_fails_in_one_line(
+    tmp_path: Path, factories: Path, command: list[str]
+) -> None:
     # torch.export prints the partial graph it traced to stderr before it raises.
-    source = tmp_path / "value_branch.py"
-    source.write_text(DATA_DEPENDENT)
     args = [a.replace("{tmp}", str(tmp_path)) for a in command]
     result = CliRunner().invoke(
-        cli, [args[0], "--model", f"{source}:make", "--input-size", "3,16,16", *args[1:]]
+        cli, [args[0], "--model", f"{factories}:value_branch", "--input-size", "3,16,16", *args[1:]]
     )
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
