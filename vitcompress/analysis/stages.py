@@ -113,7 +113,6 @@ def _walk_to_grid(
                     for o in operands
                     if anc.is_ancestor(image, o) and not _rejoined_prefix(o, operands[-1], anc)
                 ]
-                from_params = [o for o in operands if o not in from_image]
                 if len(from_image) != 1:
                     raise MappingError(
                         f"token concatenation {node.name} joins {len(from_image)} image-derived "
