@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -13,6 +14,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from vitcompress import __version__
+from vitcompress.cli.outputs import check_outputs_are_not_inputs
 from vitcompress.cli.plan_options import plan_error_line
 from vitcompress.cli.status import PROGRESS_MODES, ConsoleStatus
 from vitcompress.compilation.plan import PlanError
@@ -74,10 +76,21 @@ def _one_line(error: click.UsageError, ctx: click.Context | None = None) -> OneL
     return OneLineUsageError(error, path)
 
 
+class VitcompressCommand(click.Command):
+    """A command whose output files are checked, once every option is read, not to be files it
+    reads (``visualize --image x.png --out x.png`` would replace the image)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        check_outputs_are_not_inputs(ctx)
+        return super().invoke(ctx)
+
+
 class VitcompressGroup(click.Group):
     """Turns known errors into one clear line; ``--debug`` shows the traceback instead. Usage
     errors (an unknown choice or option, a missing value) are one line too, for the group's own
     options and every command's."""
+
+    command_class = VitcompressCommand
 
     def make_context(
         self,
@@ -108,9 +121,14 @@ class VitcompressGroup(click.Group):
             self._fail(ctx, e, e.exit_code, text)
         except KeyboardInterrupt as e:  # finetune's says where its last step was saved
             self._fail(ctx, e, EXIT_INTERRUPTED, str(e) or "interrupted")
+        except (MemoryError, RuntimeError) as e:
+            out_of_memory = _out_of_memory_line(e)
+            if out_of_memory is not None:  # the user's batch or input size, not a bug
+                self._fail(ctx, e, EXIT_USAGE, out_of_memory)
+            else:
+                self._fail(ctx, e, EXIT_BUG, _bug_line(e))
         except Exception as e:  # noqa: BLE001 - a bug still gets one line, not a traceback
-            text = f"{type(e).__name__}: {_first_line(e)} (rerun with --debug for the traceback)"
-            self._fail(ctx, e, EXIT_BUG, text)
+            self._fail(ctx, e, EXIT_BUG, _bug_line(e))
 
     @staticmethod
     def _fail(ctx: click.Context, error: BaseException, code: int, text: str | None = None):
@@ -119,6 +137,41 @@ class VitcompressGroup(click.Group):
         message = text or _first_line(error) or type(error).__name__
         click.echo(f"error: {message}", err=True)
         ctx.exit(code)
+
+
+def _bug_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {_first_line(error)} (rerun with --debug for the traceback)"
+
+
+# How torch says an allocation failed: on the CPU ("DefaultCPUAllocator: can't allocate memory:
+# you tried to allocate 4915 bytes"), on a GPU ("CUDA out of memory. Tried to allocate 2.00 GiB").
+_CPU_ALLOCATION = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
+_GPU_ALLOCATION = re.compile(r"out of memory\. Tried to allocate ([\d.]+ [KMGTP]?i?B)")
+
+
+def _out_of_memory_line(error: BaseException) -> str | None:
+    """The one line for an allocation the machine could not make (a batch or an input size too
+    large for it: the user's numbers, not a bug); None for any other error."""
+    text = str(error)
+    if (found := _CPU_ALLOCATION.search(text)) is not None:
+        size = _bytes_text(int(found.group(1)))
+    elif (found := _GPU_ALLOCATION.search(text)) is not None:
+        size = found.group(1)
+    elif isinstance(error, MemoryError):
+        size = None
+    else:
+        return None
+    tried = f": the work tried to allocate {size} at once" if size else ""
+    return f"out of memory{tried}; lower --batch-size or the input size"
+
+
+def _bytes_text(count: int) -> str:
+    value, unit = float(count), "bytes"
+    for name in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, name
+    return f"{value:.1f} {unit}" if unit != "bytes" else f"{count} bytes"
 
 
 def _first_line(error: BaseException) -> str:

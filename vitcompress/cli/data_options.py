@@ -23,7 +23,9 @@ def data_options(
         click.option(
             "--data",
             required=required,
-            default=None,
+            # No ``default=None`` beside ``required``: click 8.3 and later take an explicit
+            # default of None as a value given, and would not refuse a missing --data.
+            **({} if required else {"default": None}),
             metavar="DATA",
             help="ImageNet-style folder with train/ and val/, 'fashion-mnist', or "
             f"'{FASHION_MNIST_SEG}' (segmentation, generated from Fashion-MNIST).",

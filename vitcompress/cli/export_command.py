@@ -144,6 +144,17 @@ def export(
             f"{', '.join(timed_only)}: only --bench times anything; add it or drop "
             f"{'them' if len(timed_only) > 1 else 'it'}."
         )
+    batch_given = ctx.get_parameter_source("batch_size") not in (
+        None,
+        click.core.ParameterSource.DEFAULT,
+    )
+    if dynamic_batch and batch_given and not bench and serving_mode is None:
+        # The graph takes any batch and is checked at its own sizes: only a timing (--bench) or
+        # the serving path (--compile) runs at --batch-size.
+        raise click.UsageError(
+            "--batch-size: a --dynamic-batch graph takes any batch, and only --bench or "
+            "--compile run one batch size; drop it or add one of them."
+        )
     settings = ExportSettings(
         fmt,
         out,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) 
     try:
         with open(value) as f:
             recipe = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise click.BadParameter(f"cannot read {value}: {e}", ctx=ctx, param=param) from e
     if not isinstance(recipe, dict):
         raise click.BadParameter(f"{value} is not a mapping of option: value", ctx=ctx, param=param)
@@ -74,8 +75,29 @@ def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) 
     return value
 
 
+def _finite(
+    low: float | None = None, above: bool = False
+) -> Callable[[click.Context, click.Parameter, float | None], float | None]:
+    """A callback refusing NaN and infinity (a float range lets NaN through: it compares false
+    with every bound) and, given ``low``, a value below it (or at it, ``above``); the option's
+    type and help stay as they are."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+        if value is None:
+            return value
+        below = low is not None and (value <= low if above else value < low)
+        if not math.isfinite(value) or below:
+            bound = "" if low is None else f" {'above' if above else 'of at least'} {low:g}"
+            raise click.BadParameter(f"{value!r} is not a finite number{bound}.", ctx, param)
+        return value
+
+    return check
+
+
 def training_options(command: Callable) -> Callable:
-    """The run's settings, folded into ``config: FinetuneConfig``."""
+    """The run's settings, folded into ``config: FinetuneConfig``. A float is a finite number in
+    its range (:func:`_finite`): NaN, infinity or a negative weight would train into NaN weights,
+    or fail in the optimiser, after the model and data were loaded."""
     positive = click.IntRange(min=1)
     options = [
         click.option("--epochs", default=30, show_default=True, type=positive),
@@ -103,21 +125,38 @@ def training_options(command: Callable) -> Callable:
             "--lr",
             default=None,
             type=float,
+            callback=_finite(0.0, above=True),
             help="Default: batch x accum x processes / 1024 x 2.5e-4.",
         ),
         click.option(
-            "--warmup-epochs", default=5.0, show_default=True, type=click.FloatRange(min=0)
+            "--warmup-epochs",
+            default=5.0,
+            show_default=True,
+            type=click.FloatRange(min=0),
+            callback=_finite(),
         ),
         click.option(
-            "--weight-decay", default=0.05, show_default=True, type=click.FloatRange(min=0)
+            "--weight-decay",
+            default=0.05,
+            show_default=True,
+            type=click.FloatRange(min=0),
+            callback=_finite(),
         ),
-        click.option("--ratio-weight", default=2.0, show_default=True, type=float),
-        click.option("--distill-weight", default=0.5, show_default=True, type=float),
-        click.option("--token-distill-weight", default=0.5, show_default=True, type=float),
+        *(
+            click.option(
+                flag, default=default, show_default=True, type=float, callback=_finite(0.0)
+            )
+            for flag, default in (
+                ("--ratio-weight", 2.0),
+                ("--distill-weight", 0.5),
+                ("--token-distill-weight", 0.5),
+            )
+        ),
         click.option(
             "--ema-decay",
             default=None,
             type=click.FloatRange(0, 1, max_open=True),
+            callback=_finite(),
             help="Keep an EMA of the weights (also written to OUT/ema).",
         ),
         amp_option("Train under autocast to bf16 or fp16 (Accelerate's mixed precision)."),

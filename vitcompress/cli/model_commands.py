@@ -174,6 +174,7 @@ def _print_bench(result: BenchResult | SweepResult) -> None:
 @output_option(
     "--out",
     folder=True,
+    replaced=True,
     help="Write the compressed model here (safetensors + vitcompress.json).",
 )
 @timing_options

@@ -6,14 +6,16 @@ from __future__ import annotations
 import ast
 import functools
 import math
-import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import click
 
-from vitcompress.errors import UserError, given_options
+# Re-exported: the commands import every option from here.
+from vitcompress.cli.outputs import OutputError as OutputError
+from vitcompress.cli.outputs import check_writable as check_writable
+from vitcompress.cli.outputs import output_option as output_option
+from vitcompress.errors import given_options
 from vitcompress.loading import ModelLoadError
 from vitcompress.loading.input_size import MAX_RANK, MIN_RANK
 from vitcompress.measure.models import DEFAULT_BENCH_SECONDS, TimingOptions
@@ -118,7 +120,7 @@ def model_options(
             args=parse_model_args(model_args),
             checkpoint=checkpoint,
             pretrained=pretrained,
-            input_size=parse_input_size(input_size) if input_size else None,
+            input_size=parse_input_size(input_size) if input_size is not None else None,
             typed_args=tuple(model_args),
             entry=entry,
         )
@@ -301,7 +303,7 @@ def bench_seconds_option(help_text: str) -> Callable:
         "--bench-seconds",
         default=DEFAULT_BENCH_SECONDS,
         show_default=True,
-        type=click.FloatRange(min=0, min_open=True),
+        type=FiniteFloat(min=0, min_open=True),
         metavar="S",
         help=help_text,
     )
@@ -526,47 +528,3 @@ def gate_options(
         for name, (kind, metavar, text) in GATE_OPTIONS.items()
     ]
     return folded_options("bounds", options, Bounds)(command)
-
-
-def output_option(
-    *names: str, folder: bool, help: str, required: bool = False, metavar: str | None = None
-) -> Callable:
-    """An option naming where a command writes (a folder, or a file with ``folder=False``),
-    checked to be writable when the command line is read: before any work, not after it."""
-
-    def check(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-        if value is not None:
-            check_writable(value, folder=folder, option=param.opts[0])
-        elif required:  # some click releases skip `required` where a default of None is set
-            raise click.MissingParameter(ctx=ctx, param=param)
-        return value
-
-    return click.option(
-        *names,
-        type=click.Path(),  # the kind is checked by check_writable, in one line
-        required=required,
-        metavar=metavar,
-        callback=check,
-        help=help,
-    )
-
-
-class OutputError(UserError):
-    """An output path that cannot be written."""
-
-
-def check_writable(path: str | os.PathLike[str], folder: bool, option: str = "--out") -> None:
-    """Raise :class:`OutputError` unless ``path`` (a folder or a file) can be created or replaced:
-    it is of the right kind if it exists, and the nearest existing folder above it is writable."""
-    target = Path(path).expanduser()
-    kind = "folder" if folder else "file"
-    if target.exists() and target.is_dir() != folder:
-        found = "a directory" if target.is_dir() else "a file"
-        raise OutputError(f"{option} {path} is {found}, not a {kind}")
-    existing = target if folder and target.is_dir() else target.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise OutputError(f"{option} {path}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise OutputError(f"{option} {path}: cannot write into {existing} (permission denied)")

@@ -59,17 +59,29 @@ def parse_keep(
     if text is None or isinstance(text, CumulativeKeep | GmacsRatio):
         return text
     try:
-        return [float(part) for part in str(text).split(",") if part.strip()]
+        return [float(part) for part in _comma_list(text)]
     except ValueError:
         raise PlanError(
             f"must be a number or a comma list of numbers, got {text!r}", "keep"
         ) from None
 
 
+def _comma_list(text: str | float) -> list[str]:
+    """The items of a comma list (``[]`` for blank text). An empty item (``0.7,,0.5``,
+    ``3,6,``) is a ``ValueError``, as a word is: dropped, it would shift the values given after
+    it onto other locations."""
+    if not str(text).strip():
+        return []
+    parts = [part.strip() for part in str(text).split(",")]
+    if "" in parts:
+        raise ValueError(f"an empty item in {text!r}")
+    return parts
+
+
 def parse_keep_cumulative(text: str) -> CumulativeKeep:
     """``"0.7,0.49,0.343"`` -> cumulative fractions, checked against the model when planned."""
     try:
-        fractions = [float(part) for part in str(text).split(",") if part.strip()]
+        fractions = [float(part) for part in _comma_list(text)]
     except ValueError:
         raise PlanError(
             f"must be a comma list of numbers, got {text!r}", "keep_cumulative"
@@ -272,7 +284,7 @@ def parse_locs(text: str | None) -> list[int] | None:
     if text is None:
         return None
     try:
-        return [int(part) for part in str(text).split(",") if part.strip()]
+        return [int(part) for part in _comma_list(text)]
     except ValueError:
         raise PlanError(f"must be a comma list of integers, got {text!r}", "locs") from None
 

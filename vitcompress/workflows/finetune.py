@@ -31,7 +31,13 @@ from vitcompress.training.config import (  # noqa: F401 - tests import the check
 )
 from vitcompress.training.interrupt import StopSignals
 from vitcompress.training.loop import FinetuneRun
-from vitcompress.training.run_directory import CHECKPOINTS, EMA_DIR, METRICS, FinetuneError
+from vitcompress.training.run_directory import (
+    CHECKPOINTS,
+    EMA_DIR,
+    METRICS,
+    FinetuneError,
+    prepare_run_directory,
+)
 from vitcompress.workflows.inputs import DataRequest, ModelRequest, PlanRequest
 
 log = logging.getLogger(__name__)
@@ -172,6 +178,9 @@ def finetune_model(
 
     if not data.source:
         raise DataError("--data is required (on the command line or in the recipe)")
+    # --out and --resume are checked before the models and the data load (the run checks them
+    # again when it starts): a refusal comes first, not after minutes of loading.
+    prepare_run_directory(Path(out), config.resume)
     # --seed also decides what is drawn before training: a base without weights, the
     # predictors' initial weights and a replaced head.
     torch.manual_seed(config.seed)
