@@ -346,3 +346,16 @@ def test_an_edit_of_the_shared_header_rebuilds_both_extensions(tmp_path, monkeyp
     after = {name: ops._build_name(name) for name in ops._EXTENSIONS}
     assert all(before[name] != after[name] for name in ops._EXTENSIONS)
     assert all(after[name].startswith(f"{name}_") for name in ops._EXTENSIONS)
+
+
+def test_a_kernel_built_before_is_said_to_load_not_to_build(tmp_path, monkeypatch) -> None:
+    # Every command said "building ... (once per machine)" although the library was cached.
+    from vitcompress.kernels import ops
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = "vitcompress_select_squeeze"
+    assert ops._building_or_loading(name).startswith("building")  # an empty cache
+    build_name = ops._build_name(name)
+    (tmp_path / build_name).mkdir(exist_ok=True)  # the first call made it, as a build does
+    (tmp_path / build_name / f"{build_name}.so").write_bytes(b"")
+    assert ops._building_or_loading(name) == f"loading the fused CPU kernel {name}"

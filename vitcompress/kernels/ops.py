@@ -82,7 +82,7 @@ def _extension(name: str = "vitcompress_select_squeeze") -> ModuleType:
                 from torch.utils.cpp_extension import load
             # The first build on a machine takes about a minute (cached on disk afterwards): said
             # as a step, so that a command does not seem to hang at its first forward.
-            with step(f"building the fused CPU kernel {name} (once per machine)"):
+            with step(_building_or_loading(name)):
                 _built[name] = load(
                     name=_build_name(name),
                     sources=[str(_EXTENSIONS[name])],
@@ -101,6 +101,20 @@ def _extension(name: str = "vitcompress_select_squeeze") -> ModuleType:
     if isinstance(built, FusedKernelError):
         raise built
     return built
+
+
+def _building_or_loading(name: str) -> str:
+    """The step's words: a build where torch's cache has no library of this source yet, else a
+    load (a second of work, which "building" would misstate on every command)."""
+    building = f"building the fused CPU kernel {name} (once per machine)"
+    try:
+        with quiet_logger(_CPP_EXTENSION_LOGGER):
+            from torch.utils.cpp_extension import _get_build_directory
+        build_name = _build_name(name)
+        library = Path(_get_build_directory(build_name, verbose=False)) / f"{build_name}.so"
+    except Exception:  # noqa: BLE001 - a private helper of torch's: when it moves, say "building"
+        return building
+    return f"loading the fused CPU kernel {name}" if library.is_file() else building
 
 
 def build_fused_kernels() -> None:
