@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from rich.table import Table
 from vitcompress.cli.app import cli, console, json_option, show_result
 from vitcompress.cli.data_options import data_options, task_option
 from vitcompress.cli.options import (
+    FiniteFloat,
     _factory_and_weights_options,
     amp_option,
     folded_options,
@@ -75,29 +75,10 @@ def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) 
     return value
 
 
-def _finite(
-    low: float | None = None, above: bool = False
-) -> Callable[[click.Context, click.Parameter, float | None], float | None]:
-    """A callback refusing NaN and infinity (a float range lets NaN through: it compares false
-    with every bound) and, given ``low``, a value below it (or at it, ``above``); the option's
-    type and help stay as they are."""
-
-    def check(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
-        if value is None:
-            return value
-        below = low is not None and (value <= low if above else value < low)
-        if not math.isfinite(value) or below:
-            bound = "" if low is None else f" {'above' if above else 'of at least'} {low:g}"
-            raise click.BadParameter(f"{value!r} is not a finite number{bound}.", ctx, param)
-        return value
-
-    return check
-
-
 def training_options(command: Callable) -> Callable:
     """The run's settings, folded into ``config: FinetuneConfig``. A float is a finite number in
-    its range (:func:`_finite`): NaN, infinity or a negative weight would train into NaN weights,
-    or fail in the optimiser, after the model and data were loaded."""
+    its range (:class:`FiniteFloat`): NaN, infinity or a negative weight would train into NaN
+    weights, or fail in the optimiser, after the model and data were loaded."""
     positive = click.IntRange(min=1)
     options = [
         click.option("--epochs", default=30, show_default=True, type=positive),
@@ -124,28 +105,23 @@ def training_options(command: Callable) -> Callable:
         click.option(
             "--lr",
             default=None,
-            type=float,
-            callback=_finite(0.0, above=True),
+            type=FiniteFloat(min=0, min_open=True),
             help="Default: batch x accum x processes / 1024 x 2.5e-4.",
         ),
         click.option(
             "--warmup-epochs",
             default=5.0,
             show_default=True,
-            type=click.FloatRange(min=0),
-            callback=_finite(),
+            type=FiniteFloat(min=0),
         ),
         click.option(
             "--weight-decay",
             default=0.05,
             show_default=True,
-            type=click.FloatRange(min=0),
-            callback=_finite(),
+            type=FiniteFloat(min=0),
         ),
         *(
-            click.option(
-                flag, default=default, show_default=True, type=float, callback=_finite(0.0)
-            )
+            click.option(flag, default=default, show_default=True, type=FiniteFloat(min=0))
             for flag, default in (
                 ("--ratio-weight", 2.0),
                 ("--distill-weight", 0.5),
@@ -155,8 +131,7 @@ def training_options(command: Callable) -> Callable:
         click.option(
             "--ema-decay",
             default=None,
-            type=click.FloatRange(0, 1, max_open=True),
-            callback=_finite(),
+            type=FiniteFloat(0, 1, max_open=True),
             help="Keep an EMA of the weights (also written to OUT/ema).",
         ),
         amp_option("Train under autocast to bf16 or fp16 (Accelerate's mixed precision)."),

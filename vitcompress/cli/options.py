@@ -472,7 +472,7 @@ class FiniteFloat(click.FloatRange):
     """A float in the range that is a number: NaN (which compares false with every bound, so a
     range lets it through) and infinity are refused when the command line is read."""
 
-    name = "finite float"
+    name = "float"  # the metavar click derives, as for a plain float
 
     def _describe_range(self) -> str:
         # click words a range with neither bound as "x<=None"; such a float has no range to say.
