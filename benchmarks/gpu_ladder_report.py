@@ -31,9 +31,10 @@ def _group(records: list[dict]) -> dict[tuple, dict[int, dict]]:
     return dict(sorted(rows.items(), key=lambda kv: (rank.get(kv[0][0], 99), *kv[0][1:])))
 
 
-def table(records: list[dict]) -> str:
+def table(records: list[dict], per_process: bool = False) -> str:
     """One row per model, dtype, mode and method; per batch: the speed-up over the base and,
-    in parentheses, the share of ideal slicing's throughput."""
+    in parentheses, the share of ideal slicing's throughput (the medians); with
+    ``per_process``, every process's speed-up instead, in the order the processes ran."""
     batches = sorted({r["batch"] for r in records})
     head = "| model | dtype | mode | method | GMACs ratio | " + " | ".join(
         f"batch {b}" for b in batches
@@ -47,6 +48,9 @@ def table(records: list[dict]) -> str:
             r = by_batch.get(b)
             if r is None or r["speedup_vs_base"] is None:
                 cells.append("-")
+                continue
+            if per_process:
+                cells.append(" / ".join(f"{v:.2f}" for v in r["speedup_vs_base_processes"]))
                 continue
             ideal = "" if r["of_ideal"] is None else f" ({r['of_ideal']:.2f})"
             cells.append(f"{r['speedup_vs_base']:.2f}x{ideal}")
@@ -68,6 +72,11 @@ def section(records: list[dict], source: str, plot: str | None) -> str:
         + ".",
         "",
         table(records),
+        "",
+        "Each process's speed-up over the base, in the order the processes ran (the medians "
+        "above are of these):",
+        "",
+        table(records, per_process=True),
     ]
     if plot:
         text += ["", f"![speed-up by batch size]({plot})"]

@@ -122,4 +122,8 @@ def test_a_tiny_ladder_in_two_processes_writes_the_records(ladder, report, tmp_p
     assert text.startswith("# Serving\n\ntext before\n")
     assert text.count("<!-- ladder:test:start -->") == 1
     assert "| deit_tiny | fp32 | eager | tome |" in text and "](img/ladder.png)" in text
+    # Every process's value is printed beside the median (two rows per method: medians, values).
+    first, second = tome["speedup_vs_base_processes"]
+    assert text.count("| deit_tiny | fp32 | eager | tome |") == 2
+    assert f"| {first:.2f} / {second:.2f} |" in text
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
