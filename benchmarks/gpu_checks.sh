@@ -12,13 +12,19 @@
 # default reduce-overhead: CUDA graphs), sweep (bench --batch-sizes on the GPU), resume (a bf16
 # finetune through Accelerate stopped by SIGTERM, then resumed), windowed (compressed Swin-T
 # against Swin-T, every method at keep 0.7), ladder (benchmarks/gpu_ladder.py: 6 models, every
-# method, against base and ideal slicing, two processes), ladder-compiled (its compiled cells,
-# a lease of their own), ladder-multiple (the eager ladder with --kept-multiple 8, its own lease),
-# spread (the bf16 headline in four fresh processes, seeds 0 0 1 2, and at batch 1024, with each
-# model's host share: benchmarks/results/h200_bf16_spread.md, about 4 minutes), kernels (the
-# Triton select_squeeze and tome_merge compiled on CUDA: tests/test_triton_cuda.py, their speed
-# against the method's ops, and dtps/etps/dynamicvit with them at bf16 batches 8 and 64).
+# method, eager and graphed (CUDA graphs captured without a compiler), against base and ideal
+# slicing, two processes), ladder-compiled (its inductor cells, a lease of their own),
+# ladder-multiple (the eager ladder with --kept-multiple 8, its own lease), ladder-fused (eager
+# and graphed bf16 with the fused Triton kernels instead of the method's ops: after kernels has
+# passed), spread (the bf16 headline in four fresh processes, seeds 0 0 1 2, and at batch 1024,
+# with each model's host share: benchmarks/results/h200_bf16_spread.md, about 4 minutes),
+# kernels (the Triton select_squeeze and tome_merge compiled on CUDA: tests/test_triton_cuda.py,
+# and their speed against the method's ops, about 3 minutes).
 # COMPILE_VARIANTS narrows the compiled part.
+#
+# A 15-minute lease (a machine's start takes one to two): PARTS="kernels ladder" in one call
+# (about 9 minutes), then, warm, PARTS=ladder-compiled or ladder-fused (under 6 each) if time is
+# left; LADDER_SECONDS=110 when both calls must fit.
 #
 # Runs from the repository root without installing the package (PYTHONPATH=.), so a machine
 # with torch, timm, accelerate, click, rich, safetensors and pyyaml needs nothing else.
@@ -152,26 +158,43 @@ if [[ " $PARTS " == *" ladder"* ]]; then
 # The first process runs cells in priority order within LADDER_SECONDS (estimated per cell from
 # its GMACs at the rate measured so far, plus compilation), the second the same cells within a
 # fifth more: about 2.2 x LADDER_SECONDS plus two starts, under 6 minutes at the default 140.
+# Run 7 (LADDER_SECONDS=110) spent its budget building and timing three models: the eager and
+# graphed cells of each model now come side by side, and each part stops its processes at
+# LADDER_DEADLINE seconds and still writes what they timed.
 LADDER_RUN=${LADDER_RUN:-$(date +%Y%m%d-%H%M)}
 LADDER_SECONDS=${LADDER_SECONDS:-140}
+LADDER_DEADLINE=${LADDER_DEADLINE:-340}
 if [[ " $PARTS " == *" ladder "* ]]; then
-    step "ladder $LADDER_RUN: 6 models, every method, bf16 and fp32, batches 1-256, eager first"
+    step "ladder $LADDER_RUN: 6 models, every method, bf16 and fp32, batches 1-256, eager and graphed"
     check timeout 355 python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN" \
-        --budget-seconds "$LADDER_SECONDS" --json-out "$OUT/ladder-$LADDER_RUN.json"
+        --modes eager,graphed --budget-seconds "$LADDER_SECONDS" \
+        --deadline-seconds "$LADDER_DEADLINE" --json-out "$OUT/ladder-$LADDER_RUN.json"
 fi
 if [[ " $PARTS " == *" ladder-compiled "* ]]; then
-    # Compiling every model of a cell (base, 5 methods, 5 ideal) takes minutes: its own lease.
-    step "ladder $LADDER_RUN-compiled: deit_small and vit_base, bf16, batch 64 and 256, compiled"
+    # Compiling every model of a cell (base, 5 methods, 5 ideal) took longer than 520 s in run 7:
+    # its own lease. Each method is compiled and timed with the base and its ideal model alone,
+    # and the deadline keeps the methods done.
+    step "ladder $LADDER_RUN-compiled: deit_small and vit_base, bf16, batch 256 and 64, compiled"
     check timeout 355 python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN-compiled" \
         --models deit_small,vit_base --dtypes bf16 --batches 64,256 --modes compiled \
-        --budget-seconds "$LADDER_SECONDS" --json-out "$OUT/ladder-$LADDER_RUN-compiled.json"
+        --methods "${COMPILE_VARIANTS:-evit,dtps,etps,dynamicvit,tome}" \
+        --budget-seconds "$LADDER_SECONDS" --deadline-seconds "$LADDER_DEADLINE" \
+        --json-out "$OUT/ladder-$LADDER_RUN-compiled.json"
 fi
 if [[ " $PARTS " == *" ladder-multiple "* ]]; then
     # Issue 40 item 3: the eager ladder again with kept counts rounded to multiples of 8.
     step "ladder $LADDER_RUN-multiple8: the eager ladder with --kept-multiple 8"
     check timeout 355 python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN-multiple8" \
         --modes eager --kept-multiple 8 --budget-seconds "$LADDER_SECONDS" \
-        --json-out "$OUT/ladder-$LADDER_RUN-multiple8.json"
+        --deadline-seconds "$LADDER_DEADLINE" --json-out "$OUT/ladder-$LADDER_RUN-multiple8.json"
+fi
+if [[ " $PARTS " == *" ladder-fused "* ]]; then
+    # On CUDA the methods run their own ops by default; this times the Triton kernels instead.
+    step "ladder $LADDER_RUN-fused: eager and graphed, bf16, with the fused kernels"
+    check timeout 355 python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN-fused" \
+        --models deit_tiny,deit_small,vit_base --dtypes bf16 --modes eager,graphed --fused \
+        --methods dtps,etps,dynamicvit,tome --budget-seconds "$LADDER_SECONDS" \
+        --deadline-seconds "$LADDER_DEADLINE" --json-out "$OUT/ladder-$LADDER_RUN-fused.json"
 fi
 for json in "$OUT"/ladder-"$LADDER_RUN"*.json; do
     [[ -f "$json" ]] && check python3 benchmarks/gpu_ladder_report.py "$json" \
@@ -198,21 +221,16 @@ if [[ " $PARTS " == *" kernels "* ]]; then
 # (the interpreter tests cannot see compiled code), and faster than them.
 step "Triton kernels compiled on CUDA against the method's ops"
 if python3 -c "import pytest" 2>/dev/null; then
-    check timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_triton_cuda.py
+    check timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_triton_cuda.py
 else
     echo "FAILED: pytest is not installed here (pip install pytest)"; status=1
 fi
 step "kernel speed on CUDA: select_squeeze and tome_merge against the method's ops"
-check timeout 150 python3 benchmarks/kernel_speed.py --device cuda --calls 200 \
+check timeout 90 python3 benchmarks/kernel_speed.py --device cuda --calls 200 \
     --json-out "$OUT/kernel_speed_select_cuda.json"
-check timeout 150 python3 benchmarks/kernel_speed.py --device cuda --op tome --calls 200 \
+check timeout 90 python3 benchmarks/kernel_speed.py --device cuda --op tome --calls 200 \
     --json-out "$OUT/kernel_speed_tome_cuda.json"
-for batch in 8 64; do
-    step "dtps, etps, dynamicvit: fused kernels against the method's ops, bf16, batch $batch"
-    check timeout 240 python3 benchmarks/tps_speed.py --part overhead --device cuda --amp bf16 \
-        --variants dtps,etps,dynamicvit --fused --batch-size "$batch" --rounds 2 --runs 20 \
-        --warmup 3 --no-base --json-out "$OUT/overhead_fused_bf16_b$batch.json"
-done
+# Their effect on whole models: PARTS=ladder-fused.
 fi
 
 step "done, status $status"

@@ -1,5 +1,7 @@
 """The GPU ladder: every method against its base and against ideal slicing, across model sizes,
-batch sizes, fp32 and bf16 autocast, eager and compiled (CUDA graphs), in two fresh processes.
+batch sizes, fp32 and bf16 autocast, eager, compiled (inductor, CUDA graphs) and graphed (each
+model's eager forward captured in a CUDA graph by ``torch.cuda.graph``, no compiler: seconds, where
+compiling a cell's 11 models took longer than a lease), in two fresh processes.
 
 Ladder models (random weights: throughput does not depend on them): deit_tiny, deit_small,
 vit_base_patch16_224, vit_large_patch16_224, DINOv2-B features (``vit_base_patch14_dinov2``,
@@ -17,6 +19,11 @@ order until its ``--budget-seconds`` would be overrun (each cell's cost estimate
 before it, in GMACs timed), the others run the same cells, and each record is the median of the
 processes' values, with every process's value kept. Output: a JSON list of records
 ``{model, method, dtype, batch, mode, img_per_s, base_img_per_s, speedup_vs_base, of_ideal, ...}``.
+A compiled or graphed cell times each method with the base and its ideal model alone, so that a
+run stopped part-way keeps the methods done. Each process writes its records after every cell
+and ``--deadline-seconds`` stops a process that would overrun it, so a lease's time limit still
+leaves a JSON of what was timed. ``--fused`` switches the compressed models to the fused kernels
+(Triton on CUDA) instead of the method's ops.
 
     python benchmarks/gpu_ladder.py --device cuda --run h200          # the ladder, 2 processes
     python benchmarks/gpu_ladder.py --device cpu --tiny --run cpu-smoke --budget-seconds 60
@@ -26,6 +33,7 @@ processes' values, with every process's value kept. Output: a JSON list of recor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -45,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tps_speed import SlicedBlock  # noqa: E402
 
 import vitcompress  # noqa: E402
+from vitcompress.kernels import enable_fused_kernels  # noqa: E402
 from vitcompress.measure import count_macs, measure_throughput, paired_ratio  # noqa: E402
 from vitcompress.measure.keep_fit import compress_within_gmacs  # noqa: E402
 
@@ -68,6 +77,7 @@ TINY = {
     "swin_tiny": dict(img_size=56, embed_dim=32, depths=(2, 2), num_heads=(2, 4), num_classes=10),
 }
 AMP = {"fp32": None, "bf16": torch.bfloat16}
+MODES = ("eager", "compiled", "graphed")
 BASE, KEEP = "base", 0.7
 # Sustained throughput assumed for a cell's first estimate before any cell was timed (GMAC/s of
 # eager ViT inference: H200 bf16 ~ 250 TFLOP/s, fp32 ~ 50; a CPU a few hundred GFLOP/s). Once a
@@ -83,14 +93,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--dtypes", default="bf16,fp32")
     p.add_argument("--batches", default="1,8,64,256")
-    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--modes", default="eager,compiled", help="of eager, compiled, graphed")
     p.add_argument("--compile-mode", default="reduce-overhead")
     p.add_argument("--compile-backend", default="inductor", help="eager: a smoke run's capture")
     p.add_argument("--kept-multiple", type=int, default=None, help="round kept counts (8)")
+    p.add_argument("--fused", action="store_true", help="the fused kernels, not the method's ops")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--runs", type=int, default=6)
     p.add_argument("--budget-seconds", type=float, default=140.0, help="the first process's")
     p.add_argument("--processes", type=int, default=2)
+    p.add_argument(
+        "--deadline-seconds",
+        type=float,
+        default=None,
+        help="stop any process past this many seconds from the start; keep what it timed",
+    )
     p.add_argument("--tiny", action="store_true", help="small models (a CPU smoke run)")
     p.add_argument("--run", default=time.strftime("%Y%m%d-%H%M%S"))
     p.add_argument(
@@ -102,6 +119,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.device.startswith("cpu") and "bf16" in args.dtypes.split(","):
         args.dtypes = "fp32"  # autocast to bf16 is timed on CUDA only (measure_throughput)
+    unknown = set(csv(args.modes)) - set(MODES)
+    if unknown:
+        p.error(f"--modes: {', '.join(sorted(unknown))} is not one of {', '.join(MODES)}")
+    if "graphed" in csv(args.modes) and not args.device.startswith("cuda"):
+        p.error("--modes graphed captures CUDA graphs: it needs --device cuda")
     return args
 
 
@@ -110,17 +132,21 @@ def csv(text: str) -> list[str]:
 
 
 def ladder_cells(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The cells in priority order: eager before compiled, bf16 before fp32, smaller models and
-    the batches where compression is in question (64, 256, then 8, 1) first; ViT-L last of all
-    at 256, where it costs the most."""
+    """The cells in priority order: the cheap modes (eager, graphed) before compiled, bf16 before
+    fp32, the batches where compression is in question (64, 256, then 8, 1) first, smaller
+    models first; eager and graphed side by side for each model, so that a budget that ends
+    early still has both of a model; ViT-L last of all at 256, where it costs the most."""
     models, dtypes = csv(args.models), csv(args.dtypes)
     batches = sorted(map(int, csv(args.batches)), key=lambda b: (b < 64, -b if b < 64 else b))
+    modes = csv(args.modes)
+    stages = [[m for m in modes if m != "compiled"], [m for m in modes if m == "compiled"]]
     cells = []
-    for mode in csv(args.modes):
+    for stage in stages:
         for dtype in dtypes:
             for batch in batches:
                 for model in models:
-                    cells.append({"model": model, "dtype": dtype, "batch": batch, "mode": mode})
+                    for mode in stage:
+                        cells.append({"model": model, "dtype": dtype, "batch": batch, "mode": mode})
     return cells
 
 
@@ -187,6 +213,7 @@ def ideal_slicing(base: nn.Module, counts: list[tuple[int, int]]) -> nn.Module:
 def build_models(name: str, methods: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """The base, each method's compressed model and (plain ViTs) its ideal slicing, on the device;
     with each model's GMACs."""
+    began = time.perf_counter()
     base, size = build_base(name, args.tiny)
     variant_args = {"kept_multiple": args.kept_multiple} if args.kept_multiple else None
     models: dict[str, nn.Module] = {BASE: base}
@@ -212,7 +239,13 @@ def build_models(name: str, methods: list[str], args: argparse.Namespace) -> dic
     device = torch.device(args.device)
     for model in models.values():
         model.to(device).eval()
-    return {"models": models, "size": size, "gmacs": gmacs, "ideals": ideals}
+    fused = {m: enable_fused_kernels(models[m]) > 0 for m in methods} if args.fused else {}
+    print(
+        f"built {name}: {len(models)} models in {time.perf_counter() - began:.1f} s"
+        + (f", fused kernels in {sorted(m for m, on in fused.items() if on)}" if fused else ""),
+        flush=True,
+    )
+    return {"models": models, "size": size, "gmacs": gmacs, "ideals": ideals, "fused": fused}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -242,14 +275,104 @@ def compile_options(args: argparse.Namespace) -> dict[str, Any]:
     return options | {"backend": args.compile_backend}
 
 
-def time_cell(cell: dict, built: dict, args: argparse.Namespace) -> tuple[list[dict], dict]:
-    """One cell timed: the records of every method, and what the timing took."""
+class CudaGraphed(nn.Module):
+    """``module``'s eager forward replayed from a CUDA graph (``torch.cuda.graph``; no compiler):
+    one graph per input shape, dtype and autocast state, captured on the first call with that
+    key after three warm-up calls on a side stream. Each call copies its input into the graph's
+    static input and replays; the output is the graph's static tensor, overwritten by the next
+    call (timing reads nothing of it). The capture is checked against the eager forward on the
+    same input: a replay that differs is an error, not a number."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.graphs: dict[tuple, tuple] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        key = (tuple(x.shape), x.dtype, torch.is_autocast_enabled("cuda"))
+        if key not in self.graphs:
+            self.graphs[key] = self.capture(x)
+        graph, static_input, static_output = self.graphs[key]
+        static_input.copy_(x)
+        graph.replay()
+        return static_output
+
+    def capture(self, x: torch.Tensor) -> tuple:
+        static_input = x.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # lazy initialisation and allocator warm-up, outside the graph
+                eager = self.module(static_input)
+        torch.cuda.current_stream().wait_stream(side)
+        if not isinstance(eager, torch.Tensor):
+            raise TypeError(f"graphed mode times a tensor output, not {type(eager).__name__}")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_output = self.module(static_input)
+        graph.replay()
+        torch.cuda.synchronize()
+        error = (static_output.float() - eager.float()).abs().max().item()
+        scale = eager.float().abs().max().item()
+        if not error <= 2e-2 * scale + 1e-4:  # the same kernels on the same input
+            raise RuntimeError(f"the replayed graph differs from the eager forward by {error:.3g}")
+        return graph, static_input, static_output
+
+
+def capture_graphs(cell: dict, group: dict[str, nn.Module], built: dict, args) -> dict:
+    """``group``'s models wrapped in :class:`CudaGraphed` and captured at the cell's batch, dtype
+    and autocast state (before timing, so that a model whose forward cannot be captured is left
+    out with one line instead of ending the cell)."""
+    amp = AMP[cell["dtype"]]
+    x = torch.randn(cell["batch"], *built["size"], device=args.device)
+    graphed = {}
+    for name, model in group.items():
+        wrapped = CudaGraphed(model)
+        try:
+            autocast = torch.autocast("cuda", amp) if amp else contextlib.nullcontext()
+            with torch.inference_mode(), autocast:
+                wrapped(x)
+        except Exception as error:  # noqa: BLE001 -- reported, the cell goes on without it
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            print(
+                f"graphed {cell} {name}: not captured: {type(error).__name__}: {first}", flush=True
+            )
+            continue
+        graphed[name] = wrapped
+    return graphed
+
+
+def groups_of(cell: dict, built: dict) -> list[dict[str, nn.Module]]:
+    """The models timed together: every model of the cell at once when eager (one interleaved
+    measurement); compiled or graphed, each method with the base and its ideal model alone, so
+    that a run stopped part-way keeps the methods done (the base is compiled again each time,
+    from inductor's cache)."""
+    models = built["models"]
+    if cell["mode"] == "eager":
+        return [models]
+    groups = []
+    for method in models:
+        if method == BASE or method.endswith("-ideal"):
+            continue
+        names = [BASE, method] + ([built["ideals"][method]] if method in built["ideals"] else [])
+        groups.append({name: models[name] for name in names})
+    return groups
+
+
+def time_group(
+    cell: dict, group: dict[str, nn.Module], built: dict, args: argparse.Namespace
+) -> tuple[list[dict], dict]:
+    """One group of a cell timed: the records of its methods, and what the timing took."""
     compiled = cell["mode"] == "compiled"
     amp = AMP[cell["dtype"]]
     if compiled:
         torch._dynamo.reset()  # one static graph per batch and dtype; no stale cache entries
+    if cell["mode"] == "graphed":
+        group = capture_graphs(cell, group, built, args)
+        if BASE not in group:
+            return [], {"compile_seconds": 0.0, "timing": 0.0}
     report = measure_throughput(
-        built["models"],
+        group,
         built["size"],
         batch_size=cell["batch"],
         device=args.device,
@@ -262,10 +385,11 @@ def time_cell(cell: dict, built: dict, args: argparse.Namespace) -> tuple[list[d
     )
     samples = {name: result.samples for name, result in report.results.items()}
     records = []
-    for method in built["models"]:
+    for method in group:
         if method == BASE or method.endswith("-ideal"):
             continue
         ideal = built["ideals"].get(method)
+        ideal = ideal if ideal in group else None
         records.append(
             {
                 **cell,
@@ -284,8 +408,10 @@ def time_cell(cell: dict, built: dict, args: argparse.Namespace) -> tuple[list[d
                 "gmacs": built["gmacs"][method],
                 "base_gmacs": built["gmacs"][BASE],
                 "kept_multiple": args.kept_multiple,
+                "fused": built["fused"].get(method, False),
                 "compile": compile_options(args) if compiled else None,
                 "compiled_graphs": report.environment["compiled_graphs"].get(method),
+                "compile_seconds": report.environment["compile_seconds"].get(method),
                 "warnings": list(report.warnings),
             }
         )
@@ -327,16 +453,30 @@ def worker(args: argparse.Namespace) -> int:
             )
             continue
         begun = time.perf_counter()
-        cell_records, took = time_cell(cell, models, args)
         batches = (args.warmup + args.runs) * cell["batch"]
-        if took["timing"] > 0:
-            rate[cell["dtype"]] = sum(models["gmacs"].values()) * batches / took["timing"]
-        if cell["mode"] == "compiled":
-            rate["compile"] = took["compile_seconds"] / len(models["models"])
-        records += [r | {"cell_seconds": time.perf_counter() - begun} for r in cell_records]
+        for group in groups_of(cell, models):
+            group_begun = time.perf_counter()
+            group_records, took = time_group(cell, group, models, args)
+            if took["timing"] > 0:
+                timed = sum(models["gmacs"][name] for name in group)
+                rate[cell["dtype"]] = timed * batches / took["timing"]
+            if cell["mode"] == "compiled":
+                rate["compile"] = took["compile_seconds"] / len(group)
+            seconds = time.perf_counter() - group_begun
+            records += [r | {"cell_seconds": seconds} for r in group_records]
+            write_records(Path(args.worker), records)  # a process stopped later keeps these
+            if len(group) < len(models["models"]):
+                print(f"{cell} {'+'.join(group)}: {seconds:.1f} s", flush=True)
         print(f"{cell}: {time.perf_counter() - begun:.1f} s (expected {expected:.1f})", flush=True)
-    Path(args.worker).write_text(json.dumps(records))
+    write_records(Path(args.worker), records)
     return 0
+
+
+def write_records(path: Path, records: list[dict]) -> None:
+    """Whole or not at all: a process stopped while writing leaves the previous file."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(records))
+    partial.replace(path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -351,6 +491,7 @@ PER_PROCESS = (
     "ideal_img_per_s",
     "host_share",
     "base_host_share",
+    "compile_seconds",
 )
 KEY = ("model", "method", "dtype", "batch", "mode")
 
@@ -365,7 +506,7 @@ def combine(runs: list[list[dict]]) -> list[dict]:
     for group in by_key.values():
         record = dict(group[0])
         for field in PER_PROCESS:
-            values = [r[field] for r in group]
+            values = [r.get(field) for r in group]
             record[f"{field}_processes"] = values
             record[field] = None if None in values else statistics.median(values)
         record["processes"] = len(group)
@@ -392,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.json_out or f"benchmarks/results/gpu/ladder-{args.run}.json")
     passed = [a for a in (argv if argv is not None else sys.argv[1:])]
     runs: list[list[dict]] = []
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         cells_file = Path(folder, "cells.json")
         for index in range(args.processes):
@@ -400,8 +542,17 @@ def main(argv: list[str] | None = None) -> int:
             if index > 0:  # the cells the first process ran, the same in every later one
                 command += ["--cells", str(cells_file)]
             began = time.perf_counter()
-            subprocess.run(command, check=True)
-            records = json.loads(records_file.read_text())
+            left = (
+                None if args.deadline_seconds is None else args.deadline_seconds - (began - start)
+            )
+            if left is not None and left <= 0:
+                print(f"process {index + 1}: not started, past the deadline", flush=True)
+                break
+            try:
+                subprocess.run(command, check=True, timeout=left)
+            except subprocess.TimeoutExpired:  # killed; its records so far are in its file
+                print(f"process {index + 1}: stopped at the deadline", flush=True)
+            records = json.loads(records_file.read_text()) if records_file.exists() else []
             print(
                 f"process {index + 1}: {len(records)} records, {time.perf_counter() - began:.0f} s",
                 flush=True,

@@ -62,6 +62,16 @@ def test_cells_come_eager_first_then_bf16_then_the_batches_in_question(ladder) -
     assert [c["dtype"] for c in cells[:8]] == ["bf16"] * 8
     assert [c["batch"] for c in cells[:8:2]] == [64, 256, 8, 1]
     assert [c["model"] for c in cells[:2]] == ["deit_tiny", "vit_large"]
+    # The cheap modes side by side for each model, compiled after them all.
+    args = ladder.parse_args(
+        ["--models", "deit_tiny,vit_large", "--modes", "compiled,eager,graphed"]
+    )
+    cells = ladder.ladder_cells(args)
+    assert [(c["model"], c["mode"]) for c in cells[:4]] == [
+        ("deit_tiny", "eager"), ("deit_tiny", "graphed"), ("vit_large", "eager"), ("vit_large", "graphed"),
+    ]  # fmt: skip
+    assert {c["mode"] for c in cells[: 2 * 2 * 4 * 2]} == {"eager", "graphed"}
+    assert {c["mode"] for c in cells[2 * 2 * 4 * 2 :]} == {"compiled"}
     # On a CPU there is no bf16 autocast to time.
     assert ladder.parse_args(["--device", "cpu"]).dtypes == "fp32"
 
@@ -127,3 +137,41 @@ def test_a_tiny_ladder_in_two_processes_writes_the_records(ladder, report, tmp_p
     assert text.count("| deit_tiny | fp32 | eager | tome |") == 2
     assert f"| {first:.2f} / {second:.2f} |" in text
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_modes_are_checked_and_graphed_needs_cuda(ladder) -> None:
+    with pytest.raises(SystemExit):
+        ladder.parse_args(["--device", "cpu", "--modes", "graphed"])
+    with pytest.raises(SystemExit):
+        ladder.parse_args(["--modes", "eager,fast"])
+    assert ladder.parse_args(["--device", "cuda", "--modes", "graphed"]).modes == "graphed"
+
+
+def test_compiled_cells_time_each_method_with_the_base_and_its_ideal_alone(ladder) -> None:
+    base, dtps, tome, ideal = (torch.nn.Identity() for _ in range(4))
+    built = {
+        "models": {"base": base, "dtps": dtps, "tome": tome, "dtps-ideal": ideal},
+        "ideals": {"dtps": "dtps-ideal"},
+    }
+    eager = ladder.groups_of({"mode": "eager"}, built)
+    assert [list(g) for g in eager] == [["base", "dtps", "tome", "dtps-ideal"]]
+    for mode in ("compiled", "graphed"):
+        groups = ladder.groups_of({"mode": mode}, built)
+        assert [list(g) for g in groups] == [["base", "dtps", "dtps-ideal"], ["base", "tome"]]
+        assert groups[0]["dtps-ideal"] is ideal and groups[1]["base"] is base
+
+
+def test_a_ladder_past_its_deadline_still_writes_its_json(ladder, tmp_path, capsys) -> None:
+    out = tmp_path / "ladder-deadline.json"
+    code = ladder.main(
+        [
+            "--device", "cpu", "--tiny", "--models", "deit_tiny", "--methods", "evit",
+            "--batches", "2", "--modes", "eager", "--runs", "2", "--warmup", "0",
+            "--run", "deadline", "--json-out", str(out), "--deadline-seconds", "0.01",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    assert json.loads(out.read_text()) == []  # stopped before a cell: nothing timed, a JSON
+    printed = capsys.readouterr().out
+    assert "process 1: stopped at the deadline" in printed
+    assert "process 2: not started, past the deadline" in printed
