@@ -132,9 +132,45 @@ def deit_small_ops_per_location(
     return ops_added(model, base, x, autocast) / locations
 
 
+def deit_small_forward_ops(method: str | None, fused: bool = False) -> int:
+    """Every op one eval forward dispatches (views excluded) of deit_small (``method`` None) or
+    of it compressed as the GPU ladder compresses it (benchmarks/gpu_ladder.py: keep 0.7 at the
+    default locations, ToMe at dTPS's GMACs), batch 1; ``fused``: the fused kernels (each custom
+    op one kernel) instead of the method's ops, the default on CUDA. Where every op is a launch
+    and launching is the bound (a GPU at small batches), base ops / compressed ops is the
+    speed-up to expect."""
+    import timm
+
+    import vitcompress
+    from vitcompress.kernels import enable_fused_kernels
+    from vitcompress.measure import count_macs
+    from vitcompress.measure.keep_fit import compress_within_gmacs
+
+    torch.manual_seed(0)
+    size = (3, 224, 224)
+    model = timm.create_model(DEIT_SMALL, pretrained=False).eval()
+    if method == "tome":
+        base = model
+        reference = vitcompress.compress(base, "dtps", keep=KEEP, input_size=size)
+        ratio = count_macs(reference, size) / count_macs(base, size)
+        model = compress_within_gmacs(base, "tome", ratio, input_size=size)
+    elif method is not None:
+        model = vitcompress.compress(model, method, keep=KEEP, input_size=size)
+    if method is not None:
+        enable_fused_kernels(model, fused)
+    return sum(count_ops(model, torch.randn(1, *size)).values())
+
+
 def main() -> None:
+    print("ops per location (ToMe: per block), default path")
     for method in METHODS:
         print(f"{method:11s} {deit_small_ops_per_location(method):6.1f}")
+    base = deit_small_forward_ops(None)
+    print(f"ops per forward, as the GPU ladder compresses: base {base}; method ops / fused")
+    for method in METHODS:
+        ops = [deit_small_forward_ops(method, fused) for fused in (False, True)]
+        ratios = " / ".join(f"{base / n:.2f}" for n in ops)
+        print(f"{method:11s} {ops[0]:4d} / {ops[1]:4d}   base / compressed {ratios}")
 
 
 if __name__ == "__main__":
