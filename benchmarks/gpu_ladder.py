@@ -55,6 +55,7 @@ from tps_speed import SlicedBlock  # noqa: E402
 import vitcompress  # noqa: E402
 from vitcompress.kernels import enable_fused_kernels  # noqa: E402
 from vitcompress.measure import count_macs, measure_throughput, paired_ratio  # noqa: E402
+from vitcompress.measure.keep_fit import ATTRIBUTE as KEEP_FIT  # noqa: E402
 from vitcompress.measure.keep_fit import compress_within_gmacs  # noqa: E402
 
 METHODS = ("dtps", "dynamicvit", "etps", "evit", "tome")
@@ -116,6 +117,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plan-only", action="store_true", help="print the cells and the estimate")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # records file of a process
     p.add_argument("--cells", default=None, help=argparse.SUPPRESS)  # the cells to run, JSON
+    p.add_argument("--fits", default=None, help=argparse.SUPPRESS)  # ToMe's fitted keeps, JSON
     args = p.parse_args(argv)
     if args.device.startswith("cpu") and "bf16" in args.dtypes.split(","):
         args.dtypes = "fp32"  # autocast to bf16 is timed on CUDA only (measure_throughput)
@@ -217,13 +219,21 @@ def build_models(name: str, methods: list[str], args: argparse.Namespace) -> dic
     base, size = build_base(name, args.tiny)
     variant_args = {"kept_multiple": args.kept_multiple} if args.kept_multiple else None
     models: dict[str, nn.Module] = {BASE: base}
+    fits = json.loads(Path(args.fits).read_text()) if args.fits and Path(args.fits).exists() else {}
     for method in methods:
-        if method == "tome":  # at dTPS's GMACs (keep 0.7), as --keep-for-gmacs-ratio fits it
+        if method == "tome" and name in fits:  # the keep an earlier process fitted (seconds each)
+            models[method] = vitcompress.compress(
+                base, "tome", keep=fits[name], input_size=size, variant_args=variant_args
+            )
+        elif method == "tome":  # at dTPS's GMACs (keep 0.7), as --keep-for-gmacs-ratio fits it
             reference = vitcompress.compress(base, "dtps", keep=KEEP, input_size=size)
             ratio = count_macs(reference, size) / count_macs(base, size)
             models[method] = compress_within_gmacs(
                 base, "tome", ratio, input_size=size, variant_args=variant_args
             )
+            if args.fits:
+                fits[name] = getattr(models[method], KEEP_FIT)["keep"]
+                Path(args.fits).write_text(json.dumps(fits))
         else:
             models[method] = vitcompress.compress(
                 base, method, keep=KEEP, input_size=size, variant_args=variant_args
@@ -539,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         for index in range(args.processes):
             records_file = Path(folder, f"records-{index}.json")
             command = [sys.executable, __file__, *passed, "--worker", str(records_file)]
+            command += ["--fits", str(Path(folder, "fits.json"))]  # ToMe's fit, done once
             if index > 0:  # the cells the first process ran, the same in every later one
                 command += ["--cells", str(cells_file)]
             began = time.perf_counter()

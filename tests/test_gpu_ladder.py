@@ -175,3 +175,20 @@ def test_a_ladder_past_its_deadline_still_writes_its_json(ladder, tmp_path, caps
     printed = capsys.readouterr().out
     assert "process 1: stopped at the deadline" in printed
     assert "process 2: not started, past the deadline" in printed
+
+
+def test_tomes_fit_is_done_once_and_read_by_later_processes(ladder, tmp_path, monkeypatch) -> None:
+    fits = tmp_path / "fits.json"
+    args = ladder.parse_args(
+        ["--device", "cpu", "--tiny", "--methods", "tome", "--fits", str(fits)]
+    )
+    first = ladder.build_models("deit_tiny", ["tome"], args)
+    keep = json.loads(fits.read_text())["deit_tiny"]
+    assert 0 < keep < 1
+
+    def refit(*_args, **_kwargs):
+        raise AssertionError("a later process fitted ToMe's keep again")
+
+    monkeypatch.setattr(ladder, "compress_within_gmacs", refit)
+    second = ladder.build_models("deit_tiny", ["tome"], args)
+    assert second["gmacs"]["tome"] == first["gmacs"]["tome"] < first["gmacs"]["base"]
