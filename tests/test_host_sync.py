@@ -43,6 +43,31 @@ def test_every_variant_serves_without_host_synchronisation(kind: str, variant: s
     model = vitcompress.compress(base, variant, keep=0.7, locs=locs, input_size=size)
     report = host_sync_check(model, size)
     assert report.passed, report.text()
+    # Nor a tensor made from Python data: eager on a GPU a copy and a wait on every call.
+    assert report.host_tensors == [], report.host_tensors
+
+
+def test_tome_protecting_two_tokens_makes_no_tensor_from_python_data() -> None:
+    """ToMe's order with two protected tokens (cls and distillation) is applied by slicing, not
+    by an index made from a Python list in every merging block."""
+    torch.manual_seed(0)
+    base = timm_small("deit_tiny_distilled_patch16_224", depth=2)
+    model = vitcompress.compress(base, "tome", variant_args={"r": 4}, input_size=SIZE)
+    report = host_sync_check(model, SIZE)
+    assert report.passed and report.host_tensors == [], report.text()
+
+
+class HostTensor(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tensor([2.0, 3.0, 4.0], device=x.device).view(1, 3, 1, 1)
+
+
+def test_the_check_lists_tensors_made_from_python_data() -> None:
+    report = host_sync_check(HostTensor(), (3, 4, 4))
+    assert report.passed  # compiled, inductor folds it into a constant
+    assert len(report.host_tensors) == 1 and "test_host_sync.py:" in report.host_tensors[0]
+    assert "1 tensor(s) made from Python data" in report.text()
+    assert report.to_json()["host_tensors"] == report.host_tensors
 
 
 class Item(nn.Module):

@@ -80,6 +80,69 @@ def test_protected_tokens_are_never_merged(t: int, protected: int) -> None:
     assert not merged_into & set(range(protected))
 
 
+def _order_by_definition(unmerged_a: int, b_count: int, protected: int) -> list[int]:
+    """ToMe's order over ``cat([unmerged a, b])``, written out: the protected tokens in sequence
+    order (a0 b0 a1 b1 ...), then the other unmerged ``a`` tokens, then the other ``b`` tokens."""
+    protected_a, protected_b = (protected + 1) // 2, protected // 2
+    prefix = [i // 2 if i % 2 == 0 else unmerged_a + i // 2 for i in range(protected)]
+    rest = [*range(protected_a, unmerged_a), *range(unmerged_a + protected_b, unmerged_a + b_count)]
+    return prefix + rest
+
+
+@pytest.mark.parametrize(
+    "t,protected,r", [(9, 0, 3), (9, 1, 3), (10, 2, 3), (11, 3, 2), (14, 5, 4)]
+)
+def test_merged_tokens_come_in_tomes_order_without_a_host_index(t, protected, r) -> None:
+    torch.manual_seed(t + protected)
+    x, metric = torch.randn(2, t, 6), torch.randn(2, t, 4)
+    sizes = torch.randint(1, 4, (2, t)).float()
+    matching = bipartite_soft_matching(metric, r=r, protected=protected)
+    tokens, new_sizes, index = merge_tokens(x, sizes, matching)
+    # The same merge with the order applied by an index built from the definition.
+    unmerged_a, b_count = matching.unmerged.shape[1], t // 2
+    order = torch.tensor(_order_by_definition(unmerged_a, b_count, protected))
+    weights = sizes.unsqueeze(-1)
+    wa, wb, sa, sb = (
+        (x * weights)[:, ::2],
+        (x * weights)[:, 1::2],
+        weights[:, ::2],
+        weights[:, 1::2],
+    )
+    src, dst = matching.src.unsqueeze(-1), matching.dst.unsqueeze(-1)
+    merged = wb.scatter_add(1, dst.expand(-1, -1, 6), wa.gather(1, src.expand(-1, -1, 6)))
+    merged_sizes = sb.scatter_add(1, dst, sa.gather(1, src))
+    kept = wa.gather(1, matching.unmerged.unsqueeze(-1).expand(-1, -1, 6))
+    kept_sizes = sa.gather(1, matching.unmerged.unsqueeze(-1))
+    all_sizes = torch.cat([kept_sizes, merged_sizes], 1)[:, order]
+    expected = torch.cat([kept, merged], 1)[:, order] / all_sizes
+    b_index = torch.arange(b_count).expand(2, -1) * 2 + 1
+    expected_index = torch.cat([matching.unmerged * 2, b_index], 1)[:, order]
+    assert torch.equal(index, expected_index) and torch.equal(tokens, expected)
+    assert torch.equal(new_sizes, all_sizes.squeeze(-1))
+    assert index[:, :protected].tolist() == [list(range(protected))] * 2  # protected first
+
+
+def test_tomes_merge_makes_no_tensor_from_host_data() -> None:
+    """An index made from a Python list in the forward is, on a GPU, a copy from the host and a
+    wait for the device on every call (and no CUDA-graph capture): the merge makes none."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostTensors(TorchDispatchMode):
+        made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if func is torch.ops.aten.lift_fresh.default:  # torch.tensor(data)
+                HostTensors.made += 1
+            return func(*args, **(kwargs or {}))
+
+    matching = bipartite_soft_matching(torch.randn(2, 12, 4), r=3, protected=2)
+    with HostTensors():
+        merge_tokens(torch.randn(2, 12, 6), torch.ones(2, 12), matching)
+    with HostTensors():
+        torch.tensor([1, 2])  # the mode sees one where one is made
+    assert HostTensors.made == 1
+
+
 def test_merge_reducer_keeps_the_destinations_positions() -> None:
     x = torch.arange(5.0).reshape(1, 5, 1).repeat(1, 1, 2)
     reducer = MergeReducer(prefix_tokens=1, r=2)

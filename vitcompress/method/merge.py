@@ -112,24 +112,29 @@ def merge_tokens(
     kept_a_sizes = sa.gather(1, unmerged.unsqueeze(-1))
     b_index = torch.arange(b_count, device=x.device).expand(x.shape[0], -1) * 2 + 1
     index = torch.cat([unmerged * 2, b_index], dim=1)
-    order = _tome_order(unmerged.shape[1], b_count, protected, x.device)
-    index = index[:, order]
-    tokens = torch.cat([kept_a, merged], dim=1)
-    new_sizes = torch.cat([kept_a_sizes, merged_sizes], dim=1)
-    tokens = tokens[:, order]
-    new_sizes = new_sizes[:, order]
+    unmerged_a = unmerged.shape[1]
+    index = in_tome_order(index, unmerged_a, protected)
+    tokens = in_tome_order(torch.cat([kept_a, merged], dim=1), unmerged_a, protected)
+    new_sizes = in_tome_order(torch.cat([kept_a_sizes, merged_sizes], dim=1), unmerged_a, protected)
     out = (tokens / new_sizes).to(x.dtype)
     return out, new_sizes.squeeze(-1).to(sizes.dtype), index
 
 
-def _tome_order(kept_a: int, b_count: int, protected: int, device: torch.device) -> Tensor:
-    """Where each output token comes from in ``cat([unmerged a, b])``: the protected ones first,
-    in sequence order (they are the first unmerged ``a`` tokens and the first ``b`` tokens,
-    alternating), then the other unmerged ``a`` tokens, then the other ``b`` tokens."""
-    protected_a, protected_b = (protected + 1) // 2, protected // 2
-    prefix = [i // 2 if i % 2 == 0 else kept_a + i // 2 for i in range(protected)]
-    rest = [*range(protected_a, kept_a), *range(kept_a + protected_b, kept_a + b_count)]
-    return torch.tensor(prefix + rest, dtype=torch.long, device=device)
+def in_tome_order(t: Tensor, unmerged_a: int, protected: int) -> Tensor:
+    """``t`` ``(B, n, ...)``, laid out along dim 1 as ``cat([unmerged a, b])``, in ToMe's order:
+    the protected tokens first, in sequence order (the first unmerged ``a`` and ``b`` tokens
+    alternating: a0 b0 a1 ...), then the other unmerged ``a`` tokens, then the other ``b`` tokens.
+
+    Slices and one concatenation rather than an index made from a Python list: on a GPU such an
+    index is a copy from the host and a wait for the device on every call, and it cannot be
+    captured in a CUDA graph. With at most one protected token the layout is that order already.
+    """
+    protected_b = protected // 2  # the protected b tokens; the protected a ones: one more if odd
+    if protected_b == 0:
+        return t
+    a, b = t[:, :unmerged_a], t[:, unmerged_a:]
+    pairs = torch.stack([a[:, :protected_b], b[:, :protected_b]], dim=2).flatten(1, 2)
+    return torch.cat([pairs, a[:, protected_b:], b[:, protected_b:]], dim=1)
 
 
 def merged_hosts(matching: Matching) -> tuple[Tensor, Tensor]:

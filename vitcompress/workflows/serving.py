@@ -53,12 +53,18 @@ class HostSyncReport:
     """Where the eval forward waits for the device: ``ops`` (each ``op: why, at file:line``),
     ``unbacked`` (nodes whose shape or value depends on the data), ``error`` (the trace stopped on
     a Python decision about a tensor's value), ``untraced`` (``torch.export`` could not trace the
-    forward for another reason, so nothing was checked; :func:`serving_check` sets it)."""
+    forward for another reason, so nothing was checked; :func:`serving_check` sets it).
+
+    ``host_tensors``: tensors the forward makes from Python data (``torch.tensor(list)``). Run
+    eagerly on a GPU each is a copy from the host that waits for the device, on every call, and
+    cannot be captured by ``torch.cuda.graph``; compiled, inductor folds them into constants.
+    So they are listed, and do not fail the compiled serving path's check."""
 
     ops: list[str] = field(default_factory=list)
     unbacked: list[str] = field(default_factory=list)
     error: str | None = None
     untraced: str | None = None
+    host_tensors: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -71,6 +77,7 @@ class HostSyncReport:
             "unbacked": list(self.unbacked),
             "error": self.error,
             "untraced": self.untraced,
+            "host_tensors": list(self.host_tensors),
         }
 
     def text(self) -> str:
@@ -78,7 +85,13 @@ class HostSyncReport:
         if self.untraced:
             return f"host synchronisation not checked: {self.untraced}"
         if self.passed:
-            return "no host synchronisation (no .item(), nonzero or data-dependent shape)"
+            text = "no host synchronisation (no .item(), nonzero or data-dependent shape)"
+            if self.host_tensors:
+                text += (
+                    f"; {len(self.host_tensors)} tensor(s) made from Python data in the forward "
+                    f"(eager on a GPU, a copy and a wait per call): {self.host_tensors[0]}"
+                )
+            return text
         found = ([self.error] if self.error else []) + self.ops + self.unbacked
         more = f" (+{len(found) - 3} more)" if len(found) > 3 else ""
         return "host synchronisation: " + "; ".join(found[:3]) + more
@@ -125,6 +138,14 @@ def host_sync_check(
         try:
             with partial_graph_print_dropped():
                 program = torch.export.export(_Inference(model), (example,), strict=False)
+            # torch.tensor(data) in the forward: a lifted constant, copied fresh on each call
+            # (before decomposition, which folds the copy away).
+            report.host_tensors = [
+                f"{node.name} at {_where(node)}"
+                for node in program.graph.nodes
+                if node.op == "call_function"
+                and str(node.target).startswith("aten.lift_fresh_copy")
+            ]
             program = program.run_decompositions()
         except Exception as e:
             if not _data_dependent(e):
