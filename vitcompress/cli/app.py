@@ -85,12 +85,30 @@ class VitcompressCommand(click.Command):
         return super().invoke(ctx)
 
 
+def _interrupted() -> click.exceptions.Exit:
+    """Ctrl-C outside a command's work (reading the options, closing): the one line a command's
+    own interruption gets, and its exit code (click's own handler says "Aborted!", exit 1)."""
+    click.echo("error: interrupted", err=True)
+    return click.exceptions.Exit(EXIT_INTERRUPTED)
+
+
+class VitcompressContext(click.Context):
+    """The group's context: Ctrl-C while it closes (the progress spinner stopping) is one line."""
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except KeyboardInterrupt:
+            raise _interrupted() from None
+
+
 class VitcompressGroup(click.Group):
     """Turns known errors into one clear line; ``--debug`` shows the traceback instead. Usage
     errors (an unknown choice or option, a missing value) are one line too, for the group's own
-    options and every command's."""
+    options and every command's. Ctrl-C is one line and exit code 130, whenever it comes."""
 
     command_class = VitcompressCommand
+    context_class = VitcompressContext
 
     def make_context(
         self,
@@ -105,6 +123,8 @@ class VitcompressGroup(click.Group):
             raise
         except click.UsageError as e:
             raise _one_line(e, parent) from e
+        except KeyboardInterrupt:
+            raise _interrupted() from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

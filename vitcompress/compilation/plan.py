@@ -118,7 +118,16 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Plan:
-        """The plan :meth:`to_json` wrote (``locs`` and ``keep`` there repeat the locations)."""
+        """The plan :meth:`to_json` wrote (``locs`` and ``keep`` there repeat the locations).
+
+        A ``carry_windows`` setting recorded with no windowed location is left out: it changed
+        nothing there, and :func:`make_plan` refuses it on a model without windowed blocks, where
+        earlier versions took it; a model they saved with it loads."""
+        settings = data.get("variant_args")
+        if isinstance(settings, dict) and settings.get("carry_windows") is True:
+            if not any(isinstance(loc, dict) and loc.get("windows") for loc in data["locations"]):
+                rest = {k: v for k, v in settings.items() if k != "carry_windows"}
+                data = {**data, "variant_args": rest}
         return cls(
             method=variant_from_json(data),
             policy=data["policy"],
@@ -191,6 +200,12 @@ def make_plan(
             f"{policy!r} is {'not defined for ' + method.name if known else 'unknown'}; "
             f"choose from {', '.join(method.policies)}",
             "policy",
+        )
+    if method.carry_windows and not _windowed_blocks(model_map):
+        raise PlanError(
+            "carry_windows: no block of this model attends within windows and reduces tokens, "
+            "so there is no windowed location's choice to carry; leave it off",
+            "variant_args",
         )
     if not isinstance(keep, list | tuple):
         raise PlanError(f"must be a list of keep ratios, got {keep!r}", "keep")
@@ -395,6 +410,12 @@ def _recumulated(planned: list[Location], rounded: list[Location]) -> list[Locat
     return result
 
 
+def _windowed_blocks(model_map: ModelMap) -> list[int]:
+    """The blocks that attend within windows and can reduce tokens: where ``carry_windows``
+    acts."""
+    return [b.index for b in model_map.blocks if b.windows is not None and reduces_tokens(b)]
+
+
 def _carry_windows(
     model_map: ModelMap, locations: list[Location], branches_too: bool
 ) -> list[Location]:
@@ -402,9 +423,8 @@ def _carry_windows(
     run (:func:`window_runs`) up to the next location; and, ``branches_too``, the per-token
     branches after any of them (``Block.per_token_after``), which take the choice too."""
     located = {loc.block for loc in locations}
-    windowed = [b.index for b in model_map.blocks if b.windows is not None and reduces_tokens(b)]
     carried: dict[int, tuple[int, ...]] = {}
-    for run in window_runs(model_map, windowed):
+    for run in window_runs(model_map, _windowed_blocks(model_map)):
         owner = None
         for index in run:
             if index in located:
