@@ -10,7 +10,6 @@ lets loading check that the base still builds the same model.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -53,6 +52,7 @@ from vitcompress.loading import (
     load_base_model,
     one_line,
 )
+from vitcompress.loading.shards import weights_sha256
 from vitcompress.version import __version__
 
 FORMAT_VERSION = 1
@@ -417,12 +417,9 @@ def _checkpoint_sha256(path: Path) -> str:
 
 
 def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes, read in chunks (weights files can be gigabytes)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    """Hex sha256 of a weights file's bytes, read in chunks (weights files can be gigabytes);
+    of a shard index, of it and every shard it names (a shard rewritten later changes it)."""
+    return weights_sha256(Path(path))
 
 
 def base_weights_problem(source: ModelSource, meta: dict[str, Any] | None = None) -> str | None:

@@ -2,9 +2,12 @@
 
 The directory holds a ``config.json`` (and the weights): the model is built with its Auto class,
 ``AutoModelForImageClassification`` where the config names an image-classification architecture,
-``AutoModelForVideoClassification`` for a video one (VideoMAE), else ``AutoModel``, offline (``local_files_only=True``) with the directory's weights. It is
-wrapped in :class:`HFImageClassifier` so that images go in and logits (or a backbone's pooled
-features) come out, as the rest of the tool expects.
+``AutoModelForVideoClassification`` for a video one (VideoMAE), else ``AutoModel``, offline
+(``local_files_only=True``) with the directory's weights: one file, or shards named by an index
+(``model.safetensors.index.json``, ``pytorch_model.bin.index.json``), each shard checked to hold
+exactly the weights the index maps to it (``vitcompress.loading.shards``). It is wrapped in
+:class:`HFImageClassifier` so that images go in and logits (or a backbone's pooled features) come
+out, as the rest of the tool expects.
 
 What the wrapper states: its input size from the config's ``image_size`` and ``num_channels``
 (and ``num_frames`` for a video model, whose ``pixel_values`` are (B, T, C, H, W)), and its preprocessing (mean, std, interpolation) from a ``preprocessor_config.json`` in the
@@ -29,12 +32,23 @@ from torch import nn
 
 from vitcompress.loading.checkpoint import read_state_dict, strip_wrapper_prefixes
 from vitcompress.loading.errors import SHOW_KEYS, ModelLoadError, one_line
+from vitcompress.loading.shards import check_shards, is_index, read_sharded
 from vitcompress.status import warn
 
 HF_CONFIG = "config.json"
 HF_PREPROCESSOR = "preprocessor_config.json"
-# Weights files save_pretrained writes, in the order transformers prefers them.
-HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+# Weights files save_pretrained writes, in the order transformers prefers them: a single file,
+# or an index naming the shards of a model saved in several (``max_shard_size``).
+HF_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+_BIN_WEIGHTS = "pytorch_model.bin"  # how another weights file is handed to transformers
+# from_pretrained arguments that would make it read other weights than the file named above,
+# which the source records (and an artifact checks) as the model's weights.
+_WEIGHTS_ARGS = ("use_safetensors", "variant", "subfolder", "gguf_file", "state_dict")
 # PIL's resampling codes, as preprocessor configs write them ("resample": 3).
 _PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
 
@@ -94,7 +108,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def weights_file(directory: Path) -> Path | None:
-    """The single-file weights ``save_pretrained`` wrote into ``directory``, if any."""
+    """The weights ``save_pretrained`` wrote into ``directory``, if any, as transformers picks
+    them: the single file, or the index of the shards."""
     return next((directory / n for n in HF_WEIGHTS if (directory / n).is_file()), None)
 
 
@@ -200,17 +215,26 @@ def load_hf_directory(
     spec: str, args: Mapping[str, Any], checkpoint: Path | None = None
 ) -> tuple[HFImageClassifier, Path]:
     """The model saved in directory ``spec``, wrapped, and the weights file it was read from:
-    the directory's own, or ``checkpoint`` (any weights file of the same architecture, read as
-    ``--checkpoint`` files are and handed to transformers, which renames the keys of older
-    layouts as it does for the directory's own file)."""
+    the directory's own (a sharded directory's index), or ``checkpoint`` (any weights file of
+    the same architecture, or a shard index, read as ``--checkpoint`` files are and handed to
+    transformers, which renames the keys of older layouts as it does for the directory's own
+    file)."""
     transformers = _transformers()
+    chosen = [k for k in _WEIGHTS_ARGS if k in args]
+    if chosen:
+        raise ModelLoadError(
+            f"--model-arg {chosen[0]}: a HuggingFace directory is built with the weights "
+            f"transformers picks by default ({', '.join(HF_WEIGHTS)}), which its source "
+            "records; give other weights with --checkpoint FILE"
+        )
     directory = Path(spec).expanduser().resolve()
     config_json = _read_json(directory / HF_CONFIG)
     weights = checkpoint if checkpoint is not None else weights_file(directory)
     if weights is None:
         raise ModelLoadError(
-            f"HuggingFace directory {directory} holds no weights file ({' or '.join(HF_WEIGHTS)})"
-            "; save it with model.save_pretrained(DIR)"
+            f"HuggingFace directory {directory} holds no weights file "
+            f"({', '.join(HF_WEIGHTS[:-1])} or {HF_WEIGHTS[-1]}); save it with "
+            "model.save_pretrained(DIR)"
         )
     architectures = [a for a in config_json.get("architectures") or [] if isinstance(a, str)]
     classifier = any(
@@ -226,12 +250,17 @@ def load_hf_directory(
         else transformers.AutoModel
     )
     if checkpoint is None:
+        if is_index(weights):
+            # Every shard holds exactly the weights the index maps to it; transformers then
+            # reads them as it reads a single file, and the same checks apply to what it loaded.
+            check_shards(weights)
         model = _from_pretrained(transformers, auto, directory, args, directory)
     else:
-        state = strip_wrapper_prefixes(read_state_dict(checkpoint))
+        read = read_sharded if is_index(checkpoint) else read_state_dict
+        state = strip_wrapper_prefixes(read(checkpoint))
         with tempfile.TemporaryDirectory(prefix="vitcompress-hf-") as tmp:
             shutil.copyfile(directory / HF_CONFIG, Path(tmp) / HF_CONFIG)
-            torch.save(state, Path(tmp) / HF_WEIGHTS[1])
+            torch.save(state, Path(tmp) / _BIN_WEIGHTS)
             model = _from_pretrained(transformers, auto, Path(tmp), args, checkpoint)
     wrapped = HFImageClassifier(
         model, input_size=input_size_of(model.config), data_config=data_config_of(directory)
