@@ -57,6 +57,20 @@ def test_tome_protecting_two_tokens_makes_no_tensor_from_python_data() -> None:
     assert report.passed and report.host_tensors == [], report.text()
 
 
+@pytest.mark.parametrize("variant", ["etps", "evit"])
+def test_scores_spread_over_overlapping_key_windows_read_no_value(variant: str) -> None:
+    """CvT's first stages pool their keys by 3 x 3 windows at stride 2, and the scores are
+    spread back over the windows: with no branch on a value (a wait for the device on a GPU)."""
+    import timm
+
+    torch.manual_seed(0)
+    base = timm.create_model("cvt_13", num_classes=10, depths=(1, 1, 2)).eval()
+    size = (3, 64, 64)
+    model = vitcompress.compress(base, variant, keep=0.7, locs=[0, 1], input_size=size)
+    report = host_sync_check(model, size)
+    assert report.passed and report.host_tensors == [], report.text()
+
+
 class HostTensor(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.tensor([2.0, 3.0, 4.0], device=x.device).view(1, 3, 1, 1)

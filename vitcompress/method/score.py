@@ -80,14 +80,13 @@ def key_scores_to_tokens(
     """
     b, cells = scores.shape
     height, width = grid
-    h = max(1, round(math.sqrt(cells * height / width)))
-    w = cells // h
-    if h * w != cells:
+    shape = pooled_key_grid(cells, grid)
+    if shape is None:
         raise ValueError(f"{cells} pooled keys do not form a grid like {height}x{width}")
-    coarse = scores.reshape(b, 1, h, w).float()
+    coarse = scores.reshape(b, 1, *shape).float()
     nearest = F.interpolate(coarse, size=(height, width), mode="nearest")
     spread = None
-    if pool is not None and not _cells(pool):
+    if pool is not None and not pools_own_cell(pool):
         spread = _spread_by_window(coarse, nearest, pool)
     full = (nearest if spread is None else spread).reshape(b, height * width).to(scores.dtype)
     if positions is None:
@@ -95,35 +94,55 @@ def key_scores_to_tokens(
     return torch.gather(full, 1, positions.clamp(min=0))
 
 
-def _cells(pool: KeyPool) -> bool:
+def pooled_key_grid(cells: int, grid: tuple[int, int]) -> tuple[int, int] | None:
+    """The (rows, columns) of ``cells`` pooled keys over a token ``grid`` of the same aspect, or
+    ``None`` where they form no such grid."""
+    height, width = grid
+    rows = max(1, round(math.sqrt(cells * height / width)))
+    columns = cells // rows
+    return (rows, columns) if rows * columns == cells else None
+
+
+def pools_own_cell(pool: KeyPool) -> bool:
     """Whether each key pools exactly its own cell: kernel equal to stride, no padding."""
     kernel, stride, padding = (tuple(v) for v in pool)
     return kernel == stride and not any(padding)
 
 
+def window_spread_padding(
+    grid: tuple[int, ...], key_grid: tuple[int, ...], pool: KeyPool
+) -> tuple[int, ...] | None:
+    """The ``output_padding`` with which the transposed convolution of ``pool``'s windows maps
+    the keys' grid back onto the tokens' ``grid``; ``None`` where no such padding does (the
+    scores are then spread as nearest cells). Shared by the spread and its MAC count."""
+    kernel, stride, padding = (tuple(v) for v in pool)
+    extra = tuple(
+        full - ((cells - 1) * s - 2 * p + k)
+        for full, cells, k, s, p in zip(grid, key_grid, kernel, stride, padding, strict=True)
+    )
+    if any(not 0 <= e < max(s, 1) for e, s in zip(extra, stride, strict=True)):
+        return None
+    return extra
+
+
 def _spread_by_window(coarse: Tensor, nearest: Tensor, pool: KeyPool) -> Tensor | None:
     """Each key's score over the tokens its window reads, averaged where windows overlap; a token
     no key reads gets its ``nearest`` score scaled below the least score of a read token.
-    ``None`` where the pool does not map the keys' grid onto the tokens' (then ``nearest``)."""
+    ``None`` where the pool does not map the keys' grid onto the tokens' (then ``nearest``).
+    Two transposed convolutions of a ones kernel (:func:`window_spread_padding`)."""
     kernel, stride, padding = (tuple(v) for v in pool)
-    size = nearest.shape[2:]
-    extra = [
-        full - ((cells - 1) * s - 2 * p + k)
-        for full, cells, k, s, p in zip(
-            size, coarse.shape[2:], kernel, stride, padding, strict=True
-        )
-    ]
-    if any(not 0 <= e < max(s, 1) for e, s in zip(extra, stride, strict=True)):
+    extra = window_spread_padding(tuple(nearest.shape[2:]), tuple(coarse.shape[2:]), pool)
+    if extra is None:
         return None
     ones = coarse.new_ones(1, 1, *kernel)
-    spread = dict(stride=stride, padding=padding, output_padding=tuple(extra))
+    spread = dict(stride=stride, padding=padding, output_padding=extra)
     total = F.conv_transpose2d(coarse, ones, **spread)
     reads = F.conv_transpose2d(torch.ones_like(coarse[:1]), ones, **spread)
     read = reads > 0
     mean = total / reads.clamp(min=1)
-    if bool(read.all()):
-        return mean
-    # Below the least read score, in the order of the keys whose cells hold them.
+    # A token no key reads: below the least read score, in the order of the keys whose cells hold
+    # them. No branch on whether every token is read: that would read a value on the host (on a
+    # GPU a wait for the device at every scoring); where all are, the selection is ``mean``.
     least = mean.masked_fill(~read, float("inf")).amin(dim=(2, 3), keepdim=True)
     most = nearest.amax(dim=(2, 3), keepdim=True).clamp(min=torch.finfo(nearest.dtype).tiny)
     return torch.where(read, mean, nearest * (least / most) * 0.5)

@@ -3,10 +3,12 @@
 One measured profile of the base (MACs per block, split by kind of work) is scaled by the token
 counts a plan leaves each block with. Per block:
 
-* attention products (``q @ k^T`` and ``attn @ v``: SDPA kernels, ``bmm``), and what acts on the
-  (queries x keys) map between them (CaiT's talking heads), grow with queries x keys:
-  quadratically in the block's tokens when it attends over its own tokens, linearly when its
-  keys are pooled from the full grid (spatial-reduction attention keeps its key count);
+* attention products (``q @ k^T`` and ``attn @ v``: SDPA kernels, ``bmm``), what acts on the
+  (queries x keys) map between them (CaiT's talking heads) and what runs on a table of (query,
+  key) pairs that a reduction gathers by the kept tokens (ConViT's positional scores), grow
+  with queries x keys: quadratically in the block's tokens when it attends over its own tokens,
+  linearly when its keys are pooled from the full grid (spatial-reduction attention keeps its
+  key count);
 * convolutions and pools run on the grid, which a reduced stage gets back padded at inference,
   and so does what runs between a reshape to the grid and its flatten at the same resolution
   (CvT's BatchNorm after its query's conv): constant;
@@ -33,9 +35,11 @@ leaves those ops on the tokens left (``graph_profile.Restore``, ``ExitRestore``)
 The reducers a plan inserts add their own work, which each method counts from dimensions
 (``Variant.location_macs``: its scorer's and its fuse's): the predictor's MLP over the patch
 tokens present (dTPS/DynamicViT), the donor-host similarity of squeezing (``donors x hosts x C``:
-dTPS/eTPS), the cls-row attention score (eTPS/EViT on SDPA) and ToMe's bipartite similarity
-(``ceil(t/2) x floor(t/2) x head dim`` in every merging block; its size-weighted averages and
-``log s`` bias are not multiply-accumulates). A method that cannot count its work is not searched.
+dTPS/eTPS), the cls-row attention score (eTPS/EViT on SDPA), the spread of pooled keys' scores
+to the tokens their overlapping windows read (eTPS/EViT in CvT's first two stages: ``2 x keys x
+kernel area``) and ToMe's bipartite similarity (``ceil(t/2) x floor(t/2) x head dim`` in every
+merging block; its size-weighted averages and ``log s`` bias are not multiply-accumulates). A
+method that cannot count its work is not searched.
 Everything before the blocks (patch embedding, a pyramid's next patch embedding on the full grid)
 is constant. What runs after the last block that can reduce (its keys its own or pooled from its
 grid; the "tail": class attention (CaiT), an attention-pooling head (SigLIP, PE), the final norm
@@ -58,6 +62,7 @@ from torch import nn
 from vitcompress.analysis.model_map import ModelMap
 from vitcompress.compilation.plan import Location, Plan
 from vitcompress.measure.macs import run_counter
+from vitcompress.method import KeyPool
 from vitcompress.method.restore import RESTORES_ANYWHERE
 from vitcompress.search.graph_profile import (
     ATTENTION,
@@ -97,6 +102,8 @@ class BlockCost:
     prefix_tokens: int
     patch_tokens: int  # the stage's N0
     parallel_mlp: bool = False  # ``x + attn(h) + mlp(h)``: the MLP sees the block's input
+    token_grid: tuple[int, ...] = ()  # the stage's grid, on which its keys are pooled
+    key_pool: KeyPool | None = None  # what pools its keys there (``AttentionCore.key_pool``)
 
     # Its grid ops' restores once its stage is reduced (``graph_profile.Restore``).
     restores: tuple[Restore, ...] = ()
@@ -234,6 +241,8 @@ class CostModel:
             key_tokens=None if block.own_keys else block.key_tokens,
             cls_token=self.cls_token,
             fused_attention=self.sdpa_scores[index],
+            grid=block.token_grid,
+            key_pool=None if block.own_keys else block.key_pool,
         )
 
     def tokens_per_block(self, plan: Plan) -> list[int]:
@@ -298,6 +307,8 @@ def profile(model: nn.Module, model_map: ModelMap) -> CostModel:
                 prefix_tokens=block.prefix_tokens,
                 patch_tokens=math.prod(stage.grid),
                 parallel_mlp=block.parallel_mlp,
+                token_grid=tuple(block.grid),
+                key_pool=block.attention.key_pool,
                 restores=split.restores,
             )
         )

@@ -184,7 +184,7 @@ class GraphProfile:
 
             sides = _Sides(
                 attention,
-                self._attention_map(order, block),
+                self._attention_map(order, block, counting.ops),
                 self._on_grid(order, block),
                 attention & self._key_side(order, block),
             )
@@ -252,10 +252,13 @@ class GraphProfile:
             found[1 if alone and shape[1] == patches else 0] += macs
         return found[0], found[1]
 
-    def _attention_map(self, order: list[fx.Node], block: Any) -> set[str]:
+    def _attention_map(
+        self, order: list[fx.Node], block: Any, counted: dict[str, dict[Any, int]]
+    ) -> set[str]:
         """The nodes from the attention logits to ``attn @ v``: they act on the (queries x keys)
-        map (CaiT's talking heads mix its heads there), so they grow with queries x keys."""
-        found: set[str] = set()
+        map (CaiT's talking heads mix its heads there), so they grow with queries x keys; and
+        those on a table of (query, key) pairs (``_on_pair_tables``)."""
+        found = self._on_pair_tables(order, block, counted)
         for core in [block.attention, *block.parallel_cores]:
             logits = self.nodes.get(core.logits_node or "")
             found_product = self._attention_value_product(core)
@@ -263,6 +266,36 @@ class GraphProfile:
                 continue
             product = found_product[0].name
             found |= (_descendants(order, logits.name) | {logits.name}) & _ancestors(order, product)
+        return found
+
+    def _on_pair_tables(
+        self, order: list[fx.Node], block: Any, counted: dict[str, dict[Any, int]]
+    ) -> set[str]:
+        """The nodes computed from a position table of (query, key) pairs the block reads, up to
+        the attention products they feed (ConViT's positional scores: a linear over each pair's
+        relative position, before their softmax). A reduction gathers the table's rows and
+        columns by the kept tokens (``compilation/rewrite.py``'s ``_gather_position_tables``,
+        where the table meets the block), so they run on the kept tokens' pairs: they grow with
+        queries x keys, not with the tokens."""
+        found: set[str] = set()
+        for use in block.position_uses:
+            meeting = self.nodes.get(use.node)
+            shape = ops.shape(meeting) if meeting is not None else None
+            if meeting is None or shape is None:
+                continue
+            layout = use.gather_layout(len(shape), block.tokens, block.prefix_tokens)
+            if isinstance(layout, str) or len(layout[0]) != 2:
+                continue  # a table with one token axis follows the tokens: per token
+            found.add(meeting.name)
+            # The products (``attn @ v``, SDPA, which may be where the table meets the block)
+            # read the map and give back tokens: what follows them is not on the pairs.
+            reached = set() if _is_product(counted, meeting.name) else {meeting.name}
+            for node in order:
+                if node.name in reached or not any(n.name in reached for n in node.all_input_nodes):
+                    continue
+                found.add(node.name)
+                if not _is_product(counted, node.name):
+                    reached.add(node.name)
         return found
 
     def _on_grid(self, order: list[fx.Node], block: Any) -> set[str]:
@@ -387,6 +420,11 @@ class GraphProfile:
                 return None
             width += shape[1] * shape[3]
         return float(width)
+
+
+def _is_product(counted: dict[str, dict[Any, int]], name: str) -> bool:
+    """Whether node ``name`` runs an attention product (``PRODUCT_OPS``)."""
+    return any(is_op(op, PRODUCT_OPS) for op in counted.get(name, {}))
 
 
 def _descendants(order: list[fx.Node], name: str) -> set[str]:

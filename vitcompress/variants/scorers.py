@@ -7,9 +7,12 @@ A :class:`~vitcompress.variants.base.Variant` holds one scorer and one fuse
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vitcompress.method import KeyPool
+from vitcompress.method.score import pooled_key_grid, pools_own_cell, window_spread_padding
 from vitcompress.variants.placement import (
     AFTER_ATTENTION,
     ATTENTION_GIVES_KEYS,
@@ -37,6 +40,11 @@ class ScoringCost:
     key_tokens: int | None  # keys the block attends over when they are not its own tokens
     cls_token: bool  # the model has a class token (eTPS/EViT score with its row)
     fused_attention: bool  # the attention is one fused kernel: its weights are recomputed
+    # The block's token grid and what pools its keys on it (kernel, stride, padding per grid
+    # dim; ``None``: its keys are its own, or no pooling op was found and each pooled key
+    # stands for its cell).
+    grid: tuple[int, ...] = ()
+    key_pool: KeyPool | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +113,13 @@ class AttentionScorer(Scorer):
     def macs(self, cost: ScoringCost) -> float:
         """On a fused attention kernel the hook recomputes the cls row beside it; without a cls
         token it computes the attention once, output and probabilities alike
-        (``attention_with_probs``), and a softmax in the graph gives the rows for free."""
+        (``attention_with_probs``), and a softmax in the graph gives the rows for free. Keys
+        pooled by a window wider than its stride (CvT's 3 x 3 at stride 2) spread their scores
+        to the tokens they read (:func:`key_spread_macs`)."""
+        return self._row_macs(cost) + key_spread_macs(cost)
+
+    @staticmethod
+    def _row_macs(cost: ScoringCost) -> float:
         if not cost.fused_attention or not (cost.cls_token and cost.prefix_tokens > 0):
             return 0.0
         tokens = cost.prefix_tokens + cost.patch_tokens
@@ -134,6 +148,31 @@ class AttentionScorer(Scorer):
                     "refused there (a learned predictor scores without them)"
                 )
         return None
+
+
+def key_spread_macs(cost: ScoringCost) -> float:
+    """The MACs of spreading the scores of pooled keys to the tokens their windows read
+    (``method/score.py``'s ``key_scores_to_tokens``, where the hook's ``_per_token`` calls it):
+    two transposed convolutions of a ones kernel over the keys' grid, one of the scores and one
+    of ones that counts the windows reading each token, each ``keys x kernel area`` at batch 1.
+    0 where the keys are the block's own, where each key stands for its cell (PVT's kernel equal
+    to its stride: a nearest upsampling, not counted) and where the windows do not map the keys'
+    grid onto the tokens' (a nearest upsampling too). The conditions are the spread's own
+    (``pools_own_cell``, ``pooled_key_grid``, ``window_spread_padding``)."""
+    if cost.key_tokens is None or cost.key_pool is None or len(cost.grid) != 2:
+        return 0.0
+    cells = cost.key_tokens - cost.prefix_tokens  # the keys scored: the prefix tokens' are not
+    if cells < 1 or cells == cost.patch_tokens:  # one key per token: the scores as they are
+        return 0.0
+    if pools_own_cell(cost.key_pool):
+        return 0.0
+    key_grid = pooled_key_grid(cells, (cost.grid[0], cost.grid[1]))
+    if key_grid is None:  # not a grid like the tokens': the spread raises, no count
+        return 0.0
+    if window_spread_padding(cost.grid, key_grid, cost.key_pool) is None:
+        return 0.0
+    kernel = tuple(cost.key_pool[0])
+    return 2.0 * cells * math.prod(kernel)
 
 
 def keys_from_an_earlier_stage(model_map: ModelMap, plan: Plan) -> tuple[str, int] | None:
