@@ -164,6 +164,17 @@ def test_a_plan_file_with_another_key_is_one_line(tmp_path):
     assert "cannot read" in one_line_error(run("apply", *MODEL, "--plan", str(plan)))
 
 
+def test_a_plan_files_value_the_model_refuses_names_the_file(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("variant: etps\nlocs: [1, 9]\nkeep: 0.5\n")  # the model has 4 blocks
+    line = one_line_error(run("apply", *MODEL, "--plan", str(plan), "--no-throughput"))
+    assert "--locs 9 is out of range" in line and f"(set by --plan {plan})" in line
+    typed = one_line_error(
+        run("apply", *MODEL, "--plan", str(plan), "--locs", "1,7", "--no-throughput")
+    )
+    assert "--locs 7 is out of range" in typed and "--plan" not in typed  # typed: no file named
+
+
 def test_search_without_a_budget_is_one_line(tmp_path):
     line = one_line_error(
         run("search", *MODEL, "--data", str(tmp_path), "--out", str(tmp_path / "o"))

@@ -416,7 +416,19 @@ def plan_file_option(
                     if other in kwargs and other not in values:
                         kwargs[other] = None
             kwargs[name] = value  # parsed by the command, as typed text is
-        return command(*args, **kwargs)
+        from_file = {
+            name
+            for name in values
+            if name not in typed and not (name in _KEEP_FORMS and keep_typed)
+        }
+        try:
+            return command(*args, **kwargs)
+        except PlanError as error:
+            # A value the user did not type: say where it came from.
+            if error.parameter in from_file:
+                detail = f"{error.detail} (set by --plan {plan_file})"
+                raise PlanError(detail, error.parameter) from None
+            raise
 
     return wrapper
 
