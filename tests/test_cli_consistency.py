@@ -184,6 +184,17 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, a
     assert len(lines) == 1 and f"{blocked} is a file, not a folder" in lines[0], lines
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [(["apply", "--out"], "--out is empty; name a folder"),
+     (["export", "--format", "onnx", "--out"], "--out is empty; name a file")],
+)  # fmt: skip
+def test_an_empty_output_is_refused_not_taken_as_the_current_folder(args, said):
+    result = run(args[0], "--model", "deit_smal", *args[1:], "")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [f"error: {said}"]
+
+
 def test_report_checks_its_outputs_first(tmp_path):
     blocked = tmp_path / "a-file"
     blocked.write_text("")

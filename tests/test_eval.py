@@ -291,7 +291,7 @@ def test_eval_base_refusals_are_one_line_exit_2(folder3, tmp_path, case):
         )
     else:
         args = ["--model", EINSUM, "--base-pretrained"]
-        expected = "need --base"
+        expected = "--base-pretrained needs --base"
     result = run("eval", *args, "--data", str(folder3), "--no-throughput")
     assert result.exit_code == 2, result.output
     [line] = result.output.strip().splitlines()

@@ -231,7 +231,8 @@ def base_options(command: Callable) -> Callable:
         )
         if base_spec is None:
             if given:
-                raise ModelLoadError(f"{', '.join(given)} need --base")
+                verb = "needs" if len(given) == 1 else "need"
+                raise ModelLoadError(f"{' and '.join(given)} {verb} --base")
             return None
         args = parse_model_args(base_model_args)
         return BaseRequest(base_spec, args, base_checkpoint, base_pretrained, given)

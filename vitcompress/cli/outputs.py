@@ -61,6 +61,8 @@ def check_writable(
     it is of the right kind if it exists, its name is one the file system takes, and the nearest
     existing folder above it is writable (with ``replaced``, the folder above an existing
     ``path`` too: it is written beside it and renamed into place)."""
+    if str(path) == "":  # Path("") is ".", the folder the command runs in
+        raise OutputError(f"{option} is empty; name a {'folder' if folder else 'file'}")
     target = Path(path).expanduser()
     kind = "folder" if folder else "file"
     try:
