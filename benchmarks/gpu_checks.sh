@@ -22,9 +22,11 @@
 # and their speed against the method's ops, about 3 minutes).
 # COMPILE_VARIANTS narrows the compiled part.
 #
-# A 15-minute lease (a machine's start takes one to two): PARTS="kernels ladder" in one call
-# (about 9 minutes), then, warm, PARTS=ladder-compiled or ladder-fused (under 6 each) if time is
-# left; LADDER_SECONDS=110 when both calls must fit.
+# A 15-minute lease (a machine's start takes one to two). Run 7 found a ladder model's build
+# (five compressed forms, ToMe's GMACs fit, five ideal models, their counts) takes tens of
+# seconds: six models need a budget near 200. So: PARTS=ladder LADDER_SECONDS=200 in one call
+# (about 8 minutes), then, warm, PARTS=kernels (about 3) and, if time is left, PARTS=ladder-compiled
+# or ladder-fused with LADDER_SECONDS=110 (about 5).
 #
 # Runs from the repository root without installing the package (PYTHONPATH=.), so a machine
 # with torch, timm, accelerate, click, rich, safetensors and pyyaml needs nothing else.
@@ -163,10 +165,13 @@ if [[ " $PARTS " == *" ladder"* ]]; then
 # LADDER_DEADLINE seconds and still writes what they timed.
 LADDER_RUN=${LADDER_RUN:-$(date +%Y%m%d-%H%M)}
 LADDER_SECONDS=${LADDER_SECONDS:-140}
-LADDER_DEADLINE=${LADDER_DEADLINE:-340}
+# Each part's processes stop at LADDER_DEADLINE (default 2.2 x the budget plus 40 s of starts)
+# and the part itself 15 s later, so the JSON is always written.
+LADDER_DEADLINE=${LADDER_DEADLINE:-$((LADDER_SECONDS * 22 / 10 + 40))}
+LADDER_TIMEOUT=$((LADDER_DEADLINE + 15))
 if [[ " $PARTS " == *" ladder "* ]]; then
     step "ladder $LADDER_RUN: 6 models, every method, bf16 and fp32, batches 1-256, eager and graphed"
-    check timeout 355 python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN" \
+    check timeout "$LADDER_TIMEOUT" python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN" \
         --modes eager,graphed --budget-seconds "$LADDER_SECONDS" \
         --deadline-seconds "$LADDER_DEADLINE" --json-out "$OUT/ladder-$LADDER_RUN.json"
 fi
@@ -175,7 +180,7 @@ if [[ " $PARTS " == *" ladder-compiled "* ]]; then
     # its own lease. Each method is compiled and timed with the base and its ideal model alone,
     # and the deadline keeps the methods done.
     step "ladder $LADDER_RUN-compiled: deit_small and vit_base, bf16, batch 256 and 64, compiled"
-    check timeout 355 python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN-compiled" \
+    check timeout "$LADDER_TIMEOUT" python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN-compiled" \
         --models deit_small,vit_base --dtypes bf16 --batches 64,256 --modes compiled \
         --methods "${COMPILE_VARIANTS:-evit,dtps,etps,dynamicvit,tome}" \
         --budget-seconds "$LADDER_SECONDS" --deadline-seconds "$LADDER_DEADLINE" \
@@ -184,14 +189,14 @@ fi
 if [[ " $PARTS " == *" ladder-multiple "* ]]; then
     # Issue 40 item 3: the eager ladder again with kept counts rounded to multiples of 8.
     step "ladder $LADDER_RUN-multiple8: the eager ladder with --kept-multiple 8"
-    check timeout 355 python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN-multiple8" \
+    check timeout "$LADDER_TIMEOUT" python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN-multiple8" \
         --modes eager --kept-multiple 8 --budget-seconds "$LADDER_SECONDS" \
         --deadline-seconds "$LADDER_DEADLINE" --json-out "$OUT/ladder-$LADDER_RUN-multiple8.json"
 fi
 if [[ " $PARTS " == *" ladder-fused "* ]]; then
     # On CUDA the methods run their own ops by default; this times the Triton kernels instead.
     step "ladder $LADDER_RUN-fused: eager and graphed, bf16, with the fused kernels"
-    check timeout 355 python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN-fused" \
+    check timeout "$LADDER_TIMEOUT" python3 benchmarks/gpu_ladder.py --device cuda --run "$LADDER_RUN-fused" \
         --models deit_tiny,deit_small,vit_base --dtypes bf16 --modes eager,graphed --fused \
         --methods dtps,etps,dynamicvit,tome --budget-seconds "$LADDER_SECONDS" \
         --deadline-seconds "$LADDER_DEADLINE" --json-out "$OUT/ladder-$LADDER_RUN-fused.json"
