@@ -56,6 +56,15 @@ def _follow(gm: fx.GraphModule, user: fx.Node, node: fx.Node, axis: int) -> int 
     if ops.is_sdpa(user) or ops.is_softmax(user, gm):
         return None if out_shape is None or size not in out_shape[axis : axis + 1] else axis
     if _pools_tokens(gm, user):
+        name = ops.op_name(gm, user).lower()
+        if "pool" in name and out_shape is not None and len(out_shape) == ndim:
+            # A pool with a window or several bins (avg_pool1d(x, 2), AdaptiveMaxPool1d(4)):
+            # whole over the token axis only where it leaves one value there.
+            if axis == ndim - 1 and out_shape[axis] != 1:
+                return "lost"
+            if axis == ndim - 1:
+                return None
+            return axis
         if user.op == "call_module":
             return None if axis == ndim - 1 else axis
         dim = user.kwargs.get("dim", user.args[1] if len(user.args) > 1 else None)
@@ -83,8 +92,34 @@ def _follow(gm: fx.GraphModule, user: fx.Node, node: fx.Node, axis: int) -> int 
                 return i
         return "lost"
     if len(out_shape) == ndim and out_shape[axis] == size:
+        if _mixes_tokens(gm, user, node, axis, ndim):
+            return "lost"  # the same shape, but each token from others (flip, cumsum, a conv)
         return axis  # per-token ops: norms, linears over channels, adds, activations
     return "lost"
+
+
+# Ops of an unchanged shape that combine or move elements along a dim they are given.
+_ALONG_DIM = ("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "diff", "argsort", "msort")
+
+
+def _mixes_tokens(gm: fx.GraphModule, user: fx.Node, node: fx.Node, axis: int, ndim: int) -> bool:
+    """Whether ``user``, whose output keeps the shape of ``node`` (tokens on ``axis``), makes a
+    token's value from other tokens or puts it at another place: an op that moves elements or
+    works along a dim (flip, roll, sort, cumsum), a linear or conv over the token axis, a matmul
+    that contracts it, or an operand laid out by token position that does not derive from the
+    image (a position table added after the blocks: :func:`_position_operand`)."""
+    name = ops.op_name(gm, user).split(".")[0].removesuffix("_")
+    if ops.moves_elements(user) or name in _ALONG_DIM:
+        return True
+    if ops.multiplies(gm, user):
+        if ops.is_matmul(user):
+            left = user.args[0] is node
+            return axis == ndim - 1 if left else axis == ndim - 2
+        if ops.is_einsum(user):
+            return True
+        conv = "conv" in name.lower()
+        return axis >= 2 if conv else axis == ndim - 1
+    return False
 
 
 def _tuple_axis(gm: fx.GraphModule, user: fx.Node, axis: int, ndim: int) -> int | str:
@@ -249,6 +284,12 @@ def _consumed(
     if where is None:
         return None, None
     if where != "lost":
+        table = _position_operand(user, node, axis, image, is_ancestor)
+        if table is not None:
+            return (
+                f"{name} ({user.name}) meets {table.name} {tuple(ops.shape(table))} by token position",
+                None,
+            )
         return None, (where, prefix)
     if ops.is_layout(user):
         return (
@@ -260,3 +301,24 @@ def _consumed(
         if all(a is image or is_ancestor(image, a) for a in others):
             return None, None  # attention over the tokens, weighted by the tokens themselves
     return f"{name} ({user.name}) combines the {size} tokens of {per_image} by position", None
+
+
+def _position_operand(
+    user: fx.Node, node: fx.Node, axis: int, image: fx.Node, is_ancestor
+) -> fx.Node | None:
+    """An operand of ``user`` besides ``node`` laid out by token position (its dim that broadcasts
+    against the token axis has the token count) and not derived from the image: a position
+    table added or multiplied after the blocks, which each token must meet at its own row."""
+    shape = tuple(ops.shape(node))
+    ndim, size = len(shape), shape[axis]
+    for other in user.all_input_nodes:
+        if other is node or other is image or is_ancestor(image, other):
+            continue
+        if not other.meta.get("carries_tensor", True):
+            continue
+        other_shape = ops.shape(other)
+        if other_shape is None or len(other_shape) < ndim - axis:
+            continue
+        if other_shape[axis - ndim] == size and size > 1:
+            return other
+    return None
