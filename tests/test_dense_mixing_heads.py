@@ -19,7 +19,10 @@ from torch import Tensor, nn
 from vitcompress.api import compress
 
 TOKENS, DIM = 64, 64
-HEADS = ("id", "flip", "cumsum", "conv1d", "position_table", "avg_pool1d", "adaptive_max_pool")
+HEADS = (
+    "id", "flip", "cumsum", "conv1d", "position_table", "avg_pool1d", "adaptive_max_pool",
+    "max_indices",
+)  # fmt: skip
 
 
 class TokensOut(nn.Module):
@@ -56,6 +59,8 @@ class TokensOut(nn.Module):
             return nn.functional.avg_pool1d(patches.transpose(1, 2), 2)
         if self.head == "adaptive_max_pool":  # four bins over the tokens
             return self.bins(patches.transpose(1, 2))
+        if self.head == "max_indices":  # where each channel's largest token is: a position
+            return patches.max(1).indices
         return patches
 
 

@@ -69,6 +69,8 @@ def _follow(gm: fx.GraphModule, user: fx.Node, node: fx.Node, axis: int) -> int 
             return None if axis == ndim - 1 else axis
         dim = user.kwargs.get("dim", user.args[1] if len(user.args) > 1 else None)
         dims = _dims(dim, ndim)
+        if dims is not None and axis in dims and _reads_indices(user):
+            return "lost"  # max(dim).indices: where the largest token is, a position
         if dims is None or axis in dims:
             return None
         keep = user.kwargs.get("keepdim", len(user.args) > 2 and user.args[2] is True)
@@ -96,6 +98,21 @@ def _follow(gm: fx.GraphModule, user: fx.Node, node: fx.Node, axis: int) -> int 
             return "lost"  # the same shape, but each token from others (flip, cumsum, a conv)
         return axis  # per-token ops: norms, linears over channels, adds, activations
     return "lost"
+
+
+def _reads_indices(user: fx.Node) -> bool:
+    """Whether the indices of ``user``, a ``max``/``min`` over a dim (values and indices), are
+    read: its item 1, its ``indices``, or the pair itself as an output."""
+    for reader in user.users:
+        if reader.op == "output":
+            return True
+        if reader.op == "call_function" and reader.target is operator.getitem:
+            if len(reader.args) > 1 and reader.args[1] == 1:
+                return True
+        if reader.op == "call_function" and reader.target is getattr:
+            if len(reader.args) > 1 and reader.args[1] == "indices":
+                return True
+    return False
 
 
 # Ops of an unchanged shape that combine or move elements along a dim they are given.
