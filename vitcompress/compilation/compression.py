@@ -31,6 +31,7 @@ from vitcompress.compilation.entries import (
     entry_view,
     with_base_methods,
 )
+from vitcompress.compilation.graph_edits import devices_follow_input
 from vitcompress.compilation.keep_lists import plan_from_cumulative
 from vitcompress.compilation.metadata import attach, compression_info
 from vitcompress.compilation.naming import (
@@ -247,6 +248,7 @@ def compress_mapped(
     # Found before the rewrite, which changes the graph they are read from.
     no_decay = no_weight_decay_parameters(model, captured.module, EXAMPLE_BATCH)
     compressed = rewrite(captured.module, model_map, plan)
+    devices_follow_input(compressed, captured.example.device)
     # The modules the rewrite adds (reducers, predictors, restores) in the model's own dtype: a
     # float64 model gets float64 predictors, not the default float32's.
     for added in (REDUCER_PREFIX, HOOK_PREFIX):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
 from vitcompress.analysis import ops
@@ -63,3 +64,35 @@ def copy_between(graph: fx.Graph, stream: fx.Node, tokens: fx.Node, restored: fx
         if node is tokens:
             break
     return env.get(tokens)
+
+
+def devices_follow_input(gm: fx.GraphModule, device: torch.device) -> int:
+    """Make every device literal equal to the capture's ``device`` the input's device, read at
+    run time; returns how many were replaced. Capturing keeps the device a model reads from a
+    buffer while tracing (timm's rotary embeddings: ``self.periods.device``) as a constant, so a
+    compressed model moved to a GPU would still build those tensors on the capture's device."""
+    graph = gm.graph
+    placeholder = next(n for n in graph.nodes if n.op == "placeholder")
+    source: fx.Node | None = None
+    replaced = 0
+
+    def swap(value: object) -> object:
+        nonlocal source, replaced
+        if isinstance(value, torch.device) and value == device:
+            if source is None:
+                with graph.inserting_after(placeholder):
+                    source = graph.call_function(getattr, (placeholder, "device"))
+            replaced += 1
+            return source
+        if isinstance(value, tuple | list):
+            return type(value)(swap(v) for v in value)
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        return value
+
+    for node in list(graph.nodes):
+        if node is not source:
+            node.args, node.kwargs = swap(node.args), swap(node.kwargs)
+    if replaced:
+        gm.recompile()
+    return replaced

@@ -57,9 +57,11 @@ def product_outside_autocast(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` in the inputs' own dtype, under autocast too. The method's products are sums it
     keeps in float32 (similarities, index sums); autocast would cast float32 tokens to its
     half-precision dtype for each (two casts a call) and round the sum, so a reducer would
-    choose other hosts than it does without autocast. Outside autocast a plain product."""
-    if torch.is_autocast_enabled(a.device.type):
-        with torch.autocast(a.device.type, enabled=False):
+    choose other hosts than it does without autocast. Outside autocast, and on a device autocast
+    does not know (``meta``: asking would raise), a plain product."""
+    device = a.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        with torch.autocast(device, enabled=False):
             return a @ b
     return a @ b
 
