@@ -16,7 +16,7 @@ import torch
 from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
-from vitcompress.api import compress
+from tests.fixtures.dense_models import compress_restoring
 
 TOKENS, DIM = 64, 64
 HEADS = (
@@ -74,13 +74,7 @@ def _model(head: str) -> TokensOut:
 
 
 def _compressed(model: nn.Module, method: str, rule: str) -> nn.Module:
-    settings: dict = {"variant_args": {"restore": rule}}
-    if method == "tome":
-        settings["variant_args"]["r"] = 3
-    else:
-        settings["keep"] = 0.7
-    torch.manual_seed(0)
-    return compress(model, variant=method, input_size=(3, 32, 32), **settings).eval()
+    return compress_restoring(model, method, rule, (3, 32, 32))
 
 
 @pytest.mark.parametrize(("method", "rule"), [("tome", "host"), ("dtps", "zero")])

@@ -23,7 +23,7 @@ import timm
 import torch
 from torch import Tensor, nn
 
-from vitcompress.api import compress
+from tests.fixtures.dense_models import compress_restoring
 
 METHODS = ("dtps", "etps", "dynamicvit", "evit", "tome")
 _QUERY_KEY_ROWS = {"qkv": 2 / 3}
@@ -179,13 +179,7 @@ def test_every_token_comes_back_at_its_own_place(bases, name, method):
     model, x, expected = _base(bases, name)
     _, size, read, locs, _ = CASES[name]
     rule = "value" if method in ("dynamicvit", "evit") else "delta"
-    settings: dict = {"variant_args": {"restore": rule}}
-    if method == "tome":
-        settings["variant_args"]["r"] = 3
-    else:
-        settings["keep"] = 0.7
-    torch.manual_seed(0)
-    small = compress(model, variant=method, input_size=size, locs=locs, **settings).eval()
+    small = compress_restoring(model, method, rule, size, locs)
     with torch.no_grad():
         out = _tensors(read(small, x))
     assert [(o.shape, o.dtype) for o in out] == [(e.shape, e.dtype) for e in expected]
