@@ -136,9 +136,9 @@ def deit_small_forward_ops(method: str | None, fused: bool = False) -> int:
     """Every op one eval forward dispatches (views excluded) of deit_small (``method`` None) or
     of it compressed as the GPU ladder compresses it (benchmarks/gpu_ladder.py: keep 0.7 at the
     default locations, ToMe at dTPS's GMACs), batch 1; ``fused``: the fused kernels (each custom
-    op one kernel) instead of the method's ops, the default on CUDA. Where every op is a launch
-    and launching is the bound (a GPU at small batches), base ops / compressed ops is the
-    speed-up to expect."""
+    op one kernel) instead of the method's ops (on CUDA the default for dtps, etps and ToMe).
+    Where every op is a launch and launching is the bound (a GPU at small batches), base ops /
+    compressed ops is the speed-up to expect."""
     import timm
 
     import vitcompress

@@ -359,3 +359,49 @@ def test_a_kernel_built_before_is_said_to_load_not_to_build(tmp_path, monkeypatc
     (tmp_path / build_name).mkdir(exist_ok=True)  # the first call made it, as a build does
     (tmp_path / build_name / f"{build_name}.so").write_bytes(b"")
     assert ops._building_or_loading(name) == f"loading the fused CPU kernel {name}"
+
+
+def _tokens_on(device_type: str, dtype: torch.dtype = torch.float32) -> object:
+    """What ``kernel_runs`` reads of the tokens (their device, dtype and whether autograd
+    records them), for a device this machine may not have."""
+
+    class _Device:
+        type = device_type
+
+    class _Tokens:
+        device = _Device()
+        requires_grad = False
+
+    tokens = _Tokens()
+    tokens.dtype = dtype
+    return tokens
+
+
+def test_on_cuda_the_default_is_the_kernel_where_it_squeezes_or_merges(monkeypatch) -> None:
+    """Timed on an H200: the Triton squeeze and merge beat the method's ops, selection alone
+    does not. So the default (switch None) on CUDA is the kernel for dTPS, eTPS and ToMe and the
+    method's ops for DynamicViT; a switch set either way still decides, and without Triton the
+    method's ops run."""
+    from vitcompress.kernels import ops
+    from vitcompress.variants import fuses
+
+    squeezing, selecting, merging = (
+        fuses.Squeeze().select_op,
+        fuses.Drop().select_op,
+        fuses.FusedMerge(),
+    )
+    assert (squeezing.cuda_default, selecting.cuda_default) == (True, False)
+    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    cuda = _tokens_on("cuda", torch.bfloat16)
+    assert ops.kernel_runs(None, cuda, cuda_default=squeezing.cuda_default)
+    assert not ops.kernel_runs(None, cuda, cuda_default=selecting.cuda_default)
+    assert ops.kernel_runs(True, cuda, cuda_default=False)
+    assert not ops.kernel_runs(False, cuda, cuda_default=True)
+    assert not ops.kernel_runs(None, _tokens_on("cuda", torch.float64), cuda_default=True)
+    assert not ops.kernel_runs(None, _tokens_on("mps"), cuda_default=True)
+    # The ops themselves ask with their own answer: a CUDA call reaches the kernel only where
+    # the default says so (here it would fail loudly on the fake tokens if it were reached).
+    assert selecting(cuda, None, 1, 4, None) is None
+    monkeypatch.setattr(ops, "triton_available", lambda: False)
+    assert not ops.kernel_runs(None, cuda, cuda_default=True)
+    assert merging(cuda, None, None, 2, 1, None) is None

@@ -112,3 +112,26 @@ def test_a_compressed_model_on_the_cuda_kernels_gives_the_methods_logits(
         assert torch.equal(got, want)
     else:
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize(
+    ("variant", "fused_op"),
+    [
+        ("dtps", "vitcompress.select_squeeze"),
+        ("etps", "vitcompress.select_squeeze"),
+        ("tome", "vitcompress.tome_merge"),
+        ("dynamicvit", None),
+    ],
+)
+def test_the_cuda_default_runs_the_kernel_where_it_squeezes_or_merges(
+    variant: str, fused_op: str | None
+) -> None:
+    """With the switch left at its default, a compressed model on CUDA runs the Triton kernel
+    for dTPS, eTPS and ToMe (faster than the method's ops there) and the method's ops for
+    DynamicViT (its selection alone is not)."""
+    from tests.op_count import count_ops
+
+    counts = count_ops(_compressed(variant, 0.7), torch.randn(2, *SIZE, device=CUDA))
+    fused = {name: n for name, n in counts.items() if name.startswith("vitcompress.")}
+    assert fused == ({fused_op: fused[fused_op]} if fused_op else {})
+    assert not fused_op or fused[fused_op] > 0

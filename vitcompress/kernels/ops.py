@@ -11,9 +11,12 @@ gradients of their gathers and sums).
 
 Which path a reducer takes is its switch (``fused_kernel``): ``True`` (:func:`enable_fused_kernels`)
 always the kernel when autograd does not record, ``False`` always the method's ops, ``None`` (the
-default) the kernel where it can serve (:func:`kernel_runs`): on the CPU, outside autograd, outside
-a compiler's or an exporter's trace, once the extension is built here. The CUDA kernel runs only
-when switched on (``True``): it has not been timed on a GPU yet, so it is not the default there.
+default) the kernel where it can serve (:func:`kernel_runs`): outside autograd and outside a
+compiler's or an exporter's trace, on the CPU once the extension is built here, and on CUDA
+(Triton installed) where the op says it is faster there. Timed on an H200 (run 8 in
+docs/results-speed-gpu.md), the Triton squeeze and ToMe merge ran 1.44-1.59x faster than the
+method's ops, selection without a squeeze (DynamicViT) 0.68-0.91x: so the CUDA default is the
+kernel for dTPS, eTPS and ToMe, and the method's ops for DynamicViT.
 """
 
 from __future__ import annotations
@@ -151,19 +154,22 @@ def _tracing() -> bool:
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def kernel_runs(setting: bool | None, x: Tensor) -> bool:
+def kernel_runs(setting: bool | None, x: Tensor, cuda_default: bool = False) -> bool:
     """Whether a reducer whose switch is ``setting`` runs its fused op on ``x`` (at inference;
     the reducer has checked training, recording and restores). ``True``: whenever autograd does
     not record ``x`` (another device is refused by the op, in one line). ``None``: where the
-    kernel serves: float32 or half-precision tokens on the CPU, outside autograd and any trace,
-    the extensions built here."""
+    kernel serves: float32 or half-precision tokens outside autograd and any trace, on the CPU
+    with the extensions built here, on CUDA with Triton installed where the op is faster than
+    the method's ops there (``cuda_default``, the op's own measured answer)."""
     if setting is False:
         return False
     if setting is True:
         return not x.requires_grad
-    if _tracing() or x.device.type != "cpu" or x.requires_grad or x.dtype not in _KERNEL_DTYPES:
+    if _tracing() or x.requires_grad or x.dtype not in _KERNEL_DTYPES:
         return False
-    return fused_kernels_available()
+    if x.device.type == "cuda":
+        return cuda_default and triton_available()
+    return x.device.type == "cpu" and fused_kernels_available()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,10 +35,17 @@ class FusedSelect:
 
     squeeze_pruned: bool
 
+    @property
+    def cuda_default(self) -> bool:
+        """Whether the op is the default on CUDA: where it squeezes (1.44-1.53x faster than the
+        method's ops on an H200), not where it only selects (0.68-0.91x: a sort and a gather
+        are already what the method runs)."""
+        return self.squeeze_pruned
+
     def __call__(
         self, x: Tensor, scores: Tensor, prefix_tokens: int, keep: int, setting: bool | None
     ) -> tuple[Tensor, Tensor] | None:
-        if not kernel_runs(setting, x):
+        if not kernel_runs(setting, x, cuda_default=self.cuda_default):
             return None
         return select_squeeze(x, scores, prefix_tokens, keep, self.squeeze_pruned)
 
@@ -57,7 +64,8 @@ class FusedMerge:
         protected: int,
         setting: bool | None,
     ) -> tuple[Tensor, Tensor, Tensor] | None:
-        if not kernel_runs(setting, x):
+        # The default on CUDA too: 1.52-1.59x faster than the method's ops on an H200.
+        if not kernel_runs(setting, x, cuda_default=True):
             return None
         return tome_merge(x, metric, sizes, r, protected)
 
