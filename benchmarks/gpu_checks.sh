@@ -19,14 +19,14 @@
 # passed), spread (the bf16 headline in four fresh processes, seeds 0 0 1 2, and at batch 1024,
 # with each model's host share: benchmarks/results/h200_bf16_spread.md, about 4 minutes),
 # kernels (the Triton select_squeeze and tome_merge compiled on CUDA: tests/test_triton_cuda.py,
-# and their speed against the method's ops, about 3 minutes).
+# and their speed against the method's ops, about 3 minutes), graphs (--cuda-graphs: its tests on
+# CUDA, apply with it on deit_small + dTPS, and Swin-T's graphed cells, about 3 minutes).
 # COMPILE_VARIANTS narrows the compiled part.
 #
-# A 15-minute lease (a machine's start takes one to two). Run 7 found a ladder model's build
-# (five compressed forms, ToMe's GMACs fit, five ideal models, their counts) takes tens of
-# seconds: six models need a budget near 200. So: PARTS=ladder LADDER_SECONDS=200 in one call
-# (about 8 minutes), then, warm, PARTS=kernels (about 3) and, if time is left, PARTS=ladder-compiled
-# or ladder-fused with LADDER_SECONDS=110 (about 5).
+# A 15-minute lease (a machine's start takes one to two). Run 8 ran PARTS=ladder
+# LADDER_SECONDS=200 (6.5 minutes) and PARTS=kernels (1.2). Next: PARTS=graphs (about 3), then,
+# warm, PARTS=ladder-compiled with LADDER_SECONDS=110 (about 5), then PARTS=ladder-multiple with
+# what is left.
 #
 # Runs from the repository root without installing the package (PYTHONPATH=.), so a machine
 # with torch, timm, accelerate, click, rich, safetensors and pyyaml needs nothing else.
@@ -220,6 +220,25 @@ step "headline, bf16 autocast, batch 1024"
 check timeout 200 python3 benchmarks/tps_speed.py --part headline --device cuda --amp bf16 \
     --batch-size 1024 --rounds 2 --runs 10 --warmup 3 --seed 0 \
     --json-out "$OUT/headline_bf16_b1024.json"
+fi
+if [[ " $PARTS " == *" graphs "* ]]; then
+# --cuda-graphs on CUDA: the capture's own tests, the command's path end to end, and the Swin-T
+# cells run 8's earlier check refused (atomic adds differ between eager runs too).
+step "CUDA graphs without a compiler: tests/test_cuda_graphs.py on CUDA"
+if python3 -c "import pytest" 2>/dev/null; then
+    check timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py
+else
+    echo "FAILED: pytest is not installed here (pip install pytest)"; status=1
+fi
+step "apply deit_small + dTPS, bf16 autocast, batch 8, --cuda-graphs"
+check timeout 150 python3 -c "from vitcompress.cli.main import main; main()" apply \
+    --model deit_small_patch16_224 --variant dtps --keep 0.7 --device cuda --amp bf16 \
+    --batch-size 8 --cuda-graphs --bench-seconds 20 --out "$OUT/deit_s_dtps_graphs" --json \
+    > "$OUT/apply_deit_s_dtps_cuda_graphs_b8.json"
+step "Swin-T graphed, bf16, batches 64 and 256"
+check timeout 200 python3 benchmarks/gpu_ladder.py --device cuda --run "${LADDER_RUN:-graphs}-swin" \
+    --models swin_tiny --dtypes bf16 --batches 64,256 --modes graphed --budget-seconds 60 \
+    --deadline-seconds 180 --json-out "$OUT/ladder-${LADDER_RUN:-graphs}-swin.json"
 fi
 if [[ " $PARTS " == *" kernels "* ]]; then
 # Whether the Triton kernels may become the CUDA default: equal to the method's ops when compiled

@@ -22,8 +22,10 @@ processes' values, with every process's value kept. Output: a JSON list of recor
 A compiled or graphed cell times each method with the base and its ideal model alone, so that a
 run stopped part-way keeps the methods done. Each process writes its records after every cell
 and ``--deadline-seconds`` stops a process that would overrun it, so a lease's time limit still
-leaves a JSON of what was timed. ``--fused`` switches the compressed models to the fused kernels
-(Triton on CUDA) instead of the method's ops.
+leaves a JSON of what was timed. ``--fused`` switches every compressed model to the fused kernels
+(Triton on CUDA), ``--method-ops`` every one to the method's ops; by default each takes its
+default path (on CUDA since run 8: the kernels for dTPS, eTPS and ToMe, the method's ops for
+DynamicViT and EViT). Each record's ``kernels`` says which (``default``, ``fused``, ``method``).
 
     python benchmarks/gpu_ladder.py --device cuda --run h200          # the ladder, 2 processes
     python benchmarks/gpu_ladder.py --device cpu --tiny --run cpu-smoke --budget-seconds 60
@@ -55,6 +57,7 @@ from tps_speed import SlicedBlock  # noqa: E402
 import vitcompress  # noqa: E402
 from vitcompress.kernels import enable_fused_kernels  # noqa: E402
 from vitcompress.measure import count_macs, measure_throughput, paired_ratio  # noqa: E402
+from vitcompress.measure.cuda_graphs import CudaGraphed  # noqa: E402
 from vitcompress.measure.keep_fit import ATTRIBUTE as KEEP_FIT  # noqa: E402
 from vitcompress.measure.keep_fit import compress_within_gmacs  # noqa: E402
 
@@ -99,6 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile-backend", default="inductor", help="eager: a smoke run's capture")
     p.add_argument("--kept-multiple", type=int, default=None, help="round kept counts (8)")
     p.add_argument("--fused", action="store_true", help="the fused kernels, not the method's ops")
+    p.add_argument("--method-ops", action="store_true", help="the method's ops, not the kernels")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--runs", type=int, default=6)
     p.add_argument("--budget-seconds", type=float, default=140.0, help="the first process's")
@@ -126,6 +130,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--modes: {', '.join(sorted(unknown))} is not one of {', '.join(MODES)}")
     if "graphed" in csv(args.modes) and not args.device.startswith("cuda"):
         p.error("--modes graphed captures CUDA graphs: it needs --device cuda")
+    if args.fused and args.method_ops:
+        p.error("--fused and --method-ops: choose one")
     return args
 
 
@@ -250,6 +256,8 @@ def build_models(name: str, methods: list[str], args: argparse.Namespace) -> dic
     for model in models.values():
         model.to(device).eval()
     fused = {m: enable_fused_kernels(models[m]) > 0 for m in methods} if args.fused else {}
+    for method in methods if args.method_ops else ():
+        enable_fused_kernels(models[method], False)
     print(
         f"built {name}: {len(models)} models in {time.perf_counter() - began:.1f} s"
         + (f", fused kernels in {sorted(m for m, on in fused.items() if on)}" if fused else ""),
@@ -283,50 +291,6 @@ def compile_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.compile_backend == "inductor":
         return options | {"mode": args.compile_mode}
     return options | {"backend": args.compile_backend}
-
-
-class CudaGraphed(nn.Module):
-    """``module``'s eager forward replayed from a CUDA graph (``torch.cuda.graph``; no compiler):
-    one graph per input shape, dtype and autocast state, captured on the first call with that
-    key after three warm-up calls on a side stream. Each call copies its input into the graph's
-    static input and replays; the output is the graph's static tensor, overwritten by the next
-    call (timing reads nothing of it). The capture is checked against the eager forward on the
-    same input: a replay that differs is an error, not a number."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-        self.graphs: dict[tuple, tuple] = {}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        key = (tuple(x.shape), x.dtype, torch.is_autocast_enabled("cuda"))
-        if key not in self.graphs:
-            self.graphs[key] = self.capture(x)
-        graph, static_input, static_output = self.graphs[key]
-        static_input.copy_(x)
-        graph.replay()
-        return static_output
-
-    def capture(self, x: torch.Tensor) -> tuple:
-        static_input = x.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):  # lazy initialisation and allocator warm-up, outside the graph
-                eager = self.module(static_input)
-        torch.cuda.current_stream().wait_stream(side)
-        if not isinstance(eager, torch.Tensor):
-            raise TypeError(f"graphed mode times a tensor output, not {type(eager).__name__}")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_output = self.module(static_input)
-        graph.replay()
-        torch.cuda.synchronize()
-        error = (static_output.float() - eager.float()).abs().max().item()
-        scale = eager.float().abs().max().item()
-        if not error <= 2e-2 * scale + 1e-4:  # the same kernels on the same input
-            raise RuntimeError(f"the replayed graph differs from the eager forward by {error:.3g}")
-        return graph, static_input, static_output
 
 
 def capture_graphs(cell: dict, group: dict[str, nn.Module], built: dict, args) -> dict:
@@ -419,6 +383,7 @@ def time_group(
                 "base_gmacs": built["gmacs"][BASE],
                 "kept_multiple": args.kept_multiple,
                 "fused": built["fused"].get(method, False),
+                "kernels": "fused" if args.fused else "method" if args.method_ops else "default",
                 "compile": compile_options(args) if compiled else None,
                 "compiled_graphs": report.environment["compiled_graphs"].get(method),
                 "compile_seconds": report.environment["compile_seconds"].get(method),

@@ -18,7 +18,7 @@ import vitcompress
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 FIELDS = {
     "model", "method", "dtype", "batch", "mode", "img_per_s", "base_img_per_s",
-    "speedup_vs_base", "of_ideal",
+    "speedup_vs_base", "of_ideal", "kernels",
 }  # fmt: skip
 
 
@@ -115,6 +115,7 @@ def test_a_tiny_ladder_in_two_processes_writes_the_records(ladder, report, tmp_p
         assert FIELDS <= set(r)
         assert r["processes"] == 2 and len(r["img_per_s_processes"]) == 2
         assert r["mode"] == "eager" and r["dtype"] == "fp32" and r["batch"] == 2
+        assert r["kernels"] == "default"
         assert r["speedup_vs_base"] > 0 and r["img_per_s"] > 0
         assert r["host_share"] is None  # the CPU returns with the work done: no launch share
         # Swin has no ideal model; a plain ViT has.
@@ -192,3 +193,22 @@ def test_tomes_fit_is_done_once_and_read_by_later_processes(ladder, tmp_path, mo
     monkeypatch.setattr(ladder, "compress_within_gmacs", refit)
     second = ladder.build_models("deit_tiny", ["tome"], args)
     assert second["gmacs"]["tome"] == first["gmacs"]["tome"] < first["gmacs"]["base"]
+
+
+def test_the_kernel_path_is_chosen_for_every_method_and_recorded(ladder) -> None:
+    """``--method-ops`` switches every compressed model's reducers to the method's ops and
+    ``--fused`` to the kernels (the default leaves each at its own default); both at once is
+    refused."""
+    with pytest.raises(SystemExit):
+        ladder.parse_args(["--fused", "--method-ops"])
+    switches = {}
+    for flags in ([], ["--method-ops"], ["--fused"]):
+        args = ladder.parse_args(["--device", "cpu", "--tiny", *flags])
+        built = ladder.build_models("deit_tiny", ["dtps", "tome"], args)
+        switches[tuple(flags)] = {
+            m.fused_kernel
+            for method in ("dtps", "tome")
+            for m in built["models"][method].modules()
+            if getattr(m, "supports_fused_kernel", False)
+        }
+    assert switches == {(): {None}, ("--method-ops",): {False}, ("--fused",): {True}}

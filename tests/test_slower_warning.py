@@ -61,7 +61,7 @@ def test_apply_warns_on_cuda_when_the_compressed_model_is_slower(
     assert slower == [
         f"the compressed model is slower than its base on {device} at batch 8 ({ratio:.2f}x): "
         "the reducers' own kernels cost more than the tokens they remove save there; try "
-        "larger batches, or --compile --compile-mode reduce-overhead (CUDA graphs); bench DIR "
+        "larger batches, or --cuda-graphs (each batch one launch); bench DIR "
         "--batch-sizes finds the batch from which it pays"
     ]
     assert slower[0] in [str(w.message) for w in shown]  # said, not only recorded

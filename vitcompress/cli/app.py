@@ -298,8 +298,20 @@ def print_environment(environment: dict[str, Any]) -> None:
         console.print(
             f"[dim]{environment.get('device_name', environment.get('device'))}, "
             f"{environment.get('dtype')}, {threads}, batch "
-            f"{environment.get('batch_size')}, torch {environment.get('torch')}[/]"
+            f"{environment.get('batch_size')}{timing_mode(environment)}, "
+            f"torch {environment.get('torch')}[/]"
         )
+
+
+def timing_mode(environment: dict[str, Any]) -> str:
+    """How the models were run while timed, where not eagerly: ``, CUDA graphs`` or
+    ``, torch.compile (reduce-overhead)``; empty for eager."""
+    if environment.get("cuda_graphs"):
+        return ", CUDA graphs"
+    if environment.get("compile"):
+        mode = (environment.get("compile_options") or {}).get("mode")
+        return ", torch.compile" + (f" ({mode})" if mode else "")
+    return ""
 
 
 def finish_gates(results: list[GateResult], as_json: bool) -> None:

@@ -345,6 +345,12 @@ def timing_options(command: Callable) -> Callable:
             help="Time compressed models with select, gather and squeeze as one C++ op "
             "(dtps, dynamicvit, etps; CPU; built on first use, about a minute).",
         ),
+        click.option(
+            "--cuda-graphs",
+            is_flag=True,
+            help="Time every model replayed from a CUDA graph of its eager forward (CUDA; "
+            "captured and checked in seconds, no compiler; docs/serving.md).",
+        ),
         amp_option(
             "Time float32 models under autocast to bf16 or fp16 (GPU only).", bare_means_dtype=True
         ),
@@ -377,7 +383,9 @@ def check_device(device: str) -> str:
 
 # The timing options that only say how models are timed (not --batch-size and --device, which
 # eval and search also read for their own work), by parameter name.
-_TIMED_ONLY = ("dtype", "warmup", "runs", "bench_seconds", "use_compile", "compile_mode", "amp")
+_TIMED_ONLY = (
+    "dtype", "warmup", "runs", "bench_seconds", "use_compile", "compile_mode", "cuda_graphs", "amp",
+)  # fmt: skip
 
 
 def _given_timing_options() -> tuple[str, ...]:
@@ -405,9 +413,19 @@ def timing_from_options(
     fused_kernels: bool,
     amp: str | None,
     no_throughput: bool,
+    cuda_graphs: bool = False,
 ) -> TimingOptions | None:
     if compile_mode and not use_compile:
         raise ModelLoadError("--compile-mode sets how models are compiled: add --compile")
+    if cuda_graphs and use_compile:
+        raise ModelLoadError(
+            "--cuda-graphs and --compile: choose one (--compile-mode reduce-overhead is "
+            "inductor's own CUDA graphs)"
+        )
+    if cuda_graphs and not no_throughput and not device.startswith("cuda"):
+        raise ModelLoadError(
+            f"--cuda-graphs replays CUDA graphs: it needs --device cuda, not {device}"
+        )
     if fused_kernels and (no_throughput or not device.startswith("cpu")):
         raise ModelLoadError(
             "--fused-kernels changes only how compressed models are timed on the CPU: it has "
@@ -446,6 +464,7 @@ def timing_from_options(
         seconds=bench_seconds,
         compile_mode=compile_mode,
         fused_kernels=fused_kernels,
+        cuda_graphs=cuda_graphs,
         given=given + (("--fused-kernels",) if fused_kernels else ()),
     )
 

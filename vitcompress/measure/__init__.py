@@ -1,5 +1,6 @@
 """Honest measurement of models: parameters, MACs in the papers' convention, and throughput."""
 
+from .cuda_graphs import CudaGraphed, GraphCaptureError, replay_agrees
 from .macs import SDPA_OPS_REGISTERED, count_macs, macs_by_module
 from .paired import PairedRatio, bootstrap_median_ci, paired_ratio, paired_ratios, verdict
 from .params import count_params
@@ -15,6 +16,8 @@ from .throughput import (
 
 __all__ = [
     "SDPA_OPS_REGISTERED",
+    "CudaGraphed",
+    "GraphCaptureError",
     "ModelThroughput",
     "PairedRatio",
     "RoundProgress",
@@ -29,5 +32,6 @@ __all__ = [
     "measure_throughput",
     "paired_ratio",
     "paired_ratios",
+    "replay_agrees",
     "verdict",
 ]

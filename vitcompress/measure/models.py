@@ -44,6 +44,7 @@ class TimingOptions:
     seconds: float | None = DEFAULT_BENCH_SECONDS  # time budget of the throughput step
     compile_mode: str | None = None  # torch.compile's mode; None: torch's default
     fused_kernels: bool = False  # the reducers' select -> gather -> squeeze as one C++ op (CPU)
+    cuda_graphs: bool = False  # every model replayed from CUDA graphs (CUDA; not with compile)
     # The timing-only options the user gave (flags), for a command that times only sometimes
     # (search, with --min-speedup) to refuse them where it times nothing.
     given: tuple[str, ...] = field(default=(), compare=False)
@@ -71,6 +72,7 @@ class TimingOptions:
             compile_options=self.compile_options() | compile_extra if self.compile else None,
             amp=self.amp,
             time_budget=self.seconds,
+            cuda_graphs=self.cuda_graphs,
         )
 
     def measure(

@@ -44,6 +44,7 @@ from torch import nn
 
 from vitcompress.model_copy import copy_model
 
+from .cuda_graphs import CudaGraphed, capture_pass
 from .macs import _same_device
 from .threads import STARVATION_FACTOR, StarvationCheck, ThreadChoice, choose_threads, load_warning
 from .throughput_report import ModelThroughput, RoundProgress, ThroughputReport, environment
@@ -196,10 +197,13 @@ def _runnable(
     dtype: torch.dtype,
     compile_options: Mapping[str, Any] | None,
     compiled: bool,
+    cuda_graphs: bool = False,
 ) -> nn.Module:
     """The model as it is timed: on ``device`` in ``dtype`` (a copy where it is not), in eval
-    mode, wrapped by ``torch.compile`` where ``compiled``."""
+    mode, wrapped by ``torch.compile`` where ``compiled``, or replayed from CUDA graphs."""
     prepared = _prepare(model, device, dtype).eval()
+    if cuda_graphs:
+        return CudaGraphed(prepared)
     if not compiled:
         return prepared
     return torch.compile(prepared, **dict(compile_options or {}))  # type: ignore[return-value]
@@ -229,6 +233,7 @@ def measure_throughput(
     on_round: Callable[[RoundProgress], None] | None = None,
     compile_options: Mapping[str, Any] | None = None,
     threads: int | None = None,
+    cuda_graphs: bool = False,
 ) -> ThroughputReport:
     """Images/s of each model in inference mode, timed interleaved in this process.
 
@@ -245,6 +250,11 @@ def measure_throughput(
     is also a warning; 0 means dynamo reused the graph of an identical model compiled earlier in
     this process) are recorded, and nothing of it is timed.
 
+    ``cuda_graphs`` (CUDA only, not with ``compile``) times every model replayed from CUDA graphs
+    (:class:`~.cuda_graphs.CudaGraphed`), each captured and checked once before warm-up, outside
+    the budget (``environment["capture_seconds"]``); a forward that cannot be captured, or whose
+    replay disagrees with it, is a :class:`~.cuda_graphs.GraphCaptureError` naming the model.
+
     ``time_budget`` (seconds) bounds warm-up and timing together: no round starts once it is
     spent, but one warm-up round (when ``warmup`` > 0) and one timed round always run, so a round
     may overshoot it. ``on_round`` is called after every round, for progress displays.
@@ -259,6 +269,8 @@ def measure_throughput(
     _check_request(models, input_size, device, dtype, amp)
     schedule = _Schedule(batch_size, warmup, runs, time_budget, on_round)
     compiled_names = _compiled_names(compile, models)
+    if cuda_graphs and (device.type != "cuda" or compiled_names):
+        raise ValueError("cuda_graphs=True needs a CUDA device and no compile")
     # Under autocast weights and input stay float32 and the autocast casts per op.
     run_dtype = torch.float32 if amp else dtype
     generator = torch.Generator().manual_seed(0)
@@ -273,12 +285,15 @@ def measure_throughput(
 
     compile_seconds: dict[str, float] = {}
     compiled_graphs: dict[str, int] = {}
+    capture_seconds: dict[str, float] = {}
     # On a GPU the CPU threads only launch kernels: the count is torch's, and nothing is checked.
     choice = thread_choice(threads if device.type == "cpu" else torch.get_num_threads())
     # eval() changes the caller's models wherever no copy is needed: their flags are put back.
     with training_flags_kept(models.values()):
         runnable = {
-            name: _runnable(model, device, run_dtype, compile_options, name in compiled_names)
+            name: _runnable(
+                model, device, run_dtype, compile_options, name in compiled_names, cuda_graphs
+            )
             for name, model in models.items()
         }
         runners = {name: functools.partial(forward, model) for name, model in runnable.items()}
@@ -289,6 +304,8 @@ def measure_throughput(
                 compile_seconds[name], compiled_graphs[name] = _compile_pass(
                     lambda model=runnable[name]: forward(model), device
                 )
+            for name in runnable if cuda_graphs else ():
+                capture_seconds[name] = capture_pass(name, runners[name])
             rounds = _interleave(
                 runners,
                 schedule,
@@ -309,6 +326,8 @@ def measure_throughput(
             "compile_options": dict(compile_options or {}) if compiled_names else None,
             "compile_seconds": compile_seconds,
             "compiled_graphs": compiled_graphs,
+            "cuda_graphs": cuda_graphs,
+            "capture_seconds": capture_seconds,
             "amp": amp,
             "threads": choice.threads,
             "thread_choice": choice.to_json(),
@@ -333,8 +352,7 @@ def host_bound_warnings(host_shares: Mapping[str, list[float]]) -> list[str]:
             lines.append(
                 f"{name} is host-bound: issuing its kernels took {share:.0%} of each batch's "
                 "time, so its img/s measures how fast the CPU launches them more than the GPU; "
-                "compare models with --compile --compile-mode reduce-overhead (CUDA graphs) or "
-                "at a larger batch"
+                "compare models with --cuda-graphs (each batch one launch) or at a larger batch"
             )
     return lines
 

@@ -38,7 +38,7 @@ __all__ = [
 # synchronisation-free but serial steps. The commands say so where it happens.
 SLOWER_ADVICE = (
     "the reducers' own kernels cost more than the tokens they remove save there; try larger "
-    "batches, or --compile --compile-mode reduce-overhead (CUDA graphs)"
+    "batches, or --cuda-graphs (each batch one launch)"
 )
 
 
