@@ -479,3 +479,33 @@ def test_twins_svt_gives_its_locally_grouped_blocks_every_token(method: str) -> 
     assert torch.allclose(exact, base, rtol=0, atol=1e-10 * base.abs().max().item())
     assert torch.isfinite(out).all() and not torch.allclose(out, base, atol=1e-6)
     assert seen == [(2, 16, 128)]  # stage 2's 4 x 4 tokens, all of them
+
+
+def test_cvts_last_stage_scores_its_pooled_keys_over_the_windows_they_read() -> None:
+    """CvT's last stage puts the cls token's key in front of the keys its 3 x 3 stride-2 conv
+    pools (a ``cat``): its keys are pooled as the earlier stages' are, and EViT's score of a
+    token there is the mean cls attention of the keys whose window reads it, as in those stages
+    (not the key of the cell that holds it)."""
+    from vitcompress.method import key_scores_to_tokens
+
+    model = timm.create_model("cvt_13", num_classes=10, depths=(1, 1, 2)).eval()
+    size = (3, 64, 64)
+    pools = [block.attention.key_pool for block in map_model(model, size).blocks]
+    assert pools == [((3, 3), (2, 2), (1, 1))] * 4
+    compressed = compress(model, "evit", keep=[0.7], locs=[2], input_size=size).eval()
+    seen = {}
+
+    def keep(module: nn.Module, args: tuple, out: tuple) -> None:  # None: the output unchanged
+        seen["out"] = out
+
+    dict(compressed.named_modules())["tps_hooks.attn2"].register_forward_hook(keep)
+    with torch.no_grad():
+        compressed(torch.randn(2, *size, generator=torch.Generator().manual_seed(1)))
+    probs, scores = seen["out"]  # (B, heads, 1 + 4 x 4 queries, 1 + 2 x 2 keys), (B, 16)
+    assert probs.shape[-2:] == (17, 5)
+    cls_row = probs[:, :, 0, 1:].mean(dim=1)  # (B, 4): the cls query's attention to each key
+    torch.testing.assert_close(scores, key_scores_to_tokens(cls_row, (4, 4), None, pools[2]))
+    # Not each cell's own key: token (0, 1) is read by keys (0, 0) and (0, 1), so its score is
+    # their mean, which differs from key (0, 0)'s alone.
+    torch.testing.assert_close(scores[:, 1], cls_row[:, :2].mean(dim=1))
+    assert not torch.allclose(scores[:, 1], cls_row[:, 0])

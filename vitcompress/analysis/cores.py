@@ -137,16 +137,18 @@ def _key_pool(
 ) -> KeyPool | None:
     """Where an attention's keys are pooled on the token grid (fewer keys than queries), the
     strided conv or pool that made their grid: its kernel, stride and padding, walked back to
-    from the keys through the ops between (a norm, a projection, layout); ``None`` where none is
-    found (an adaptive pool, a functional conv), and the score of a key then covers its cell."""
+    from the keys through the ops between (a norm, a projection, layout, and a ``cat`` that puts
+    prefix keys in front of the pooled ones, CvT's last stage); ``None`` where none is found (an
+    adaptive pool, a functional conv), and the score of a key then covers its cell."""
     if not isinstance(keys, fx.Node) or key_tokens >= query_tokens:
         return None
     node = keys
+    pooled_tokens = key_tokens  # the keys the pool makes: all, less those a cat put beside them
     for _ in range(24):
         module = gm.get_submodule(node.target) if node.op == "call_module" else None
         if isinstance(module, _KEY_POOLS):
             shape = ops.shape(node)
-            if shape is None or len(shape) != 4 or shape[2] * shape[3] != key_tokens:
+            if shape is None or len(shape) != 4 or shape[2] * shape[3] != pooled_tokens:
                 return None
             kernel = nn.modules.utils._pair(module.kernel_size)
             stride = nn.modules.utils._pair(module.stride or module.kernel_size)
@@ -156,6 +158,14 @@ def _key_pool(
                 return None
             if stride != (1, 1):  # a stride-1 conv after the pool (PVTv2's) keeps its grid
                 return kernel, stride, nn.modules.utils._pair(module.padding)
+        if ops.is_cat(node):
+            # The pooled keys are the cat's largest part; the others (a cls token's key) stand
+            # on no cell of the pooled grid.
+            largest, others = _largest_cat_part(node)
+            if largest is None:
+                return None
+            node, pooled_tokens = largest, pooled_tokens - others
+            continue
         # The data's way back: a tuple of tensors (``unbind``'s) has no shape but carries them;
         # a size read off a tensor carries none.
         parents = [
@@ -167,6 +177,21 @@ def _key_pool(
             return None
         node = parents[0]
     return None
+
+
+def _largest_cat_part(node: fx.Node) -> tuple[fx.Node | None, int]:
+    """A ``cat``'s input with the most entries along the cat's dim and how many entries the
+    others add there; ``(None, 0)`` where a shape is unknown."""
+    parts = node.args[0] if node.args else node.kwargs.get("tensors")
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(parts, (list, tuple)) or not isinstance(dim, int):
+        return None, 0
+    shapes = [ops.shape(part) if isinstance(part, fx.Node) else None for part in parts]
+    if any(shape is None or not -len(shape) <= dim < len(shape) for shape in shapes):
+        return None, 0
+    sizes = [shape[dim] for shape in shapes]
+    largest = max(range(len(parts)), key=sizes.__getitem__)
+    return parts[largest], sum(sizes) - sizes[largest]
 
 
 @dataclass
