@@ -25,7 +25,8 @@ and ``--deadline-seconds`` stops a process that would overrun it, so a lease's t
 leaves a JSON of what was timed. ``--fused`` switches every compressed model to the fused kernels
 (Triton on CUDA), ``--method-ops`` every one to the method's ops; by default each takes its
 default path (on CUDA since run 8: the kernels for dTPS, eTPS and ToMe, the method's ops for
-DynamicViT and EViT). Each record's ``kernels`` says which (``default``, ``fused``, ``method``).
+DynamicViT and EViT). Each record's ``kernels`` says which (``default``, ``fused``, ``method``;
+``method`` for EViT under ``--fused``: it has no kernel).
 
     python benchmarks/gpu_ladder.py --device cuda --run h200          # the ladder, 2 processes
     python benchmarks/gpu_ladder.py --device cpu --tiny --run cpu-smoke --budget-seconds 60
@@ -333,6 +334,15 @@ def groups_of(cell: dict, built: dict) -> list[dict[str, nn.Module]]:
     return groups
 
 
+def kernel_path(method: str, built: dict, args: argparse.Namespace) -> str:
+    """The path ``method``'s reducers took: ``fused`` where ``--fused`` switched a kernel on,
+    ``method`` where ``--method-ops`` switched them off or ``--fused`` found no kernel to switch
+    on (EViT's), ``default`` otherwise (each reducer's own default on the device)."""
+    if args.fused:
+        return "fused" if built["fused"].get(method, False) else "method"
+    return "method" if args.method_ops else "default"
+
+
 def time_group(
     cell: dict, group: dict[str, nn.Module], built: dict, args: argparse.Namespace
 ) -> tuple[list[dict], dict]:
@@ -383,7 +393,7 @@ def time_group(
                 "base_gmacs": built["gmacs"][BASE],
                 "kept_multiple": args.kept_multiple,
                 "fused": built["fused"].get(method, False),
-                "kernels": "fused" if args.fused else "method" if args.method_ops else "default",
+                "kernels": kernel_path(method, built, args),
                 "compile": compile_options(args) if compiled else None,
                 "compiled_graphs": report.environment["compiled_graphs"].get(method),
                 "compile_seconds": report.environment["compile_seconds"].get(method),

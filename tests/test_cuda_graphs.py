@@ -106,8 +106,11 @@ class _FakeGraph:
         self.work: list[Callable[[], None]] = []
 
     def replay(self) -> None:
-        for work in self.work:
-            work()
+        # A replay's kernels write the graph's memory directly, past autograd's checks (an
+        # inference tensor captured as output is rewritten outside inference mode too).
+        with torch.inference_mode():
+            for work in self.work:
+                work()
 
 
 @contextlib.contextmanager
@@ -192,6 +195,21 @@ def test_a_nondeterministic_forward_is_captured(fake_cuda: None) -> None:
         wrapped(10 * torch.randn(64, 8))
 
 
+def test_a_graph_captured_under_inference_mode_replays_under_no_grad(fake_cuda: None) -> None:
+    # Its static input is written by every call: an inference tensor (a clone made under
+    # inference_mode) would refuse that write outside inference mode.
+    model = _Recorded().eval()
+    wrapped = CudaGraphed(model)
+    x, y = torch.randn(3, 8), torch.randn(3, 8)
+    with torch.inference_mode():
+        wrapped(x)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(y).clone(), model(y))
+    with torch.inference_mode():
+        torch.testing.assert_close(wrapped(x).clone(), model(x))
+    assert len(wrapped.graphs) == 1
+
+
 def test_a_graphed_forward_refuses_to_run_with_grad(fake_cuda: None) -> None:
     with pytest.raises(RuntimeError, match="inference only"):
         CudaGraphed(_Recorded())(torch.randn(2, 8))
@@ -211,6 +229,19 @@ def test_a_forward_that_cannot_be_captured_is_one_line_naming_the_model() -> Non
         "RuntimeError: CUDA error: operation not permitted when stream is capturing"
     )
     assert isinstance(caught.value, UserError)
+
+
+def test_running_out_of_memory_while_capturing_stays_itself() -> None:
+    # The capture's end fails after the forward ran out of memory inside it: the reason is
+    # the memory, said as torch says it, not a capture that cannot be timed.
+    def fails() -> None:
+        try:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        finally:
+            raise RuntimeError("capture_end failed: the capture was invalidated")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="Tried to allocate 2.00 GiB"):
+        capture_pass("compressed", fails)
 
 
 def test_measure_throughput_graphs_only_on_cuda_and_not_compiled() -> None:

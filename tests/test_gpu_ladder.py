@@ -212,3 +212,17 @@ def test_the_kernel_path_is_chosen_for_every_method_and_recorded(ladder) -> None
             if getattr(m, "supports_fused_kernel", False)
         }
     assert switches == {(): {None}, ("--method-ops",): {False}, ("--fused",): {True}}
+
+
+def test_a_method_without_a_kernel_is_recorded_on_the_methods_ops_under_fused(ladder) -> None:
+    """``--fused`` switches on the kernel of every method that has one: EViT has none, so its
+    record says ``method`` (the path it ran), not ``fused``, and agrees with its ``fused``."""
+    args = ladder.parse_args(["--device", "cpu", "--tiny", "--fused", "--warmup", "0"])
+    args.runs = 1
+    built = ladder.build_models("deit_tiny", ["dtps", "evit"], args)
+    cell = {"model": "deit_tiny", "dtype": "fp32", "batch": 1, "mode": "eager"}
+    records, _ = ladder.time_group(cell, built["models"], built, args)
+    paths = {r["method"]: (r["kernels"], r["fused"]) for r in records}
+    assert paths == {"dtps": ("fused", True), "evit": ("method", False)}
+    plain = ladder.parse_args(["--device", "cpu", "--tiny"])
+    assert ladder.kernel_path("evit", {"fused": {}}, plain) == "default"

@@ -405,3 +405,25 @@ def test_on_cuda_the_default_is_the_kernel_where_it_squeezes_or_merges(monkeypat
     monkeypatch.setattr(ops, "triton_available", lambda: False)
     assert not ops.kernel_runs(None, cuda, cuda_default=True)
     assert merging(cuda, None, None, 2, 1, None) is None
+
+
+def test_on_cuda_deterministic_algorithms_keep_the_methods_ops(monkeypatch) -> None:
+    """The Triton squeeze and merge add with atomics in no fixed order, where the method's
+    ``scatter_add`` is deterministic on CUDA under ``torch.use_deterministic_algorithms``: asked
+    for, the default (switch None) on CUDA is the method's ops; a switch set on still decides,
+    and the CPU's kernel (serial sums) is not affected."""
+    from vitcompress.kernels import ops
+
+    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    monkeypatch.setattr(ops, "fused_kernels_available", lambda: True)
+    cuda, cpu = _tokens_on("cuda"), _tokens_on("cpu")
+    assert ops.kernel_runs(None, cuda, cuda_default=True)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not ops.kernel_runs(None, cuda, cuda_default=True)
+        assert ops.kernel_runs(True, cuda, cuda_default=True)
+        assert ops.kernel_runs(None, cpu)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert ops.kernel_runs(None, cuda, cuda_default=True)

@@ -158,3 +158,79 @@ def test_the_guarded_trace_lets_go_of_values_the_traced_code_dropped():
     assert len(held) <= 2, [node.name for node in held]
     # And the guard on the input check was still decided on the example's value.
     assert any(node.target is torch._assert for node in graph.nodes)
+
+
+class _PooledKeys(nn.Module):
+    """An attention whose keys a 3 x 3 stride-2 conv pools from the patch tokens, with the cls
+    token's key joined in front (``cls_front``), a register's key joined behind (``after``), or
+    the keys' channels made of two halves (``channels``)."""
+
+    def __init__(self, dim: int, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.q, self.kv, self.proj = (
+            nn.Linear(dim, dim),
+            nn.Linear(dim, 2 * dim),
+            nn.Linear(dim, dim),
+        )
+        self.sr = nn.Conv2d(dim, dim, 3, 2, 1)
+        self.register = nn.Parameter(torch.randn(1, 1, dim))
+
+    def forward(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        batch, tokens, dim = x.shape
+        grid = x[:, 1:].transpose(1, 2).reshape(batch, dim, side, side)
+        pooled = self.sr(grid).flatten(2).transpose(1, 2)
+        if self.form == "cls_front":
+            pooled = torch.cat([x[:, :1], pooled], dim=1)
+        elif self.form == "after":
+            pooled = torch.cat([pooled, self.register.expand(batch, -1, -1)], dim=1)
+        k, v = self.kv(pooled).chunk(2, dim=-1)
+        if self.form == "channels":
+            k = torch.cat([k[..., : dim // 2], k[..., dim // 2 :] * 2], dim=-1)
+        q, k, v = (t.reshape(batch, t.shape[1], 2, -1).transpose(1, 2) for t in (self.q(x), k, v))
+        attn = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(batch, tokens, dim))
+
+
+class _PooledKeysBlock(nn.Module):
+    def __init__(self, dim: int, form: str) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim), _PooledKeys(dim, form)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), side)
+        return x + self.mlp(self.norm2(x))
+
+
+class _PooledKeysNet(nn.Module):
+    def __init__(self, form: str, dim: int = 32) -> None:
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, 8, 8)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.blocks = nn.ModuleList([_PooledKeysBlock(dim, form) for _ in range(2)])
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x)
+        side = x.shape[-1]
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x.flatten(2).transpose(1, 2)], 1)
+        for block in self.blocks:
+            x = block(x, side)
+        return self.head(x[:, 0])
+
+
+@pytest.mark.parametrize(
+    ("form", "pool"),
+    [
+        ("cls_front", ((3, 3), (2, 2), (1, 1))),  # CvT's last stage: the cls key in front
+        ("channels", ((3, 3), (2, 2), (1, 1))),  # a cat along the channels: walked through
+        ("after", None),  # a key behind the pooled ones: they would be misplaced on the grid
+    ],
+)
+def test_a_pooled_key_grid_is_found_through_a_cat_only_along_the_keys_and_behind_the_prefix(
+    form: str, pool: tuple | None
+) -> None:
+    model_map = map_model(_PooledKeysNet(form).eval(), (3, 64, 64))
+    assert [block.attention.key_pool for block in model_map.blocks] == [pool, pool]

@@ -159,13 +159,17 @@ def _key_pool(
             if stride != (1, 1):  # a stride-1 conv after the pool (PVTv2's) keeps its grid
                 return kernel, stride, nn.modules.utils._pair(module.padding)
         if ops.is_cat(node):
-            # The pooled keys are the cat's largest part; the others (a cls token's key) stand
-            # on no cell of the pooled grid.
-            largest, others = _largest_cat_part(node)
-            if largest is None:
-                return None
-            node, pooled_tokens = largest, pooled_tokens - others
-            continue
+            parts, sizes = _cat_parts(node)
+            if parts and sum(sizes) == pooled_tokens:
+                # A cat along the keys: the pooled keys are its largest part, the others (a cls
+                # token's key) stand on no cell of the pooled grid. They must come first, as
+                # the prefix tokens do: pooled keys with keys after them are not spread.
+                largest = max(range(len(parts)), key=sizes.__getitem__)
+                if largest != len(parts) - 1:
+                    return None
+                node, pooled_tokens = parts[largest], sizes[largest]
+                continue
+            # A cat along another axis (channels): the way back as through any op.
         # The data's way back: a tuple of tensors (``unbind``'s) has no shape but carries them;
         # a size read off a tensor carries none.
         parents = [
@@ -179,19 +183,16 @@ def _key_pool(
     return None
 
 
-def _largest_cat_part(node: fx.Node) -> tuple[fx.Node | None, int]:
-    """A ``cat``'s input with the most entries along the cat's dim and how many entries the
-    others add there; ``(None, 0)`` where a shape is unknown."""
+def _cat_parts(node: fx.Node) -> tuple[list[fx.Node], list[int]]:
+    """A ``cat``'s inputs and their sizes along its dim; empty where a shape is unknown."""
     parts = node.args[0] if node.args else node.kwargs.get("tensors")
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     if not isinstance(parts, (list, tuple)) or not isinstance(dim, int):
-        return None, 0
+        return [], []
     shapes = [ops.shape(part) if isinstance(part, fx.Node) else None for part in parts]
     if any(shape is None or not -len(shape) <= dim < len(shape) for shape in shapes):
-        return None, 0
-    sizes = [shape[dim] for shape in shapes]
-    largest = max(range(len(parts)), key=sizes.__getitem__)
-    return parts[largest], sum(sizes) - sizes[largest]
+        return [], []
+    return list(parts), [shape[dim] for shape in shapes]
 
 
 @dataclass

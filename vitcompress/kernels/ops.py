@@ -160,7 +160,9 @@ def kernel_runs(setting: bool | None, x: Tensor, cuda_default: bool = False) -> 
     not record ``x`` (another device is refused by the op, in one line). ``None``: where the
     kernel serves: float32 or half-precision tokens outside autograd and any trace, on the CPU
     with the extensions built here, on CUDA with Triton installed where the op is faster than
-    the method's ops there (``cuda_default``, the op's own measured answer)."""
+    the method's ops there (``cuda_default``, the op's own measured answer) and deterministic
+    algorithms are not asked for (``torch.use_deterministic_algorithms``: the kernels' atomic
+    sums are not, the method's ops then are)."""
     if setting is False:
         return False
     if setting is True:
@@ -168,7 +170,10 @@ def kernel_runs(setting: bool | None, x: Tensor, cuda_default: bool = False) -> 
     if _tracing() or x.requires_grad or x.dtype not in _KERNEL_DTYPES:
         return False
     if x.device.type == "cuda":
-        return cuda_default and triton_available()
+        # The Triton kernels add with atomics in no fixed order; the method's scatter_add is
+        # deterministic on CUDA where torch.use_deterministic_algorithms asks for it.
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        return cuda_default and not deterministic and triton_available()
     return x.device.type == "cpu" and fused_kernels_available()
 
 

@@ -118,7 +118,7 @@ class CudaGraphed(nn.Module):
     warm-up calls on a side stream, then checked (:meth:`capture`). Each call copies its input
     into the graph's static input and replays; the output is the graph's static output,
     overwritten by the next call (clone what is kept). Inference only: calls run under
-    ``torch.inference_mode()`` or ``torch.no_grad()``."""
+    ``torch.inference_mode()`` or ``torch.no_grad()``, either after a capture under the other."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
@@ -153,7 +153,11 @@ class CudaGraphed(nn.Module):
             else contextlib.nullcontext()
         )
         with no_cache, torch.cuda.device(x.device):
-            static_input = x.clone()
+            # A normal tensor, not an inference one (``x.clone()`` under inference mode): later
+            # calls copy into it, and an inference tensor refuses an in-place update outside
+            # inference mode (a graph captured under inference_mode, called under no_grad).
+            with torch.inference_mode(False), torch.no_grad():
+                static_input = x.clone()
             side = torch.cuda.Stream(device=x.device)
             side.wait_stream(torch.cuda.current_stream(x.device))
             eager = []
@@ -198,6 +202,8 @@ def capture_pass(name: str, run: Callable[[], Any]) -> float:
         # first error is the reason.
         while isinstance(error.__context__, Exception) and not isinstance(error, GraphCaptureError):
             error = error.__context__
+        if isinstance(error, torch.cuda.OutOfMemoryError):  # under the capture's own failure
+            raise error from None
         lines = str(error).strip().splitlines()
         reason = lines[0] if lines else type(error).__name__
         if not isinstance(error, GraphCaptureError):
