@@ -39,6 +39,13 @@ cli() { python3 -c "from vitcompress.cli.main import main; main()" "$@"; }
 step() { echo; echo "=== $* ($(date +%T))"; }
 status=0
 check() { "$@" || { echo "FAILED ($?): $*"; status=1; }; }
+gpu_tests() {  # one test file on this machine's GPU, where pytest is installed
+    if python3 -c "import pytest" 2>/dev/null; then
+        check timeout 180 python3 -m pytest -q -p no:cacheprovider "$1"
+    else
+        echo "FAILED: pytest is not installed here (pip install pytest)"; status=1
+    fi
+}
 
 step environment
 nvidia-smi -L
@@ -225,11 +232,7 @@ if [[ " $PARTS " == *" graphs "* ]]; then
 # --cuda-graphs on CUDA: the capture's own tests, the command's path end to end, and the Swin-T
 # cells run 8's earlier check refused (atomic adds differ between eager runs too).
 step "CUDA graphs without a compiler: tests/test_cuda_graphs.py on CUDA"
-if python3 -c "import pytest" 2>/dev/null; then
-    check timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py
-else
-    echo "FAILED: pytest is not installed here (pip install pytest)"; status=1
-fi
+gpu_tests tests/test_cuda_graphs.py
 step "apply deit_small + dTPS, bf16 autocast, batch 8, --cuda-graphs"
 check timeout 150 python3 -c "from vitcompress.cli.main import main; main()" apply \
     --model deit_small_patch16_224 --variant dtps --keep 0.7 --device cuda --amp bf16 \
@@ -241,14 +244,10 @@ check timeout 200 python3 benchmarks/gpu_ladder.py --device cuda --run "${LADDER
     --deadline-seconds 180 --json-out "$OUT/ladder-${LADDER_RUN:-graphs}-swin.json"
 fi
 if [[ " $PARTS " == *" kernels "* ]]; then
-# Whether the Triton kernels may become the CUDA default: equal to the method's ops when compiled
-# (the interpreter tests cannot see compiled code), and faster than them.
+# The Triton kernels (the CUDA default for dTPS, eTPS and ToMe since run 8): equal to the method's
+# ops when compiled (the interpreter tests cannot see compiled code), and faster than them.
 step "Triton kernels compiled on CUDA against the method's ops"
-if python3 -c "import pytest" 2>/dev/null; then
-    check timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_triton_cuda.py
-else
-    echo "FAILED: pytest is not installed here (pip install pytest)"; status=1
-fi
+gpu_tests tests/test_triton_cuda.py
 step "kernel speed on CUDA: select_squeeze and tome_merge against the method's ops"
 check timeout 90 python3 benchmarks/kernel_speed.py --device cuda --calls 200 \
     --json-out "$OUT/kernel_speed_select_cuda.json"
