@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -391,7 +392,7 @@ def test_on_cuda_the_default_is_the_kernel_where_it_squeezes_or_merges(monkeypat
         fuses.FusedMerge(),
     )
     assert (squeezing.cuda_default, selecting.cuda_default) == (True, False)
-    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    monkeypatch.setattr(ops, "triton_serves", lambda device: True)
     cuda = _tokens_on("cuda", torch.bfloat16)
     assert ops.kernel_runs(None, cuda, cuda_default=squeezing.cuda_default)
     assert not ops.kernel_runs(None, cuda, cuda_default=selecting.cuda_default)
@@ -402,7 +403,7 @@ def test_on_cuda_the_default_is_the_kernel_where_it_squeezes_or_merges(monkeypat
     # The ops themselves ask with their own answer: a CUDA call reaches the kernel only where
     # the default says so (here it would fail loudly on the fake tokens if it were reached).
     assert selecting(cuda, None, 1, 4, None) is None
-    monkeypatch.setattr(ops, "triton_available", lambda: False)
+    monkeypatch.setattr(ops, "triton_serves", lambda device: False)
     assert not ops.kernel_runs(None, cuda, cuda_default=True)
     assert merging(cuda, None, None, 2, 1, None) is None
 
@@ -414,7 +415,7 @@ def test_on_cuda_deterministic_algorithms_keep_the_methods_ops(monkeypatch) -> N
     and the CPU's kernel (serial sums) is not affected."""
     from vitcompress.kernels import ops
 
-    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    monkeypatch.setattr(ops, "triton_serves", lambda device: True)
     monkeypatch.setattr(ops, "fused_kernels_available", lambda: True)
     cuda, cpu = _tokens_on("cuda"), _tokens_on("cpu")
     assert ops.kernel_runs(None, cuda, cuda_default=True)
@@ -427,3 +428,33 @@ def test_on_cuda_deterministic_algorithms_keep_the_methods_ops(monkeypatch) -> N
     finally:
         torch.use_deterministic_algorithms(before)
     assert ops.kernel_runs(None, cuda, cuda_default=True)
+
+
+def test_where_the_triton_kernels_do_not_run_the_methods_ops_serve_with_one_warning(
+    monkeypatch,
+) -> None:
+    """Triton installed is not Triton running (its launcher needs a C compiler; a GPU may lack
+    what a kernel uses): the CUDA default tries the kernels once per device and, where they
+    fail, runs the methods' own ops with one warning, not a failed forward. While a CUDA graph
+    is being captured nothing is tried (nor cached)."""
+    from vitcompress.kernels import ops
+
+    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    monkeypatch.setattr(ops, "_triton_served", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    device = torch.device("cuda", 7)
+    assert not ops.triton_serves(device) and ops._triton_served == {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    # The try fails here as it would on a GPU whose Triton cannot compile (no device at all).
+    with pytest.warns(UserWarning, match="do not run on cuda:7 .*their own ops there instead"):
+        assert not ops.kernel_runs(None, _tokens_on_device(device), cuda_default=True)
+    assert ops._triton_served == {7: False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: no second try, no second warning
+        assert not ops.triton_serves(device)
+
+
+def _tokens_on_device(device: torch.device) -> object:
+    tokens = _tokens_on(device.type)
+    tokens.device = device
+    return tokens

@@ -41,7 +41,7 @@ from vitcompress.method import (
     split_by_score,
     squeeze,
 )
-from vitcompress.status import quiet_logger, step
+from vitcompress.status import quiet_logger, step, warn
 
 _SOURCES = Path(__file__).resolve().parent / "csrc"
 # extension name -> its source (one extension each: a change to one rebuilds only that one)
@@ -173,7 +173,7 @@ def kernel_runs(setting: bool | None, x: Tensor, cuda_default: bool = False) -> 
         # The Triton kernels add with atomics in no fixed order; the method's scatter_add is
         # deterministic on CUDA where torch.use_deterministic_algorithms asks for it.
         deterministic = torch.are_deterministic_algorithms_enabled()
-        return cuda_default and not deterministic and triton_available()
+        return cuda_default and not deterministic and triton_serves(x.device)
     return x.device.type == "cpu" and fused_kernels_available()
 
 
@@ -214,6 +214,40 @@ def _select_squeeze_cuda(
 def triton_available() -> bool:
     """Whether Triton is installed (found, not imported): the ops' CUDA kernels."""
     return importlib.util.find_spec("triton") is not None
+
+
+# CUDA device index -> whether the Triton kernels compiled and ran there (tried once).
+_triton_served: dict[int | None, bool] = {}
+
+
+def triton_serves(device: torch.device) -> bool:
+    """Whether the Triton kernels run on ``device`` (CUDA): tried once per device on tiny
+    tensors, each op once. Installed is not enough for a default: Triton compiles its launcher
+    with the machine's C compiler, and a GPU may lack what a kernel uses; where either fails the
+    methods' own ops run instead, with one warning. Not tried while a CUDA graph is being
+    captured (it would synchronise): the method's ops are captured then."""
+    if device.index in _triton_served:
+        return _triton_served[device.index]
+    if not triton_available():
+        return False
+    try:
+        if torch.cuda.is_current_stream_capturing():
+            return False  # not cached: tried at the next call outside the capture
+        with torch.no_grad(), _without_autocast("cuda"):
+            tokens = torch.randn(1, 6, 8, device=device)
+            select_squeeze(tokens, torch.randn(1, 5, device=device), 1, 2, True)
+            tome_merge(tokens, tokens, None, 2, 1)
+            torch.cuda.synchronize(device)
+        served = True
+    except Exception as error:  # noqa: BLE001 - any failure: the methods' ops serve instead
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        warn(
+            f"the fused Triton kernels do not run on {device} ({type(error).__name__}: {first}); "
+            "dTPS, eTPS and ToMe run their own ops there instead"
+        )
+        served = False
+    _triton_served[device.index] = served
+    return served
 
 
 @_select_squeeze_op.register_fake
