@@ -374,3 +374,51 @@ def test_a_base_whose_head_does_not_fit_the_data_is_named(folder):
     assert result.exit_code == 2, result.output
     [line] = result.output.strip().splitlines()
     assert line.startswith(f"error: --base {MHA}: the model predicts 10 classes but the data has 2")
+
+
+TINY_TIMM = [
+    *("--model-arg", "img_size=32", "--model-arg", "patch_size=4"),
+    *("--model-arg", "depth=2", "--model-arg", "num_classes=2"),
+]
+
+
+def test_an_untrained_timm_model_is_said_to_be_one(folder, tmp_path):
+    """A timm model loaded without --pretrained or --checkpoint, or an artifact compressed from
+    one and never fine-tuned, scores at chance: eval says so in one note (for the model and for
+    the base); with weights given, nothing is said."""
+    from safetensors.torch import save_file
+
+    spec = "vit_tiny_patch16_224"
+    note = "has random weights (no --pretrained, --checkpoint or fine-tuning)"
+    untrained = run("eval", "--model", spec, *TINY_TIMM, "--data", str(folder), "--no-throughput")
+    assert untrained.exit_code == 0, untrained.output
+    assert f"note: {spec} {note}" in untrained.stderr
+
+    args = {"img_size": 32, "patch_size": 4, "depth": 2, "num_classes": 2}
+    checkpoint = tmp_path / "trained.safetensors"
+    save_file(load_base_model(spec, args).model.state_dict(), str(checkpoint))
+    given = ["--checkpoint", str(checkpoint), "--data", str(folder), "--no-throughput"]
+    weighted = run("eval", "--model", spec, *TINY_TIMM, *given)
+    assert weighted.exit_code == 0, weighted.output
+    assert note not in weighted.stderr
+
+    out = tmp_path / "compressed"
+    apply = ["apply", "--model", spec, *TINY_TIMM, "--variant", "evit", "--keep", "0.7"]
+    assert run(*apply, "--no-throughput", "--out", str(out)).exit_code == 0
+    base_args = [arg.replace("--model-arg", "--base-model-arg") for arg in TINY_TIMM]
+    both = run("eval", "--model", str(out), "--data", str(folder), "--base", spec, *base_args)
+    assert both.exit_code == 0, both.output
+    assert f"note: {out} {note}" in both.stderr and f"note: the base {spec} {note}" in both.stderr
+    trained_out = tmp_path / "compressed_trained"
+    assert (
+        run(
+            *apply, "--checkpoint", str(checkpoint), "--no-throughput", "--out", str(trained_out)
+        ).exit_code
+        == 0
+    )
+    assert (
+        note
+        not in run(
+            "eval", "--model", str(trained_out), "--data", str(folder), "--no-throughput"
+        ).stderr
+    )

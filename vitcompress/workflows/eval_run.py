@@ -29,7 +29,7 @@ from vitcompress.training.evaluate import (
     spread_subset,
 )
 from vitcompress.workflows.gates import NO_THROUGHPUT, Bounds, GateResult, check_gates, require
-from vitcompress.workflows.identity import model_identity
+from vitcompress.workflows.identity import model_identity, untrained
 from vitcompress.workflows.inputs import BaseRequest, DataRequest, ModelRequest
 
 # What each task reports, headline first: the metric --max-acc-drop compares comes first.
@@ -204,6 +204,15 @@ def eval_model(
     if result.base is not None:
         labels.append((result.base.data_config, f"the base {result.base.spec}"))
     result.notes = [note for c, label in labels if (note := defaults_note(c, label))]
+    identities = [(result.identity, request.spec)]
+    if result.base is not None:
+        identities.append((result.base.identity, f"the base {result.base.spec}"))
+    result.notes += [
+        f"note: {label} has random weights (no --pretrained, --checkpoint or fine-tuning): its "
+        "accuracy is that of an untrained model"
+        for identity, label in identities
+        if untrained(identity)
+    ]
     return result
 
 

@@ -117,6 +117,26 @@ def model_identity(loaded: LoadedModel, spec: str) -> dict[str, Any]:
     }
 
 
+def untrained(identity: dict[str, Any]) -> bool:
+    """Whether a timm model of this identity runs on freshly initialised weights: loaded without
+    --pretrained or --checkpoint, or an artifact compressed from such a base and never
+    fine-tuned. Its accuracy is that of no training. (A user's factory or module may load its
+    own weights, so only timm's are judged.)"""
+    if identity.get("kind") != "artifact":
+        return identity.get("kind") == "timm" and identity.get("weights") == "random"
+    try:
+        meta = json.loads((Path(identity["path"]) / ARTIFACT_MARKER).read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    source = meta.get("source") if isinstance(meta, dict) else None
+    return (
+        isinstance(source, dict)
+        and _source_kind(str(source.get("spec", ""))) == "timm"
+        and meta.get("base_weights") is None
+        and "finetune" not in meta
+    )
+
+
 def _source_kind(recorded: str) -> str:
     """timm, file or module, for a spec as the loader records it (files absolute)."""
     target, sep, _ = recorded.rpartition(":")
