@@ -275,6 +275,40 @@ def test_a_one_channel_model_averages_a_stated_rgb_config_but_not_a_given_one():
         resolve_data_config(model, channels=1, overrides={"mean": tuple(IMAGENET_MEAN)})
 
 
+def test_evaluate_warns_when_the_set_is_not_normalised_as_the_model_states(factory, gray_folder):
+    """From Python, a bare build_dataset brings ImageNet's statistics whatever the model: the
+    score is wrong (50% here, 100% on the model's own 0.5/0.5) and evaluate says why, once;
+    a set built for the model, one whose mean/std the caller chose, and a model that states
+    nothing are scored without a word."""
+    from vitcompress.data import model_dataset
+    from vitcompress.loading import load_base_model
+    from vitcompress.training.evaluate import evaluate, spread_subset
+
+    stated = load_base_model(f"{factory}:stated").model
+    bare = build_dataset(str(gray_folder), "val", (3, 8, 8))
+    with pytest.warns(UserWarning) as caught:
+        wrong = evaluate(stated, spread_subset(bare, 4))  # read through a Subset too
+    assert wrong["top1"] == 50.0
+    assert len(caught) == 1
+    assert str(caught[0].message).startswith(
+        "the images are normalised with mean (0.485, 0.456, 0.406) where the model's "
+        "data_config attribute states (0.5, 0.5, 0.5); std (0.229, 0.224, 0.225) where"
+    )
+
+    import warnings
+
+    own, _ = model_dataset(stated, str(gray_folder), "val", (3, 8, 8))
+    chosen = build_dataset(str(gray_folder), "val", (3, 8, 8), mean=IMAGENET_MEAN)
+    unstated = load_base_model(f"{factory}:unstated").model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert evaluate(stated, own)["top1"] == 100.0
+        evaluate(unstated, bare)
+        # The chosen mean is the caller's; the std still defaulted and still differs.
+        with pytest.raises(UserWarning, match=r"^the images are normalised with std \("):
+            evaluate(stated, chosen)
+
+
 # ---------------------------------------------------------------------------------------------
 # Artifacts
 

@@ -307,6 +307,35 @@ def artifact_data_config(
     return stated_data_config(rebuilt)
 
 
+def mismatch_note(model: nn.Module, config: DataConfig) -> str | None:
+    """One line when images normalised by ``config`` are not what ``model`` states it expects.
+
+    Only the mean and std are compared (a wrong normalisation shifts every input; a crop or a
+    resize filter changes little), and only where the model states them and ``config`` took its
+    value from the defaults: a value the user gave (an option, a recipe, an argument) is a
+    choice, not a slip. None when they agree or nothing can be told.
+    """
+    stated, where = stated_data_config(model)
+    wrong = []
+    for name in ("mean", "std"):
+        if name not in stated or name in config.explicit:
+            continue
+        ours = getattr(config, name)
+        try:
+            restated = replace(config, **{name: stated[name]}).for_channels(len(ours))
+        except DataError:  # stated for another number of channels: nothing to compare
+            continue
+        expected = getattr(restated, name)
+        if any(abs(a - b) > 1e-6 for a, b in zip(ours, expected, strict=True)):
+            wrong.append(f"{name} {_show(ours)} where {where} states {_show(expected)}")
+    if not wrong:
+        return None
+    return (
+        f"the images are normalised with {'; '.join(wrong)}: the accuracy is of inputs the model "
+        "does not expect; build the set with vitcompress.data.model_dataset(model, ...)"
+    )
+
+
 def defaults_note(config: DataConfig, name: str) -> str | None:
     """One line for stderr when ``config`` (of model ``name``) took values nobody stated."""
     missing = config.defaulted()

@@ -12,7 +12,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from vitcompress.data import DataError, num_classes
+from vitcompress.data.config import DataConfig, mismatch_note
 from vitcompress.measure.logits import unwrap_logits
+from vitcompress.status import warn
 
 __all__ = [
     "EvalProgress",
@@ -80,6 +82,19 @@ def _classes_or_none(dataset: Dataset) -> int | None:
         return None
 
 
+def _check_preprocessing(model: nn.Module, dataset: Dataset) -> None:
+    """Warn (one line) when the set's images are normalised otherwise than ``model`` states:
+    scores on such inputs are wrong without anything failing (a set from ``build_dataset``
+    alone uses ImageNet's statistics, whatever the model)."""
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    config = getattr(dataset, "data_config", None)
+    if isinstance(config, DataConfig):
+        note = mismatch_note(model, config)
+        if note is not None:
+            warn(note)
+
+
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -96,6 +111,7 @@ def _evaluation(
     eval mode on ``device`` under ``inference_mode`` and is put back in its previous mode after,
     also on an error. ``progress`` hears of each batch once the caller has scored it."""
     loader = _loader(dataset, batch_size, device, num_workers)
+    _check_preprocessing(model, dataset)
     was_training = model.training
     model.eval().to(device)
     progress = progress or EvalProgress()
