@@ -75,6 +75,7 @@ def test_apply_writes_an_artifact_every_command_loads(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["tokens_per_block"] == [65, 33, 17, 17]
+    assert data["tokens_leaving_block"] == [65, 33, 17, 17]  # dTPS reduces before its blocks
     assert data["compressed"]["macs"] < data["base"]["macs"]
     assert data["compressed"]["params"] > data["base"]["params"]  # the predictors
     assert data["base"]["throughput"] > 0 and data["compressed"]["throughput"] > 0
@@ -94,8 +95,29 @@ def test_apply_table_output():
     assert result.exit_code == 0, result.output
     # default locations 1, 2, 3; EViT keeps ceil(0.5 n) and adds its fused token
     text = " ".join(result.output.split())
-    # the reduction shows only where it happens, from the tokens the block before had
-    assert "tokens per block: 64 64 64→33 33→18" in text
+    # each reduction shows at its own block (inside it, for EViT), from the tokens the block
+    # before handed on to what the block hands on: the last location's too
+    assert "tokens per block: 64 64→33 33→18 18→10" in text
+
+
+def test_tokens_per_block_shows_each_reduction_at_the_block_that_makes_it():
+    from vitcompress.cli.model_commands import tokens_text
+
+    base = [197] * 5
+    # Before blocks 1 and 3 (dTPS): the blocks take fewer tokens in.
+    before = [197, 138, 138, 97, 97]
+    assert tokens_text(base, before, before) == "197 197→138 138 138→97 97"
+    # Inside blocks 1 and 3 (eTPS): they take 197 and 139 in and hand on fewer; the entering
+    # counts alone would put each arrow one block late.
+    entering, leaving = [197, 197, 139, 139, 98], [197, 139, 139, 98, 98]
+    assert tokens_text(base, entering, leaving) == "197 197→139 139 139→98 98"
+    # ToMe from block 3: the last block's merge shows too.
+    assert tokens_text(base, [197] * 4 + [183], [197] * 3 + [183, 169]) == (
+        "197 197 197 197→183 183→169"
+    )
+    # A pyramid's new stage starts from the base's count; an unknown output (None, a windowed
+    # block) falls back to the tokens entering.
+    assert tokens_text([784, 784, 196], [784, 548, 137], [784, None, 137]) == "784 784→548 196→137"
 
 
 @pytest.mark.parametrize(

@@ -227,7 +227,12 @@ def _print_apply(report: ApplyReport) -> None:
     )
     console.print(table)
     console.print(
-        "tokens per block: " + tokens_text(data["base_tokens_per_block"], data["tokens_per_block"]),
+        "tokens per block: "
+        + tokens_text(
+            data["base_tokens_per_block"],
+            data["tokens_per_block"],
+            data.get("tokens_leaving_block"),
+        ),
         highlight=False,
     )
     if paired is not None:
@@ -338,13 +343,19 @@ def restored_text(restored: list[dict[str, str]]) -> str:
     return f"tokens restored (rule {', '.join(rules)}) for: {places}"
 
 
-def tokens_text(base: list[int], compressed: list[int]) -> str:
-    """The tokens entering each block of the compressed model, with ``before→after`` only where
-    a reduction happens: ``197 197 197→139 139 139→97``. A block where the base itself changes
-    its token count (a pyramid's new stage) starts from the base's count."""
+def tokens_text(
+    base: list[int], compressed: list[int], leaving: list[int | None] | None = None
+) -> str:
+    """The tokens of each block of the compressed model, ``before→after`` at each block where a
+    reduction happens, before it or inside it: ``197 197 197→139 139 139→97`` (locations 2, 4).
+    ``before`` is what the block before handed on, or the base's count at a block where the
+    base itself changes it (a pyramid's new stage); ``after`` what the block hands on
+    (``leaving``), else, where that is unknown, what it takes in."""
     parts = []
     for i, (tokens, base_tokens) in enumerate(zip(compressed, base, strict=True)):
         new_stage = i == 0 or base_tokens != base[i - 1]
-        before = base_tokens if new_stage else compressed[i - 1]
-        parts.append(f"{before}→{tokens}" if tokens != before else str(tokens))
+        handed = leaving[i - 1] if leaving is not None and i > 0 else None
+        before = base_tokens if new_stage else (handed if handed is not None else compressed[i - 1])
+        after = leaving[i] if leaving is not None and leaving[i] is not None else tokens
+        parts.append(f"{before}→{after}" if after != before else str(after))
     return " ".join(parts)

@@ -266,6 +266,9 @@ def compress_mapped(
         **{ENTRY_ATTRIBUTE: entry_of(model)},
         # The attention residual add keeps the token count the block was entered with.
         vitcompress_block_nodes=[b.attn_add_node for b in model_map.blocks],
+        # The block's last residual add: what it hands on, after a reduction inside it (eTPS,
+        # EViT, ToMe) as well as one before it (dTPS, DynamicViT).
+        vitcompress_block_output_nodes=[b.output_node for b in model_map.blocks],
         # The graph does not forward the base's no_weight_decay(): training reads this.
         **{NO_WEIGHT_DECAY_ATTRIBUTE: parameter_names(compressed, no_decay)},
     )

@@ -174,9 +174,23 @@ def _device_of(model: nn.Module) -> torch.device:
 
 def tokens_per_block(model: nn.Module, input_size: tuple[int, ...]) -> list[int]:
     """Tokens entering each block of a compressed model, read off a run in eval mode."""
+    entering, _ = block_tokens(model, input_size)
+    return entering
+
+
+def block_tokens(
+    model: nn.Module, input_size: tuple[int, ...]
+) -> tuple[list[int], list[int | None]]:
+    """``(entering, leaving)``: the tokens each block of a compressed model takes in and hands
+    on, read off one run in eval mode. ``leaving`` is None for a block whose output the graph
+    no longer names (a windowed block's, rewritten) or a model compressed before it was
+    recorded."""
     block_nodes = getattr(model, "vitcompress_block_nodes", None)
     if block_nodes is None:
         raise ValueError("not a compressed model")
+    output_nodes = getattr(model, "vitcompress_block_output_nodes", None) or [None] * len(
+        block_nodes
+    )
     was_training = model.training
     model.eval()
     try:
@@ -184,8 +198,21 @@ def tokens_per_block(model: nn.Module, input_size: tuple[int, ...]) -> list[int]
     finally:
         model.train(was_training)
     nodes = nodes_by_name(model.graph)
-    # Tokens of any layout, channels last: a windowed block takes the (B, H, W, C) grid.
-    return [math.prod(nodes[name].meta["shape"][1:-1]) for name in block_nodes]
+
+    def tokens(name: str | None) -> int | None:
+        node = nodes.get(name) if name is not None else None
+        shape = node.meta.get("shape") if node is not None else None
+        # Tokens of any layout, channels last: a windowed block takes the (B, H, W, C) grid.
+        if not (
+            isinstance(shape, tuple) and len(shape) >= 3 and all(isinstance(d, int) for d in shape)
+        ):
+            return None
+        return math.prod(shape[1:-1])
+
+    entering = [tokens(name) for name in block_nodes]
+    if any(count is None for count in entering):
+        raise ValueError("a block's attention is not in the compressed graph")
+    return entering, [tokens(name) for name in output_nodes]  # type: ignore[return-value]
 
 
 def base_for_timing(loaded: LoadedModel) -> LoadedModel | None:

@@ -25,9 +25,9 @@ from vitcompress.measure.keep_fit import compress_planned
 from vitcompress.measure.models import (
     Measurement,
     TimingOptions,
+    block_tokens,
     measure_models,
     speedup,
-    tokens_per_block,
 )
 from vitcompress.measure.residual_scale import near_zero_residuals
 from vitcompress.modules.restore import TokenRestore
@@ -48,6 +48,8 @@ class ApplyResult:
     compressed: Measurement
     tokens_per_block: list[int]
     base_tokens_per_block: list[int]
+    # What each block hands on (None where the graph no longer names its output).
+    tokens_leaving_block: list[int | None]
     plan: dict[str, Any]
     environment: dict[str, Any]
     out: Path | None
@@ -72,6 +74,7 @@ class ApplyResult:
             "macs_ratio": self.compressed.macs / self.base.macs,
             "tokens_per_block": self.tokens_per_block,
             "base_tokens_per_block": self.base_tokens_per_block,
+            "tokens_leaving_block": self.tokens_leaving_block,
             "plan": self.plan,
             "environment": self.environment,
             "out": str(self.out) if self.out is not None else None,
@@ -119,10 +122,12 @@ def _compress_and_measure(
     # outputs as any compressed model of it: said, so a cosine of 1 is not read as a result.
     if (near_zero := near_zero_residuals(loaded.model)) is not None:
         warn(near_zero.text())
+    entering, leaving = block_tokens(model, loaded.input_size)
     result = ApplyResult(
         base=measured["base"],
         compressed=measured["compressed"],
-        tokens_per_block=tokens_per_block(model, loaded.input_size),
+        tokens_per_block=entering,
+        tokens_leaving_block=leaving,
         base_tokens_per_block=[b.tokens for b in info.model_map.blocks],
         plan=info.plan.to_json(),
         environment=environment,
