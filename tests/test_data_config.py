@@ -386,6 +386,56 @@ def _image_folder(root: Path) -> Path:
     return root
 
 
+def test_weights_from_a_fine_tuned_artifact_bring_the_config_they_were_trained_with(tmp_path):
+    """docs/finetune.md's first run: a base trained by finetune at eTPS keep 1, compressed from
+    its model.safetensors. Those weights were trained at the recipe's 0.5/0.5, bilinear, crop
+    1; the model (it states nothing) would get ImageNet's defaults. The compressed model records
+    the weights' config, and eval --base source feeds the rebuilt base the same."""
+    from safetensors.torch import save_file
+
+    mha = f"{FIXTURES}:mha_vit"
+    args = {"depth": 2, "dim": 32, "heads": 2, "num_classes": 2}
+    init = tmp_path / "init.safetensors"
+    save_file(load_base_model(mha, args).model.state_dict(), str(init))
+    data = _image_folder(tmp_path / "data")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        FINETUNE_RECIPE.format(model=mha, checkpoint=init, data=data).replace(
+            "keep: 0.5", "keep: 1"
+        )
+    )
+    trained = tmp_path / "fm_base"
+    ok_json(run("finetune", "--recipe", recipe, "--out", trained, "--json"))
+    used = read_meta(trained)["finetune"]["data_config"]
+    assert used["mean"] == [0.5] * 3 and used["crop_pct"] == 1.0
+
+    weights = trained / "model.safetensors"
+    model_args = [a for k, v in args.items() for a in ("--model-arg", f"{k}={v}")]
+    out = tmp_path / "fm_dtps"
+    ok_json(
+        run("apply", "--model", mha, *model_args, "--checkpoint", weights, "--variant", "dtps",
+            "--keep", "0.5", "--no-throughput", "--out", out, "--json")
+    )  # fmt: skip
+    assert read_meta(out)["data_config"] == used
+
+    evaluated = ok_json(
+        run("eval", "--model", out, "--data", data, "--base", "source", "--no-throughput", "--json")
+    )
+    assert evaluated["data_config"] == used
+    assert evaluated["base"]["data_config"] == used
+    assert evaluated["base"]["data_config_sources"]["mean"] == (
+        f"{trained}/vitcompress.json, the artifact whose weights were loaded"
+    )
+    # The same weights copied out of their artifact are only a checkpoint: the defaults again.
+    loose = tmp_path / "loose.safetensors"
+    loose.write_bytes(weights.read_bytes())
+    bare = ok_json(
+        run("eval", "--model", mha, *model_args, "--checkpoint", loose, "--data", data,
+            "--no-throughput", "--json")
+    )  # fmt: skip
+    assert bare["data_config"]["mean"] == pytest.approx(IMAGENET_MEAN)
+
+
 def test_finetune_records_the_config_it_trained_with_and_eval_uses_it(tmp_path):
     from safetensors.torch import save_file
 

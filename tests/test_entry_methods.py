@@ -213,7 +213,7 @@ def test_the_command_line_entry(tmp_path):
 def test_the_base_rebuilt_from_an_entry_artifact_runs_the_same_entry(tmp_path, image):
     # Compressing again, timing and distilling against the recorded base compare like with like:
     # the base's features, not its logits.
-    from vitcompress.artifacts.artifact import load_artifact_base
+    from vitcompress.artifacts.base import load_artifact_base
     from vitcompress.measure.models import base_for_timing
     from vitcompress.workflows.apply import base_to_compress
     from vitcompress.workflows.finetune import student_and_teacher

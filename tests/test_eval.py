@@ -189,7 +189,7 @@ def _artifact(tmp_path, checkpoint):
 
 
 def test_eval_base_source_rebuilds_the_artifacts_base_with_its_weights(folder3, tmp_path):
-    from vitcompress.artifacts.artifact import load_artifact_base
+    from vitcompress.artifacts.base import load_artifact_base
 
     checkpoint, state = _always_class_2(tmp_path)
     artifact = _artifact(tmp_path, checkpoint)

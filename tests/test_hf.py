@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 import vitcompress  # noqa: E402
 from tests.fixtures import hf_models  # noqa: E402
 from vitcompress.api import compress_loaded  # noqa: E402
-from vitcompress.artifacts.artifact import ArtifactError, load_artifact_base  # noqa: E402
+from vitcompress.artifacts.artifact import ArtifactError  # noqa: E402
+from vitcompress.artifacts.base import load_artifact_base  # noqa: E402
 from vitcompress.cli.main import cli  # noqa: E402
 from vitcompress.compilation.rewrite import REDUCER_PREFIX  # noqa: E402
 from vitcompress.loading import ModelLoadError, load_base_model  # noqa: E402

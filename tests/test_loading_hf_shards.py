@@ -195,7 +195,8 @@ def test_the_digest_of_an_index_covers_its_shards(tmp_path):
 def test_an_artifact_of_a_sharded_directory_records_its_index_and_rebuilds_its_base(tmp_path):
     import vitcompress
     from vitcompress.api import compress_loaded
-    from vitcompress.artifacts.artifact import ArtifactError, load_artifact_base
+    from vitcompress.artifacts.artifact import ArtifactError
+    from vitcompress.artifacts.base import load_artifact_base
 
     directory = tmp_path / "hf-vit"
     index = _save_sharded(directory, _model(), "safetensors")

@@ -16,6 +16,7 @@ from torch import nn
 
 from vitcompress import loading
 from vitcompress.artifacts.artifact import load_artifact, save_artifact
+from vitcompress.artifacts.base import state_trained_config
 from vitcompress.compilation.compression import (
     EXAMPLE_BATCH,
     capture_and_map,
@@ -60,6 +61,8 @@ def load_model(
     as its forward (``forward_features``): compressing the result compresses that method."""
     if not spec or not is_artifact_directory(spec):
         loaded = loading.load_base_model(spec, model_args, checkpoint, pretrained, input_size)
+        # Weights from an artifact expect the preprocessing they were trained with.
+        state_trained_config(loaded.model, loaded.source.checkpoint)
         if entry == FORWARD:
             return loaded
         return replace(loaded, model=entry_view(loaded.model, entry))

@@ -446,33 +446,8 @@ def base_weights_problem(source: ModelSource, meta: dict[str, Any] | None = None
     return None
 
 
-def load_artifact_base(
-    directory: str | Path, input_size: tuple[int, ...] | None = None
-) -> LoadedModel:
-    """The uncompressed model the artifact in ``directory`` was made from, with its weights,
-    running the method the artifact compressed (its ``entry``: a base compressed with
-    ``--entry forward_features`` is compared as its ``forward_features``).
-
-    Raises ``ArtifactError`` when those weights cannot be had: a base with other weights would
-    make any comparison with the artifact meaningless.
-    """
-    meta = read_meta(directory)
-    source = base_source(meta)
-    problem = base_weights_problem(source, meta)
-    if problem is not None:
-        raise ArtifactError(f"cannot rebuild the base of {directory}: {problem}")
-    size = input_size or tuple(meta["input_size"])
-    base = load_base_model(
-        source.spec,
-        source.model_args,
-        checkpoint=source.checkpoint,
-        pretrained=source.pretrained,
-        input_size=size,
-    )
-    return replace(base, model=entry_view(base.model, _entry(meta, directory)))
-
-
-def _entry(meta: dict[str, Any], directory: str | Path) -> str:
+def recorded_entry(meta: dict[str, Any], directory: str | Path) -> str:
+    """The base's method the artifact compressed (its ``entry``), checked."""
     entry = meta.get("entry", FORWARD)
     if not isinstance(entry, str) or not entry.isidentifier():
         raise ArtifactError(f"{directory} is malformed: its entry is not a method name: {entry!r}")
@@ -552,7 +527,7 @@ def load_artifact(directory: str | Path) -> LoadedModel:
         meta["plan"],
         fingerprint.model_map if fingerprint else None,
         refuse,
-        _entry(meta, directory),
+        recorded_entry(meta, directory),
     )
     weights = Path(directory) / WEIGHTS_FILE
     rebuilt_shapes = state_shapes(model)

@@ -12,7 +12,8 @@ from torch import nn
 from vitcompress.analysis.capture import annotate_shapes
 from vitcompress.analysis.ops import nodes_by_name
 from vitcompress.api import load_model
-from vitcompress.artifacts.artifact import ArtifactError, base_source, load_artifact_base, read_meta
+from vitcompress.artifacts.artifact import ArtifactError, base_source, read_meta
+from vitcompress.artifacts.base import load_artifact_base
 from vitcompress.compilation.entries import entry_of
 from vitcompress.compilation.metadata import compression_info
 from vitcompress.kernels import enable_fused_kernels

@@ -15,9 +15,9 @@ from vitcompress.artifacts.artifact import (
     ArtifactError,
     check_replaceable,
     describe_source,
-    load_artifact_base,
     save_artifact,
 )
+from vitcompress.artifacts.base import load_artifact_base
 from vitcompress.compilation.metadata import CompressionInfo, compression_info
 from vitcompress.loading import LoadedModel, ModelLoadError
 from vitcompress.measure import PairedRatio

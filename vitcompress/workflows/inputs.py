@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from vitcompress.api import load_model
-from vitcompress.artifacts.artifact import load_artifact_base
+from vitcompress.artifacts.base import load_artifact_base
 from vitcompress.compilation.metadata import compression_info
 from vitcompress.data import DataConfig, model_dataset
 from vitcompress.loading import LoadedModel, ModelLoadError, is_artifact_directory
