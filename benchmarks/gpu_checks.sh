@@ -20,13 +20,15 @@
 # with each model's host share: benchmarks/results/h200_bf16_spread.md, about 4 minutes),
 # kernels (the Triton select_squeeze and tome_merge compiled on CUDA: tests/test_triton_cuda.py,
 # and their speed against the method's ops, about 3 minutes), graphs (--cuda-graphs: its tests on
-# CUDA, apply with it on deit_small + dTPS, and Swin-T's graphed cells, about 3 minutes).
-# COMPILE_VARIANTS narrows the compiled part.
+# CUDA, apply with it on deit_small + dTPS, and Swin-T's graphed cells, about 3 minutes),
+# compiled-kernels (the kernels one compiled forward launches at batch 1, base and each method:
+# benchmarks/compiled_kernels.py on CUDA, about 3 minutes). COMPILE_VARIANTS narrows the
+# compiled part.
 #
 # A 15-minute lease (a machine's start takes one to two). Run 8 ran PARTS=ladder
-# LADDER_SECONDS=200 (6.5 minutes) and PARTS=kernels (1.2). Next: PARTS=graphs (about 3), then,
-# warm, PARTS=ladder-compiled with LADDER_SECONDS=110 (about 5), then PARTS=ladder-multiple with
-# what is left.
+# LADDER_SECONDS=200 (6.5 minutes) and PARTS=kernels (1.2). Next: PARTS="graphs compiled-kernels"
+# (about 6), then, warm, PARTS=ladder-compiled with LADDER_SECONDS=110 (about 5), then
+# PARTS=ladder-multiple with what is left.
 #
 # Runs from the repository root without installing the package (PYTHONPATH=.), so a machine
 # with torch, timm, accelerate, click, rich, safetensors and pyyaml needs nothing else.
@@ -159,6 +161,15 @@ step "headline, bf16 autocast, batch 256, eager and compiled ($COMPILE_MODE)"
 check timeout 240 python3 benchmarks/tps_speed.py --part headline --device cuda --amp bf16 \
     --batch-size 256 --rounds 2 --runs 20 --warmup 3 --compile --eager-too \
     --compile-mode "$COMPILE_MODE" --json-out "$OUT/headline_bf16_b256_eager_and_compiled.json"
+fi
+if [[ " $PARTS " == *" compiled-kernels "* ]]; then
+# Issue 40: the kernels one compiled (inductor) forward of deit_small launches at batch 1, base
+# and each method on its own ops, counted from the generated Triton code (on the CPU: 100-109 for
+# the base, 106-212 compressed; docs/results-speed-cpu.md). Six compilations, JSON written after
+# each, about 3 minutes.
+step "compiled kernels: deit_small, batch 1, bf16 autocast, base and every method"
+check timeout 300 python3 benchmarks/compiled_kernels.py --device cuda --bf16 \
+    --json-out "$OUT/cuda_compiled_kernels_bf16.json"
 fi
 if [[ " $PARTS " == *" ladder"* ]]; then
 # Issue 40: every method against its base and ideal slicing, in two fresh processes (medians),

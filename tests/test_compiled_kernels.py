@@ -72,6 +72,43 @@ def test_count_calls_reads_only_the_call_function() -> None:
     }
 
 
+# The shape of inductor's CUDA wrapper: Triton launches by name under a device guard.
+GENERATED_CUDA = """
+triton_poi_fused_cat_0 = async_compile.triton('triton_poi_fused_cat_0', '''
+@triton.jit
+def triton_poi_fused_cat_0(in_ptr0, out_ptr0, xnumel, XBLOCK: tl.constexpr):
+    pass
+''', device_str='cuda')
+
+def call(args):
+    arg0_1, arg1_1 = args
+    args.clear()
+    with torch.cuda._DeviceGuard(0):
+        torch.cuda.set_device(0)
+        buf0 = empty_strided_cuda((1, 197, 384), (75648, 384, 1), torch.float32)
+        # Topologically Sorted Source Nodes: [cat]
+        stream0 = get_raw_stream(0)
+        triton_poi_fused_cat_0.run(arg0_1, buf0, 75648, stream=stream0)
+        extern_kernels.mm(buf0, arg1_1, out=buf1)
+        triton_per_fused_native_layer_norm_1.run(buf1, buf2, 197, 384, stream=stream0)
+        buf3 = torch.ops.aten._scaled_dot_product_flash_attention.default(buf2, buf2, buf2)
+    return (buf3, )
+
+
+def benchmark_compiled_module(times=10, repeat=10):
+    triton_poi_fused_cat_0.run(a, b, 1, stream=stream0)
+"""
+
+
+def test_count_calls_counts_triton_launches_in_cuda_code() -> None:
+    counted = _benchmark().count_calls(GENERATED_CUDA)
+    assert (counted["cpp_calls"], counted["triton_calls"]) == (0, 2)
+    assert dict(counted["extern"]) == {
+        "extern_kernels.mm": 1,
+        "aten._scaled_dot_product_flash_attention": 1,
+    }
+
+
 class _Known(nn.Module):
     """Linear, GELU, Linear, LayerNorm, sort, scale: two matmuls and a sort that inductor calls
     as library kernels, and three pointwise/reduction stretches between them that it generates
