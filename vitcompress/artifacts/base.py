@@ -76,6 +76,8 @@ def state_trained_config(model: nn.Module, checkpoint: str | Path | None) -> boo
     if not isinstance(meta.get("finetune"), Mapping) and meta.get("data_config") is None:
         return False  # the artifact states only what its base did
     fields, where = artifact_data_config(meta, model, str(path.parent))
+    if not fields:
+        return False
     attach(
         model,
         vitcompress_data_config=fields,
