@@ -3,28 +3,15 @@ generated code, on a model whose kernels are known."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from tests.benchmark_scripts import benchmark_script
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _benchmark():
-    name = "compiled_kernels"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # The shape of inductor's CPU wrapper: kernel calls, library calls and a fallback op in ``call``;
@@ -63,7 +50,7 @@ def get_args():
 
 
 def test_count_calls_reads_only_the_call_function() -> None:
-    counted = _benchmark().count_calls(GENERATED)
+    counted = benchmark_script("compiled_kernels").count_calls(GENERATED)
     assert counted["cpp_calls"] == 2
     assert dict(counted["extern"]) == {
         "extern_kernels.addmm": 1,
@@ -101,7 +88,7 @@ def benchmark_compiled_module(times=10, repeat=10):
 
 
 def test_count_calls_counts_triton_launches_in_cuda_code() -> None:
-    counted = _benchmark().count_calls(GENERATED_CUDA)
+    counted = benchmark_script("compiled_kernels").count_calls(GENERATED_CUDA)
     assert (counted["cpp_calls"], counted["triton_calls"]) == (0, 2)
     assert dict(counted["extern"]) == {
         "extern_kernels.mm": 1,
@@ -124,7 +111,7 @@ class _Known(nn.Module):
 
 
 def test_compiled_counts_on_a_model_of_known_kernels(tmp_path: Path, monkeypatch) -> None:
-    benchmark = _benchmark()
+    benchmark = benchmark_script("compiled_kernels")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     record = benchmark.compiled_counts(_Known().eval(), torch.randn(4, 8), tmp_path / "code")
     assert record["graphs"] == 1

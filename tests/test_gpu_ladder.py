@@ -5,41 +5,28 @@ the docs read, and the renderer puts them in a doc between its markers."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import vitcompress
+from tests.benchmark_scripts import benchmark_script
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 FIELDS = {
     "model", "method", "dtype", "batch", "mode", "img_per_s", "base_img_per_s",
     "speedup_vs_base", "of_ideal", "kernels",
 }  # fmt: skip
 
 
-def _script(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def ladder():
-    return _script("gpu_ladder")
+    return benchmark_script("gpu_ladder")
 
 
 @pytest.fixture(scope="module")
 def report():
-    return _script("gpu_ladder_report")
+    return benchmark_script("gpu_ladder_report")
 
 
 @pytest.mark.parametrize("method", ["dtps", "evit", "tome"])
