@@ -118,6 +118,10 @@ def test_tokens_per_block_shows_each_reduction_at_the_block_that_makes_it():
     # A pyramid's new stage starts from the base's count; an unknown output (None, a windowed
     # block) falls back to the tokens entering.
     assert tokens_text([784, 784, 196], [784, 548, 137], [784, None, 137]) == "784 784→548 196→137"
+    # Blocks that each form a stage (a position table added before every block): the tokens
+    # are restored between them, so each reduction starts again from the base's count.
+    stages = [0, 1, 2, 3]
+    assert tokens_text([65] * 4, [65] * 4, [65, 46, 46, 46], stages) == "65 65→46 65→46 65→46"
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from tests.test_dense_outputs import sharpen
 from vitcompress.api import compress, load, load_model, save
 from vitcompress.cli.main import cli
-from vitcompress.compilation.entries import EntryError
+from vitcompress.compilation.entries import EntryError, entry_view
 
 METHODS = ("dtps", "etps", "dynamicvit", "evit", "tome")
 INPUT_SIZE = (3, 28, 28)
@@ -148,8 +148,13 @@ def test_what_cannot_run_is_one_line_naming_the_method(base, image):
         small.forward_intermediates(image, indices=torch.tensor([1]))
     with pytest.raises(EntryError, match="has no method blocks"):
         compress(base, "etps", 0.7, input_size=INPUT_SIZE, entry="blocks")
-    with pytest.raises(EntryError, match="has no method nope"):
+    with pytest.raises(EntryError, match="has no method nope") as refused:
         compress(base, "etps", 0.7, input_size=INPUT_SIZE, entry="nope")
+    # The examples are the model's own methods, never the one it lacks.
+    assert "e.g. forward_features, forward_head, forward_intermediates" in str(refused.value)
+    with pytest.raises(EntryError, match="has no method forward_features") as refused:
+        entry_view(torch.nn.Linear(2, 2), "forward_features")
+    assert "e.g." not in str(refused.value) and "none named forward_*" in str(refused.value)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -60,6 +60,23 @@ def test_evaluate_rejects_a_model_with_too_few_outputs(folder):
         evaluate(one_output, dataset)
 
 
+class _PerToken(torch.nn.Module):
+    """Class scores for every one of 4 tokens: (B, 4, 2), not (B, classes)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.flatten(2)[:, :2].mT.unflatten(1, (4, -1)).mean(2)  # (B, 4, 2)
+        return tokens
+
+
+def test_evaluate_refuses_an_output_that_is_not_class_scores(folder):
+    """Read as classes, (B, 4, 2) scored 100% at top-1 and 400% at top-5 when the batch was
+    the token count (its topk broadcast against the labels), and failed in torch otherwise."""
+    dataset = build_dataset(str(folder), "val", (3, 32, 32))
+    for batch in (4, 3):
+        with pytest.raises(DataError, match=r"^the model returns \(\d, 4, 2\) for \d images, not"):
+            evaluate(_PerToken(), dataset, batch_size=batch)
+
+
 def run(*args):
     return CliRunner().invoke(cli, list(args))
 

@@ -230,3 +230,18 @@ def test_dinov2_with_registers_maps_its_registers_as_prefix_tokens(variant):
     with torch.no_grad():
         torch.testing.assert_close(exact.eval()(x), model(x), rtol=1e-4, atol=1e-5)
         assert reduced.eval()(x).shape == (2, 10)
+
+
+def test_labels_for_a_backbone_without_a_head_are_refused(tmp_path):
+    """transformers takes num_labels for any model; a ViTModel has no head, so the classes a
+    user asked for would silently not exist."""
+    import transformers
+
+    config = transformers.ViTConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64,
+    )  # fmt: skip
+    transformers.ViTModel(config).save_pretrained(tmp_path / "vit")
+    with pytest.raises(ModelLoadError, match=r"^--model-arg num_labels: .* ViTModel without a"):
+        load_base_model(str(tmp_path / "vit"), {"num_labels": 10})
+    assert load_base_model(str(tmp_path / "vit")).input_size == (3, 32, 32)

@@ -232,6 +232,7 @@ def _print_apply(report: ApplyReport) -> None:
             data["base_tokens_per_block"],
             data["tokens_per_block"],
             data.get("tokens_leaving_block"),
+            data.get("stage_per_block"),
         ),
         highlight=False,
     )
@@ -344,16 +345,23 @@ def restored_text(restored: list[dict[str, str]]) -> str:
 
 
 def tokens_text(
-    base: list[int], compressed: list[int], leaving: list[int | None] | None = None
+    base: list[int],
+    compressed: list[int],
+    leaving: list[int | None] | None = None,
+    stages: list[int] | None = None,
 ) -> str:
     """The tokens of each block of the compressed model, ``before→after`` at each block where a
     reduction happens, before it or inside it: ``197 197 197→139 139 139→97`` (locations 2, 4).
-    ``before`` is what the block before handed on, or the base's count at a block where the
-    base itself changes it (a pyramid's new stage); ``after`` what the block hands on
-    (``leaving``), else, where that is unknown, what it takes in."""
+    ``before`` is what the block before handed on, or, at the first block of a stage (``stages``;
+    without them, where the base's count changes), the base's count: the tokens are restored
+    between stages. ``after`` is what the block hands on (``leaving``), else, where that is
+    unknown, what it takes in."""
     parts = []
     for i, (tokens, base_tokens) in enumerate(zip(compressed, base, strict=True)):
-        new_stage = i == 0 or base_tokens != base[i - 1]
+        if stages is not None:
+            new_stage = i == 0 or stages[i] != stages[i - 1]
+        else:
+            new_stage = i == 0 or base_tokens != base[i - 1]
         handed = leaving[i - 1] if leaving is not None and i > 0 else None
         before = base_tokens if new_stage else (handed if handed is not None else compressed[i - 1])
         after = leaving[i] if leaving is not None and leaving[i] is not None else tokens

@@ -76,9 +76,21 @@ def entry_view(
     if not args and not kwargs and entry_of(model) == entry:
         return model  # already that view
     if _method_of(model, entry) is None:
+        # Only the model's own methods as examples: naming one it lacks sends the user round.
+        own = sorted(
+            name
+            for name in dir(type(model))
+            if name.startswith("forward_") and _method_of(model, name) is not None
+        )
+        hint = (
+            f", e.g. {', '.join(own[:4])}"
+            if own
+            else "; it has none named forward_*: a model file (path/to/file.py:factory) that "
+            "wraps it can return what you need"
+        )
         raise EntryError(
             f"entry '{entry}': {type(model).__name__} has no method {entry}; name one of its "
-            f"methods that takes the image, e.g. forward_features"
+            f"methods that takes the image{hint}"
         )
     bound_kwargs = dict(kwargs or {})
     base_class = type(model)

@@ -242,6 +242,14 @@ def load_hf_directory(
         for a in architectures
     )
     video = any(a.endswith("ForVideoClassification") for a in architectures)
+    labels = [k for k in ("num_labels", "id2label", "label2id") if k in args]
+    if labels and not (classifier or video):
+        # transformers takes any config key; on a model without a head it changes nothing.
+        raise ModelLoadError(
+            f"--model-arg {labels[0]}: {directory} holds {', '.join(architectures) or 'a model'}"
+            " without a classification head, which has no labels to set; save a "
+            "...ForImageClassification model there to give it one"
+        )
     auto = (
         transformers.AutoModelForImageClassification
         if classifier

@@ -23,13 +23,14 @@ def _convolutions(model: nn.Module) -> list[nn.Conv2d]:
     return [m for m in model.modules() if isinstance(m, nn.Conv2d)]
 
 
-def _square_patch_count(tokens: int, prefix: int) -> int | None:
-    """The side of the patch grid among ``tokens`` rows, trying the counted prefix first."""
+def _square_patch_count(tokens: int, prefix: int) -> tuple[int, int] | None:
+    """``(side, prefix rows)`` of a square patch grid among ``tokens`` rows, trying the counted
+    prefix first."""
     for p in [prefix] + [p for p in range(MAX_PREFIX_TOKENS + 1) if p != prefix]:
         patches = tokens - p
         side = math.isqrt(patches) if patches > 0 else 0
         if side > 1 and side * side == patches:
-            return side
+            return side, p
     return None
 
 
@@ -60,15 +61,23 @@ def inferred_input_size(model: nn.Module) -> tuple[int, int, int] | None:
     embed = convs[0]
     stride = embed.stride[0]
     found = _position_table(model, embed.out_channels)
-    side = _square_patch_count(found[1].shape[1], found[2]) if found is not None else None
-    if found is not None and side is not None and stride > 1 and embed.kernel_size[0] == stride:
-        name, table, _ = found
+    grid = _square_patch_count(found[1].shape[1], found[2]) if found is not None else None
+    if found is not None and grid is not None and stride > 1 and embed.kernel_size[0] == stride:
+        name, table, counted = found
+        side, prefix = grid
+        # Where the model's own prefix tokens leave no square, the grid is a guess: say so.
+        guessed = (
+            f", taking its first {prefix} rows for prefix tokens: the model's {counted} leave "
+            f"{table.shape[1] - counted} rows, no square"
+            if prefix != counted
+            else ""
+        )
         size = (channels, stride * side, stride * side)
         print(
             f"note: the model declares no input size; using {','.join(map(str, size))} "
             f"(patch embedding stride {stride} x {side}, the side of the {side * side} patch "
-            f"rows of position table {name} {tuple(table.shape)}); pass --input-size to "
-            "override",
+            f"rows of position table {name} {tuple(table.shape)}{guessed}); pass --input-size "
+            "to override",
             file=sys.stderr,
         )
         return size

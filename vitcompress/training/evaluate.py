@@ -55,9 +55,25 @@ def spread_subset(dataset: Dataset, images: int | None) -> Dataset:
 def _head_mismatch(outputs: int, classes: int) -> DataError:
     return DataError(
         f"the model predicts {outputs} classes but the data has {classes}: fine-tune it on "
-        f"this data first (finetune gives it a {classes}-class head) or build it with "
-        f"--model-arg num_classes={classes}"
+        f"this data first (finetune gives it a {classes}-class head), or give its base "
+        f"{classes} outputs (timm or a model file: --model-arg num_classes={classes}; "
+        f"HuggingFace: a ...ForImageClassification with num_labels={classes}) and compress that"
     )
+
+
+def _class_scores(output: Any, images: torch.Tensor) -> torch.Tensor:
+    """The (B, classes) scores of a classifier's output; anything else (a token grid, a
+    feature map, per-token scores) is refused in one line naming its shape: scored as classes,
+    its last dimension would give nonsense."""
+    logits = unwrap_logits(output)
+    batch = images.shape[0]
+    if logits.dim() != 2 or logits.shape[0] != batch:
+        raise DataError(
+            f"the model returns {tuple(logits.shape)} for {batch} images, not class scores "
+            f"({batch}, classes): it is not a classifier (a model returning tokens or a map "
+            "is evaluated by its task, e.g. --task segmentation, or needs a head)"
+        )
+    return logits
 
 
 def _loader(dataset: Dataset, batch_size: int, device: str, num_workers: int) -> DataLoader:
@@ -153,7 +169,7 @@ def evaluate(
     correct1 = correct5 = total = 0
     with _evaluation(model, dataset, batch_size, device, num_workers, progress) as batches:
         for images, labels in batches:
-            logits = unwrap_logits(model(images))
+            logits = _class_scores(model(images), images)
             outputs = logits.shape[-1]
             if classes is not None and (outputs < classes or (exact_head and outputs != classes)):
                 raise _head_mismatch(outputs, classes)
@@ -174,7 +190,7 @@ def evaluate_top1(model: nn.Module, loader: DataLoader, accelerator: Any) -> flo
     correct = total = 0
     for images, labels in loader:
         with accelerator.autocast():
-            logits = unwrap_logits(model(images))
+            logits = _class_scores(model(images), images)
         predictions, labels = accelerator.gather_for_metrics((logits.argmax(-1), labels))
         correct += int((predictions == labels).sum())
         total += int(labels.numel())

@@ -50,6 +50,9 @@ class ApplyResult:
     base_tokens_per_block: list[int]
     # What each block hands on (None where the graph no longer names its output).
     tokens_leaving_block: list[int | None]
+    # Each block's stage: tokens are restored between stages (a pyramid's, or blocks that read
+    # positions anew).
+    stage_per_block: list[int]
     plan: dict[str, Any]
     environment: dict[str, Any]
     out: Path | None
@@ -75,6 +78,7 @@ class ApplyResult:
             "tokens_per_block": self.tokens_per_block,
             "base_tokens_per_block": self.base_tokens_per_block,
             "tokens_leaving_block": self.tokens_leaving_block,
+            "stage_per_block": self.stage_per_block,
             "plan": self.plan,
             "environment": self.environment,
             "out": str(self.out) if self.out is not None else None,
@@ -128,6 +132,7 @@ def _compress_and_measure(
         compressed=measured["compressed"],
         tokens_per_block=entering,
         tokens_leaving_block=leaving,
+        stage_per_block=[b.stage for b in info.model_map.blocks],
         base_tokens_per_block=[b.tokens for b in info.model_map.blocks],
         plan=info.plan.to_json(),
         environment=environment,
