@@ -245,3 +245,39 @@ def test_labels_for_a_backbone_without_a_head_are_refused(tmp_path):
     with pytest.raises(ModelLoadError, match=r"^--model-arg num_labels: .* ViTModel without a"):
         load_base_model(str(tmp_path / "vit"), {"num_labels": 10})
     assert load_base_model(str(tmp_path / "vit")).input_size == (3, 32, 32)
+
+
+def test_entry_forward_features_compresses_a_directorys_tokens(tmp_path):
+    """A Dinov2Model directory's last_hidden_state through --entry forward_features: exact at
+    keep 1 on sharpened attention, the base's shape at keep 0.7, saved and reloaded."""
+    import transformers
+
+    from vitcompress.api import compress, load, load_model
+
+    torch.manual_seed(0)
+    config = transformers.Dinov2Config(
+        image_size=28, patch_size=4, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
+        intermediate_size=128,
+    )  # fmt: skip
+    backbone = transformers.Dinov2Model(config).eval()
+    with torch.no_grad():
+        for name, weight in backbone.named_parameters():
+            if name.endswith(("query.weight", "key.weight")):
+                weight.mul_(5)  # peaked attention: a token in the wrong place shows
+    backbone.save_pretrained(tmp_path / "dinov2")
+    features = load_model(str(tmp_path / "dinov2"), entry="forward_features").model
+    x = torch.randn(2, 3, 28, 28)
+    with torch.no_grad():
+        tokens = backbone(pixel_values=x).last_hidden_state
+        assert torch.equal(features(x), tokens)
+        exact = compress(features, "dtps", keep=1.0)(x)
+        assert (exact - tokens).abs().max() < 1e-5
+    result = CliRunner().invoke(
+        cli,
+        ["apply", "--model", str(tmp_path / "dinov2"), "--entry", "forward_features",
+         "--variant", "etps", "--keep", "0.7", "--no-throughput", "--out", str(tmp_path / "small")],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    small = load(tmp_path / "small")
+    with torch.no_grad():
+        assert small(x).shape == tokens.shape

@@ -62,7 +62,7 @@ class HFImageClassifier(nn.Module):
     """A transformers vision model as an image classifier: ``forward(images) -> logits``.
 
     Image-classification models return an output object: its ``logits`` are taken. A backbone
-    (``AutoModel``) gives its ``pooler_output``.
+    (``AutoModel``) gives its ``pooler_output``. ``forward_features`` gives either's tokens.
     """
 
     def __init__(
@@ -84,6 +84,11 @@ class HFImageClassifier(nn.Module):
         if logits is None:
             logits = getattr(output, "pooler_output", None)
         return logits if logits is not None else output[0]
+
+    def forward_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The backbone's ``last_hidden_state`` (its tokens; a classifier's without its head):
+        what ``--entry forward_features`` compresses, a dense output."""
+        return self.model.base_model(pixel_values=pixel_values).last_hidden_state
 
 
 def _transformers() -> Any:
