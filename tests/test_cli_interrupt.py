@@ -59,6 +59,10 @@ runpy.run_module("vitcompress.cli.main", run_name="__main__", alter_sys=True)
 """
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt_at(tmp_path: Path, point: str, entry: str, *args: str) -> tuple[int, str, str]:
     gate = tmp_path / "stopped"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -69,6 +73,9 @@ def _interrupt_at(tmp_path: Path, point: str, entry: str, *args: str) -> tuple[i
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As a terminal starts a command: Ctrl-C delivered. A test run started in the background
+        # (no job control) ignores SIGINT, and a child inherits that, never interrupted.
+        preexec_fn=_default_sigint,
     )
     try:
         deadline = time.monotonic() + 120
