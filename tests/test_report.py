@@ -294,6 +294,20 @@ def test_missing_file_is_exit_2(tmp_path):
     assert result.exit_code == 2 and "cannot read" in result.output
 
 
+@pytest.mark.parametrize("name", ["plot", "plot.xyz"])
+def test_a_plot_named_without_its_format_is_refused_before_anything_is_written(
+    runs, tmp_path, name
+):
+    """matplotlib wrote ``plot`` as plot.png (while "wrote plot" was said), and failed on
+    ``.xyz`` after the Markdown was written, exit 1."""
+    result = run(
+        "report", runs[3]["apply"], "--out-md", tmp_path / "t.md", "--out-png", tmp_path / name
+    )
+    assert result.exit_code == 2
+    assert result.stderr.strip().startswith(f"error: --out-png {tmp_path / name}: name the file")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_png_without_matplotlib_is_one_clear_line(runs, tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
     result = run("report", runs[3]["apply"], "--out-png", tmp_path / "x.png")

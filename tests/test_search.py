@@ -319,6 +319,15 @@ def test_a_cache_from_other_settings_is_refused(tmp_path):
         search(loaded_tiny(), calibration_set(), config(tmp_path, calib_images=10))
 
 
+def test_a_folder_the_search_did_not_write_is_refused_and_kept(tmp_path):
+    """Its plan.yaml and search.json would replace the user's files of the same names."""
+    (tmp_path / "plan.yaml").write_text("my own plan\n")
+    with pytest.raises(SearchError, match="exists and is not a search output"):
+        search(loaded_tiny(), calibration_set(), config(tmp_path, max_candidates=2))
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.yaml"]
+    assert (tmp_path / "plan.yaml").read_text() == "my own plan\n"
+
+
 def test_exhaustive_when_the_matched_candidates_are_few(tmp_path):
     data = search(
         loaded_tiny(), calibration_set(), config(tmp_path, variants=["etps"], max_candidates=20)

@@ -14,7 +14,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from vitcompress import __version__
-from vitcompress.cli.outputs import check_outputs_are_not_inputs
+from vitcompress.cli.outputs import check_output_suffixes, check_outputs_are_not_inputs
 from vitcompress.cli.plan_options import plan_error_line
 from vitcompress.cli.status import PROGRESS_MODES, ConsoleStatus
 from vitcompress.compilation.plan import PlanError
@@ -82,6 +82,7 @@ class VitcompressCommand(click.Command):
 
     def invoke(self, ctx: click.Context) -> Any:
         check_outputs_are_not_inputs(ctx)
+        check_output_suffixes(ctx)
         return super().invoke(ctx)
 
 

@@ -19,6 +19,7 @@ from vitcompress.cli.app import (
     show_result,
 )
 from vitcompress.cli.options import gate_options, model_options, output_option, timing_options
+from vitcompress.cli.outputs import PLOT_SUFFIXES
 from vitcompress.cli.plan_options import plan_options
 from vitcompress.measure.keep_fit import KeepFit
 from vitcompress.measure.models import TimingOptions
@@ -123,7 +124,11 @@ def prefix_text(model_map: dict[str, Any]) -> str:
     "timed against its base, and the batch from which it is faster is reported.",
 )
 @output_option(
-    "--plot", folder=False, metavar="PNG", help="With --batch-sizes: write the sweep as a plot."
+    "--plot",
+    folder=False,
+    metavar="PNG",
+    help="With --batch-sizes: write the sweep as a plot.",
+    suffixes=PLOT_SUFFIXES,
 )
 @json_option("Print the results as JSON.")
 def bench(

@@ -13,6 +13,9 @@ import click
 
 from vitcompress.errors import UserError
 
+# What a plot may be written as: formats matplotlib writes without extra packages.
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
 
 class OutputError(UserError):
     """An output path that cannot be written."""
@@ -20,7 +23,12 @@ class OutputError(UserError):
 
 class OutputOption(click.Option):
     """An option naming where the command writes (:func:`output_option` makes them), so that
-    :func:`check_outputs_are_not_inputs` can tell outputs from inputs."""
+    :func:`check_outputs_are_not_inputs` can tell outputs from inputs; ``suffixes``: the names
+    the file may end in (:func:`check_output_suffixes`)."""
+
+    def __init__(self, *args: Any, suffixes: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.suffixes = suffixes
 
 
 def output_option(
@@ -30,11 +38,13 @@ def output_option(
     required: bool = False,
     metavar: str | None = None,
     replaced: bool = False,
+    suffixes: tuple[str, ...] = (),
 ) -> Callable:
     """An option naming where a command writes (a folder, or a file with ``folder=False``),
     checked to be writable when the command line is read: before any work, not after it.
     ``replaced``: the folder is written beside itself and renamed into place (an artifact), so
-    the folder above it must be writable too."""
+    the folder above it must be writable too. ``suffixes``: the file's name must end in one of
+    them (a plot's format is its suffix: without one, matplotlib would write NAME.png)."""
 
     def check(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
         if value is not None:
@@ -51,6 +61,7 @@ def output_option(
         metavar=metavar,
         callback=check,
         help=help,
+        suffixes=suffixes,
     )
 
 
@@ -132,6 +143,21 @@ def check_outputs_are_not_inputs(ctx: click.Context) -> None:
                         f"{'a file of ' if value.is_dir() else ''}{value}{where}, which the "
                         "command reads; write to another path"
                     )
+
+
+def check_output_suffixes(ctx: click.Context) -> None:
+    """Refuse, in one line, an output file whose name does not end in a suffix its option
+    takes: a plot's format is its suffix (matplotlib writes ``NAME`` as ``NAME.png``, and a
+    suffix it does not know fails after the work is done)."""
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name or "")
+        if isinstance(param, OutputOption) and param.suffixes and value:
+            if Path(value).suffix.lower() not in param.suffixes:
+                stem = Path(value).stem or "plot"
+                raise OutputError(
+                    f"{param.opts[0]} {value}: name the file with its format, "
+                    f"{' or '.join(param.suffixes)} (e.g. {stem}{param.suffixes[0]})"
+                )
 
 
 def _path_candidates(value: Any) -> Iterator[tuple[str, Path]]:

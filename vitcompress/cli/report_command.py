@@ -10,6 +10,7 @@ from rich.table import Table
 
 from vitcompress.cli.app import cli, console, emit_json, json_option, raise_save_error
 from vitcompress.cli.options import model_options, output_option
+from vitcompress.cli.outputs import PLOT_SUFFIXES
 from vitcompress.workflows.inputs import ModelRequest
 
 
@@ -20,6 +21,7 @@ from vitcompress.workflows.inputs import ModelRequest
     "--out-png",
     folder=False,
     help="Plot top-1 vs GMACs and throughput vs GMACs here (needs matplotlib).",
+    suffixes=PLOT_SUFFIXES,
 )
 @json_option("Print the merged rows as JSON.")
 def report(
@@ -70,7 +72,7 @@ def report(
     type=click.Path(dir_okay=False),
     help="Image to show (resized to the model's input size).",
 )
-@output_option("--out", folder=False, required=True, help="PNG to write.")
+@output_option("--out", folder=False, required=True, help="PNG to write.", suffixes=PLOT_SUFFIXES)
 @json_option("Also print the recorded positions per location as JSON.")
 def visualize(model: ModelRequest, image: str, out: str, as_json: bool) -> None:
     """Draw which tokens a compressed model keeps at each location, and for TPS variants which

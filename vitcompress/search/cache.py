@@ -28,7 +28,15 @@ class ScoreCache:
         if self.path.exists():
             self._read()
         else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            folder = self.path.parent
+            if folder.is_dir() and any(folder.iterdir()):
+                # Not a search's folder (it would hold its cache): the search's plan.yaml and
+                # search.json would replace files of the same names there.
+                raise CacheMismatch(
+                    f"{folder} exists and is not a search output (it has no {CACHE_NAME}); "
+                    "not writing into it: choose another --out"
+                )
+            folder.mkdir(parents=True, exist_ok=True)
             self._append({"settings": self.settings})
 
     def _read(self) -> None:
