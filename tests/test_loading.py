@@ -536,6 +536,23 @@ def test_pickled_objects_are_refused_not_executed(tmp_path: Path) -> None:
     assert marker.exists()
 
 
+def test_a_torchscript_file_is_named_as_such_in_one_line(tmp_path: Path, recwarn) -> None:
+    """torch.load said "truncated or corrupt", with its own warning and its advice to load
+    with weights_only=False (which can run code) around it."""
+    import warnings
+
+    path = tmp_path / "model.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script's deprecation
+        torch.jit.script(tiny_vit().eval()).save(str(path))
+    recwarn.clear()
+    with pytest.raises(ModelLoadError) as info:
+        load_base_model(TIMM_NAME, model_args=TINY, checkpoint=path)
+    text = assert_one_line(info.value)
+    assert "is a TorchScript program" in text and "weights_only" not in text
+    assert not [w for w in recwarn if "TorchScript" in str(w.message)]
+
+
 def test_checkpoint_without_weights(tmp_path: Path) -> None:
     path = tmp_path / "meta.pth"
     torch.save({"epoch": 3, "metric": 0.5}, path)

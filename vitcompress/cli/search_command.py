@@ -70,6 +70,8 @@ def _keep_grid(ctx: click.Context, param: click.Parameter, value: str | None):
 )
 @click.option(
     "--calib-images",
+    "--calibration-images",  # export's name for the same count
+    "calib_images",
     default=512,
     show_default=True,
     type=int,

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import pickle
 import re
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,12 @@ def _read_checkpoint(path: Path) -> Any:
                 f"checkpoint {path} is truncated or not a safetensors file: {one_line(exc)}"
             ) from exc
 
+    if _is_torchscript(path):
+        raise ModelLoadError(
+            f"checkpoint {path} is a TorchScript program (as export --format torchscript writes), "
+            "not weights: give its state dict, torch.save(model.state_dict(), FILE), or a "
+            ".safetensors file"
+        )
     # argparse.Namespace is allowed because timm's training script stores its arguments as one next
     # to the weights; it only holds attributes and runs no code when unpickled. (torch < 2.5 has no
     # safe_globals; such checkpoints are then refused like any other pickled object.)
@@ -97,6 +104,18 @@ def _read_checkpoint(path: Path) -> Any:
         ) from exc
     except Exception as exc:  # torch reports corruption as RuntimeError, EOFError, KeyError, ...
         raise ModelLoadError(f"checkpoint {path} is truncated or corrupt: {one_line(exc)}") from exc
+
+
+def _is_torchscript(path: Path) -> bool:
+    """A zip archive holding ``constants.pkl``: how torch itself tells a TorchScript file from a
+    saved state dict (both are zips since torch 1.6)."""
+    if not zipfile.is_zipfile(path):
+        return False
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.split("/")[-1] == "constants.pkl" for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def _is_state_dict(obj: Any) -> bool:
