@@ -209,6 +209,22 @@ def test_cli_exports_an_artifact(tmp_path: Path) -> None:
             ["--model", "{fixtures}:tiny_pyramid", "--format", "torchscript", "--out", "{tmp}"],
             "is a directory",
         ),
+        # A suffix of another format: the file would be misnamed (and a user's replaced).
+        (
+            [
+                "--model",
+                "{fixtures}:tiny_pyramid",
+                "--format",
+                "torchscript",
+                "--out",
+                "{tmp}/m.onnx",
+            ],
+            "the suffix of onnx files but --format is torchscript: name it m.pt",
+        ),
+        (
+            ["--model", "{fixtures}:tiny_pyramid", "--format", "onnx", "--out", "{tmp}/m.pt2"],
+            "the suffix of exported-program files but --format is onnx: name it m.onnx",
+        ),
     ],
 )
 def test_cli_user_errors_exit_2(args: list[str], message: str, tmp_path: Path) -> None:

@@ -302,7 +302,8 @@ def art_dir(tmp_path: Path) -> Path:
 )  # fmt: skip
 def test_refusals(args: list[str], message: str, tmp_path: Path) -> None:
     art = art_dir(tmp_path)
-    out = tmp_path / "exports" / "m.onnx"
+    # Named for the format asked (another format's suffix is a refusal of its own).
+    out = tmp_path / "exports" / ("m.pt" if "torchscript" in args else "m.onnx")
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
     result = run("export", "--model", str(art), *args, "--out", str(out))
     assert result.exit_code == 2, result.output

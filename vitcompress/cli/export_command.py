@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import click
@@ -144,6 +145,14 @@ def export(
             f"{', '.join(timed_only)}: only --bench times anything; add it or drop "
             f"{'them' if len(timed_only) > 1 else 'it'}."
         )
+    named = _format_named_by(out)
+    if named is not None and named != fmt:
+        # A suffix of another format is a slip in --format or --out; the file there would be
+        # replaced by one its name misdescribes (eval would then not read it).
+        raise click.UsageError(
+            f"--out {out} has the suffix of {named} files but --format is {fmt}: name it "
+            f"{Path(out).stem}{SUFFIXES[fmt][0]}, or pass --format {named}"
+        )
     batch_given = ctx.get_parameter_source("batch_size") not in (
         None,
         click.core.ParameterSource.DEFAULT,
@@ -171,6 +180,15 @@ def export(
     timing = ExportTiming(warmup, runs, bench_seconds) if bench else None
     result = export_request(model, settings, timing, data)
     show_result(result, lambda shown: _print_export(shown, dynamic_batch), as_json)
+
+
+# The suffixes each format is written under; another format's suffix on --out is refused.
+SUFFIXES = {"onnx": (".onnx",), "torchscript": (".pt", ".pth"), "exported-program": (".pt2",)}
+
+
+def _format_named_by(out: str) -> str | None:
+    suffix = Path(out).suffix.lower()
+    return next((fmt for fmt, names in SUFFIXES.items() if suffix in names), None)
 
 
 def _print_export(result: ExportResult, dynamic_batch: bool) -> None:
