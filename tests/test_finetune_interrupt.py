@@ -82,7 +82,8 @@ def _start(tmp_path: Path, point: str, at: int, accum: int = 1, epochs: int = 2)
     return proc, gates
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, seconds: float = 60) -> None:
+def _wait_for(path: Path, proc: subprocess.Popen, seconds: float = 180) -> None:
+    # Generous: a loaded 2-core machine took over 60 s to import and build before its first gate.
     deadline = time.monotonic() + seconds
     while not path.exists():
         if proc.poll() is not None:
